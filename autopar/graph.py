@@ -1,0 +1,103 @@
+"""The captured model graph, as the later stages see it.
+
+`autopar.capture` builds a `Graph` from `torch.export`'s ATen training IR. Nodes are in
+topological order; each carries its output's shape, dtype and bytes, its role, the module it came
+from and the FLOPs of its forward. `blocks` groups structurally identical submodules (transformer
+layers) so that the solver can price one block and reuse it for its N copies.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Role(str, enum.Enum):
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    ACTIVATION = "activation"
+    OUTPUT = "output"
+
+
+@dataclass(kw_only=True, slots=True)
+class Node:
+    name: str                       # the FX node's name, unique in the graph
+    target: str                     # "aten.mm.default"; "placeholder" or "output" for graph inputs/outputs
+    role: Role
+    shape: tuple[int, ...]          # of the output; () for a scalar or for a multi-output node
+    dtype: str                      # "float32", "int64", ...; "" when the output is not one tensor
+    bytes: int                      # of all outputs together
+    inputs: tuple[str, ...]         # names of the nodes whose outputs this node reads
+    module_path: str = ""           # "layers.3.attn"; "" at the top level
+    module_type: str = ""           # class name of that innermost module
+    flops: int = 0                  # of the forward
+    param_fqn: str | None = None    # for parameters and buffers: "layers.3.attn.wq.weight"
+    args: tuple[Any, ...] = ()      # non-tensor arguments as plain values (dims, sizes), tensors as None
+
+
+@dataclass(kw_only=True, slots=True)
+class BlockInstance:
+    module_path: str                # "layers.3"
+    start: int                      # index of its first node in Graph.nodes
+    stop: int                       # one past its last node
+
+
+@dataclass(kw_only=True, slots=True)
+class BlockKind:
+    kind: int                       # 0, 1, ... in order of first appearance
+    module_type: str                # class name shared by the instances
+    signature: str                  # structural hash: same ops, shapes and wiring
+    instances: list[BlockInstance]
+
+    @property
+    def count(self) -> int:
+        return len(self.instances)
+
+    @property
+    def nodes_per_block(self) -> int:
+        first = self.instances[0]
+        return first.stop - first.start
+
+
+@dataclass(kw_only=True, slots=True)
+class Graph:
+    nodes: list[Node]
+    blocks: list[BlockKind]
+    model_type: str = ""
+    program: Any = field(default=None, repr=False)   # the torch.export.ExportedProgram
+
+    def node(self, name: str) -> Node:
+        return self._by_name()[name]
+
+    def _by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @property
+    def parameters(self) -> list[Node]:
+        return [n for n in self.nodes if n.role is Role.PARAMETER]
+
+    @property
+    def param_count(self) -> int:
+        return sum(_numel(n.shape) for n in self.parameters)
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(n.flops for n in self.nodes)
+
+    def fingerprint(self) -> str:
+        """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same
+        model and input shapes, different when any of them change."""
+        parts = [(n.name, n.target, list(n.shape), n.dtype, list(n.inputs), n.param_fqn)
+                 for n in self.nodes]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

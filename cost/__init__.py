@@ -1,0 +1,1 @@
+"""The cost model: devices and meshes, compute, communication, memory, and one estimator."""

@@ -1,0 +1,153 @@
+"""Physical device meshes: devices, links and the axes of a cluster.
+
+A mesh spec reads `NODESxGPUS:DEVICE` ("128x8:a100-80g", "2x2:cpu") or `GPUS:DEVICE` for one node
+("8:h100-80g", "4:cpu"). Axes go outer to inner: "node" (across nodes, InfiniBand) then "gpu"
+(inside a node, NVLink). A one-node spec has only the "gpu" axis.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from autopar.errors import MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    name: str
+    bandwidth: float        # bytes/s each way, per device (what one GPU can push into the fabric)
+    latency: float          # seconds per message (alpha)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    name: str
+    peak_flops: dict        # dtype name -> dense FLOP/s ("bfloat16", "float16", "float32")
+    hbm_bandwidth: float    # bytes/s
+    memory_bytes: int
+    intra_node: Link        # between devices of one node
+    inter_node: Link        # between nodes, per device
+
+    def flops(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+GB = 1e9
+GIB = 1 << 30
+
+# Vendors' public data sheets. NVLink figures are per direction (A100: 600 GB/s bidirectional);
+# InfiniBand is per GPU: DGX A100 has 8x HDR 200 Gb/s, DGX H100/H200 8x NDR 400 Gb/s, one per GPU.
+NVLINK3 = Link("nvlink3", 300 * GB, 5e-6)
+NVLINK4 = Link("nvlink4", 450 * GB, 5e-6)
+IB_HDR = Link("ib-hdr", 25 * GB, 10e-6)
+IB_NDR = Link("ib-ndr", 50 * GB, 10e-6)
+LOOPBACK = Link("loopback", 2 * GB, 50e-6)
+
+DEVICES = {
+    "a100-40g": DeviceSpec("a100-40g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+                           1555 * GB, 40 * GIB, NVLINK3, IB_HDR),
+    "a100-80g": DeviceSpec("a100-80g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+                           2039 * GB, 80 * GIB, NVLINK3, IB_HDR),
+    "h100-80g": DeviceSpec("h100-80g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+                           3350 * GB, 80 * GIB, NVLINK4, IB_NDR),
+    "h200-141g": DeviceSpec("h200-141g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+                            4800 * GB, 141 * GIB, NVLINK4, IB_NDR),
+    "cpu": DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12},
+                      20 * GB, 16 * GIB, LOOPBACK, LOOPBACK),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MeshAxis:
+    name: str               # "node" or "gpu"
+    size: int
+    link: Link
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    device: DeviceSpec
+    axes: tuple[MeshAxis, ...]
+
+    @classmethod
+    def parse(cls, spec: str) -> Mesh:
+        match = re.fullmatch(r"\s*(?:(\d+)x)?(\d+):([\w.-]+)\s*", spec)
+        if not match:
+            raise MeshError(f"mesh spec {spec!r} is malformed: expected NODESxGPUS:DEVICE "
+                            f"such as '128x8:a100-80g', or GPUS:DEVICE such as '4:cpu'")
+        nodes, gpus, device_name = match.groups()
+        device = device_spec(device_name)
+        return cls.build(device, gpus=int(gpus), nodes=int(nodes) if nodes else None)
+
+    @classmethod
+    def build(cls, device: DeviceSpec, *, gpus: int, nodes: int | None = None) -> Mesh:
+        """A mesh of `nodes` nodes of `gpus` devices; nodes=None means a single node and a 1-D mesh."""
+        if gpus < 1 or (nodes is not None and nodes < 1):
+            raise MeshError(f"a mesh needs at least one node and one device, got {nodes}x{gpus}")
+        inner = MeshAxis("gpu", gpus, device.intra_node)
+        if nodes is None:
+            return cls(device, (inner,))
+        return cls(device, (MeshAxis("node", nodes, device.inter_node), inner))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Mesh:
+        """A mesh from a JSON or TOML file with the fields of `to_dict`, for users' own clusters."""
+        text = Path(path).read_text()
+        data = tomllib.loads(text) if str(path).endswith(".toml") else json.loads(text)
+        return cls.from_dict(data)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(axis.size for axis in self.axes)
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for axis in self.axes:
+            size *= axis.size
+        return size
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.axes[-1].size
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.gpus_per_node
+
+    def axis(self, name: str) -> MeshAxis:
+        for axis in self.axes:
+            if axis.name == name:
+                return axis
+        raise MeshError(f"mesh {self} has no axis {name!r}; its axes are {[a.name for a in self.axes]}")
+
+    def __str__(self) -> str:
+        dims = "x".join(str(s) for s in self.shape)
+        return f"{dims}:{self.device.name}"
+
+    def to_dict(self) -> dict:
+        return {"device": asdict(self.device), "axes": [asdict(a) for a in self.axes]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Mesh:
+        try:
+            dev = dict(data["device"])
+            device = DeviceSpec(**{**dev, "intra_node": Link(**dev["intra_node"]),
+                                   "inter_node": Link(**dev["inter_node"])})
+            axes = tuple(MeshAxis(a["name"], int(a["size"]), Link(**a["link"])) for a in data["axes"])
+        except (KeyError, TypeError) as err:
+            raise MeshError(f"mesh description is missing or has a wrong field ({err}); expected "
+                            f"{{'device': {{name, peak_flops, hbm_bandwidth, memory_bytes, intra_node, "
+                            f"inter_node}}, 'axes': [{{name, size, link}}]}}") from err
+        return cls(device, axes)
+
+
+def device_spec(name: str) -> DeviceSpec:
+    try:
+        return DEVICES[name.lower()]
+    except KeyError:
+        raise MeshError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}") from None

@@ -1,0 +1,1 @@
+"""Rewrite passes: pure functions (GraphModule, Plan, ...) -> GraphModule."""
