@@ -24,6 +24,7 @@ _LAZY = {
     "plan": "autopar.api",
     "compile": "autopar.api",
     "launch": "autopar.runtime.launch",
+    "LaunchError": "autopar.runtime.launch",
 }
 
 __all__ = ["AutoparError", "CaptureError", "InfeasibleError", "MeshError", "PlanMismatchError",
