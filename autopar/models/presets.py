@@ -1,0 +1,135 @@
+"""Named model sizes and the model spec language used wherever a model is named on the command line.
+
+    gpt3-175b                                      a preset
+    gpt:layers=48,hidden=8192,heads=64,seq=2048    a family with its config keys (others default)
+    gpt3-1.3b:layers=2,seq=128                     a preset with some keys replaced
+    llama:layers=2,hidden=256,heads=8,kv_heads=2   mlp:layers=4,hidden=512
+
+GPT-3 sizes follow the paper's table (Brown et al. 2020) with Megatron's vocabulary of 51200 and
+sequence 2048; two rows of the paper are not realizable as printed and follow Megatron instead:
+gpt3-1.3b uses 16 heads (2048 is not 24 x 128) and gpt3-13b hidden 5120 (the paper prints 5140).
+Llama sizes are Llama 2's (sequence 4096, vocabulary 32000, grouped-query attention at 70B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.llama import Llama, LlamaConfig
+from autopar.models.mlp import MLP, MLPConfig
+
+FAMILIES = {"gpt": (GPTConfig, GPT), "llama": (LlamaConfig, Llama), "mlp": (MLPConfig, MLP)}
+
+
+def _gpt3(layers, hidden, heads):
+    return ("gpt", {"layers": layers, "hidden": hidden, "heads": heads, "seq": 2048, "vocab": 51200})
+
+
+PRESETS: dict[str, tuple[str, dict]] = {
+    "gpt3-125m": _gpt3(12, 768, 12),
+    "gpt3-350m": _gpt3(24, 1024, 16),
+    "gpt3-760m": _gpt3(24, 1536, 16),
+    "gpt3-1.3b": _gpt3(24, 2048, 16),
+    "gpt3-2.7b": _gpt3(32, 2560, 32),
+    "gpt3-6.7b": _gpt3(32, 4096, 32),
+    "gpt3-13b": _gpt3(40, 5120, 40),
+    "gpt3-175b": _gpt3(96, 12288, 96),
+    "gpt-tiny": ("gpt", {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 256}),
+    "llama-7b": ("llama", {"layers": 32, "hidden": 4096, "heads": 32, "ffn": 11008}),
+    "llama-13b": ("llama", {"layers": 40, "hidden": 5120, "heads": 40, "ffn": 13824}),
+    "llama-70b": ("llama", {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8,
+                            "ffn": 28672}),
+    "llama-tiny": ("llama", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seq": 32,
+                             "vocab": 256}),
+    "mlp": ("mlp", {"layers": 4, "hidden": 1024}),
+    "mlp-tiny": ("mlp", {"layers": 2, "hidden": 32}),
+}
+
+
+def parse_spec(spec: str, **overrides) -> GPTConfig | LlamaConfig | MLPConfig:
+    """The config a model spec names; keyword overrides win over the spec's keys."""
+    name, _, keys = spec.strip().partition(":")
+    if name in PRESETS:
+        family, values = PRESETS[name]
+        values = dict(values)
+    elif name in FAMILIES:
+        family, values = name, {}
+    else:
+        raise AutoparError(f"unknown model {name!r}: expected a preset ({', '.join(PRESETS)}) or a "
+                           f"family with keys, e.g. 'gpt:layers=48,hidden=8192,heads=64,seq=2048'")
+    config_cls = FAMILIES[family][0]
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    for item in filter(None, (part.strip() for part in keys.split(","))):
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise AutoparError(f"model spec {spec!r}: {item!r} is not key=value")
+        values[key.strip()] = _parse_value(spec, key.strip(), text.strip(), fields)
+    for key, value in overrides.items():
+        _check_key(spec, key, fields)
+        values[key] = value
+    return config_cls(**values)
+
+
+def _check_key(spec: str, key: str, fields: dict) -> None:
+    if key not in fields:
+        raise AutoparError(f"model spec {spec!r}: unknown key {key!r}; valid keys are "
+                           f"{', '.join(fields)}")
+
+
+def _parse_value(spec: str, key: str, text: str, fields: dict):
+    _check_key(spec, key, fields)
+    kind = fields[key].type
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        return float(text) if kind == "float" else int(text)
+    except ValueError:
+        raise AutoparError(f"model spec {spec!r}: {key}={text!r} is not a {kind}") from None
+
+
+def build_model(spec: str, *, device: str | torch.device = "meta", batch: int = 1, seed: int = 0,
+                dtype: torch.dtype | None = None, **overrides) -> tuple[nn.Module, tuple]:
+    """Build the model a spec names and example inputs for it.
+
+    On "meta" (the default) nothing is allocated, so even gpt3-175b builds instantly; on a real
+    device the weights are initialized from `seed` (the global RNG is left untouched) and the
+    example inputs are random but deterministic too. Keyword overrides replace config keys,
+    e.g. `build_model("gpt3-175b", layers=2)`.
+    """
+    if batch < 1:
+        raise AutoparError(f"batch={batch} must be at least 1")
+    config = parse_spec(spec, **overrides)
+    model_cls = next(m for c, m in FAMILIES.values() if isinstance(config, c))
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with device:
+            model = model_cls(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model, example_inputs(config, batch=batch, device=device, seed=seed,
+                                 dtype=dtype or torch.float32)
+
+
+def example_inputs(config, *, batch: int, device: torch.device, seed: int = 0,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor]:
+    """Inputs of the model's forward: token ids for language models, features for the MLP."""
+    if isinstance(config, MLPConfig):
+        shape, make = (batch, config.hidden), dict(dtype=dtype)
+    else:
+        shape, make = (batch, config.seq), dict(dtype=torch.int64)
+    if device.type == "meta":
+        return (torch.empty(shape, device=device, **make),)
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(config, MLPConfig):
+        values = torch.randn(shape, generator=generator, dtype=dtype)
+    else:
+        values = torch.randint(0, config.vocab, shape, generator=generator)
+    return (values.to(device),)
