@@ -21,6 +21,17 @@ class Link:
     name: str
     bandwidth: float        # bytes/s each way, per device (what one GPU can push into the fabric)
     latency: float          # seconds per message (alpha)
+    efficiency: float = 1.0  # fraction of `bandwidth` that NCCL's collectives reach (bus bandwidth)
+
+    def __post_init__(self):
+        if self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
+            raise MeshError(f"link {self.name!r} needs bandwidth > 0, latency >= 0 and "
+                            f"0 < efficiency <= 1, got {self.bandwidth}, {self.latency}, "
+                            f"{self.efficiency}")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +52,16 @@ GIB = 1 << 30
 
 # Vendors' public data sheets. NVLink figures are per direction (A100: 600 GB/s bidirectional);
 # InfiniBand is per GPU: DGX A100 has 8x HDR 200 Gb/s, DGX H100/H200 8x NDR 400 Gb/s, one per GPU.
-NVLINK3 = Link("nvlink3", 300 * GB, 5e-6)
-NVLINK4 = Link("nvlink4", 450 * GB, 5e-6)
-IB_HDR = Link("ib-hdr", 25 * GB, 10e-6)
-IB_NDR = Link("ib-ndr", 50 * GB, 10e-6)
-LOOPBACK = Link("loopback", 2 * GB, 50e-6)
+# Efficiencies are the bus bandwidth that nccl-tests' all_reduce_perf reports for large messages
+# divided by the line rate: about 230 GB/s of NVLink3's 300 GB/s on a DGX A100 (NVSwitch, 8 GPUs),
+# about 360 GB/s of NVLink4's 450 GB/s on a DGX H100, and about 90% of the InfiniBand line rate
+# across nodes (protocol headers and the NIC's PCIe link take the rest). Latencies: a few
+# microseconds per NCCL step inside a node, about twice that across the network.
+NVLINK3 = Link("nvlink3", 300 * GB, 5e-6, 0.77)
+NVLINK4 = Link("nvlink4", 450 * GB, 5e-6, 0.80)
+IB_HDR = Link("ib-hdr", 25 * GB, 10e-6, 0.90)
+IB_NDR = Link("ib-ndr", 50 * GB, 10e-6, 0.90)
+LOOPBACK = Link("loopback", 2 * GB, 50e-6, 1.0)
 
 DEVICES = {
     "a100-40g": DeviceSpec("a100-40g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},

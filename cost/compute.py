@@ -1,0 +1,146 @@
+"""Time of one op on one device: a roofline with an efficiency per op family.
+
+    time = max(flops / (peak_flops * compute_eff[family]),
+               bytes_moved / (hbm_bandwidth * memory_eff[family])) + kernel_latency
+
+The default efficiencies come from published measurements on NVIDIA datacenter GPUs (cited next to
+each figure); `autopar calibrate` measures them on the local device and writes a JSON file that
+`Efficiencies.load` reads back, replacing the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from autopar.errors import AutoparError
+from autopar.cost.mesh import DeviceSpec
+
+FAMILIES = ("matmul", "attention", "norm", "softmax", "elementwise", "reduction", "embedding",
+            "loss", "view")
+
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "addmv", "mv", "dot",
+           "einsum", "_scaled_mm", "convolution", "conv1d", "conv2d", "conv3d", "_convolution"}
+_ATTENTION_PREFIX = ("_scaled_dot_product", "scaled_dot_product", "_flash_attention",
+                     "_efficient_attention", "_cudnn_attention", "flex_attention")
+_NORM = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
+         "native_group_norm", "batch_norm", "_native_batch_norm_legit",
+         "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "instance_norm"}
+_SOFTMAX = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
+_LOSS = {"nll_loss", "nll_loss_forward", "nll_loss2d_forward", "cross_entropy_loss", "mse_loss",
+         "binary_cross_entropy", "binary_cross_entropy_with_logits", "nll_loss_nd"}
+_EMBEDDING = {"embedding", "index_select", "gather", "embedding_bag", "_embedding_bag"}
+_REDUCTION = {"sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "norm",
+              "linalg_vector_norm", "prod", "argmax", "argmin", "logsumexp", "cumsum", "any", "all"}
+# Ops that only reinterpret metadata: no kernel runs, nothing moves.
+_VIEW = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "slice",
+         "select", "unsqueeze", "squeeze", "alias", "detach", "split", "split_with_sizes", "chunk",
+         "unbind", "as_strided", "view_as", "expand_as", "unflatten", "flatten", "narrow",
+         "lift_fresh_copy", "_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride",
+         "getitem", "_local_scalar_dense", "empty", "empty_like", "scalar_tensor", "arange",
+         "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "empty_strided"}
+
+# Backward cost relative to forward, per family: (flops factor, bytes factor). A matmul's backward
+# is two matmuls of the forward's size (input and weight gradients). FlashAttention-2's backward
+# runs five matmuls to the forward's two (Dao 2023). Memory-bound ops read the output gradient
+# and what they saved and write the input gradient(s): about 1.5x to 2x the forward's traffic.
+BACKWARD = {"matmul": (2.0, 2.0), "attention": (2.5, 2.0), "norm": (2.0, 2.0),
+            "softmax": (1.0, 1.5), "elementwise": (1.0, 1.5), "reduction": (1.0, 1.0),
+            "embedding": (0.0, 2.0), "loss": (1.0, 1.5), "view": (0.0, 0.0)}
+
+
+def op_family(target: str) -> str:
+    """The family of an ATen op target such as "aten.mm.default" (or its packet, "aten.mm")."""
+    name = target.split(".")[1] if target.startswith("aten.") and "." in target else target.split(".")[-1]
+    name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
+    if name in _MATMUL:
+        return "matmul"
+    if name.startswith(_ATTENTION_PREFIX):
+        return "attention"
+    for family, names in (("norm", _NORM), ("softmax", _SOFTMAX), ("loss", _LOSS),
+                          ("embedding", _EMBEDDING), ("reduction", _REDUCTION), ("view", _VIEW)):
+        if name in names:
+            return family
+    if target in ("placeholder", "output", "get_attr") or not target.startswith("aten."):
+        return "view"
+    return "elementwise"
+
+
+def _default_compute() -> dict[str, float]:
+    # Fraction of peak dense FLOP/s. Large bf16 cuBLAS GEMMs sustain about 230-250 TFLOP/s of an
+    # A100's 312 (NVIDIA's "Matrix Multiplication Background" guide; clocks drop under sustained
+    # load), so 0.75. FlashAttention-2 forward+backward reaches about 170 TFLOP/s on an A100 at head
+    # dimension 128 (Dao 2023, fig. 4): 0.55 of peak. Memory-bound families never reach their compute
+    # roof; their figure only matters if flops dominate, which they do not.
+    return {"matmul": 0.75, "attention": 0.55, "norm": 0.5, "softmax": 0.5, "elementwise": 0.5,
+            "reduction": 0.5, "embedding": 0.5, "loss": 0.5, "view": 1.0}
+
+
+def _default_memory() -> dict[str, float]:
+    # Fraction of HBM bandwidth. Streaming kernels (copy, elementwise) reach about 80-90% of the
+    # data-sheet bandwidth on A100/H100 (STREAM-like measurements, e.g. BabelStream); norms,
+    # softmax and reductions do a second pass over a row and run a little lower; the embedding's
+    # gather and its scatter-add backward are irregular.
+    return {"matmul": 0.8, "attention": 0.8, "norm": 0.7, "softmax": 0.7, "elementwise": 0.8,
+            "reduction": 0.7, "embedding": 0.5, "loss": 0.7, "view": 1.0}
+
+
+@dataclass(kw_only=True, slots=True)
+class Efficiencies:
+    compute: dict[str, float] = field(default_factory=_default_compute)
+    memory: dict[str, float] = field(default_factory=_default_memory)
+    kernel_latency_s: float = 4e-6     # launch and tail of one GPU kernel: a floor for tiny ops
+    device: str = ""                   # the device they were measured on; "" for the defaults
+
+    def __post_init__(self):
+        for table_name in ("compute", "memory"):
+            table = {**(_default_compute() if table_name == "compute" else _default_memory()),
+                     **getattr(self, table_name)}
+            for family, value in table.items():
+                if family not in FAMILIES:
+                    raise AutoparError(f"efficiency family {family!r} is unknown; families: {FAMILIES}")
+                if not 0 < value <= 1:
+                    raise AutoparError(f"{table_name} efficiency of {family} is {value}; it must be "
+                                       f"a fraction of the peak in (0, 1]")
+            setattr(self, table_name, table)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Efficiencies:
+        known = {"compute", "memory", "kernel_latency_s", "device"}
+        unknown = set(data) - known - {"measurements"}
+        if unknown:
+            raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "
+                               f"expected {sorted(known)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Efficiencies:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise AutoparError(f"cannot read calibration file {path}: {err}; "
+                               f"write one with `autopar calibrate --out {path}`") from err
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path, measurements: dict | None = None) -> None:
+        data = self.to_dict()
+        if measurements:
+            data["measurements"] = measurements
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, family: str,
+                 dtype: str = "bfloat16", efficiencies: Efficiencies | None = None) -> float:
+    """Seconds for one kernel of `family` doing `flops` and moving `bytes_moved` through HBM."""
+    if family not in FAMILIES:
+        raise AutoparError(f"op family {family!r} is unknown; families: {FAMILIES}")
+    if family == "view" or (flops == 0 and bytes_moved == 0):
+        return 0.0
+    eff = efficiencies or Efficiencies()
+    compute_s = flops / (device.flops(dtype) * eff.compute[family])
+    memory_s = bytes_moved / (device.hbm_bandwidth * eff.memory[family])
+    return max(compute_s, memory_s) + eff.kernel_latency_s
