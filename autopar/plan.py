@@ -5,12 +5,19 @@ inner, e.g. [["dp", 2], ["tp", 4]]). Placements are written one per axis, as tor
 them: "S(0)" sharded on dim 0, "R" replicated, "P" partial sums. Parameter placements carry ZeRO:
 a parameter sharded on the data-parallel axis is gathered before use (ZeRO-3/FSDP); ZeRO-1/2 shard
 only gradients and optimizer state and are recorded on the stage.
+
+Pipelines: `stages` lists the model chunks in model order. With `virtual` = v chunks per pipeline
+rank (interleaved 1F1B), there are pp * v stages and stage i runs on the ranks of pipeline rank
+i % pp, as torch.distributed.pipelining places them; all stages share the sub-mesh shape `axes`.
+
+The JSON form is exact: `Plan.load(path)` of a saved plan equals the plan, and saving it again
+writes the same bytes.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from autopar.errors import PlanMismatchError
@@ -50,6 +57,33 @@ class Plan:
     model_type: str = ""
     schema_version: int = SCHEMA_VERSION
 
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks (stages per model replica divided by the chunks each rank holds)."""
+        return len(self.stages) // self.virtual
+
+    @property
+    def tp(self) -> int:
+        return self.stages[0].tp
+
+    @property
+    def dp(self) -> int:
+        return self.stages[0].dp
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def summary(self) -> str:
+        """One line a person can compare: degrees, schedule, micro-batches, per-stage choices."""
+        layer_counts = "/".join(str(len(s.layers)) for s in self.stages)
+        recompute = sorted({s.recompute for s in self.stages})
+        zero = sorted({s.zero for s in self.stages})
+        schedule = self.schedule + (f" v={self.virtual}" if self.virtual > 1 else "")
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} {schedule} mbs={self.micro_batch_size} "
+                f"m={self.micro_batches} recompute={'/'.join(recompute)} zero={'/'.join(map(str, zero))}"
+                + (f" stages={layer_counts}" if len(self.stages) > 1 else ""))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -59,18 +93,64 @@ class Plan:
         if version != SCHEMA_VERSION:
             raise PlanMismatchError(f"plan schema version {version} is not {SCHEMA_VERSION}, the one this "
                                     f"autopar reads; plan the model again with this version")
+        _check_fields(cls, data, "plan")
+        for stage in data["stages"]:
+            _check_fields(Stage, stage, "plan stage")
         stages = [Stage(**s) for s in data["stages"]]
         return cls(**{**data, "stages": stages})
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlanMismatchError(f"no plan file at {path}; write one with `autopar plan`") from None
+        except json.JSONDecodeError as err:
+            raise PlanMismatchError(f"{path} is not a plan: not valid JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise PlanMismatchError(f"{path} is not a plan: expected a JSON object")
+        return cls.from_dict(data)
 
-    def check_graph(self, fingerprint: str) -> None:
+    def check_graph(self, fingerprint) -> None:
+        """Refuse a graph (or its fingerprint) other than the one this plan was made for."""
+        fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.fingerprint()
         if fingerprint != self.fingerprint:
             raise PlanMismatchError(
                 f"this plan was made for another model or input shape (graph fingerprint "
                 f"{self.fingerprint}, this model's is {fingerprint}); plan this model again")
+
+    def diff(self, other: Plan) -> list[tuple[str, object, object]]:
+        """Differences as (path, this value, other value), paths like "stages[2].recompute"."""
+        return _diff(self.to_dict(), other.to_dict(), "")
+
+
+def _check_fields(cls, data: dict, what: str) -> None:
+    known = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls)
+                if f.default is f.default_factory}  # both MISSING: no default at all
+    unknown = sorted(set(data) - known)
+    missing = sorted(required - set(data))
+    if unknown or missing:
+        raise PlanMismatchError(f"{what} has unknown fields {unknown} and lacks fields {missing}; "
+                                f"it was not written by this autopar version: plan the model again")
+
+
+def _diff(a, b, path: str) -> list[tuple[str, object, object]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in list(a) + [k for k in b if k not in a]:
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in a or key not in b:
+                out.append((sub, a.get(key), b.get(key)))
+            else:
+                out.extend(_diff(a[key], b[key], sub))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and a and isinstance(a[0], dict) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+    return [] if a == b else [(path, a, b)]
