@@ -1,0 +1,249 @@
+"""Run a plan with several pipeline stages: `build_pipeline(...) -> PipelineRunner`.
+
+Every rank runs the same code. From the plan it derives one rank grid (pp, dp, tp) and the process
+groups of each axis (a DeviceMesh over that grid), exports the model for one micro-batch, cuts the
+graph into the plan's stages (pipeline_split.py), and keeps only the stages placed on its pipeline
+rank, with their own copy of only their parameters. `torch.distributed.pipelining` runs the
+schedule; gradients are averaged over the data-parallel replicas (or reduced into ZeRO-1 shards of
+the optimizer state); the optimizer steps on the local stages.
+
+The loss of one step is the mean over micro-batches and replicas, computed on the last stage and
+shared with every rank, so `step` returns the same float everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules
+
+from autopar.errors import AutoparError, MeshError, PlanMismatchError
+from autopar.plan import Plan
+from autopar.runtime.pipeline_split import StageProgram, TensorRef, export_for_pipeline, split_stages
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineLayout:
+    """Where the plan's stages live: the rank grid and each stage's pipeline rank."""
+    grid: list[list[list[int]]]       # [pipeline rank][dp index][tp index] -> global rank
+    stage_rank: list[int]             # stage index -> pipeline rank holding it
+    dp: int
+    tp: int
+
+    @property
+    def pp(self) -> int:
+        return len(self.grid)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        for p, plane in enumerate(self.grid):
+            for d, row in enumerate(plane):
+                if rank in row:
+                    return p, d, row.index(rank)
+        raise MeshError(f"rank {rank} is in none of the plan's stages; the plan covers ranks "
+                        f"0..{self.world_size - 1}")
+
+
+def pipeline_layout(plan: Plan) -> PipelineLayout:
+    """Stages with the same ranks share a pipeline rank (interleaved and V schedules place several
+    stages on one); each stage's ranks are row-major over the plan's (dp, tp) axes."""
+    first = plan.stages[0]
+    for stage in plan.stages:
+        if (stage.dp, stage.tp) != (first.dp, first.tp):
+            raise AutoparError(
+                f"stage {stage.index} runs on dp={stage.dp} x tp={stage.tp} but stage 0 on "
+                f"dp={first.dp} x tp={first.tp}; the pipeline runtime needs one sub-mesh shape for all "
+                f"stages: plan again with uniform stages")
+        if len(stage.ranks) != stage.dp * stage.tp:
+            raise PlanMismatchError(f"stage {stage.index} lists {len(stage.ranks)} ranks for "
+                                    f"dp={stage.dp} x tp={stage.tp}")
+    rank_sets: list[tuple[int, ...]] = []
+    stage_rank = []
+    for stage in plan.stages:
+        key = tuple(stage.ranks)
+        if key not in rank_sets:
+            rank_sets.append(key)
+        stage_rank.append(rank_sets.index(key))
+    dp_major = [name for name, _ in plan.axes][:1] != ["tp"]
+    grid = [[[ranks[_flat(d, t, first.dp, first.tp, dp_major)] for t in range(first.tp)]
+             for d in range(first.dp)] for ranks in rank_sets]
+    everyone = sorted(r for ranks in rank_sets for r in ranks)
+    if everyone != list(range(len(everyone))):
+        raise PlanMismatchError(f"the plan's stages use ranks {everyone}; each rank must appear in "
+                                f"exactly one pipeline position")
+    return PipelineLayout(grid=grid, stage_rank=stage_rank, dp=first.dp, tp=first.tp)
+
+
+def _flat(d: int, t: int, dp: int, tp: int, dp_major: bool) -> int:
+    return d * tp + t if dp_major else t * dp + d
+
+
+def check_batch(plan: Plan, global_batch: int) -> None:
+    """The global batch must split into dp replicas x micro_batches x micro_batch_size exactly."""
+    dp = plan.stages[0].dp
+    expected = dp * plan.micro_batches * plan.micro_batch_size
+    if global_batch != expected:
+        raise AutoparError(
+            f"global batch {global_batch} does not split into the plan's micro-batches: dp={dp} x "
+            f"{plan.micro_batches} micro-batches x {plan.micro_batch_size} sequences = {expected}; "
+            f"pass a batch of {expected} sequences, or plan again with global_batch={global_batch}")
+
+
+class PipelineRunner:
+    """This rank's share of a pipelined model: its stages, its schedule and its optimizer."""
+
+    def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
+                 programs: list[StageProgram], schedule, optimizer, device: torch.device):
+        self.plan = plan
+        self.layout = layout
+        self.mesh = mesh
+        self.programs = programs
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self.device = device
+        self.pp_rank, self.dp_rank, self.tp_rank = layout.coordinates(dist.get_rank())
+        self.is_first = any(p.index == 0 for p in programs)
+        self.is_last = any(p.index == len(plan.stages) - 1 for p in programs)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for program in self.programs for p in program.module.parameters()]
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the GLOBAL batch; each replica takes its own rows."""
+        check_batch(self.plan, inputs.shape[0])
+        rows = slice(self.dp_rank * inputs.shape[0] // self.layout.dp,
+                     (self.dp_rank + 1) * inputs.shape[0] // self.layout.dp)
+        local_inputs = inputs[rows].to(self.device)
+        local_targets = targets[rows].to(self.device)
+        losses: list[torch.Tensor] = []
+        args = (local_inputs,) if self.is_first else ()
+        kwargs = {"target": local_targets, "losses": losses} if self.is_last else {}
+        self.schedule.step(*args, **kwargs)
+        self._reduce_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._shared_loss(losses)
+
+    def _reduce_gradients(self) -> None:
+        """Average gradients over the data-parallel replicas in one flat all-reduce."""
+        if self.layout.dp == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+        flat /= self.layout.dp
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _shared_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean over micro-batches and replicas, the same on every rank."""
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last:
+            value += torch.stack([loss.detach() for loss in losses]).double().mean()
+        dist.all_reduce(value)
+        return (value / (self.layout.dp * self.layout.tp)).item()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model under its original name, gathered on every rank."""
+        mine = {}
+        if self.dp_rank == 0 and self.tp_rank == 0:
+            for program in self.programs:
+                for path, ref in program.module.named_modules():
+                    if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter):
+                        mine[ref.fqn] = ref.value.detach().cpu().clone()
+        gathered: list[dict] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return {name: tensor for part in gathered for name, tensor in part.items()}
+
+
+def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
+                   device: torch.device | str | None = None) -> PipelineRunner:
+    """This rank's PipelineRunner for `plan`. Call on every rank with the default process group up.
+
+    `optimizer` is a function from a list of parameters to a torch.optim optimizer."""
+    layout = pipeline_layout(plan)
+    if dist.get_world_size() != layout.world_size:
+        raise MeshError(f"the plan needs {layout.world_size} ranks (pp={layout.pp} x dp={layout.dp} x "
+                        f"tp={layout.tp}) but {dist.get_world_size()} are running; launch "
+                        f"{layout.world_size} ranks or plan for this world size")
+    if layout.tp > 1:
+        raise AutoparError("tensor parallelism inside pipeline stages is not available yet; "
+                           "plan with tp=1 per stage")
+    check_batch(plan, plan.global_batch)
+    device = torch.device(device or "cpu")
+    mesh = DeviceMesh(device.type, torch.tensor(layout.grid), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank = layout.coordinates(dist.get_rank())[0]
+    own = [s for s, r in enumerate(layout.stage_rank) if r == pp_rank]
+
+    micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+    graph = export_for_pipeline(model, micro)
+    programs = split_stages(graph, [s.layers for s in plan.stages], [s.recompute for s in plan.stages])
+    programs = [_materialize(programs[s], device) for s in own]
+
+    stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
+              for p in programs]
+    schedule = _schedule(plan, layout, stages, loss_fn)
+    params = [p for program in programs for p in program.module.parameters()]
+    return PipelineRunner(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
+                          optimizer=optimizer(params), device=device)
+
+
+def _micro_batch(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    if tensor.shape[0] >= size:
+        return tensor[:size]
+    repeats = -(-size // tensor.shape[0])
+    return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:size]
+
+
+def _materialize(program: StageProgram, device: torch.device) -> StageProgram:
+    """The stage's own copy of its tensors, on its device: nothing is shared with the caller's model,
+    and nothing of other stages is kept."""
+    for ref in program.module.modules():
+        if isinstance(ref, TensorRef):
+            if ref.value.is_meta:
+                raise AutoparError(
+                    f"parameter {ref.fqn} is on the meta device; build the model with real weights "
+                    f"(every rank the same, e.g. from one seed) before compiling a pipeline")
+            copy = ref.value.detach().to(device, copy=True)
+            if isinstance(ref.value, nn.Parameter):
+                ref.value = nn.Parameter(copy, requires_grad=ref.value.requires_grad)
+            else:
+                ref.value = copy
+    return program
+
+
+def _schedule(plan: Plan, layout: PipelineLayout, stages: list[PipelineStage], loss_fn):
+    """The torch schedule the plan names, for the stages on this rank."""
+    n = plan.micro_batches
+    name = plan.schedule
+    if len(stages) == 1:
+        single = {"gpipe": schedules.ScheduleGPipe, "1f1b": schedules.Schedule1F1B}
+        if name in single:
+            return single[name](stages[0], n, loss_fn=loss_fn)
+    if name == "interleaved-1f1b" or (name in ("gpipe", "1f1b") and len(stages) > 1):
+        if name != "interleaved-1f1b":
+            raise PlanMismatchError(f"schedule {name!r} runs one stage per rank but this rank holds "
+                                    f"{len(stages)}; use 'interleaved-1f1b'")
+        return schedules.ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
+    if name == "zero-bubble":
+        if _is_v_shape(layout):
+            return schedules.ScheduleZBVZeroBubble(stages, n, loss_fn=loss_fn)
+        return schedules.ScheduleInterleavedZeroBubble(stages, n, loss_fn=loss_fn)
+    raise PlanMismatchError(f"unknown pipeline schedule {name!r}")
+
+
+def _is_v_shape(layout: PipelineLayout) -> bool:
+    """Two stages per rank, rank r holding stages r and 2*pp-1-r (what ZBV expects)."""
+    pp = layout.pp
+    return len(layout.stage_rank) == 2 * pp and all(
+        layout.stage_rank[s] == layout.stage_rank[2 * pp - 1 - s] == s for s in range(pp))

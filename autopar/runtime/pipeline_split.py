@@ -1,0 +1,193 @@
+"""Cut a captured model into the plan's pipeline stages.
+
+The plan names each stage's layers by module path ("embed", "layers.0", ..., "head"). Every node of
+the exported graph belongs to the layer whose path prefixes its `nn_module_stack`; nodes outside any
+module (glue in the model's own forward) follow their inputs, or their first user when they read
+nothing (a position `arange`). Two `split_module` passes follow:
+
+1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint;
+2. the units grouped into one GraphModule per stage, which is what a `PipelineStage` runs.
+
+`split_module` turns a parameter read (`get_attr` of a tensor) into an input of the submodule, which
+would leave every parameter at the top; so each parameter is first put in a `TensorRef` module that
+remembers its original name (`layers.0.attn.wq.weight`). A stage then owns exactly the parameters
+it reads, fills them from a full state dict, and gives them back under the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import checkpoint
+
+from autopar.errors import PlanMismatchError
+
+
+@dataclass(kw_only=True, slots=True)
+class StageProgram:
+    """One pipeline stage: its GraphModule and where each of its parameters came from."""
+    index: int
+    module: fx.GraphModule
+    param_names: dict[str, str] = field(default_factory=dict)   # stage-local name -> model fqn
+
+
+class TensorRef(nn.Module):
+    """Holds one parameter (or buffer, or constant) of the model; calling it returns the tensor."""
+
+    def __init__(self, fqn: str, tensor: torch.Tensor):
+        super().__init__()
+        self.fqn = fqn
+        if isinstance(tensor, nn.Parameter):
+            self.value = tensor
+        else:
+            self.register_buffer("value", tensor)
+
+    def forward(self) -> torch.Tensor:
+        return self.value
+
+
+def export_for_pipeline(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
+    """The model as one flat ATen GraphModule with parameters as attributes (`get_attr`).
+
+    Export with ONE micro-batch: shapes in the graph are static, and a stage only ever sees
+    micro-batches."""
+    program = torch.export.export(model, tuple(example_inputs), strict=False)
+    module = program.module()
+    # The guard checks the whole model's input shapes; stages are called with their own inputs.
+    for node in list(module.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            module.graph.erase_node(node)
+    for node in module.graph.nodes:
+        if node.op == "get_attr":
+            tensor = _attribute(module, node.target)
+            if isinstance(tensor, torch.Tensor):
+                module.add_submodule(node.name, TensorRef(node.target, tensor))
+                node.op, node.target = "call_module", node.name
+    module.graph.lint()
+    module.recompile()
+    return module
+
+
+def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
+                 recompute: list[str] | None = None) -> list[StageProgram]:
+    """One StageProgram per entry of `stage_layers` (module paths in model order)."""
+    units = [path for layers in stage_layers for path in layers]
+    unit_stage = [s for s, layers in enumerate(stage_layers) for _ in layers]
+    unit_of_node = _assign_units(module, units)
+    _check_stage_flow(module, unit_of_node, unit_stage)
+
+    by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
+                           keep_original_order=True, keep_original_node_name=True)
+    recompute = recompute or ["none"] * len(stage_layers)
+    _wrap_recomputed_units(by_unit, unit_stage, recompute)
+
+    stage_of_call = {f"submod_{u}": unit_stage[u] for u in range(len(units))}
+    by_stage = split_module(by_unit, by_unit, lambda node: _stage_of_top_node(node, stage_of_call),
+                            keep_original_order=True, keep_original_node_name=True)
+    programs = []
+    for index in range(len(stage_layers)):
+        stage_module = getattr(by_stage, f"submod_{index}")
+        names = {f"{path}.value": ref.fqn for path, ref in stage_module.named_modules()
+                 if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter)}
+        programs.append(StageProgram(index=index, module=stage_module, param_names=names))
+    return programs
+
+
+def _assign_units(module: fx.GraphModule, units: list[str]) -> dict[str, int]:
+    """Unit index of every node that is not a graph input or output."""
+    def unit_of_path(path: str) -> int | None:
+        for index, unit in enumerate(units):
+            if path == unit or path.startswith(unit + "."):
+                return index
+        return None
+
+    assigned: dict[str, int] = {}
+    pending = []
+    for node in module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_module" and isinstance(module.get_submodule(node.target), TensorRef):
+            unit = unit_of_path(module.get_submodule(node.target).fqn)
+        else:
+            stack = node.meta.get("nn_module_stack") or {}
+            paths = [path for path, _ in stack.values()]
+            unit = unit_of_path(paths[-1]) if paths else None
+            if unit is None:
+                inputs = [assigned[n.name] for n in node.all_input_nodes if n.name in assigned]
+                unit = max(inputs) if inputs else None
+        if unit is None:
+            pending.append(node)
+        else:
+            assigned[node.name] = unit
+    for node in reversed(pending):
+        users = [assigned[u.name] for u in node.users if u.name in assigned]
+        if not users:
+            raise PlanMismatchError(
+                f"graph node {node.name} ({node.target}) belongs to none of the plan's layers "
+                f"{units} and feeds none of them; the plan was made for another model, plan it again")
+        assigned[node.name] = min(users)
+    missing = [unit for index, unit in enumerate(units) if index not in assigned.values()]
+    if missing:
+        raise PlanMismatchError(f"the plan's layers {missing} are not modules of this model; "
+                                f"plan this model again")
+    return assigned
+
+
+def _check_stage_flow(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]):
+    """A stage may read only its own values, the model inputs, and values of the stage just before
+    it: a pipeline passes activations to the next stage only."""
+    for node in module.graph.nodes:
+        if node.name not in unit_of_node:
+            continue
+        stage = unit_stage[unit_of_node[node.name]]
+        for source in node.all_input_nodes:
+            if source.op == "placeholder" or source.name not in unit_of_node:
+                continue
+            source_stage = unit_stage[unit_of_node[source.name]]
+            if not source.all_input_nodes and source_stage != stage:
+                raise PlanMismatchError(
+                    f"parameter {source.target} is used in pipeline stages {source_stage} and {stage} "
+                    f"(tied weights); put the layers that share it in one stage")
+            if source_stage not in (stage, stage - 1):
+                raise PlanMismatchError(
+                    f"{node.name} in pipeline stage {stage} reads {source.name} of stage "
+                    f"{source_stage}; stages must follow the model's data flow in order")
+        if node.op == "placeholder" and stage != 0:
+            raise PlanMismatchError(f"model input {node.name} is first used in stage {stage}")
+
+
+def _stage_of_top_node(node: fx.Node, stage_of_call: dict[str, int]) -> int:
+    if node.op == "call_module":
+        return stage_of_call[node.target]
+    # getitem on a unit's tuple output goes with that unit
+    producers = [_stage_of_top_node(n, stage_of_call) for n in node.all_input_nodes
+                 if n.op != "placeholder"]
+    return max(producers) if producers else 0
+
+
+def _wrap_recomputed_units(by_unit: fx.GraphModule, unit_stage: list[int], recompute: list[str]):
+    """Recompute per stage: every layer of a recomputing stage runs under a checkpoint, so only
+    layer inputs stay alive between forward and backward."""
+    for unit, stage in enumerate(unit_stage):
+        if recompute[stage] != "none":
+            name = f"submod_{unit}"
+            setattr(by_unit, name, Recomputed(getattr(by_unit, name)))
+
+
+class Recomputed(nn.Module):
+    """Runs `inner` under torch.utils.checkpoint; parameter names gain the prefix `inner.`."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def _attribute(module: nn.Module, qualname: str):
+    owner, _, name = qualname.rpartition(".")
+    return getattr(module.get_submodule(owner), name)
