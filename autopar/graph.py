@@ -37,6 +37,7 @@ class Node:
     flops: int = 0                  # of the forward
     param_fqn: str | None = None    # for parameters and buffers: "layers.3.attn.wq.weight"
     args: tuple[Any, ...] = ()      # non-tensor arguments as plain values (dims, sizes), tensors as None
+    kwargs: dict[str, Any] = field(default_factory=dict)   # keyword arguments, plain like args
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,320 @@
+"""Capture: a model and example inputs -> `autopar.graph.Graph`.
+
+`torch.export.export(strict=False)` traces the forward into the ATen training IR on fake tensors:
+parameters on the meta device stay on meta, real parameters are wrapped as fake tensors (nothing
+is copied or computed), so even gpt3-175b captures in seconds. Each fx node becomes a `Node` with
+its output's shape, dtype and bytes, its role from the export's graph signature, the innermost module
+from `nn_module_stack`, and its forward FLOPs from `autopar.cost.flops`.
+
+Block detection groups repeated submodules (transformer layers) so that later stages can price one
+block and reuse it for its copies:
+  1. The module tree comes from the nodes' `nn_module_stack`s; each module covers a contiguous
+     range of nodes (export records ops in execution order).
+  2. Among the children of a module, a *chain* is a run of consecutive children where each one
+     reads a value computed inside the previous one: layers are chained, parallel siblings such
+     as the q/k/v projections or two embeddings are not.
+  3. Each chained child gets a structural signature: a hash of its nodes' ops, shapes, dtypes and
+     non-tensor arguments, of its wiring (inputs inside the child by relative position, parameters
+     by their name relative to the child, anything else by order of first use).
+  4. A chain's signatures are searched for periodic runs (period p, at least two periods): period 1
+     finds identical layers, period 2 alternating layers. Children in such runs are block
+     instances; the walk goes down from the root and stops at the first (outermost) level that
+     has them, so the norms inside a layer are not blocks of their own.
+Instances with the same signature form one `BlockKind`, numbered in order of first appearance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import os
+import sysconfig
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from autopar.cost.flops import forward_flops
+from autopar.errors import CaptureError
+from autopar.graph import BlockInstance, BlockKind, Graph, Node, Role
+
+_INPUT_ROLES = {InputKind.PARAMETER: Role.PARAMETER, InputKind.BUFFER: Role.BUFFER,
+                InputKind.CONSTANT_TENSOR: Role.BUFFER, InputKind.USER_INPUT: Role.INPUT}
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            ) -> Graph:
+    """Trace `model(*example_inputs, **example_kwargs)` into a `Graph` without running it.
+
+    Raises `CaptureError` naming the op, the source line and a likely fix when torch.export cannot
+    trace the forward (data-dependent control flow, for example); the original error is chained.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    program = _export(model, example_inputs, example_kwargs or {})
+    nodes, stacks = _nodes(program)
+    return Graph(nodes=nodes, blocks=find_blocks(nodes, stacks), model_type=type(model).__name__,
+                 program=program)
+
+
+def _export(model, args: tuple, kwargs: dict):
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as err:    # re-raised as a CaptureError that keeps `err` as its cause
+        raise _capture_error(model, err) from err
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code: not torch, not the standard library, not autopar's
+    capture itself."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__
+              and not (f.filename.startswith(_STDLIB_DIR) and "site-packages" not in f.filename)]
+    return frames[-1] if frames else None
+
+
+def _capture_error(model: torch.nn.Module, err: Exception) -> CaptureError:
+    frame = _user_frame(err)
+    where = "at an unknown line"
+    if frame is not None:
+        code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        where = f"at {frame.filename}:{frame.lineno} in {frame.name}: `{code}`"
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, GuardOnDataDependentSymNode):
+        conversion = "int()" if "integer" in first_line else "bool()"
+        return CaptureError(
+            f"cannot capture {type(model).__name__}: data-dependent control flow {where}. "
+            f"The op aten.item ({conversion} of a tensor's value) decides Python control flow, "
+            f"and capture traces with fake tensors whose values are unknown ({first_line}). "
+            f"Likely fix: compute both branches and select with torch.where, use torch.cond for "
+            f"a real branch, or move the branch out of forward.")
+    return CaptureError(
+        f"cannot capture {type(model).__name__}: torch.export failed {where} with "
+        f"{type(err).__name__}: {first_line}. Likely fix: make forward traceable by "
+        f"torch.export (no data-dependent Python control flow, no calls outside torch on "
+        f"tensors); see the chained error for details.")
+
+
+# --- nodes ---------------------------------------------------------------------------------------
+
+def _nodes(program) -> tuple[list[Node], list[tuple[tuple[str, str], ...]]]:
+    """The graph's nodes, and for each its module stack ((path, class name) outermost first)."""
+    placeholders = {spec.arg.name: spec for spec in program.graph_signature.input_specs
+                    if hasattr(spec.arg, "name")}
+    nodes, stacks = [], []
+    for fx_node in program.graph_module.graph.nodes:
+        role, fqn = Role.ACTIVATION, None
+        if fx_node.op == "placeholder":
+            spec = placeholders.get(fx_node.name)
+            role = _INPUT_ROLES.get(spec.kind, Role.INPUT) if spec is not None else Role.INPUT
+            fqn = spec.target if role in (Role.PARAMETER, Role.BUFFER) else None
+        elif fx_node.op == "output":
+            role = Role.OUTPUT
+        value = fx_node.meta.get("val")
+        if fx_node.op == "output":
+            value = [n.meta.get("val") for n in fx_node.all_input_nodes]
+            value = value[0] if len(value) == 1 else value
+        shape, dtype, nbytes = _describe(value)
+        stack = tuple((path, _class_name(module_type)) for path, module_type
+                      in (fx_node.meta.get("nn_module_stack") or {}).values())
+        module_path, module_type = stack[-1] if stack else ("", "")
+        stacks.append(stack)
+        nodes.append(Node(
+            name=fx_node.name, target=_target_name(fx_node), role=role, shape=shape, dtype=dtype,
+            bytes=nbytes, inputs=tuple(n.name for n in fx_node.all_input_nodes),
+            module_path=module_path, module_type=module_type, flops=forward_flops(fx_node),
+            param_fqn=fqn, args=_plain(fx_node.args), kwargs=_plain(dict(fx_node.kwargs))))
+    return nodes, stacks
+
+
+def _target_name(fx_node: torch.fx.Node) -> str:
+    if fx_node.op in ("placeholder", "output", "get_attr"):
+        return fx_node.op
+    target = fx_node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    module = "operator" if module == "_operator" else module
+    return f"{module}.{getattr(target, '__name__', repr(target))}".lstrip(".")
+
+
+def _describe(value) -> tuple[tuple[int, ...], str, int]:
+    """(shape, dtype, bytes) of a node's output; multi-output nodes have shape () and dtype ""."""
+    if isinstance(value, torch.Tensor):
+        shape = tuple(int(size) for size in value.shape)
+        return shape, str(value.dtype).removeprefix("torch."), _numel(shape) * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return (), "", sum(_describe(item)[2] for item in value)
+    return (), "", 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _plain(value):
+    """Arguments as plain Python values: fx nodes (tensors) become None, dtypes and devices str."""
+    if isinstance(value, torch.fx.Node):
+        return None
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return str(value)
+    return str(value).removeprefix("torch.")
+
+
+def _class_name(module_type) -> str:
+    return module_type.__name__ if isinstance(module_type, type) else str(module_type).split(".")[-1]
+
+
+# --- blocks --------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Module:
+    path: str
+    module_type: str
+    first: int                      # index of its first node
+    last: int                       # index of its last node
+    count: int = 0                  # nodes under it; equal to last - first + 1 when contiguous
+    children: list[str] = field(default_factory=list)
+
+    @property
+    def contiguous(self) -> bool:
+        return self.count == self.last - self.first + 1
+
+
+def find_blocks(nodes: list[Node], stacks: list[tuple[tuple[str, str], ...]]) -> list[BlockKind]:
+    """Group repeated submodules into block kinds (the method is in the module docstring).
+    `stacks[i]` is node i's module stack, (path, class name) pairs from the outermost module in."""
+    modules = _module_tree(stacks)
+    if "" not in modules:
+        return []
+    index = {node.name: i for i, node in enumerate(nodes)}
+    found: list[tuple[_Module, str]] = []          # (block instance, signature)
+    pending = [modules[""]]
+    while pending:
+        children = [modules[path] for path in pending.pop().children]
+        blocks = _repeated_children(children, nodes, index)
+        found.extend(blocks)
+        covered = {id(module) for module, _ in blocks}
+        pending.extend(reversed([child for child in children if id(child) not in covered]))
+    found.sort(key=lambda item: item[0].first)
+    kinds: dict[str, BlockKind] = {}
+    for module, signature in found:
+        kind = kinds.setdefault(signature, BlockKind(
+            kind=len(kinds), module_type=module.module_type, signature=signature, instances=[]))
+        kind.instances.append(BlockInstance(module_path=module.path, start=module.first,
+                                            stop=module.last + 1))
+    return list(kinds.values())
+
+
+def _module_tree(stacks) -> dict[str, _Module]:
+    """Every module that ran, with its node range and its children in order of execution."""
+    modules: dict[str, _Module] = {}
+    for i, stack in enumerate(stacks):
+        parent = None
+        for path, module_type in stack:
+            module = modules.get(path)
+            if module is None:
+                module = modules[path] = _Module(path, module_type, first=i, last=i)
+                if parent is not None:
+                    parent.children.append(path)
+            module.last = i
+            module.count += 1
+            parent = module
+    return modules
+
+
+def _repeated_children(children: list[_Module], nodes: list[Node], index: dict[str, int],
+                       ) -> list[tuple[_Module, str]]:
+    """The children that are instances of a repeated block: members of periodic runs of
+    structurally identical children inside a chain."""
+    found = []
+    for chain in _chains(children, nodes, index):
+        signatures = [_signature(module, nodes, index) for module in chain]
+        covered = _periodic_cover(signatures)
+        found.extend((module, signatures[i]) for i, module in enumerate(chain) if i in covered)
+    return found
+
+
+def _chains(children: list[_Module], nodes: list[Node], index: dict[str, int]) -> list[list[_Module]]:
+    """Maximal runs (of two or more) of contiguous children in which each child reads data that the
+    previous one produced, directly or through the ops between them."""
+    chains, current = [], []
+    for child in children:
+        if not child.contiguous:
+            current = []
+            continue
+        if current and not _feeds(current[-1], child, nodes, index):
+            current = []
+        if not current:
+            chains.append(current)
+        current.append(child)
+    return [chain for chain in chains if len(chain) >= 2]
+
+
+def _feeds(producer: _Module, consumer: _Module, nodes: list[Node], index: dict[str, int]) -> bool:
+    """Whether the consumer reads a value computed inside the producer. Only direct reads count:
+    layers hand their output straight to the next layer, while a chain through other ops would
+    also link, say, a value projection to the output projection after attention."""
+    if consumer.first <= producer.last:
+        return False
+    return any(producer.first <= index[name] <= producer.last
+               for i in range(consumer.first, consumer.last + 1) for name in nodes[i].inputs)
+
+
+def _signature(module: _Module, nodes: list[Node], index: dict[str, int]) -> str:
+    """Hash of the ops, shapes, dtypes and arguments of the module's nodes and of their wiring:
+    inputs inside the module by relative position, its own parameters by relative name,
+    anything else by order of first use."""
+    start, prefix = module.first, module.path + "."
+    outside: dict[str, int] = {}
+    digest = hashlib.sha256()
+    for i in range(start, module.last + 1):
+        node = nodes[i]
+        wiring = []
+        for name in node.inputs:
+            j = index[name]
+            source = nodes[j]
+            if start <= j < i:
+                wiring.append(j - start)
+            elif source.param_fqn is not None and source.param_fqn.startswith(prefix):
+                wiring.append((source.param_fqn[len(prefix):], source.shape))
+            else:
+                wiring.append(("outside", outside.setdefault(name, len(outside))))
+        digest.update(repr((node.target, node.shape, node.dtype, node.args, node.kwargs,
+                            wiring)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _periodic_cover(signatures: list[str]) -> set[int]:
+    """Positions covered by runs that repeat with some period p at least twice (p = 1: identical
+    neighbours; p = 2: alternating kinds). The period covering the most positions wins; ties go
+    to the shorter period."""
+    best: set[int] = set()
+    for period in range(1, len(signatures) // 2 + 1):
+        covered, run = set(), 0
+        for i in range(len(signatures) - period):
+            run = run + 1 if signatures[i] == signatures[i + period] else 0
+            if run >= period:
+                covered.update(range(i + 1 - run, i + period + 1))
+        if len(covered) > len(best):
+            best = covered
+    return best
