@@ -28,8 +28,10 @@ from __future__ import annotations
 import hashlib
 import linecache
 import os
+import sys
 import sysconfig
 import traceback
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -318,3 +320,16 @@ def _periodic_cover(signatures: list[str]) -> set[int]:
         if len(covered) > len(best):
             best = covered
     return best
+
+
+class _CallableModule(types.ModuleType):
+    """`autopar.capture` names both this module and its `capture` function. Importing the module
+    (`from autopar.capture import find_blocks`) makes Python bind the package attribute to the
+    module, so the module itself must be callable for `autopar.capture(model, ...)` to keep working
+    in every import order."""
+
+    def __call__(self, *args, **kwargs) -> Graph:
+        return capture(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
