@@ -22,6 +22,7 @@ _LAZY = {
     "estimate": "autopar.cost.estimate",
     "Plan": "autopar.plan",
     "plan": "autopar.api",
+    "plan_from_config": "autopar.api",
     "compile": "autopar.api",
     "launch": "autopar.runtime.launch",
     "LaunchError": "autopar.runtime.launch",

@@ -1,0 +1,335 @@
+"""Inter-op planning: pipeline stage cuts, sub-meshes, micro-batches, schedule, recompute and ZeRO.
+
+The model is a sequence of units: the embedding (every node before the first repeated block), each
+block instance, and the head (every node after the last block). A plan cuts that sequence into
+pp * v contiguous chunks (v chunks per pipeline rank when interleaved); every chunk runs on a
+dp x tp sub-mesh, tensor parallelism inside a node, data parallelism next, pipeline ranks outermost
+(Megatron's rank order, which the collective costs assume).
+
+The search, in three phases, prices every candidate with the one estimator of autopar.cost:
+1. The Megatron grid: TP in the divisors of the node size up to 8, PP dividing the blocks, DP the
+   rest, micro-batch sizes, recompute, interleaving, ZeRO 0/1; uniform stages with the embedding on
+   the first and the head on the last. autopar's answer is never worse than this grid's best.
+2. Shapes the grid cannot express: PP that does not divide the blocks, with stages balanced by a
+   dynamic program over contiguous cuts (`balanced_cuts`).
+3. Refinement of the best shapes, one estimator call per move, kept when it is faster and fits:
+   other schedules (zero-bubble, GPipe), cut boundaries moved by one unit (the embedding and head
+   are not free, so the outer stages take fewer blocks), recompute lowered and ZeRO changed stage by
+   stage (the first stage keeps p micro-batches in flight, the last one).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from autopar.cost.compute import compute_time, op_family
+from autopar.errors import InfeasibleError
+from autopar.graph import Graph, Role
+
+RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
+GRID_VIRTUAL = (2, 3, 4, 6, 8)
+GRID_MICRO_BATCH = (1, 2, 4, 8, 16)
+MAX_TP = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    name: str                   # "embedding", "layers.3", "head"
+    layers: tuple[str, ...]     # module paths of the unit, in order
+    start: int                  # node index range in Graph.nodes
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A pipeline layout of the devices: degrees, micro-batching and schedule."""
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    schedule: str
+    virtual: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    shape: Shape
+    cuts: tuple[int, ...]       # pp * v + 1 unit boundaries: chunk i holds units[cuts[i]:cuts[i+1]]
+    recompute: tuple[str, ...]  # per chunk
+    zero: tuple[int, ...]       # per chunk
+
+    @property
+    def chunks(self) -> int:
+        return len(self.cuts) - 1
+
+
+@dataclass(kw_only=True, slots=True)
+class Priced:
+    candidate: Candidate
+    step_time_s: float
+    memory_bytes: float
+    fits: bool
+    estimate: object = field(default=None, repr=False)
+
+
+def pipeline_units(graph: Graph) -> list[Unit]:
+    """Embedding, block instances in order, head: the pieces stage cuts may not split."""
+    instances = sorted((inst for kind in graph.blocks for inst in kind.instances), key=lambda i: i.start)
+    blocks = {inst.module_path for inst in instances}
+    if not instances:
+        return [Unit(name="model", layers=_top_modules(graph, 0, len(graph.nodes), blocks), start=0,
+                     stop=len(graph.nodes))]
+    units = []
+    first, last = instances[0], instances[-1]
+    # an embedding or head with no ops of its own (only parameter placeholders) is no unit
+    embedding = _top_modules(graph, 0, first.start, blocks)
+    if embedding:
+        units.append(Unit(name="embedding", layers=embedding, start=0, stop=first.start))
+    for inst, following in zip(instances, instances[1:] + [None]):
+        # nodes between two blocks (a residual add at the top level) run with the block before
+        stop = following.start if following is not None else inst.stop
+        units.append(Unit(name=inst.module_path, layers=(inst.module_path,), start=inst.start, stop=stop))
+    head = _top_modules(graph, last.stop, len(graph.nodes), blocks)
+    if head:
+        units.append(Unit(name="head", layers=head, start=last.stop, stop=len(graph.nodes)))
+    return units
+
+
+def _top_modules(graph: Graph, start: int, stop: int, block_paths: set[str]) -> tuple[str, ...]:
+    """The outermost modules of the ops in a node range that hold no block (for a model nested as
+    `transformer.wte`, `transformer.h.0`: `transformer.wte`, not `transformer`), in first-use order."""
+    seen: dict[str, None] = {}
+    for node in graph.nodes[start:stop]:
+        if node.role is not Role.ACTIVATION or not node.module_path:
+            continue
+        parts = node.module_path.split(".")
+        for depth in range(1, len(parts) + 1):
+            path = ".".join(parts[:depth])
+            if not any(block == path or block.startswith(path + ".") for block in block_paths):
+                seen.setdefault(path, None)
+                break
+    return tuple(seen)
+
+
+def unit_weights(graph: Graph, units: list[Unit], mesh, tp: int) -> list[float]:
+    """Seconds of forward and backward of each unit on one device of a tp group, by the cost
+    model's roofline: the proposal weights of the cut dynamic program (the estimator decides)."""
+    weights = []
+    for unit in units:
+        seconds = 0.0
+        for node in graph.nodes[unit.start:unit.stop]:
+            if node.role is Role.ACTIVATION:
+                family = op_family(node.target)
+                seconds += 3 * compute_time(node.flops / tp, 3 * node.bytes / tp, mesh.device, family)
+        weights.append(seconds)
+    return weights
+
+
+def balanced_cuts(weights: list[float], chunks: int) -> tuple[int, ...] | None:
+    """Contiguous cuts of `weights` into `chunks` non-empty parts minimizing the heaviest part
+    (dynamic program over prefix sums, O(chunks * n^2)); None when there are fewer units."""
+    n = len(weights)
+    if chunks > n:
+        return None
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[k][i]: the smallest heaviest part cutting the first i units into k parts
+    best = [[math.inf] * (n + 1) for _ in range(chunks + 1)]
+    choice = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0.0
+    for k in range(1, chunks + 1):
+        for i in range(k, n - (chunks - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], choice[k][i] = value, j
+    cuts = [n]
+    for k in range(chunks, 0, -1):
+        cuts.append(choice[k][cuts[-1]])
+    return tuple(reversed(cuts))
+
+
+def uniform_cuts(units: list[Unit], chunks: int) -> tuple[int, ...] | None:
+    """Megatron's cuts: blocks split evenly, the embedding with the first, the head with the last."""
+    head = 1 if units[0].name == "embedding" else 0
+    tail = 1 if units[-1].name == "head" else 0
+    blocks = len(units) - head - tail
+    if blocks % chunks or blocks == 0:
+        return None
+    per = blocks // chunks
+    inner = [head + per * i for i in range(1, chunks)]
+    return (0, *inner, len(units))
+
+
+def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int,
+                    pp_divides_blocks: bool = True) -> list[Shape]:
+    """The grid's device layouts: TP within a node, PP (dividing the blocks when asked), DP the
+    rest; micro-batch sizes that divide each replica's batch; interleaving with v chunks when the
+    micro-batches fill the pipeline (m % pp == 0) and the blocks divide into pp * v."""
+    shapes = []
+    for tp in [t for t in range(1, min(MAX_TP, gpus_per_node) + 1) if gpus_per_node % t == 0]:
+        for pp in [p for p in range(1, world // tp + 1) if (world // tp) % p == 0]:
+            if pp > max(blocks, 1) or (pp_divides_blocks and blocks % pp):
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            for mbs in [b for b in GRID_MICRO_BATCH if (global_batch // dp) % b == 0]:
+                m = global_batch // (dp * mbs)
+                sp = tp > 1
+                if pp == 1:
+                    shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                    continue
+                if m >= pp:
+                    shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                if m % pp == 0:
+                    shapes += [Shape(tp, pp, dp, mbs, "interleaved-1f1b", v, sp) for v in GRID_VIRTUAL
+                               if blocks % (pp * v) == 0]
+    return shapes
+
+
+@dataclass(kw_only=True, slots=True)
+class Search:
+    """The planner's state: the pricer, the units, the best priced candidate so far."""
+    pricer: object              # autopar.solver.pipeline_price.Pricer
+    units: list[Unit]
+    deadline: float
+    priced: int = 0
+    best: Priced | None = None
+    least_memory: Priced | None = None
+    timed_out: bool = False
+
+    def price(self, candidate: Candidate, uniform: bool = False) -> Priced | None:
+        """Price with the estimator; None when the candidate is not a valid plan for it."""
+        result = self.pricer.price(candidate, self.units, uniform=uniform)
+        self.priced += 1
+        if result is None:
+            return None
+        if result.fits and (self.best is None or result.step_time_s < self.best.step_time_s):
+            self.best = result
+        if self.least_memory is None or result.memory_bytes < self.least_memory.memory_bytes:
+            self.least_memory = result
+        return result
+
+    def out_of_time(self) -> bool:
+        self.timed_out = self.timed_out or time.monotonic() > self.deadline
+        return self.timed_out
+
+
+def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[Priced]:
+    """Price every uniform Megatron configuration; per shape and ZeRO level, recompute from the
+    cheapest up, stopping at the first that fits (more recompute only adds time)."""
+    results = []
+    for shape in shapes:
+        cuts = uniform_cuts(search.units, shape.pp * shape.virtual)
+        if cuts is None:
+            continue
+        for zero in zero_levels if shape.dp > 1 else (0,):
+            for recompute in RECOMPUTE_ORDER:
+                chunks = len(cuts) - 1
+                priced = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
+                                      uniform=True)
+                if priced is None:
+                    break
+                results.append(priced)
+                if priced.fits:
+                    break
+    return results
+
+
+def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Priced]:
+    """Shapes whose PP does not divide the blocks: balanced cuts, recompute up from none."""
+    results = []
+    for shape in shapes:
+        if search.out_of_time():
+            break
+        cuts = balanced_cuts(weights_for(shape.tp), shape.pp * shape.virtual)
+        if cuts is None:
+            continue
+        chunks = len(cuts) - 1
+        for recompute in RECOMPUTE_ORDER:
+            priced = search.price(Candidate(shape, cuts, (recompute,) * chunks, (1 if shape.dp > 1 else 0,) * chunks))
+            if priced is None:
+                break
+            results.append(priced)
+            if priced.fits:
+                break
+    return results
+
+
+def refine(search: Search, start: Priced, weights_for) -> Priced:
+    """Local search from one priced candidate: each move one estimator call, the first faster one
+    that fits is taken and the moves are generated again from it (hill climbing)."""
+    current = start
+    for move in (_schedule_moves, _balanced_move, _boundary_moves, _recompute_moves, _zero_moves,
+                 _boundary_moves):
+        improved = True
+        while improved and not search.out_of_time():
+            improved = False
+            for candidate in move(current.candidate, search.pricer.global_batch, weights_for):
+                priced = search.price(candidate)
+                if priced is not None and priced.fits and priced.step_time_s < current.step_time_s:
+                    current, improved = priced, True
+                    break
+    return current
+
+
+def _schedule_moves(candidate: Candidate, global_batch: int, weights_for):
+    shape = candidate.shape
+    if shape.pp == 1 or shape.virtual > 1:
+        return
+    m = global_batch // (shape.dp * shape.micro_batch)
+    for schedule in ("zero-bubble", "gpipe", "1f1b"):
+        if schedule != shape.schedule and (schedule != "1f1b" or m >= shape.pp):
+            yield replace(candidate, shape=replace(shape, schedule=schedule))
+
+
+def _balanced_move(candidate: Candidate, global_batch: int, weights_for):
+    cuts = balanced_cuts(weights_for(candidate.shape.tp), candidate.chunks)
+    if cuts is not None and cuts != candidate.cuts:
+        yield replace(candidate, cuts=cuts)
+
+
+def _boundary_moves(candidate: Candidate, global_batch: int, weights_for):
+    """Move each inner boundary by one unit either way, keeping every chunk non-empty."""
+    for i in range(1, candidate.chunks):
+        for step in (-1, 1):
+            cuts = list(candidate.cuts)
+            cuts[i] += step
+            if cuts[i - 1] < cuts[i] < cuts[i + 1]:
+                yield replace(candidate, cuts=tuple(cuts))
+
+
+def _recompute_moves(candidate: Candidate, global_batch: int, weights_for):
+    """Lower recompute one chunk at a time, last chunks first (they hold the fewest in flight)."""
+    for i in reversed(range(candidate.chunks)):
+        level = RECOMPUTE_ORDER.index(candidate.recompute[i])
+        for lower in RECOMPUTE_ORDER[:level]:
+            recompute = list(candidate.recompute)
+            recompute[i] = lower
+            yield replace(candidate, recompute=tuple(recompute))
+
+
+def _zero_moves(candidate: Candidate, global_batch: int, weights_for):
+    if candidate.shape.dp == 1:
+        return
+    for zero in (0, 1, 2, 3):
+        if (zero,) * candidate.chunks != candidate.zero:
+            yield replace(candidate, zero=(zero,) * candidate.chunks)
+
+
+def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
+    least = search.least_memory
+    if least is None:
+        return InfeasibleError("no configuration of this mesh could be priced for this model; check "
+                               "that the global batch divides into the data-parallel replicas")
+    shape = least.candidate.shape
+    return InfeasibleError(
+        f"no plan fits {memory_limit / 2**30:.1f} GiB per device; the least memory found is "
+        f"{least.memory_bytes / 2**30:.1f} GiB (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
+        f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")

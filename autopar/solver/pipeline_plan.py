@@ -1,0 +1,162 @@
+"""From a captured graph and a mesh to a Plan: the inter-op search, then per-op placements.
+
+`plan_graph` runs the search of autopar.solver.pipeline under a time limit, then asks the intra-op
+ILP for the placements of every parameter and node on the chosen dp x tp sub-mesh, with the roles
+the plan fixed (a data axis, a tensor axis). All stages share that sub-mesh shape and the ILP ties
+repeated blocks, so one solve covers every stage: solving scales with distinct blocks, not layers.
+`plan_config` turns a forced Megatron-style Config into a Plan the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import cache
+
+from autopar.cost.config import Config
+from autopar.cost.mesh import Mesh, MeshAxis
+from autopar.errors import AutoparError
+from autopar.graph import Graph
+from autopar.plan import Plan, Stage
+from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, balanced_cuts, grid_phase,
+                                     infeasible, megatron_shapes, pipeline_units, refine,
+                                     uneven_phase, uniform_cuts, unit_weights)
+from autopar.solver.pipeline_price import Pricer, chunk_layers
+
+REFINED_SHAPES = 4          # the best distinct device layouts that the local search starts from
+Progress = Callable[[str, int, int], None]
+
+
+def plan_graph(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
+               time_limit: float = 60.0, progress: Progress | None = None) -> Plan:
+    started = time.monotonic()
+    limit = memory_limit or mesh.device.memory_bytes
+    search = _new_search(graph, mesh, global_batch, limit, started + time_limit)
+    weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
+    blocks = sum(1 for unit in search.units if unit.name not in ("embedding", "head"))
+    grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch)
+    _report(progress, "Megatron grid", 0, 3)
+    grid_phase(search, grid)
+    _report(progress, "uneven stages", 1, 3)
+    uneven = [s for s in megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch,
+                                         pp_divides_blocks=False)
+              if blocks % s.pp and s.virtual == 1]
+    uneven_phase(search, uneven, weights_for)
+    if search.best is None:
+        # only ZeRO-2/3 might still fit: the grid again with them
+        grid_phase(search, grid, zero_levels=(2, 3))
+    if search.best is None:
+        raise infeasible(search, limit)
+    _report(progress, "refining", 2, 3)
+    for seed in _seeds(search):
+        refine(search, seed, weights_for)
+    inter_seconds = time.monotonic() - started
+    _report(progress, "placements", 3, 3)
+    status = "time_limit" if search.timed_out else "searched"
+    return _assemble(graph, mesh, search.best, search.units, global_batch=global_batch, solver={
+        "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced},
+        time_limit=max(1.0, started + time_limit - time.monotonic()))
+
+
+def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float | None = None,
+                time_limit: float = 60.0) -> Plan:
+    """A forced uniform configuration as a Plan, priced by `estimate`, placements by the ILP."""
+    started = time.monotonic()
+    if config.world_size != mesh.world_size:
+        raise AutoparError(f"config tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = "
+                           f"{config.world_size} devices, but mesh {mesh} has {mesh.world_size}")
+    if config.tp > mesh.gpus_per_node or mesh.gpus_per_node % config.tp:
+        raise AutoparError(f"tp={config.tp} must divide the {mesh.gpus_per_node} devices of a node: "
+                           f"tensor parallelism stays inside a node")
+    limit = memory_limit or mesh.device.memory_bytes
+    search = _new_search(graph, mesh, config.global_batch, limit, started + time_limit)
+    cuts = uniform_cuts(search.units, config.pp * config.virtual)
+    if cuts is None:
+        cuts = balanced_cuts(unit_weights(graph, search.units, mesh, config.tp), config.pp * config.virtual)
+    if cuts is None:
+        raise AutoparError(f"{len(search.units)} units (embedding, blocks, head) cannot fill "
+                           f"{config.pp * config.virtual} pipeline chunks; use fewer stages")
+    chunks = len(cuts) - 1
+    shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
+                  config.virtual, config.sequence_parallel)
+    priced = search.price(Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks),
+                          uniform=True)
+    if priced is None:
+        raise AutoparError(f"the estimator cannot price {config}; check the degrees against the "
+                           f"model's heads and hidden size")
+    return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
+        "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1},
+        time_limit=time_limit)
+
+
+def _new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float) -> Search:
+    if global_batch < 1:
+        raise AutoparError(f"global batch {global_batch} must be at least 1")
+    pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit)
+    return Search(pricer=pricer, units=pipeline_units(graph), deadline=deadline)
+
+
+def _seeds(search: Search) -> list[Priced]:
+    """The fastest fitting candidate of each of the best few device layouts."""
+    seeds: dict[tuple, Priced] = {}
+    for priced in sorted((p for p in search.pricer.cache.values() if p is not None and p.fits),
+                         key=lambda p: p.step_time_s):
+        shape = priced.candidate.shape
+        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.micro_batch, shape.virtual), priced)
+        if len(seeds) == REFINED_SHAPES:
+            break
+    return list(seeds.values())
+
+
+def _report(progress: Progress | None, phase: str, done: int, total: int) -> None:
+    if progress is not None:
+        progress(phase, done, total)
+
+
+def stage_submesh(mesh: Mesh, dp: int, tp: int) -> Mesh:
+    """The dp x tp mesh one stage runs on: tp consecutive GPUs of a node, dp replicas next to them
+    (inside the node while they fit, across nodes beyond)."""
+    inner = mesh.device.intra_node
+    outer = inner if dp * tp <= mesh.gpus_per_node else mesh.device.inter_node
+    return Mesh(mesh.device, (MeshAxis("dp", dp, outer), MeshAxis("tp", tp, inner)))
+
+
+def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: int, solver: dict,
+              time_limit: float) -> Plan:
+    from autopar.solver import solve_intra_op
+
+    candidate, shape = priced.candidate, priced.candidate.shape
+    submesh = stage_submesh(mesh, shape.dp, shape.tp)
+    intra = solve_intra_op(graph, submesh, roles={"dp": "data", "tp": "tensor"}, time_limit=time_limit)
+    estimate = priced.estimate.to_dict()
+    per_stage = estimate.get("stages") or []
+    group = shape.dp * shape.tp
+    stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
+                    ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
+                    tp=shape.tp, dp=shape.dp, recompute=candidate.recompute[i], zero=candidate.zero[i],
+                    sequence_parallel=shape.sequence_parallel,
+                    predicted=per_stage[i] if len(per_stage) == candidate.chunks else {})
+              for i in range(candidate.chunks)]
+    parameters = _with_zero3(dict(intra.parameter_placements), stages)
+    predicted = {key: value for key, value in estimate.items() if key != "stages"}
+    solver = {**solver, "intra_op": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
+                                     "variables": intra.variables, "constraints": intra.constraints,
+                                     "objective_s": intra.objective_s}}
+    solver["seconds"] += intra.seconds
+    return Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
+                axes=[["dp", shape.dp], ["tp", shape.tp]], stages=stages,
+                global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
+                micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
+                parameters=parameters, nodes=dict(intra.node_placements), predicted=predicted,
+                solver=solver, replicated_ops=list(intra.replicated_ops), model_type=graph.model_type)
+
+
+def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage]) -> dict[str, list[str]]:
+    """Parameters of ZeRO-3 stages are sharded over the data-parallel axis (gathered before use)."""
+    for stage in stages:
+        if stage.zero < 3 or stage.dp == 1:
+            continue
+        for fqn, placements in parameters.items():
+            if any(fqn.startswith(layer + ".") for layer in stage.layers) and placements[0] == "R":
+                parameters[fqn] = ["S(0)", *placements[1:]]
+    return parameters
