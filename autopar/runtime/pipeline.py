@@ -180,6 +180,7 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
         raise AutoparError("tensor parallelism inside pipeline stages is not available yet; "
                            "plan with tp=1 per stage")
     check_batch(plan, plan.global_batch)
+    _check_layers(model, plan)
     device = torch.device(device or "cpu")
     mesh = DeviceMesh(device.type, torch.tensor(layout.grid), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank = layout.coordinates(dist.get_rank())[0]
@@ -196,6 +197,14 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     params = [p for program in programs for p in program.module.parameters()]
     return PipelineRunner(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                           optimizer=optimizer(params), device=device)
+
+
+def _check_layers(model: nn.Module, plan: Plan) -> None:
+    modules = dict(model.named_modules())
+    missing = [path for stage in plan.stages for path in stage.layers if path not in modules]
+    if missing:
+        raise PlanMismatchError(f"the plan's layers {missing} are not modules of this "
+                                f"{type(model).__name__}; the plan was made for another model, plan it again")
 
 
 def _micro_batch(tensor: torch.Tensor, size: int) -> torch.Tensor:

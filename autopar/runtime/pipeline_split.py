@@ -80,15 +80,18 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     _check_stage_flow(module, unit_of_node, unit_stage)
 
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
-                           keep_original_order=True, keep_original_node_name=True)
+                           keep_original_node_name=True)
     recompute = recompute or ["none"] * len(stage_layers)
     _wrap_recomputed_units(by_unit, unit_stage, recompute)
 
     stage_of_call = {f"submod_{u}": unit_stage[u] for u in range(len(units))}
     by_stage = split_module(by_unit, by_unit, lambda node: _stage_of_top_node(node, stage_of_call),
-                            keep_original_order=True, keep_original_node_name=True)
+                            keep_original_node_name=True)
     programs = []
     for index in range(len(stage_layers)):
+        if not hasattr(by_stage, f"submod_{index}"):
+            raise PlanMismatchError(f"pipeline stage {index} (layers {stage_layers[index]}) computes "
+                                    f"nothing in this model; plan this model again")
         stage_module = getattr(by_stage, f"submod_{index}")
         names = {f"{path}.value": ref.fqn for path, ref in stage_module.named_modules()
                  if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter)}
@@ -129,10 +132,6 @@ def _assign_units(module: fx.GraphModule, units: list[str]) -> dict[str, int]:
                 f"graph node {node.name} ({node.target}) belongs to none of the plan's layers "
                 f"{units} and feeds none of them; the plan was made for another model, plan it again")
         assigned[node.name] = min(users)
-    missing = [unit for index, unit in enumerate(units) if index not in assigned.values()]
-    if missing:
-        raise PlanMismatchError(f"the plan's layers {missing} are not modules of this model; "
-                                f"plan this model again")
     return assigned
 
 
@@ -172,7 +171,8 @@ def _wrap_recomputed_units(by_unit: fx.GraphModule, unit_stage: list[int], recom
     """Recompute per stage: every layer of a recomputing stage runs under a checkpoint, so only
     layer inputs stay alive between forward and backward."""
     for unit, stage in enumerate(unit_stage):
-        if recompute[stage] != "none":
+        # a unit without nodes (an identity dropout) has no submodule
+        if recompute[stage] != "none" and hasattr(by_unit, f"submod_{unit}"):
             name = f"submod_{unit}"
             setattr(by_unit, name, Recomputed(getattr(by_unit, name)))
 
