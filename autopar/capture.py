@@ -77,10 +77,10 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of the user's code: not torch, not the standard library, not autopar's
-    capture itself."""
+    """The innermost frame of the user's code: not torch, not the standard library, not code
+    generated at run time ("<string>"), not autopar's capture itself."""
     frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__
+              if not f.filename.startswith((_TORCH_DIR, "<")) and f.filename != __file__
               and not (f.filename.startswith(_STDLIB_DIR) and "site-packages" not in f.filename)]
     return frames[-1] if frames else None
 

@@ -91,7 +91,8 @@ def _parse_value(spec: str, key: str, text: str, fields: dict):
             return text.lower() in ("true", "1")
         return float(text) if kind == "float" else int(text)
     except ValueError:
-        raise AutoparError(f"model spec {spec!r}: {key}={text!r} is not a {kind}") from None
+        expected = {"bool": "true or false", "float": "a number"}.get(kind, "an integer")
+        raise AutoparError(f"model spec {spec!r}: {key}={text!r} is not {expected}") from None
 
 
 def build_model(spec: str, *, device: str | torch.device = "meta", batch: int = 1, seed: int = 0,
