@@ -77,8 +77,11 @@ class Plan:
     def summary(self) -> str:
         """One line a person can compare: degrees, schedule, micro-batches, per-stage choices."""
         layer_counts = "/".join(str(len(s.layers)) for s in self.stages)
-        recompute = sorted({s.recompute for s in self.stages})
-        zero = sorted({s.zero for s in self.stages})
+        # per-stage choices in stage order, one value when all stages agree
+        recompute = [s.recompute for s in self.stages]
+        recompute = recompute[:1] if len(set(recompute)) == 1 else recompute
+        zero = [s.zero for s in self.stages]
+        zero = zero[:1] if len(set(zero)) == 1 else zero
         schedule = self.schedule + (f" v={self.virtual}" if self.virtual > 1 else "")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} {schedule} mbs={self.micro_batch_size} "
                 f"m={self.micro_batches} recompute={'/'.join(recompute)} zero={'/'.join(map(str, zero))}"

@@ -221,3 +221,23 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     if seconds >= 1.0:
         return 1.0, "s"
     return (1e3, "ms") if seconds >= 1e-3 else (1e6, "us")
+
+
+def plan_timeline(plan) -> Timeline:
+    """Simulate a Plan's schedule with its stages' predicted forward and backward times per
+    micro-batch; a plan without them gets times in proportion to its stages' layer counts, scaled
+    to the predicted compute (backward twice the forward)."""
+    stages = plan.stages
+    if all("forward_s" in s.predicted and "backward_s" in s.predicted for s in stages):
+        forward = [s.predicted["forward_s"] for s in stages]
+        backward = [s.predicted["backward_s"] for s in stages]
+    else:
+        compute = (plan.predicted.get("breakdown") or {}).get("compute") or plan.predicted.get("step_time_s", 1.0)
+        per_rank_micro_batch = compute / plan.micro_batches
+        layers = [max(1, len(s.layers)) for s in stages]
+        per_rank_layers = max(sum(layers[r::plan.pp]) for r in range(plan.pp))
+        forward = [per_rank_micro_batch * n / per_rank_layers / 3 for n in layers]
+        backward = [2 * f for f in forward]
+    return simulate(plan.schedule, forward_s=forward, backward_s=backward,
+                    micro_batches=plan.micro_batches, virtual=plan.virtual,
+                    send_s=plan.predicted.get("send_s", 0.0))

@@ -1,0 +1,140 @@
+"""`autopar explain plan.json [--png timeline.png]`: a saved plan as tables per stage (devices,
+layers, memory and time) and, with --png, the pipeline timeline of forward and backward per stage and
+micro-batch."""
+
+from __future__ import annotations
+
+import re
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.plan import Plan
+
+GIB = 2**30
+
+
+def add_arguments(parser):
+    parser.add_argument("plan", help="a plan written by `autopar plan --out`")
+    parser.add_argument("--png", help="write the pipeline timeline picture to this file")
+
+
+def run(args) -> int:
+    plan = Plan.load(args.plan)
+    console = Console()
+    render(plan, console)
+    if args.png:
+        from autopar.timeline import plan_timeline, save_png
+
+        timeline = plan_timeline(plan)
+        save_png(timeline, args.png, title=f"{plan.model_type or 'model'}: {plan.summary()}")
+        console.print(f"timeline written to {args.png} (simulated bubble {timeline.bubble_fraction:.1%})")
+    return 0
+
+
+def render(plan: Plan, console: Console) -> None:
+    console.print(headline(plan))
+    console.print(stage_table(plan))
+    console.print(breakdown_table(plan))
+    solver = plan.solver
+    if solver:
+        intra = solver.get("intra_op", {})
+        console.print(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
+                      f"{solver.get('candidates', '?')} candidates priced; intra-op ILP "
+                      f"{intra.get('status', '-')} ({intra.get('variables', '?')} variables, gap "
+                      f"{_fmt_gap(intra.get('gap'))}); {len(plan.parameters)} parameters placed, "
+                      f"{len(plan.replicated_ops)} ops without a sharding rule run replicated")
+
+
+def headline(plan: Plan) -> str:
+    mesh = plan.mesh
+    device = mesh.get("device", {}).get("name", "?")
+    shape = "x".join(str(a["size"]) for a in mesh.get("axes", []))
+    p = plan.predicted
+    return (f"[bold]{plan.model_type or 'model'}[/bold] on {shape}:{device} ({plan.world_size} devices)\n"
+            f"{plan.summary()}\n"
+            f"predicted step {_fmt_s(p.get('step_time_s'))}, {_fmt_num(p.get('tflops_per_gpu'))} "
+            f"TFLOP/s per GPU, MFU {_fmt_pct(p.get('mfu'))}, memory "
+            f"{_fmt_gib(p.get('memory_per_gpu_bytes'))} on the fullest device, bubble "
+            f"{_fmt_pct(p.get('bubble_fraction'))}")
+
+
+def stage_table(plan: Plan) -> Table:
+    table = Table(title="stages", title_justify="left")
+    for column in ("stage", "ranks", "layers", "tp x dp", "recompute", "ZeRO", "time / micro-batch",
+                   "memory"):
+        table.add_column(column, justify="right" if column in ("stage", "memory") else "left")
+    for stage in plan.stages:
+        predicted = stage.predicted
+        time_text = _stage_time(predicted)
+        table.add_row(str(stage.index), rank_ranges(stage.ranks), compress_layers(stage.layers),
+                      f"{stage.tp} x {stage.dp}", stage.recompute, str(stage.zero), time_text,
+                      _fmt_gib(predicted.get("memory_bytes", predicted.get("memory_per_gpu_bytes"))))
+    return table
+
+
+def breakdown_table(plan: Plan) -> Table:
+    table = Table(title="predicted step", title_justify="left")
+    table.add_column("part")
+    table.add_column("value", justify="right")
+    for section in ("breakdown", "memory_breakdown"):
+        for key, value in (plan.predicted.get(section) or {}).items():
+            text = _fmt_gib(value) if section == "memory_breakdown" else _fmt_s(value)
+            table.add_row(f"{'memory' if section == 'memory_breakdown' else 'time'}: {key}", text)
+    return table
+
+
+def _stage_time(predicted: dict) -> str:
+    forward, backward = predicted.get("forward_s"), predicted.get("backward_s")
+    if forward is None or backward is None:
+        return "-"
+    return f"F {_fmt_s(forward)} + B {_fmt_s(backward)}"
+
+
+def compress_layers(layers: list[str]) -> str:
+    """["tok_emb", "layers.0", "layers.1", "layers.2"] -> "tok_emb, layers.0-2"."""
+    parts: list[str] = []
+    run_prefix, run_start, run_end = None, None, None
+    for layer in layers + [None]:
+        match = re.fullmatch(r"(.*)\.(\d+)", layer) if layer else None
+        if match and match.group(1) == run_prefix and int(match.group(2)) == run_end + 1:
+            run_end += 1
+            continue
+        if run_prefix is not None:
+            parts.append(f"{run_prefix}.{run_start}" + (f"-{run_end}" if run_end > run_start else ""))
+            run_prefix = None
+        if match:
+            run_prefix, run_start, run_end = match.group(1), int(match.group(2)), int(match.group(2))
+        elif layer:
+            parts.append(layer)
+    return ", ".join(parts)
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return ",".join(map(str, ranks))
+
+
+def _fmt_s(value) -> str:
+    if value is None:
+        return "-"
+    if value >= 1:
+        return f"{value:.3f} s"
+    return f"{value * 1e3:.2f} ms" if value >= 1e-3 else f"{value * 1e6:.1f} us"
+
+
+def _fmt_gib(value) -> str:
+    return "-" if value is None else f"{value / GIB:.2f} GiB"
+
+
+def _fmt_pct(value) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _fmt_num(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _fmt_gap(value) -> str:
+    return "-" if value is None else f"{value:.2%}"

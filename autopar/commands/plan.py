@@ -1,0 +1,53 @@
+"""`autopar plan MODEL --mesh NxG:DEVICE --global-batch B [--memory-limit 80GiB] [--time-limit S]
+--out plan.json [--json]`: capture a model preset (or spec) on the meta device and plan it."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+
+
+def add_arguments(parser):
+    parser.add_argument("model", help="a preset (gpt3-175b, llama-7b, gpt-tiny, ...) or a spec "
+                                      "such as gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1000")
+    parser.add_argument("--mesh", required=True, help="NODESxGPUS:DEVICE, e.g. 128x8:a100-80g, or GPUS:DEVICE")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--memory-limit", help="bytes per device, e.g. 80GiB or 40GB (default: the device's)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for the search (default 60)")
+    parser.add_argument("--out", help="write the plan here as JSON")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
+
+
+def run(args) -> int:
+    from autopar.api import plan_graph
+    from autopar.capture import capture
+    from autopar.cost.mesh import Mesh
+    from autopar.models import build_model
+
+    mesh = Mesh.parse(args.mesh)
+    console = Console(stderr=True)
+    started = time.monotonic()
+    with console.status(f"capturing {args.model}") as status:
+        model, example_inputs = build_model(args.model)
+        graph = capture(model, example_inputs=example_inputs)
+        captured = time.monotonic() - started
+        status.update(f"planning {args.model} for {mesh}")
+
+        def progress(phase: str, done: int, total: int) -> None:
+            status.update(f"planning {args.model} for {mesh}: {phase} ({done}/{total})")
+
+        plan = plan_graph(graph, mesh, global_batch=args.global_batch, memory_limit=args.memory_limit,
+                          time_limit=args.time_limit, progress=progress)
+    console.print(f"captured in {captured:.1f} s, planned in {time.monotonic() - started - captured:.1f} s")
+    if args.out:
+        plan.save(args.out)
+        console.print(f"plan written to {args.out}")
+    if args.json:
+        sys.stdout.write(plan.to_json())
+    else:
+        from autopar.commands.explain import render
+
+        render(plan, Console())
+    return 0
