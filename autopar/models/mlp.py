@@ -46,6 +46,12 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList(MLPBlock(cfg) for _ in range(cfg.layers))
         self.head = nn.Linear(cfg.hidden, cfg.hidden)
 
+    def init_weights(self) -> None:
+        """torch's default initialization of every layer, in module order (seed first to repeat)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.LayerNorm)):
+                module.reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)

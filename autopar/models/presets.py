@@ -100,8 +100,8 @@ def build_model(spec: str, *, device: str | torch.device = "meta", batch: int = 
     """Build the model a spec names and example inputs for it.
 
     On "meta" (the default) nothing is allocated, so even gpt3-175b builds instantly; on a real
-    device the weights are initialized from `seed` (the global RNG is left untouched) and the
-    example inputs are random but deterministic too. Keyword overrides replace config keys,
+    device the weights are `torch.manual_seed(seed); model.init_weights()` (the global RNG is
+    left untouched) and the example inputs are random but deterministic too. Keyword overrides replace config keys,
     e.g. `build_model("gpt3-175b", layers=2)`.
     """
     if batch < 1:
@@ -110,9 +110,13 @@ def build_model(spec: str, *, device: str | torch.device = "meta", batch: int = 
     model_cls = next(m for c, m in FAMILIES.values() if isinstance(config, c))
     device = torch.device(device)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
         with device:
             model = model_cls(config)
+        # Seeding right before init_weights makes the weights a function of the seed alone, so
+        # a model built on meta, materialized with to_empty() and initialized the same way
+        # (torch.manual_seed(seed); model.init_weights()) equals this one.
+        torch.manual_seed(seed)
+        model.init_weights()
     if dtype is not None:
         model = model.to(dtype)
     return model, example_inputs(config, batch=batch, device=device, seed=seed,
