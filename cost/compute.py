@@ -144,3 +144,44 @@ def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, family: s
     compute_s = flops / (device.flops(dtype) * eff.compute[family])
     memory_s = bytes_moved / (device.hbm_bandwidth * eff.memory[family])
     return max(compute_s, memory_s) + eff.kernel_latency_s
+
+
+ATTENTION_KERNELS = ("flash", "unfused")
+
+
+def attention_kernels(info: dict, samples: float, kernel: str = "flash",
+                      dtype_bytes: int = 2) -> tuple[list, list, float]:
+    """The kernels that run one attention op on `samples` sequences: (forward, backward,
+    score bytes kept for the backward), each kernel a (family, flops, bytes_moved) triple.
+
+    `info` has heads (per sample, on this device), q_len, k_len, head_dim, causal, dropout.
+    "flash" is one fused kernel (FlashAttention-2): a causal mask skips half the score blocks and
+    the scores never reach HBM. "unfused" is what Megatron-LM ran before FlashAttention: two batched
+    matmuls around a fused scale-mask-softmax kernel and a dropout kernel, computing the full
+    score matrix and keeping the softmax output, the dropout mask and its output for the backward.
+    """
+    if kernel not in ATTENTION_KERNELS:
+        raise AutoparError(f"attention kernel {kernel!r}: expected one of {ATTENTION_KERNELS}")
+    heads = info["heads"] * samples
+    q, k, d = info["q_len"], info["k_len"], info["head_dim"]
+    matmul_flops = 4 * heads * q * k * d                # QK^T and PV, the full score matrix
+    qkvo = heads * (2 * q + 2 * k) * d * dtype_bytes
+    if kernel == "flash":
+        executed = matmul_flops * (0.5 if info["causal"] and q == k else 1.0)
+        flops_factor, bytes_factor = BACKWARD["attention"]
+        return ([("attention", executed, qkvo)],
+                [("attention", executed * flops_factor, qkvo * bytes_factor)], 0.0)
+    scores = heads * q * k * dtype_bytes
+    mask = heads * q * k                                 # one byte per score
+    dropout = info["dropout"] > 0
+    forward = [("matmul", matmul_flops / 2, heads * (q + k) * d * dtype_bytes + scores),
+               ("softmax", 0.0, 2 * scores)]
+    backward = [("matmul", matmul_flops, 2 * (heads * (q + k) * d * dtype_bytes + scores)),
+                ("softmax", 0.0, 3 * scores)]
+    if dropout:
+        forward.append(("elementwise", 0.0, 2 * scores + mask))
+        backward.append(("elementwise", 0.0, 2 * scores + mask))
+    forward.append(("matmul", matmul_flops / 2, scores + heads * (k + q) * d * dtype_bytes))
+    backward.append(("matmul", matmul_flops, 2 * (scores + heads * (k + q) * d * dtype_bytes)))
+    kept = scores + (scores + mask if dropout else 0.0)
+    return forward, backward, kept

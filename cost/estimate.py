@@ -1,0 +1,397 @@
+"""The one estimator: step time, throughput and memory of a parallel configuration of a graph.
+
+`estimate(graph, mesh, config)` prices a Megatron-style uniform configuration; `estimate_stages`
+prices any list of pipeline chunks (`StageSpec`), each with its own tensor/data parallelism,
+recompute and ZeRO, so that the pipeline planner's plans and `autopar estimate` agree.
+
+Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
+  compute      every op's forward and backward by roofline (cost/compute.py), the forward again
+               for recomputed layers; attention as the kernels that run it (flash or unfused)
+  tensor par.  the all-reduces the layout needs (2 per layer forward, 2 backward, 2 more when
+               the forward is recomputed), on the tensor-parallel group's links, not overlapped
+  pipeline     activations and their gradients sent to the next stage over its link, split over
+               the tensor-parallel ranks and all-gathered there (Megatron's scatter/gather)
+Per step:
+  m x the slowest device's time per micro-batch, plus the pipeline bubble: the fill and drain,
+  (sum of the devices' times - the slowest) / v, which is (p-1)/(v m) of the ideal time when stages
+  are equal (the zero-bubble schedule leaves a third of it, ZB-H1 of Qi et al. 2023);
+  the gradient reduction over the data-parallel group, overlapped with the backward of the last
+  micro-batch and with the drain of the stages after it (bucketed, as DDP and FSDP run it);
+  the optimizer step, memory-bound.
+Hardware FLOP/s count the recomputed forward, as Megatron-LM reports them; model FLOP/s do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import sympy
+
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.graph import Graph, Role
+from autopar.cost.collectives import Group, send_recv_time
+from autopar.cost.compute import BACKWARD, Efficiencies, attention_kernels, compute_time
+from autopar.cost.config import Config
+from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, infer_layout
+from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, model_state_bytes
+from autopar.cost.mesh import Mesh
+
+# Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
+# weight-gradient halves of the backward.
+ZERO_BUBBLE_SHARE = 1 / 3
+
+
+@dataclass(kw_only=True, slots=True)
+class StageSpec:
+    """One pipeline chunk: block instances by module path ("layers.3") or (start, stop) node-index
+    ranges. Nodes outside every block (embeddings, the head) join the chunk of the nearest block."""
+    layers: list
+    tp: int = 1
+    dp: int = 1
+    recompute: str = "none"
+    zero: int = 0
+    sequence_parallel: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    step_time_s: float
+    breakdown: dict                 # compute, tensor_comm, pipeline_comm, bubble, data_comm, optimizer
+    memory_per_gpu_bytes: float     # the fullest device
+    memory_breakdown: dict          # weights, gradients, optimizer, activations, loss_buffers
+    tflops_per_gpu: float           # hardware: recomputed forwards counted
+    model_tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float          # bubble time / ideal time, (p-1)/(v m) for equal stages
+    micro_batches: int
+    memory_limit_bytes: float
+    fits: bool
+    devices: list = field(default_factory=list)    # per pipeline rank: time per micro-batch, memory
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Chunk:
+    """What one chunk costs one of its devices for one micro-batch."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    recompute_s: float = 0.0
+    tensor_comm_s: float = 0.0
+    send_s: float = 0.0
+    recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
+    params: float = 0.0             # elements on this device
+    saved_per_sample: float = 0.0   # activation bytes kept per sample
+    peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed layer)
+    loss_per_sample: float = 0.0
+
+
+def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
+             attention: str = "flash", memory_limit: float | None = None) -> Estimate:
+    """Price a Megatron-style uniform configuration: layers split evenly over pp x virtual chunks."""
+    _check_world(mesh, config)
+    stages = uniform_stages(graph, config)
+    return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
+                           micro_batch=config.micro_batch, schedule=config.schedule,
+                           virtual=config.virtual, efficiencies=efficiencies, attention=attention,
+                           memory_limit=memory_limit)
+
+
+def _check_world(mesh: Mesh, config: Config) -> None:
+    if config.world_size != mesh.world_size:
+        raise AutoparError(f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = "
+                           f"{config.world_size} does not match the {mesh.world_size} devices of "
+                           f"mesh {mesh}; choose degrees whose product is {mesh.world_size}")
+
+
+def block_paths(graph: Graph) -> list[str]:
+    instances = sorted((i for kind in graph.blocks for i in kind.instances), key=lambda i: i.start)
+    return [i.module_path for i in instances]
+
+
+def uniform_stages(graph: Graph, config: Config) -> list[StageSpec]:
+    chunks = config.pp * config.virtual
+    paths = block_paths(graph)
+    if chunks == 1:
+        groups = [paths or [(0, len(graph.nodes))]]
+    elif not paths or len(paths) % chunks:
+        raise AutoparError(f"{len(paths)} repeated blocks cannot be split evenly into pp x virtual = "
+                           f"{config.pp} x {config.virtual} = {chunks} pipeline chunks; choose pp and "
+                           f"virtual whose product divides {len(paths)}")
+    else:
+        per = len(paths) // chunks
+        groups = [paths[i * per:(i + 1) * per] for i in range(chunks)]
+    return [StageSpec(layers=group, tp=config.tp, dp=config.dp, recompute=config.recompute,
+                      zero=config.zero, sequence_parallel=config.sequence_parallel)
+            for group in groups]
+
+
+def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
+                    micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
+                    efficiencies: Efficiencies | None = None, attention: str = "flash",
+                    memory_limit: float | None = None) -> Estimate:
+    """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
+    rank c % p of p = len(stages) / v ranks (Megatron's interleaving)."""
+    pp, dp = _pipeline_shape(stages, virtual, mesh)
+    if global_batch % (dp * micro_batch):
+        raise AutoparError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
+                           f"{dp} x {micro_batch}")
+    m = global_batch // (dp * micro_batch)
+    eff = efficiencies or Efficiencies()
+    owner = _chunk_of_nodes(graph, stages)
+    layouts = _layouts(graph, stages)
+    chunks = [_price_chunk(graph, layouts[(s.tp, s.sequence_parallel)], owner, c, s, mesh,
+                           micro_batch, eff, attention) for c, s in enumerate(stages)]
+    _add_sends(graph, layouts, owner, stages, chunks, mesh, micro_batch)
+    devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
+    per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
+    ideal = m * max(per_mb)
+    bubble = (sum(per_mb) - max(per_mb)) / virtual
+    if schedule == "zero-bubble":
+        bubble *= ZERO_BUBBLE_SHARE
+    data_comm, optimizer, memory = [], [], []
+    for d, cs in enumerate(devices):
+        spec = stages[cs[0]]
+        params = sum(chunks[c].params for c in cs)
+        backward_last = sum(chunks[c].backward_s + chunks[c].recompute_s for c in cs)
+        data_comm.append(_data_parallel_exposed(params, spec, mesh, m, per_mb[d],
+                                                window=backward_last * (1 + d)))
+        local_params = params / (spec.dp if spec.zero >= 1 else 1)
+        optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
+                                      mesh.device, "elementwise", efficiencies=eff))
+        memory.append(_device_memory([chunks[c] for c in cs], spec, micro_batch, schedule,
+                                     pp=pp, m=m, virtual=virtual, stage=d))
+    step = ideal + bubble + max(data_comm) + max(optimizer)
+    return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
+                      bubble=bubble, data_comm=max(data_comm), optimizer=max(optimizer), m=m,
+                      global_batch=global_batch, micro_batch=micro_batch, memory_limit=memory_limit)
+
+
+def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[int, int]:
+    if not stages or len(stages) % virtual:
+        raise AutoparError(f"{len(stages)} pipeline chunks cannot be spread over pipeline ranks "
+                           f"with virtual={virtual} chunks each; give a multiple of {virtual} chunks")
+    pp = len(stages) // virtual
+    devices = sum(s.tp * s.dp for s in stages[:pp])
+    if devices != mesh.world_size:
+        raise AutoparError(f"the stages use {devices} devices (sum of tp x dp over the {pp} pipeline "
+                           f"ranks) but mesh {mesh} has {mesh.world_size}")
+    for c, s in enumerate(stages):
+        if (s.tp, s.dp) != (stages[c % pp].tp, stages[c % pp].dp):
+            raise AutoparError(f"chunk {c} runs on pipeline rank {c % pp} but asks for tp={s.tp}, "
+                               f"dp={s.dp}; all chunks of one rank share its devices")
+    dps = {s.dp for s in stages}
+    if len(dps) > 1:
+        raise AutoparError(f"stages have different data-parallel degrees {sorted(dps)}; one global "
+                           f"batch splits into the same micro-batches on every stage")
+    return pp, stages[0].dp
+
+
+def _layouts(graph: Graph, stages: list[StageSpec]) -> dict:
+    return {(s.tp, s.sequence_parallel): infer_layout(graph, s.tp, sequence_parallel=s.sequence_parallel)
+            for s in stages}
+
+
+def _chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:
+    """The chunk each graph node belongs to; nodes outside blocks join the nearest assigned one."""
+    ranges = {i.module_path: (i.start, i.stop) for kind in graph.blocks for i in kind.instances}
+    owner = [-1] * len(graph.nodes)
+    for c, stage in enumerate(stages):
+        for layer in stage.layers:
+            if isinstance(layer, str):
+                if layer not in ranges:
+                    raise AutoparError(f"stage {c} names layer {layer!r}, which is not a block of the "
+                                       f"graph; blocks are {list(ranges)[:4]}...")
+                start, stop = ranges[layer]
+            else:
+                start, stop = layer
+            for i in range(start, stop):
+                if owner[i] != -1:
+                    raise AutoparError(f"node {graph.nodes[i].name} is in stages {owner[i]} and {c}")
+                owner[i] = c
+    assigned = [c for c in owner if c != -1]
+    if not assigned:
+        raise AutoparError("the stages cover no node of the graph")
+    current = assigned[0]
+    for i, c in enumerate(owner):
+        current = c if c != -1 else current
+        owner[i] = current
+    # Parameters are placeholders at the top: they live with their first consumer.
+    first_use: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            first_use.setdefault(name, owner[i])
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    for name, c in first_use.items():
+        if graph.nodes[index[name]].role in (Role.PARAMETER, Role.BUFFER, Role.INPUT):
+            owner[index[name]] = c
+    return owner
+
+
+def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int, spec: StageSpec,
+                 mesh: Mesh, b: int, eff: Efficiencies, attention: str) -> _Chunk:
+    device = mesh.device
+    tp_group = Group.strided(mesh, spec.tp, 1)
+    in_block = _block_mask(graph)
+    out = _Chunk()
+    saved: set[str] = set()
+    block_saved: dict[str, set[str]] = {}
+    score_bytes = 0.0
+    for node in layout.nodes:
+        i = layout.index[node.name]
+        if owner[i] != chunk:
+            continue
+        forward, backward, kept = _kernels(node, b, attention)
+        fwd = sum(compute_time(f, by, device, fam, efficiencies=eff) for fam, f, by in forward)
+        bwd = sum(compute_time(f, by, device, fam, efficiencies=eff) for fam, f, by in backward)
+        comm_fwd = tp_group.all_reduce(node.reduce_forward * b) if node.reduce_forward else 0.0
+        comm_bwd = tp_group.all_reduce(node.reduce_backward * b) if node.reduce_backward else 0.0
+        out.forward_s += fwd
+        out.tensor_comm_s += comm_fwd
+        if node.requires_grad:
+            out.backward_s += bwd
+            out.tensor_comm_s += comm_bwd
+        block = in_block[i]
+        recomputed = (spec.recompute == "full" and block) or (
+            spec.recompute == "selective" and node.family == "attention" and kept)
+        if recomputed:
+            out.recompute_s += fwd
+            out.tensor_comm_s += comm_fwd
+            out.recomputed_flops += graph.nodes[i].flops / layout.batch
+        if spec.recompute == "full" and block:
+            block_saved.setdefault(block, set()).update(node.saved)
+        else:
+            saved.update(node.saved)
+        if not (recomputed and node.family == "attention"):
+            score_bytes += kept / b
+    for block, keys in block_saved.items():
+        saved.update(_block_inputs(graph, layout, block))
+        whole = sum(layout.storage_bytes.get(k, 0.0) for k in keys)
+        out.peak_per_sample = max(out.peak_per_sample, whole)
+    out.saved_per_sample = sum(layout.storage_bytes.get(k, 0.0) for k in saved) + score_bytes
+    out.params = sum(n for name, n in layout.param_local.items() if owner[layout.index[name]] == chunk)
+    out.loss_per_sample = _loss_bytes(graph, layout, owner, chunk)
+    return out
+
+
+def _kernels(node: NodeLayout, b: int, attention: str) -> tuple[list, list, float]:
+    if node.family == "attention" and node.attention:
+        return attention_kernels(node.attention, b, attention)
+    if node.family == "view" or (node.act_bytes == 0 and node.flops == 0):
+        return [], [], 0.0
+    flops, moved = node.flops * b, node.act_bytes * b + node.param_bytes
+    flops_factor, bytes_factor = BACKWARD[node.family]
+    return ([(node.family, flops, moved)],
+            [(node.family, flops * flops_factor, moved * bytes_factor)], 0.0)
+
+
+def _block_mask(graph: Graph) -> list[str]:
+    """For each node, the module path of the block instance it is in, or ""."""
+    mask = [""] * len(graph.nodes)
+    for kind in graph.blocks:
+        for inst in kind.instances:
+            for i in range(inst.start, inst.stop):
+                mask[i] = inst.module_path
+    return mask
+
+
+def _block_inputs(graph: Graph, layout: GraphLayout, block: str) -> set[str]:
+    """What a fully recomputed block keeps: the activations it reads from outside itself."""
+    inst = next(i for kind in graph.blocks for i in kind.instances if i.module_path == block)
+    inside = {graph.nodes[i].name for i in range(inst.start, inst.stop)}
+    kept = set()
+    for i in range(inst.start, inst.stop):
+        for name in graph.nodes[i].inputs:
+            if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
+                kept.add(name)
+    return {k for k in kept if k in layout.storage_bytes}
+
+
+def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int) -> float:
+    """The outputs (logits) of the last chunk, and their gradient, in fp32 for the loss."""
+    total = 0.0
+    for i, node in enumerate(graph.nodes):
+        if node.target == "output" and owner[i] == chunk:
+            total += sum(2 * layout.storage_bytes.get(name, 0.0) * 2 for name in node.inputs)
+    return total
+
+
+def _add_sends(graph: Graph, layouts: dict, owner: list[int], stages: list[StageSpec],
+               chunks: list[_Chunk], mesh: Mesh, b: int) -> None:
+    """Activations crossing chunk boundaries, forward and (their gradients) backward."""
+    for c in range(len(stages) - 1):
+        spec = stages[c]
+        layout = layouts[(spec.tp, spec.sequence_parallel)]
+        crossing = 0.0
+        for i, node in enumerate(graph.nodes):
+            if owner[i] == c + 1:
+                for name in node.inputs:
+                    j = layout.index[name]
+                    if owner[j] == c and graph.nodes[j].role is Role.ACTIVATION:
+                        crossing = max(crossing, layout.storage_bytes.get(name, 0.0))
+        per_rank = spec.tp * spec.dp
+        link = mesh.device.inter_node if per_rank >= mesh.gpus_per_node else mesh.device.intra_node
+        nbytes = crossing * b
+        scattered = nbytes / spec.tp if not spec.sequence_parallel else nbytes
+        gather = Group.strided(mesh, spec.tp, 1).all_gather(nbytes) if not spec.sequence_parallel else 0.0
+        chunks[c].send_s += 2 * (send_recv_time(scattered, link) + gather)
+
+
+def _chunk_time(chunk: _Chunk) -> float:
+    return chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s + chunk.send_s
+
+
+def _data_parallel_exposed(params: float, spec: StageSpec, mesh: Mesh, m: int, per_mb: float,
+                           window: float) -> float:
+    """Gradient reduction (and ZeRO's gathers) not hidden behind computation."""
+    if spec.dp == 1:
+        return 0.0
+    group = Group.strided(mesh, spec.dp, spec.tp)
+    grads = params * 2
+    if spec.zero == 3:
+        # FSDP gathers the weights for the forward and again for the backward and reduce-scatters
+        # gradients every micro-batch, prefetching so that only what exceeds compute shows.
+        per_micro = 2 * group.all_gather(grads) + group.reduce_scatter(grads)
+        return m * max(0.0, per_micro - per_mb) + group.all_gather(grads) / max(1, m)
+    # All-reduce, or ZeRO-1/2's reduce-scatter + all-gather of the same ring cost.
+    return max(0.0, group.all_reduce(grads) - window)
+
+
+def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
+                   virtual: int, stage: int) -> dict:
+    states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp)
+    held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
+    per_chunk = sum(c.saved_per_sample for c in chunks) / len(chunks)
+    activations = held * per_chunk * b + max(c.peak_per_sample for c in chunks) * b
+    return {**states, "activations": activations,
+            "loss_buffers": sum(c.loss_per_sample for c in chunks) * b}
+
+
+def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, per_mb: list,
+               memory: list, *, step: float, ideal: float, bubble: float, data_comm: float,
+               optimizer: float, m: int, global_batch: int, micro_batch: int,
+               memory_limit: float | None) -> Estimate:
+    world = mesh.world_size
+    model_flops = 3 * graph.forward_flops / graph_batch(graph) * global_batch
+    hardware = model_flops + sum(c.recomputed_flops for c in chunks) * global_batch
+    slowest = max(range(len(devices)), key=lambda d: per_mb[d])
+    cs = [chunks[c] for c in devices[slowest]]
+    total = lambda attr: m * sum(getattr(c, attr) for c in cs)
+    totals = [sum(part.values()) for part in memory]
+    fullest = max(range(len(memory)), key=lambda d: totals[d])
+    limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
+    peak = mesh.device.flops("bfloat16")
+    return Estimate(
+        step_time_s=step,
+        breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s"),
+                   "tensor_comm": total("tensor_comm_s"), "pipeline_comm": total("send_s"),
+                   "bubble": bubble, "data_comm": data_comm, "optimizer": optimizer},
+        memory_per_gpu_bytes=totals[fullest], memory_breakdown=memory[fullest],
+        tflops_per_gpu=hardware / step / world / 1e12,
+        model_tflops_per_gpu=model_flops / step / world / 1e12,
+        mfu=model_flops / step / world / peak,
+        bubble_fraction=bubble / ideal if ideal else 0.0, micro_batches=m,
+        memory_limit_bytes=limit, fits=totals[fullest] <= limit,
+        devices=[{"stage": d, "time_per_micro_batch_s": per_mb[d], "memory_bytes": totals[d]}
+                 for d in range(len(devices))])
