@@ -103,14 +103,18 @@ def _wait(procs, outputs, timeout: float) -> None:
 
 
 def _first_failure(procs, outputs):
-    """(rank, message) of the first rank that raised, or died without writing a result."""
+    """(rank, message) of a rank that died without writing a result, else of the first that raised.
+
+    A dead rank comes first: its peers see the closed connection and raise within milliseconds,
+    often in the same poll, but their errors are the consequence, not the cause."""
     for rank, (proc, path) in enumerate(zip(procs, outputs)):
+        if not path.exists() and not proc.is_alive() and proc.exitcode is not None:
+            return rank, f"exited with code {proc.exitcode} before returning a result"
+    for rank, path in enumerate(outputs):
         if path.exists():
             status, payload = _read(path)
             if status == "error":
                 return rank, payload
-        elif not proc.is_alive() and proc.exitcode is not None:
-            return rank, f"exited with code {proc.exitcode} before returning a result"
     return None
 
 
