@@ -13,12 +13,14 @@ shared with every rank, so `step` returns the same float everywhere.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 
@@ -195,8 +197,26 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
               for p in programs]
     schedule = _schedule(plan, layout, stages, loss_fn)
     params = [p for program in programs for p in program.module.parameters()]
+    zero = max(plan.stages[s].zero for s in own)
     return PipelineRunner(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
-                          optimizer=optimizer(params), device=device)
+                          optimizer=_optimizer(optimizer, params, zero, layout, mesh), device=device)
+
+
+def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: PipelineLayout,
+               mesh: DeviceMesh):
+    """The user's optimizer on this rank's parameters; with ZeRO-1 its state is sharded over the
+    data-parallel replicas (torch's ZeroRedundancyOptimizer, after the gradient all-reduce)."""
+    if zero == 0 or layout.dp == 1:
+        return make_optimizer(params)
+    if zero > 1:
+        raise AutoparError(f"ZeRO-{zero} across pipeline replicas is not available; the pipeline "
+                           f"runtime shards optimizer state (ZeRO-1): plan with zero<=1")
+    # ZeroRedundancyOptimizer builds the optimizer itself from a class and keyword arguments.
+    probe = make_optimizer([nn.Parameter(torch.zeros(1))])
+    accepted = inspect.signature(type(probe)).parameters
+    options = {key: value for key, value in probe.defaults.items() if key in accepted}
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(probe),
+                                   process_group=mesh.get_group("dp"), **options)
 
 
 def _check_layers(model: nn.Module, plan: Plan) -> None:

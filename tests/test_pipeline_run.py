@@ -1,0 +1,171 @@
+"""Pipelines on real gloo processes train exactly like one process (fp32).
+
+Each launch runs several plans one after another (a process group's first use costs seconds) and
+checks, on rank 0, the loss of every step and the final parameters against single-process training
+of the same model on the same batches: |d| <= 1e-6 + 1e-5 * scale, where scale is the reference
+loss, or the largest magnitude of the reference parameter tensor.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.models import build_model, lm_loss
+from autopar.plan import Plan, Stage
+from autopar.runtime.pipeline import build_pipeline, check_batch
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
+UNITS = ["tok_emb", "pos_emb", "emb_dropout", "layers.0", "layers.1", "layers.2", "layers.3",
+         "norm_f", "lm_head"]
+STEPS = 3
+
+
+def make_plan(chunks: list[list[str]], *, pp: int, schedule: str, dp: int = 1, tp: int = 1,
+              micro_batches: int = 4, micro_batch_size: int = 2, recompute: str = "none",
+              zero: int = 0, parameters: dict | None = None) -> Plan:
+    """Stage i on pipeline rank i % pp (Megatron's interleaving), each on a dp x tp block of ranks."""
+    group = dp * tp
+    stages = [Stage(index=i, layers=layers, ranks=list(range((i % pp) * group, (i % pp + 1) * group)),
+                    dp=dp, tp=tp, recompute=recompute if i == 0 else "none", zero=zero)
+              for i, layers in enumerate(chunks)]
+    return Plan(fingerprint="", mesh={}, axes=[["dp", dp], ["tp", tp]], stages=stages,
+                global_batch=dp * micro_batches * micro_batch_size, micro_batches=micro_batches,
+                micro_batch_size=micro_batch_size, schedule=schedule,
+                virtual=len(chunks) // pp, parameters=parameters or {})
+
+
+def batches(global_batch: int, vocab: int = 64, seq: int = 16):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (global_batch, seq), generator=generator),
+             torch.randint(0, vocab, (global_batch, seq), generator=generator)) for _ in range(STEPS)]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def train_plans(plans: list[Plan], optimizer=sgd) -> list[dict]:
+    """On every rank: train each plan; on rank 0 also one process, and report the differences."""
+    reports = []
+    for plan in plans:
+        model, _ = build_model(SPEC, device="cpu")
+        data = batches(plan.global_batch)
+        runner = build_pipeline(model, plan, example_inputs=(data[0][0],), loss_fn=lm_loss,
+                                optimizer=optimizer)
+        losses = [runner.step(inputs, targets) for inputs, targets in data]
+        state = runner.full_state_dict()
+        if dist.get_rank() == 0:
+            reports.append(compare_with_one_process(losses, state, data, optimizer))
+        else:
+            reports.append({"losses": losses})
+    return reports
+
+
+def compare_with_one_process(losses, state, data, optimizer) -> dict:
+    reference, _ = build_model(SPEC, device="cpu")
+    opt = optimizer(reference.parameters())
+    expected = []
+    for inputs, targets in data:
+        loss = lm_loss(reference(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    params = dict(reference.named_parameters())
+    bad = {}
+    for name, ref in params.items():
+        diff = (state[name] - ref.detach()).abs().max().item()
+        bound = 1e-6 + 1e-5 * ref.detach().abs().max().item()
+        if diff > bound:
+            bad[name] = (diff, bound)
+    return {"losses": losses, "expected": expected, "bad_params": bad,
+            "names": (sorted(state) == sorted(params))}
+
+
+def assert_equal_to_one_process(report: dict) -> None:
+    for step, (got, want) in enumerate(zip(report["losses"], report["expected"], strict=True)):
+        assert abs(got - want) <= 1e-6 + 1e-5 * abs(want), f"step {step}: loss {got} != {want}"
+    assert report["names"], "full_state_dict names differ from the model's parameters"
+    assert not report["bad_params"], f"parameters differ (diff, bound): {report['bad_params']}"
+
+
+def test_two_stages_gpipe_and_1f1b():
+    cut = [UNITS[:5], UNITS[5:]]
+    plans = [make_plan(cut, pp=2, schedule="gpipe"),
+             make_plan(cut, pp=2, schedule="1f1b", recompute="full")]
+    results = autopar.launch(train_plans, 2, plans, adamw, timeout=120)
+    for report in results[0]:
+        assert_equal_to_one_process(report)
+    assert results[1][0]["losses"] == results[0][0]["losses"]   # the same float on every rank
+
+
+def test_interleaved_and_zero_bubble_with_two_chunks_per_rank():
+    chunks = [UNITS[:4], UNITS[4:5], UNITS[5:6], UNITS[6:]]
+    plans = [make_plan(chunks, pp=2, schedule="interleaved-1f1b"),
+             make_plan(chunks, pp=2, schedule="zero-bubble")]
+    results = autopar.launch(train_plans, 2, plans, timeout=120)
+    for report in results[0]:
+        assert_equal_to_one_process(report)
+
+
+def test_data_parallel_pipelines_with_zero1():
+    cut = [UNITS[:5], UNITS[5:]]
+    plans = [make_plan(cut, pp=2, dp=2, schedule="1f1b", micro_batches=2, zero=1)]
+    results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
+    assert_equal_to_one_process(results[0][0])
+
+
+def test_global_batch_not_divisible_into_micro_batches_is_refused_before_launch():
+    plan = make_plan([UNITS[:5], UNITS[5:]], pp=2, schedule="1f1b", micro_batches=4,
+                     micro_batch_size=2)
+    with pytest.raises(AutoparError, match=r"global batch 10 does not split .* 4 micro-batches"):
+        check_batch(plan, 10)
+
+
+def _fail_in_step(how: str):
+    model, _ = build_model(SPEC, device="cpu")
+    plan = make_plan([UNITS[:5], UNITS[5:]], pp=2, schedule="1f1b")
+    data = batches(plan.global_batch)
+
+    def loss_fn(logits, targets):
+        if how == "raise" and step[0] == 1:
+            raise RuntimeError("loss blew up on purpose")
+        if how == "die" and step[0] == 1:
+            os._exit(3)
+        return lm_loss(logits, targets)
+
+    step = [0]
+    runner = build_pipeline(model, plan, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=sgd)
+    for step[0], (inputs, targets) in enumerate(data):
+        runner.step(inputs, targets)
+
+
+@pytest.mark.parametrize("how, message", [("raise", "RuntimeError: loss blew up on purpose"),
+                                          ("die", "exited with code 3")])
+def test_failed_last_stage_stops_the_pipeline_and_is_named(how, message):
+    with pytest.raises(autopar.LaunchError, match=f"rank 1 failed: {message}"):
+        autopar.launch(_fail_in_step, 2, how, timeout=60, pg_timeout=10)
+
+
+def _step_with_wrong_batch():
+    model, _ = build_model(SPEC, device="cpu")
+    plan = make_plan([UNITS[:5], UNITS[5:]], pp=2, schedule="1f1b")
+    data = batches(plan.global_batch)
+    runner = build_pipeline(model, plan, example_inputs=(data[0][0],), loss_fn=lm_loss, optimizer=sgd)
+    inputs, targets = data[0]
+    runner.step(inputs[:6], targets[:6])
+
+
+def test_wrong_batch_in_step_fails_on_every_rank_before_any_collective():
+    with pytest.raises(autopar.LaunchError, match=r"global batch 6 does not split"):
+        autopar.launch(_step_with_wrong_batch, 2, timeout=60, pg_timeout=10)
