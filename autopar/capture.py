@@ -58,7 +58,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     program = _export(model, example_inputs, example_kwargs or {})
-    nodes, stacks = _nodes(program)
+    nodes, stacks = _nodes(program, _tied_parameters(model))
     return Graph(nodes=nodes, blocks=find_blocks(nodes, stacks), model_type=type(model).__name__,
                  program=program)
 
@@ -109,7 +109,19 @@ def _capture_error(model: torch.nn.Module, err: Exception) -> CaptureError:
 
 # --- nodes ---------------------------------------------------------------------------------------
 
-def _nodes(program) -> tuple[list[Node], list[tuple[tuple[str, str], ...]]]:
+def _tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """{fqn: fqn of the first name of the same tensor} for parameters registered twice."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        owner = first.setdefault(id(tensor), name)
+        if owner != name:
+            tied[name] = owner
+    return tied
+
+
+def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[str, str], ...]]]:
     """The graph's nodes, and for each its module stack ((path, class name) outermost first)."""
     placeholders = {spec.arg.name: spec for spec in program.graph_signature.input_specs
                     if hasattr(spec.arg, "name")}
@@ -135,7 +147,7 @@ def _nodes(program) -> tuple[list[Node], list[tuple[tuple[str, str], ...]]]:
             name=fx_node.name, target=_target_name(fx_node), role=role, shape=shape, dtype=dtype,
             bytes=nbytes, inputs=tuple(n.name for n in fx_node.all_input_nodes),
             module_path=module_path, module_type=module_type, flops=forward_flops(fx_node),
-            param_fqn=fqn, args=_plain(fx_node.args), kwargs=_plain(dict(fx_node.kwargs))))
+            param_fqn=fqn, tied_to=tied.get(fqn), args=_plain(fx_node.args), kwargs=_plain(dict(fx_node.kwargs))))
     return nodes, stacks
 
 

@@ -38,6 +38,7 @@ class Node:
     param_fqn: str | None = None    # for parameters and buffers: "layers.3.attn.wq.weight"
     args: tuple[Any, ...] = ()      # non-tensor arguments as plain values (dims, sizes), tensors as None
     kwargs: dict[str, Any] = field(default_factory=dict)   # keyword arguments, plain like args
+    tied_to: str | None = None      # a parameter shared with an earlier one (tied embeddings): its fqn
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,7 +84,8 @@ class Graph:
 
     @property
     def param_count(self) -> int:
-        return sum(_numel(n.shape) for n in self.parameters)
+        """Distinct parameters: a tied weight is counted once."""
+        return sum(_numel(n.shape) for n in self.parameters if n.tied_to is None)
 
     @property
     def forward_flops(self) -> int:
