@@ -56,7 +56,8 @@ class StageSpec:
 @dataclass(kw_only=True, slots=True)
 class Estimate:
     step_time_s: float
-    breakdown: dict                 # compute, tensor_comm, pipeline_comm, bubble, data_comm, optimizer
+    breakdown: dict                 # compute, exposed_comm, bubble, optimizer: they sum to the step
+    comm_breakdown: dict            # exposed_comm by kind: tensor, pipeline, data
     memory_per_gpu_bytes: float     # the fullest device
     memory_breakdown: dict          # weights, gradients, optimizer, activations, loss_buffers
     tflops_per_gpu: float           # hardware: recomputed forwards counted
@@ -133,24 +134,16 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                     memory_limit: float | None = None) -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
     rank c % p of p = len(stages) / v ranks (Megatron's interleaving)."""
-    pp, dp = _pipeline_shape(stages, virtual, mesh)
-    if global_batch % (dp * micro_batch):
-        raise AutoparError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
-                           f"{dp} x {micro_batch}")
-    m = global_batch // (dp * micro_batch)
     eff = efficiencies or Efficiencies()
-    owner = _chunk_of_nodes(graph, stages)
-    layouts = _layouts(graph, stages)
-    chunks = [_price_chunk(graph, layouts[(s.tp, s.sequence_parallel)], owner, c, s, mesh,
-                           micro_batch, eff, attention) for c, s in enumerate(stages)]
-    _add_sends(graph, layouts, owner, stages, chunks, mesh, micro_batch)
-    devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
+    pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
+                           virtual=virtual, efficiencies=eff, attention=attention)
+    chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
     if schedule == "zero-bubble":
         bubble *= ZERO_BUBBLE_SHARE
-    data_comm, optimizer, memory = [], [], []
+    data_comm, optimizer = [], []
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
         params = sum(chunks[c].params for c in cs)
@@ -160,12 +153,81 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         local_params = params / (spec.dp if spec.zero >= 1 else 1)
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
-        memory.append(_device_memory([chunks[c] for c in cs], spec, micro_batch, schedule,
-                                     pp=pp, m=m, virtual=virtual, stage=d))
+    memory = _memory(pipe, stages, micro_batch, schedule, virtual)
     step = ideal + bubble + max(data_comm) + max(optimizer)
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
                       bubble=bubble, data_comm=max(data_comm), optimizer=max(optimizer), m=m,
-                      global_batch=global_batch, micro_batch=micro_batch, memory_limit=memory_limit)
+                      global_batch=global_batch, memory_limit=memory_limit)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pipeline:
+    chunks: list[_Chunk]
+    devices: list[list[int]]        # pipeline rank -> its chunks
+    micro_batches: int
+
+
+def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
+                    micro_batch: int, virtual: int, efficiencies: Efficiencies,
+                    attention: str) -> _Pipeline:
+    pp, dp = _pipeline_shape(stages, virtual, mesh)
+    if global_batch % (dp * micro_batch):
+        raise AutoparError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
+                           f"{dp} x {micro_batch}")
+    owner = _chunk_of_nodes(graph, stages)
+    layouts = _layouts(graph, stages)
+    chunks = [_price_chunk(graph, layouts[(s.tp, s.sequence_parallel)], owner, c, s, mesh,
+                           micro_batch, efficiencies, attention) for c, s in enumerate(stages)]
+    _add_sends(graph, layouts, owner, stages, chunks, mesh, micro_batch)
+    devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
+    return _Pipeline(chunks=chunks, devices=devices,
+                     micro_batches=global_batch // (dp * micro_batch))
+
+
+def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str,
+            virtual: int) -> list[dict]:
+    """Memory breakdown of each pipeline rank; `micro_batch` may be a sympy symbol."""
+    return [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], micro_batch, schedule,
+                           pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d)
+            for d, cs in enumerate(pipe.devices)]
+
+
+def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
+                      batch: sympy.Symbol | None = None) -> sympy.Expr:
+    """Bytes on the fullest device as an expression in the micro-batch size `batch` (a sympy
+    symbol), for config's number of micro-batches per step."""
+    _check_world(mesh, config)
+    batch = batch if batch is not None else sympy.Symbol("b", positive=True, integer=True)
+    stages = uniform_stages(graph, config)
+    pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
+                           micro_batch=config.micro_batch, virtual=config.virtual,
+                           efficiencies=Efficiencies(), attention="flash")
+    totals = [sympy.Add(*part.values()) for part in _memory(pipe, stages, batch, config.schedule,
+                                                             config.virtual)]
+    return sympy.Max(*totals)
+
+
+def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
+              attention: str = "flash") -> int:
+    """The largest MICRO-batch that fits `memory_limit` bytes per device (the device's memory by
+    default), keeping config's number of micro-batches per step (so the global batch grows with it).
+    0 when even the model states do not fit."""
+    _check_world(mesh, config)
+    limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
+    b = sympy.Symbol("b", positive=True)
+    stages = uniform_stages(graph, config)
+    pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
+                           micro_batch=config.micro_batch, virtual=config.virtual,
+                           efficiencies=Efficiencies(), attention=attention)
+    best = None
+    for part in _memory(pipe, stages, b, config.schedule, config.virtual):
+        total = sympy.expand(sympy.Add(*part.values()))
+        fixed, per_sample = total.subs(b, 0), total.coeff(b, 1)
+        if fixed > limit:
+            return 0
+        bound = sympy.floor((limit - fixed) / per_sample) if per_sample else sympy.oo
+        best = bound if best is None else sympy.Min(best, bound)
+    return int(best)
 
 
 def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[int, int]:
@@ -370,7 +432,7 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
 
 def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, per_mb: list,
                memory: list, *, step: float, ideal: float, bubble: float, data_comm: float,
-               optimizer: float, m: int, global_batch: int, micro_batch: int,
+               optimizer: float, m: int, global_batch: int,
                memory_limit: float | None) -> Estimate:
     world = mesh.world_size
     model_flops = 3 * graph.forward_flops / graph_batch(graph) * global_batch
@@ -385,8 +447,10 @@ def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, pe
     return Estimate(
         step_time_s=step,
         breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s"),
-                   "tensor_comm": total("tensor_comm_s"), "pipeline_comm": total("send_s"),
-                   "bubble": bubble, "data_comm": data_comm, "optimizer": optimizer},
+                   "exposed_comm": total("tensor_comm_s") + total("send_s") + data_comm,
+                   "bubble": bubble, "optimizer": optimizer},
+        comm_breakdown={"tensor": total("tensor_comm_s"), "pipeline": total("send_s"),
+                        "data": data_comm},
         memory_per_gpu_bytes=totals[fullest], memory_breakdown=memory[fullest],
         tflops_per_gpu=hardware / step / world / 1e12,
         model_tflops_per_gpu=model_flops / step / world / 1e12,

@@ -1,0 +1,146 @@
+"""`autopar estimate MODEL --mesh NxG:DEVICE --tp T --pp P ...`: predict a Megatron-style
+configuration's step time, throughput and memory per device without running it.
+
+The model is captured on the meta device as one training step: for language models the forward
+and the next-token loss. dp is the world size over tp x pp.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from autopar.errors import AutoparError, MeshError
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="a preset (gpt3-175b, llama-7b, ...) or a spec such as "
+                                      "gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200")
+    parser.add_argument("--mesh", required=True,
+                        help="NODESxGPUS:DEVICE (128x8:a100-80g), GPUS:DEVICE (8:h100-80g), "
+                             "or a mesh JSON/TOML file")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--virtual", type=int, default=1,
+                        help="model chunks per pipeline rank; >1 means interleaved 1F1B (default 1)")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+                        default=None, help="default 1f1b, or interleaved-1f1b when --virtual > 1")
+    parser.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                        help="attention kernels: FlashAttention, or matmuls around a softmax kernel")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="efficiencies measured by `autopar calibrate` (default: published figures)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+class WithLoss(torch.nn.Module):
+    """`model(ids)` followed by its loss against `targets`, so that the loss is priced too."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, ids, targets):
+        return self.loss_fn(self.model(ids), targets)
+
+
+def capture_training_step(spec: str, *, batch: int = 1, **overrides):
+    """Capture `spec` on meta as one training step: a language model's forward plus its loss."""
+    from autopar.capture import capture
+    from autopar.models import build_model, lm_loss
+
+    model, inputs = build_model(spec, device="meta", batch=batch, **overrides)
+    if inputs[0].dtype != torch.int64:
+        return capture(model, inputs)
+    return capture(WithLoss(model, lm_loss), (inputs[0], inputs[0]))
+
+
+def parse_mesh(text: str):
+    from autopar.cost.mesh import Mesh
+
+    if text.endswith((".json", ".toml")):
+        if not Path(text).exists():
+            raise MeshError(f"mesh file {text} does not exist")
+        return Mesh.load(text)
+    return Mesh.parse(text)
+
+
+def build_config(args, mesh):
+    from autopar.cost.config import Config
+
+    per_replica = args.tp * args.pp
+    if per_replica < 1 or mesh.world_size % per_replica:
+        raise AutoparError(f"tp x pp = {args.tp} x {args.pp} = {per_replica} does not divide the "
+                           f"{mesh.world_size} devices of mesh {mesh}; choose degrees whose product "
+                           f"divides {mesh.world_size}")
+    if args.tp > mesh.gpus_per_node or mesh.gpus_per_node % args.tp:
+        raise AutoparError(f"tp={args.tp} must divide the {mesh.gpus_per_node} devices of one node "
+                           f"(tensor parallelism needs the fast links inside a node)")
+    schedule = args.schedule or ("interleaved-1f1b" if args.virtual > 1 else "1f1b")
+    return Config(tp=args.tp, pp=args.pp, dp=mesh.world_size // per_replica, virtual=args.virtual,
+                  global_batch=args.global_batch, micro_batch=args.micro_batch,
+                  recompute=args.recompute, zero=args.zero,
+                  sequence_parallel=args.sequence_parallel, schedule=schedule)
+
+
+def run(args) -> int:
+    from autopar.cost.compute import Efficiencies
+    from autopar.cost.estimate import estimate
+
+    mesh = parse_mesh(args.mesh)
+    config = build_config(args, mesh)
+    efficiencies = Efficiencies.load(args.calibration) if args.calibration else None
+    with Console(stderr=True).status(f"capturing {args.model} on the meta device"):
+        graph = capture_training_step(args.model)
+    result = estimate(graph, mesh, config, efficiencies=efficiencies, attention=args.attention)
+    report = {"model": args.model, "mesh": str(mesh), "config": config.to_dict(),
+              "attention": args.attention, "calibration": str(args.calibration or ""),
+              **result.to_dict()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(Console(), report)
+    return 0
+
+
+def _print(console: Console, report: dict) -> None:
+    config = report["config"]
+    title = (f"{report['model']} on {report['mesh']}: tp={config['tp']} pp={config['pp']} "
+             f"dp={config['dp']} v={config['virtual']} b={config['micro_batch']} "
+             f"B={config['global_batch']} recompute={config['recompute']} zero={config['zero']}")
+    summary = Table(title=title, show_header=False)
+    summary.add_column("quantity")
+    summary.add_column("value", justify="right")
+    summary.add_row("step time", f"{report['step_time_s']:.3f} s")
+    summary.add_row("TFLOP/s per GPU (hardware)", f"{report['tflops_per_gpu']:.1f}")
+    summary.add_row("TFLOP/s per GPU (model)", f"{report['model_tflops_per_gpu']:.1f}")
+    summary.add_row("MFU", f"{report['mfu']:.1%}")
+    summary.add_row("micro-batches per step", str(report["micro_batches"]))
+    summary.add_row("bubble fraction", f"{report['bubble_fraction']:.3f}")
+    fits = "fits" if report["fits"] else "DOES NOT FIT"
+    summary.add_row("memory per GPU", f"{report['memory_per_gpu_bytes'] / 2**30:.1f} GiB of "
+                                      f"{report['memory_limit_bytes'] / 2**30:.0f} GiB ({fits})")
+    console.print(summary)
+    parts = Table(title="breakdown")
+    parts.add_column("step time")
+    parts.add_column("s", justify="right")
+    parts.add_column("memory per GPU")
+    parts.add_column("GiB", justify="right")
+    times = list(report["breakdown"].items()) + [(f"  {k} comm", v) for k, v in
+                                                report["comm_breakdown"].items()]
+    memory = list(report["memory_breakdown"].items())
+    for row in range(max(len(times), len(memory))):
+        t = times[row] if row < len(times) else ("", None)
+        m = memory[row] if row < len(memory) else ("", None)
+        parts.add_row(t[0], "" if t[1] is None else f"{t[1]:.3f}",
+                      m[0], "" if m[1] is None else f"{m[1] / 2**30:.2f}")
+    console.print(parts)
