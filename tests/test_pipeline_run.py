@@ -125,6 +125,36 @@ def test_data_parallel_pipelines_with_zero1():
     assert_equal_to_one_process(results[0][0])
 
 
+def megatron_placements() -> dict[str, list[str]]:
+    """Column-parallel q, k, v and fc1; row-parallel wo and fc2; the rest replicated: per axis
+    (dp, tp)."""
+    model, _ = build_model(SPEC)
+    placements = {}
+    for name, _ in model.named_parameters():
+        if any(key in name for key in ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.fc1.")):
+            placements[name] = ["R", "S(0)"]
+        elif name.endswith(("attn.wo.weight", "mlp.fc2.weight")):
+            placements[name] = ["R", "S(1)"]
+        else:
+            placements[name] = ["R", "R"]
+    return placements
+
+
+def test_tensor_parallel_stages_2x2():
+    cut = [UNITS[:5], UNITS[5:]]
+    plans = [make_plan(cut, pp=2, tp=2, schedule="1f1b", parameters=megatron_placements())]
+    results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
+    assert_equal_to_one_process(results[0][0])
+
+
+def test_data_tensor_and_pipeline_parallel_2x2x2():
+    cut = [UNITS[:5], UNITS[5:]]
+    plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2,
+                       parameters=megatron_placements())]
+    results = autopar.launch(train_plans, 8, plans, adamw, timeout=180)
+    assert_equal_to_one_process(results[0][0])
+
+
 def test_global_batch_not_divisible_into_micro_batches_is_refused_before_launch():
     plan = make_plan([UNITS[:5], UNITS[5:]], pp=2, schedule="1f1b", micro_batches=4,
                      micro_batch_size=2)

@@ -23,10 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.pipeline_split import StageProgram, TensorRef, export_for_pipeline, split_stages
+from autopar.runtime.pipeline_tensor import shard_stage
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,7 +140,7 @@ class PipelineRunner:
         """Average gradients over the data-parallel replicas in one flat all-reduce."""
         if self.layout.dp == 1:
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.mesh.get_group("dp"))
         flat /= self.layout.dp
@@ -158,11 +160,16 @@ class PipelineRunner:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model under its original name, gathered on every rank."""
         mine = {}
-        if self.dp_rank == 0 and self.tp_rank == 0:
+        if self.dp_rank == 0:
             for program in self.programs:
-                for path, ref in program.module.named_modules():
+                for ref in program.module.modules():
                     if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter):
-                        mine[ref.fqn] = ref.value.detach().cpu().clone()
+                        # gathering a DTensor is a collective of the stage's tp group
+                        value = ref.value.detach()
+                        value = value.full_tensor() if isinstance(value, DTensor) else value
+                        mine[ref.fqn] = value.cpu().clone()
+        if self.tp_rank != 0:
+            mine = {}
         gathered: list[dict] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return {name: tensor for part in gathered for name, tensor in part.items()}
@@ -178,9 +185,6 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
         raise MeshError(f"the plan needs {layout.world_size} ranks (pp={layout.pp} x dp={layout.dp} x "
                         f"tp={layout.tp}) but {dist.get_world_size()} are running; launch "
                         f"{layout.world_size} ranks or plan for this world size")
-    if layout.tp > 1:
-        raise AutoparError("tensor parallelism inside pipeline stages is not available yet; "
-                           "plan with tp=1 per stage")
     check_batch(plan, plan.global_batch)
     _check_layers(model, plan)
     device = torch.device(device or "cpu")
@@ -192,6 +196,10 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     graph = export_for_pipeline(model, micro)
     programs = split_stages(graph, [s.layers for s in plan.stages], [s.recompute for s in plan.stages])
     programs = [_materialize(programs[s], device) for s in own]
+    if layout.tp > 1:
+        tp_axis = [name for name, _ in plan.axes].index("tp")
+        for program in programs:
+            program.module = shard_stage(program.module, mesh["tp"], plan.parameters, tp_axis)
 
     stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
               for p in programs]
@@ -217,6 +225,10 @@ def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: Pi
     options = {key: value for key, value in probe.defaults.items() if key in accepted}
     return ZeroRedundancyOptimizer(params, optimizer_class=type(probe),
                                    process_group=mesh.get_group("dp"), **options)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _check_layers(model: nn.Module, plan: Plan) -> None:

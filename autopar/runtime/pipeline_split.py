@@ -30,7 +30,7 @@ from autopar.errors import PlanMismatchError
 class StageProgram:
     """One pipeline stage: its GraphModule and where each of its parameters came from."""
     index: int
-    module: fx.GraphModule
+    module: nn.Module                 # the stage's GraphModule, or a wrapper around it
     param_names: dict[str, str] = field(default_factory=dict)   # stage-local name -> model fqn
 
 

@@ -1,0 +1,97 @@
+"""Tensor parallelism inside a pipeline stage, with DTensor.
+
+The stage's parameters become DTensors over the stage's tensor-parallel sub-mesh with the plan's
+placement for the "tp" axis ("S(0)" column-parallel, "S(1)" row-parallel, "R" replicated), so every
+op of the stage's graph computes on global shapes and DTensor's sharding propagation inserts the
+collectives. Between stages activations travel as ordinary tensors: a stage takes its inputs as
+replicated and hands its outputs on replicated, which is what the pipeline's send and receive move.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.utils._pytree import tree_map
+
+import autopar.runtime.dtensor_rules  # noqa: F401  (CPU attention has no DTensor rule in torch)
+from autopar.errors import PlanMismatchError
+from autopar.runtime.layout import parse_placement
+from autopar.runtime.pipeline_split import TensorRef
+
+
+class TensorParallelStage(nn.Module):
+    """Runs `inner` on DTensors over `mesh`; inputs and outputs are replicated plain tensors."""
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh):
+        super().__init__()
+        self.inner = inner
+        self.mesh = mesh
+
+    def forward(self, *args):
+        inputs = tree_map(self._to_dtensor, args)
+        return tree_map(self._to_local, self.inner(*inputs))
+
+    def _to_dtensor(self, value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+        return value
+
+    def _to_local(self, value):
+        if isinstance(value, DTensor):
+            return value.redistribute(self.mesh, [Replicate()]).to_local()
+        return value
+
+
+class Replicated(nn.Module):
+    """Makes a plain tensor a replicated DTensor on `mesh`."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, value: torch.Tensor) -> DTensor:
+        return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+
+
+def replicate_created_tensors(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Ops that create a tensor from nothing (a position `arange`) give plain tensors, which DTensor
+    ops refuse next to DTensors; every such value is made a replicated DTensor where it is created,
+    in the graph, so that recomputation in backward does the same."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        created = [node for node in graph_module.graph.nodes
+                   if node.op == "call_function" and not node.all_input_nodes
+                   and isinstance(node.meta.get("val"), torch.Tensor)]
+        if not created:
+            continue
+        graph_module.add_submodule("replicated", Replicated(mesh))
+        for node in created:
+            with graph_module.graph.inserting_after(node):
+                wrapped = graph_module.graph.call_module("replicated", (node,))
+            node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
+        graph_module.recompile()
+
+
+def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[str]],
+                tp_axis: int) -> TensorParallelStage:
+    """Distribute the stage's tensors by the plan's placements on axis `tp_axis`; unplaced ones
+    (buffers, constants, parameters the plan leaves out) are replicated."""
+    for ref in module.modules():
+        if not isinstance(ref, TensorRef):
+            continue
+        texts = parameters.get(ref.fqn)
+        placement = parse_placement(texts[tp_axis]) if texts else Replicate()
+        if not isinstance(placement, Replicate):
+            dim = placement.dim
+            if dim >= ref.value.dim() or ref.value.shape[dim] % mesh.size():
+                raise PlanMismatchError(
+                    f"parameter {ref.fqn} of shape {tuple(ref.value.shape)} cannot be split in "
+                    f"{mesh.size()} equal shards on dim {dim}; plan it replicated or change tp")
+        tensor = distribute_tensor(ref.value.detach(), mesh, [placement])
+        if isinstance(ref.value, nn.Parameter):
+            ref.value = nn.Parameter(tensor, requires_grad=ref.value.requires_grad)
+        else:
+            ref.value = tensor
+    replicate_created_tensors(module, mesh)
+    return TensorParallelStage(module, mesh)
