@@ -1,0 +1,318 @@
+"""Graph + Mesh -> Problem: every node's strategies with their costs, every edge's resharding costs.
+
+Strategies. An op's strategies are its rule's one-axis strategies (`autopar.cost.strategies`)
+combined over the mesh axes; an op without a rule has one, everything replicated, and is listed
+as replicated. A parameter chooses per axis how it is STORED: replicated "R"; sharded "S(d)",
+which is tensor parallelism when its consumer uses it sharded and ZeRO-3/FSDP when the consumer
+gathers it (all-gather before use in the forward and again in the backward, reduce-scatter of its
+gradient: priced on the edge); or "Z", replicated weights with gradients and optimizer state
+sharded on that axis (ZeRO-1/2: a reduce-scatter of the gradient on the edge, an all-gather of
+the updated weights priced on the node). A replicated parameter used by work split on an axis gets
+its gradient all-reduced there: data parallelism, priced on the edge. Graph inputs choose any
+placement for free (each rank loads its part).
+
+Roles. `roles={"node": "data", "gpu": "tensor"}` restricts axes: a data axis shards every
+activation that has a batch dim on it and nothing else, its ops see parameters replicated (stored
+R, Z or S: ZeRO); a tensor axis never shards the batch. The batch dim of every tensor is found by following the graph inputs'
+dim 0 through the rules.
+
+Memory (per device, alive at the peak of a training step; a sound upper bound, no recompute):
+parameters, gradients and Adam state (two fp32 moments, plus an fp32 master copy of 16-bit
+weights) under their storage placement, plus the output of every op that allocates (not views),
+as all of them are assumed saved for the backward. Partial sums count at full size.
+
+Ties. With `tie_blocks`, the k-th instance of a repeated block (Graph.blocks) has each node tied
+to the node at the same position of instance 0, and the parameters they read tied likewise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from autopar.cost.compute import op_family
+from autopar.cost.mesh import Mesh
+from autopar.cost.strategies import (R, S, OpStrategy, OpView, axis_strategies, combine,
+                                      placement_str)
+from autopar.errors import AutoparError
+from autopar.graph import Graph, Node, Role
+from autopar.solver.pricing import (NOT_DIFFERENTIABLE, ZERO2, Pricer, local_bytes,
+                                    optimizer_bytes)
+from autopar.solver.problem import Edge, Problem, ProblemNode, Strategy
+
+ROLES = ("data", "tensor")
+SKIPPED = ("output",)
+
+
+def build_problem(graph: Graph, mesh: Mesh, *, memory_limit: float | None = None,
+                  roles: Mapping[str, str] | None = None, tie_blocks: bool = True,
+                  overlap: bool = False, pricer: Pricer | None = None) -> Problem:
+    """`overlap`: parameter and gradient traffic (gradient reduction, ZeRO gathers) hides behind
+    the backward's compute and only the excess counts; off, every byte counts."""
+    roles = check_roles(mesh, roles)
+    builder = _Builder(graph, mesh, roles, pricer or Pricer(mesh), overlap)
+    return builder.build(memory_limit, tie_blocks)
+
+
+def check_roles(mesh: Mesh, roles: Mapping[str, str] | None) -> list[str | None]:
+    """Roles as a list per mesh axis; a clear error for unknown axes or roles."""
+    roles = dict(roles or {})
+    names = [axis.name for axis in mesh.axes]
+    for name, role in roles.items():
+        if name not in names:
+            raise AutoparError(f"roles name axis {name!r}, which mesh {mesh} does not have; "
+                               f"its axes are {names}")
+        if role not in ROLES:
+            raise AutoparError(f"role {role!r} for axis {name!r} is unknown; roles are {ROLES}")
+    return [roles.get(name) for name in names]
+
+
+class _Builder:
+    def __init__(self, graph: Graph, mesh: Mesh, roles: list[str | None], pricer: Pricer,
+                 overlap: bool):
+        self.graph, self.mesh, self.roles, self.pricer = graph, mesh, roles, pricer
+        self.overlap = overlap
+        self.sizes = pricer.sizes
+        self.by_name = {n.name: n for n in graph.nodes}
+        self.views = {n.name: self._view(n) for n in graph.nodes if n.target not in SKIPPED}
+        self.batch = self._batch_dims()
+        self.tie = {}
+        self.edge_cache: dict[tuple, tuple] = {}
+
+    def build(self, memory_limit: float | None, tie_blocks: bool) -> Problem:
+        if tie_blocks:
+            self.tie = self._ties()
+        made: dict[str, ProblemNode] = {}
+        for node in self.graph.nodes:
+            if node.target in SKIPPED:
+                continue
+            tied = self.tie.get(node.name)
+            if tied is not None:
+                first = made[tied]
+                made[node.name] = ProblemNode(name=node.name, kind=first.kind, tie=tied,
+                                              strategies=first.strategies, label=self._label(node))
+            else:
+                made[node.name] = self._node(node)
+        edges = [edge for node in self.graph.nodes if node.name in made
+                 for edge in self._edges(node, made)]
+        meta = {"mesh": str(self.mesh), "roles": self.roles, "model": self.graph.model_type,
+                "fingerprint": self.graph.fingerprint()}
+        return Problem(axes=[[a.name, a.size] for a in self.mesh.axes], nodes=list(made.values()),
+                       edges=edges, memory_limit=memory_limit, meta=meta)
+
+    # --- strategies ------------------------------------------------------------------------
+
+    def _view(self, node: Node) -> OpView:
+        shapes = tuple(self.by_name[name].shape for name in node.inputs)
+        return OpView(target=node.target, args=node.args, input_shapes=shapes,
+                      output_shape=node.shape)
+
+    def _label(self, node: Node) -> str:
+        return node.param_fqn or f"{node.module_path or '<top>'}:{node.target}"
+
+    def _node(self, node: Node) -> ProblemNode:
+        label = self._label(node)
+        if node.role is Role.PARAMETER:
+            return ProblemNode(name=node.name, kind="parameter", label=label,
+                               strategies=self._parameter_strategies(node))
+        if node.target == "placeholder":
+            combos = combine([self._input_axis(node, role) for role in self.roles], self.sizes,
+                             node.shape, [])
+            return ProblemNode(name=node.name, kind="input", label=label, strategies=[
+                Strategy(output=[placement_str(s.output) for s in c], inputs=[]) for c in combos])
+        one_axis = axis_strategies(self.views[node.name])
+        kind = "op" if one_axis is not None else "replicated"
+        per_axis = [self._allowed(node, one_axis or [], role) for role in self.roles]
+        combos = combine(per_axis, self.sizes, node.shape, self.views[node.name].input_shapes)
+        return ProblemNode(name=node.name, kind=kind, label=label,
+                           strategies=[self._op_strategy(node, c) for c in combos])
+
+    def _input_axis(self, node: Node, role: str | None) -> list[OpStrategy]:
+        dims = range(len(node.shape))
+        batch = self.batch.get(node.name)
+        if role == "data":
+            return [OpStrategy(S(batch), ())] if batch is not None else [OpStrategy(R, ())]
+        if role == "tensor":
+            dims = [d for d in dims if d != batch]
+        return [OpStrategy(R, ())] + [OpStrategy(S(d), ()) for d in dims]
+
+    def _allowed(self, node: Node, one_axis: list[OpStrategy], role: str | None) -> list[OpStrategy]:
+        replicated = OpStrategy(R, tuple(R for _ in node.inputs))
+        if role is None:
+            return one_axis or [replicated]
+        if role == "tensor":
+            return [replicated] + [s for s in one_axis[1:] if not any(self._on_batch(node, s))]
+        # a data axis splits the batch wherever there is one, and only the batch
+        split = [s for s in one_axis[1:] if self._batch_split(node, s, self._on_batch(node, s))]
+        return split or [replicated]
+
+    def _on_batch(self, node: Node, strategy: OpStrategy) -> list[bool]:
+        """For the output and each input: is it sharded on its batch dim?"""
+        tensors = [(node.name, strategy.output)] + list(zip(node.inputs, strategy.inputs))
+        return [getattr(p, "dim", None) is not None and p.dim == self.batch.get(name)
+                for name, p in tensors]
+
+    def _batch_split(self, node: Node, strategy: OpStrategy, on_batch: list[bool]) -> bool:
+        """Every tensor with a batch dim sharded on it, every other one replicated."""
+        tensors = [(node.name, strategy.output)] + list(zip(node.inputs, strategy.inputs))
+        for (name, placement), sharded in zip(tensors, on_batch):
+            has_batch = self.batch.get(name) is not None
+            if has_batch != sharded or (not has_batch and placement != R):
+                return False
+        return True
+
+    def _batch_dims(self) -> dict[str, int]:
+        """Follow the graph inputs' dim 0 through each op's batch-split strategy."""
+        batch: dict[str, int] = {}
+        for node in self.graph.nodes:
+            if node.role is Role.INPUT and node.shape:
+                batch[node.name] = 0
+            if node.target == "placeholder" or node.target in SKIPPED:
+                continue
+            if not any(name in batch for name in node.inputs):
+                continue
+            for strategy in axis_strategies(self.views[node.name]) or []:
+                fits = all((p == R) if name not in batch else (getattr(p, "dim", None) == batch[name])
+                           for name, p in zip(node.inputs, strategy.inputs))
+                if fits and getattr(strategy.output, "dim", None) is not None:
+                    batch[node.name] = strategy.output.dim
+                    break
+        return batch
+
+    def _op_strategy(self, node: Node, combo: tuple[OpStrategy, ...]) -> Strategy:
+        output = [placement_str(s.output) for s in combo]
+        inputs = [[placement_str(s.inputs[k]) for s in combo] for k in range(len(node.inputs))]
+        split = 1
+        for a, s in enumerate(combo):
+            if output[a].startswith("S") or any(p[a].startswith("S") for p in inputs):
+                split *= self.sizes[a]
+        moved = local_bytes(node.bytes, output, self.sizes) + sum(
+            local_bytes(self.by_name[name].bytes, p, self.sizes) for name, p in zip(node.inputs, inputs))
+        forward, backward = self.pricer.op_time(node.target, node.flops, moved, split, node.dtype)
+        saved = 0.0 if op_family(node.target) == "view" else local_bytes(node.bytes, output, self.sizes)
+        return Strategy(output=output, inputs=inputs, compute_s=forward + backward,
+                        backward_s=backward, memory_bytes=saved)
+
+    def _parameter_strategies(self, node: Node) -> list[Strategy]:
+        per_axis = []
+        for role in self.roles:
+            choices = ["R"] + [f"S({d})" for d in range(len(node.shape))]
+            if role != "tensor" and node.shape:
+                choices.insert(1, ZERO2)
+            per_axis.append(choices)
+        found = []
+        for combo in _product(per_axis):
+            storage = ["R" if c == ZERO2 else c for c in combo]
+            grads = ["S(0)" if c == ZERO2 else c for c in combo]
+            if not (_even(node.shape, storage, self.sizes) and _even(node.shape, grads, self.sizes)):
+                continue
+            param = local_bytes(node.bytes, storage, self.sizes)
+            states = local_bytes(node.bytes + optimizer_bytes(node.bytes, node.dtype), grads, self.sizes)
+            # ZeRO-1/2: each rank updates its shard, then the updated weights are all-gathered,
+            # one parameter at a time after the step (latency included, nothing to hide it behind)
+            gather = sum(self.pricer.all_gather(param, a) for a, c in enumerate(combo) if c == ZERO2)
+            found.append(Strategy(output=storage, inputs=[], gradient=grads, comm_s=gather,
+                                  memory_bytes=param + states))
+        return found
+
+    # --- edges -----------------------------------------------------------------------------
+
+    def _edges(self, node: Node, made: dict[str, ProblemNode]) -> list[Edge]:
+        found = []
+        dst = made[node.name]
+        for k, name in enumerate(node.inputs):
+            if name not in made:
+                continue
+            src_node = self.by_name[name]
+            one_tensor = src_node.dtype != ""     # a multi-output producer: price the piece read
+            nbytes = src_node.bytes if one_tensor else node.bytes
+            differentiable = (src_node.dtype if one_tensor else node.dtype) not in NOT_DIFFERENTIABLE
+            is_param = src_node.role is Role.PARAMETER
+            key = (id(made[name].strategies), id(dst.strategies), k, nbytes, differentiable)
+            if key not in self.edge_cache:
+                self.edge_cache[key] = self._edge_classes(made[name], dst, k, nbytes,
+                                                          differentiable, is_param)
+            src_class, dst_class, cost = self.edge_cache[key]
+            found.append(Edge(src=name, dst=node.name, arg=k, src_class=src_class,
+                              dst_class=dst_class, cost=cost,
+                              overlapped=is_param and self.overlap))
+        return found
+
+    def _edge_classes(self, src: ProblemNode, dst: ProblemNode, k: int, nbytes: float,
+                      differentiable: bool, is_param: bool) -> tuple:
+        src_keys = [(tuple(s.output), self._gradient_need(s)) for s in src.strategies]
+        dst_keys = [(tuple(s.inputs[k]), self._gradient_given(s, k)) for s in dst.strategies]
+        src_ids, dst_ids = _classes(src_keys), _classes(dst_keys)
+        src_unique = sorted(set(src_keys), key=src_ids.get)
+        dst_unique = sorted(set(dst_keys), key=dst_ids.get)
+        cost = []
+        for out, need in src_unique:
+            row = []
+            for given_in, grad in dst_unique:
+                forward = self.pricer.reshard(out, given_in, nbytes, bucketed=is_param)
+                backward = (self.pricer.reshard(grad, need, nbytes, bucketed=is_param)
+                            if differentiable else 0.0)
+                if forward is None or backward is None:
+                    row.append(None)
+                else:   # a gathered parameter is freed after use and gathered again for the backward
+                    row.append(forward * (2 if is_param else 1) + backward)
+            cost.append(row)
+        return [src_ids[key] for key in src_keys], [dst_ids[key] for key in dst_keys], cost
+
+    def _gradient_need(self, strategy: Strategy) -> tuple[str, ...]:
+        """The placement the producer needs its output's gradient in."""
+        if strategy.gradient:
+            return tuple(strategy.gradient)
+        return tuple("R" if p == "P" else p for p in strategy.output)
+
+    def _gradient_given(self, strategy: Strategy, k: int) -> tuple[str, ...]:
+        """The placement the consumer produces the gradient of its input k in."""
+        given = []
+        for a, p in enumerate(strategy.inputs[k]):
+            split = strategy.output[a].startswith("S") or any(q[a].startswith("S") for q in strategy.inputs)
+            given.append("R" if p == "P" else ("P" if p == "R" and split else p))
+        return tuple(given)
+
+    def _ties(self) -> dict[str, str]:
+        """Node (and parameter) of block instance k -> the same position in instance 0."""
+        tie: dict[str, str] = {}
+        for kind in self.graph.blocks:
+            first = kind.instances[0]
+            for instance in kind.instances[1:]:
+                for offset in range(first.stop - first.start):
+                    mine = self.graph.nodes[instance.start + offset]
+                    theirs = self.graph.nodes[first.start + offset]
+                    if not self._same(mine, theirs):
+                        continue
+                    tie[mine.name] = theirs.name
+                    for a, b in zip(mine.inputs, theirs.inputs):
+                        pa, pb = self.by_name[a], self.by_name[b]
+                        if pa.role is Role.PARAMETER and pb.role is Role.PARAMETER and self._same(pa, pb):
+                            tie.setdefault(a, b)
+        return tie
+
+    def _same(self, a: Node, b: Node) -> bool:
+        return (a.target == b.target and a.shape == b.shape and a.dtype == b.dtype
+                and a.args == b.args and a.name in self.views and b.name in self.views
+                and self.views[a.name].input_shapes == self.views[b.name].input_shapes)
+
+
+def _even(shape, placements: list[str], sizes: list[int]) -> bool:
+    split = [1] * len(shape)
+    for p, size in zip(placements, sizes):
+        if p.startswith("S"):
+            split[int(p[2:-1])] *= size
+    return all(dim % parts == 0 for dim, parts in zip(shape, split))
+
+
+def _product(per_axis: list[list[str]]) -> list[tuple[str, ...]]:
+    combos = [()]
+    for choices in per_axis:
+        combos = [c + (x,) for c in combos for x in choices]
+    return combos
+
+
+def _classes(keys: list) -> dict:
+    ids: dict = {}
+    for key in keys:
+        ids.setdefault(key, len(ids))
+    return ids

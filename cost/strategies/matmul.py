@@ -1,0 +1,128 @@
+"""Contractions: the matmul family from einsum equations, attention, and embedding lookups."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._ops._einsum_strategy import EinsumDims
+
+from autopar.cost.strategies.registry import OpStrategy, OpView, rule
+
+LETTERS = "abcdefghijlmopqrstuvwxyz"     # k and n are kept for the contracted and output features
+
+
+def einsum_strategies(equation: str) -> list[OpStrategy]:
+    """One-axis strategies of a two-operand einsum, DTensor's rule: shard a batch dim everywhere,
+    a free dim on its operand and the output, or the contracted dim on both (output Partial)."""
+    (lhs, rhs), out = EinsumDims.parse_equation(equation)
+    dims = EinsumDims.parse_dims([lhs, rhs], out)
+
+    def placed(spec: str, char: str):
+        return Shard(spec.index(char)) if char in spec else Replicate()
+
+    found = []
+    for char in dims.batch_dims + dims.lhs_out_only_dims + dims.rhs_out_only_dims:
+        found.append(OpStrategy(Shard(out.index(char)), (placed(lhs, char), placed(rhs, char))))
+    for char in dims.contracting_dims:
+        found.append(OpStrategy(Partial(), (Shard(lhs.index(char)), Shard(rhs.index(char)))))
+    return found
+
+
+def with_bias(strategies: list[OpStrategy], bias_rank: int, out_rank: int,
+              bias_first: bool = False) -> list[OpStrategy]:
+    """Add a broadcast bias (aligned with the output's trailing dims) to each strategy: sharded
+    with the output, or Partial with a Partial output (added on one rank only)."""
+    found = []
+    for strategy in strategies:
+        out = strategy.output
+        if isinstance(out, Partial):
+            bias = Partial()
+        elif isinstance(out, Shard) and out.dim >= out_rank - bias_rank:
+            bias = Shard(out.dim - (out_rank - bias_rank))
+        else:
+            bias = Replicate()
+        inputs = (bias, *strategy.inputs) if bias_first else (*strategy.inputs, bias)
+        found.append(OpStrategy(out, inputs))
+    return found
+
+
+@rule("aten.linear.default")
+def linear(view: OpView) -> list[OpStrategy]:
+    lead = LETTERS[:len(view.input_shapes[0]) - 1]
+    found = einsum_strategies(f"{lead}k,nk->{lead}n")
+    if len(view.input_shapes) == 3:
+        found = with_bias(found, len(view.input_shapes[2]), len(lead) + 1)
+    return found
+
+
+@rule("aten.mm.default")
+def mm(view: OpView) -> list[OpStrategy]:
+    return einsum_strategies("mk,kn->mn")
+
+
+@rule("aten.bmm.default")
+def bmm(view: OpView) -> list[OpStrategy]:
+    return einsum_strategies("bmk,bkn->bmn")
+
+
+@rule("aten.addmm.default")
+def addmm(view: OpView) -> list[OpStrategy]:
+    return with_bias(einsum_strategies("mk,kn->mn"), len(view.input_shapes[0]), 2, bias_first=True)
+
+
+@rule("aten.baddbmm.default")
+def baddbmm(view: OpView) -> list[OpStrategy]:
+    return with_bias(einsum_strategies("bmk,bkn->bmn"), len(view.input_shapes[0]), 3,
+                     bias_first=True)
+
+
+@rule("aten.matmul.default")
+def matmul(view: OpView) -> list[OpStrategy]:
+    """torch.matmul: a 2-D operand against a batched one, or two operands with equal batch dims;
+    other broadcasts (1-D operands, size-1 batch dims) run replicated."""
+    lhs_shape, rhs_shape = view.input_shapes
+    if len(lhs_shape) < 2 or len(rhs_shape) < 2:
+        return []
+    if len(rhs_shape) == 2:
+        lead = LETTERS[:len(lhs_shape) - 2]
+        return einsum_strategies(f"{lead}mk,kn->{lead}mn")
+    if len(lhs_shape) == 2:
+        lead = LETTERS[:len(rhs_shape) - 2]
+        return einsum_strategies(f"mk,{lead}kn->{lead}mn")
+    if lhs_shape[:-2] == rhs_shape[:-2]:
+        lead = LETTERS[:len(lhs_shape) - 2]
+        return einsum_strategies(f"{lead}mk,{lead}kn->{lead}mn")
+    return []
+
+
+ATTENTION_OPS = ("aten.scaled_dot_product_attention.default",
+                 "aten._scaled_dot_product_flash_attention.default",
+                 "aten._scaled_dot_product_efficient_attention.default",
+                 "aten._scaled_dot_product_cudnn_attention.default",
+                 "aten._scaled_dot_product_flash_attention_for_cpu.default")
+
+
+@rule(*ATTENTION_OPS)
+def attention(view: OpView) -> list[OpStrategy]:
+    """q, k, v [batch, heads, seq, head_dim]: batch or heads sharded on all three (and on a mask
+    where it has that dim); the sequence stays whole because a causal mask needs absolute positions."""
+    found = []
+    for dim in (0, 1):
+        inputs = [Shard(dim)] * 3
+        for shape in view.input_shapes[3:]:        # an attention mask broadcast to [b, h, s, s]
+            offset = 4 - len(shape)
+            inputs.append(Shard(dim - offset) if dim >= offset and shape[dim - offset] > 1
+                          else Replicate())
+        found.append(OpStrategy(Shard(dim), tuple(inputs)))
+    return found
+
+
+@rule("aten.embedding.default")
+def embedding(view: OpView) -> list[OpStrategy]:
+    """weight [vocab, hidden], ids [...]: ids sharded on any dim (the output follows); hidden
+    sharded (the output's last dim); or vocab sharded, each rank looking up its own rows and
+    zeroing the rest, an output of partial sums (Megatron's vocab-parallel embedding)."""
+    ids_rank = len(view.input_shapes[1])
+    found = [OpStrategy(Shard(d), (Replicate(), Shard(d))) for d in range(ids_rank)]
+    found.append(OpStrategy(Shard(ids_rank), (Shard(1), Replicate())))
+    found.append(OpStrategy(Partial(), (Shard(0), Replicate())))
+    return found
