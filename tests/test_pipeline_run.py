@@ -89,7 +89,7 @@ def compare_with_one_process(losses, state, data, optimizer) -> dict:
         if diff > bound:
             bad[name] = (diff, bound)
     return {"losses": losses, "expected": expected, "bad_params": bad,
-            "names": (sorted(state) == sorted(params))}
+            "names": sorted(state) == sorted(reference.state_dict())}
 
 
 def assert_equal_to_one_process(report: dict) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
+from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
@@ -105,8 +106,10 @@ class PipelineRunner:
     """This rank's share of a pipelined model: its stages, its schedule and its optimizer."""
 
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
-                 programs: list[StageProgram], schedule, optimizer, device: torch.device):
+                 programs: list[StageProgram], schedule, optimizer, device: torch.device,
+                 state_aliases: dict[str, list[str]]):
         self.plan = plan
+        self.state_aliases = state_aliases
         self.layout = layout
         self.mesh = mesh
         self.programs = programs
@@ -120,21 +123,33 @@ class PipelineRunner:
     def parameters(self) -> list[nn.Parameter]:
         return [p for program in self.programs for p in program.module.parameters()]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on the GLOBAL batch; each replica takes its own rows."""
-        check_batch(self.plan, inputs.shape[0])
-        rows = slice(self.dp_rank * inputs.shape[0] // self.layout.dp,
-                     (self.dp_rank + 1) * inputs.shape[0] // self.layout.dp)
-        local_inputs = inputs[rows].to(self.device)
-        local_targets = targets[rows].to(self.device)
+    @property
+    def global_batch(self) -> int:
+        return self.plan.global_batch
+
+    def step(self, *batch: torch.Tensor, local: bool = False) -> float:
+        """One optimizer step on `(*inputs, targets)`: the global batch, or with `local=True` this
+        replica's share. Returns the mean loss over micro-batches and replicas on every rank."""
+        if len(batch) < 2:
+            raise AutoparError("step(*inputs, targets): pass the model's inputs and the targets")
+        share = self.global_batch // self.layout.dp
+        for tensor in batch:
+            check_batch(self.plan, tensor.shape[0] * (self.layout.dp if local else 1))
+        if not local:
+            batch = tuple(t[self.dp_rank * share:(self.dp_rank + 1) * share] for t in batch)
+        *inputs, targets = (t.to(self.device) for t in batch)
         losses: list[torch.Tensor] = []
-        args = (local_inputs,) if self.is_first else ()
-        kwargs = {"target": local_targets, "losses": losses} if self.is_last else {}
+        args = tuple(inputs) if self.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
         self._reduce_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._shared_loss(losses)
+
+    def sampler(self, dataset, **kwargs) -> DistributedSampler:
+        """A DistributedSampler over the data-parallel replicas: feed its batches to step(local=True)."""
+        return DistributedSampler(dataset, num_replicas=self.layout.dp, rank=self.dp_rank, **kwargs)
 
     def _reduce_gradients(self) -> None:
         """Average gradients over the data-parallel replicas in one flat all-reduce."""
@@ -158,12 +173,13 @@ class PipelineRunner:
         return (value / (self.layout.dp * self.layout.tp)).item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the model under its original name, gathered on every rank."""
+        """Parameters and buffers under model.state_dict()'s names, gathered on every rank. A
+        collective: call it on every rank."""
         mine = {}
         if self.dp_rank == 0:
             for program in self.programs:
                 for ref in program.module.modules():
-                    if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter):
+                    if isinstance(ref, TensorRef):
                         # gathering a DTensor is a collective of the stage's tp group
                         value = ref.value.detach()
                         value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -172,7 +188,20 @@ class PipelineRunner:
             mine = {}
         gathered: list[dict] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        return {name: tensor for part in gathered for name, tensor in part.items()}
+        found = {name: tensor for part in gathered for name, tensor in part.items()}
+        return {key: next(found[alias] for alias in aliases if alias in found)
+                for key, aliases in self.state_aliases.items()}
+
+
+def state_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each state_dict key and every name of the same tensor (tied weights have several; the graph
+    knows one of them)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
+    return {key: names.get(id(tensor), [key])
+            for key, tensor in model.state_dict(keep_vars=True).items()}
 
 
 def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
@@ -207,7 +236,8 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     params = [p for program in programs for p in program.module.parameters()]
     zero = max(plan.stages[s].zero for s in own)
     return PipelineRunner(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
-                          optimizer=_optimizer(optimizer, params, zero, layout, mesh), device=device)
+                          optimizer=_optimizer(optimizer, params, zero, layout, mesh), device=device,
+                          state_aliases=state_aliases(model))
 
 
 def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: PipelineLayout,
