@@ -216,7 +216,7 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
                         f"{layout.world_size} ranks or plan for this world size")
     check_batch(plan, plan.global_batch)
     _check_layers(model, plan)
-    device = torch.device(device or "cpu")
+    device = torch.device(device or _default_device())
     mesh = DeviceMesh(device.type, torch.tensor(layout.grid), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank = layout.coordinates(dist.get_rank())[0]
     own = [s for s, r in enumerate(layout.stage_rank) if r == pp_rank]
@@ -255,6 +255,13 @@ def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: Pi
     options = {key: value for key, value in probe.defaults.items() if key in accepted}
     return ZeroRedundancyOptimizer(params, optimizer_class=type(probe),
                                    process_group=mesh.get_group("dp"), **options)
+
+
+def _default_device() -> torch.device:
+    """This rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

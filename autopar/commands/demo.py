@@ -1,0 +1,165 @@
+"""`autopar demo [--ranks 4|8] [--steps N]`: the whole compiler on this machine.
+
+A small GPT is planned for a CPU mesh of gloo processes under a memory limit that a plain
+data-parallel replica does not fit (half of what data parallelism would need per device), so the
+plan has to shard the model: pipeline stages, tensor parallelism or ZeRO. The plan is printed,
+the ranks are started, and they train for N steps; then the same model trains in this process on
+the same batches and the two loss curves are printed side by side and drawn in a PNG.
+
+The batches are a learnable toy language: each sequence counts from a random start with a random
+stride (mod the vocabulary), so the loss falls visibly within a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+MODEL = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
+MICRO_BATCH = 2
+GLOBAL_BATCH = 16
+SEED = 0
+
+
+def add_arguments(parser):
+    parser.add_argument("--ranks", type=int, choices=(4, 8), default=4,
+                        help="gloo processes, one per CPU 'device' of the mesh (default 4)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument("--memory-limit",
+                        help="bytes per device for the planner (default: half of what plain data "
+                             "parallelism needs, so the plan must shard the model)")
+    parser.add_argument("--png", default="autopar-demo-loss.png",
+                        help="where to draw the loss curves (default autopar-demo-loss.png)")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="seconds for the planner")
+
+
+def run(args) -> int:
+    import autopar
+    from autopar.commands.explain import render
+
+    if args.steps < 1:
+        raise autopar.AutoparError(f"--steps {args.steps}: train at least one step")
+    console = Console()
+    mesh = autopar.Mesh.parse(f"{args.ranks}:cpu")
+    plan = make_plan(mesh, args.memory_limit, args.time_limit, console)
+    render(plan, console)
+    batches = counting_batches(args.steps, plan.global_batch)
+    console.print(f"\nstarting {args.ranks} gloo processes, {args.steps} steps of "
+                  f"{plan.global_batch} sequences")
+    results = autopar.launch(train_rank, args.ranks, str(mesh), plan, batches, timeout=600,
+                             pg_timeout=120)
+    parallel = results[0]
+    with console.status("the same training in one process"):
+        single = train_single(batches)
+    show_curves(console, parallel, single, args.png)
+    return 0
+
+
+def make_plan(mesh, memory_limit, time_limit: float, console: Console):
+    """Plan the demo model; by default under half the memory a data-parallel replica needs."""
+    import autopar
+    from autopar.api import plan_graph
+    from autopar.capture import capture
+    from autopar.models import build_model
+
+    model, example_inputs = build_model(MODEL, batch=MICRO_BATCH)
+    with console.status(f"planning {MODEL} for {mesh}"):
+        graph = capture(model, example_inputs=example_inputs)
+        if memory_limit is None:
+            replica = autopar.estimate(graph, mesh, autopar.Config(
+                dp=mesh.world_size, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH))
+            memory_limit = int(replica.memory_per_gpu_bytes // 2)
+            console.print(f"data parallelism would need {replica.memory_per_gpu_bytes / 2**20:.2f} MiB "
+                          f"per device; planning under {memory_limit / 2**20:.2f} MiB")
+        return plan_graph(graph, mesh, global_batch=GLOBAL_BATCH, memory_limit=memory_limit,
+                          time_limit=time_limit)
+
+
+def counting_batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, next-token targets) per step: sequences start + stride * i mod vocab."""
+    from autopar.models import parse_spec
+
+    config = parse_spec(MODEL)
+    generator = torch.Generator().manual_seed(SEED)
+    positions = torch.arange(config.seq + 1)
+    result = []
+    for _ in range(steps):
+        start = torch.randint(0, config.vocab, (batch, 1), generator=generator)
+        stride = torch.randint(1, 8, (batch, 1), generator=generator)
+        tokens = (start + stride * positions) % config.vocab
+        result.append((tokens[:, :-1], tokens[:, 1:]))
+    return result
+
+
+def make_optimizer(params):
+    # eps well above float noise: Adam's default 1e-8 turns 1e-12 gradient noise into visible updates
+    return torch.optim.AdamW(params, lr=3e-3, eps=1e-6)
+
+
+def train_rank(mesh: str, plan, batches) -> list[float]:
+    """One gloo rank: compile the demo model under `plan` and train; rank 0 shows the progress."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models import build_model, lm_loss
+
+    model, example_inputs = build_model(MODEL, device="cpu", batch=MICRO_BATCH, seed=SEED)
+    compiled = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=lm_loss,
+                               optimizer=make_optimizer, plan=plan)
+    losses = []
+    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), disable=dist.get_rank() != 0) as progress:
+        task = progress.add_task("", total=len(batches))
+        for inputs, targets in batches:
+            losses.append(compiled.step(inputs, targets))
+            progress.update(task, advance=1, description=f"loss {losses[-1]:.4f}")
+    return losses
+
+
+def train_single(batches) -> list[float]:
+    from autopar.models import build_model, lm_loss
+
+    model, _ = build_model(MODEL, device="cpu", batch=MICRO_BATCH, seed=SEED)
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for inputs, targets in batches:
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def show_curves(console: Console, parallel: list[float], single: list[float], png: str) -> None:
+    table = Table(title="loss: parallel run against one process", title_justify="left")
+    for column in ("step", "parallel", "one process", "|difference|"):
+        table.add_column(column, justify="right")
+    for step, (a, b) in enumerate(zip(parallel, single)):
+        table.add_row(str(step + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}")
+    console.print(table)
+    worst = max(range(len(single)), key=lambda i: abs(parallel[i] - single[i]))
+    console.print(f"largest difference {abs(parallel[worst] - single[worst]):.2e} at step {worst + 1} "
+                  f"(loss {single[0]:.3f} -> {single[-1]:.3f})")
+    save_curves(parallel, single, png)
+    console.print(f"loss curves drawn in {png}")
+
+
+def save_curves(parallel: list[float], single: list[float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = range(1, len(single) + 1)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(steps, single, label="one process", linewidth=3, alpha=0.5)
+    axis.plot(steps, parallel, label="autopar, gloo ranks", linestyle="--", marker=".")
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
