@@ -332,9 +332,22 @@ def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int
         whole = sum(layout.storage_bytes.get(k, 0.0) for k in keys)
         out.peak_per_sample = max(out.peak_per_sample, whole)
     out.saved_per_sample = sum(layout.storage_bytes.get(k, 0.0) for k in saved) + score_bytes
-    out.params = sum(n for name, n in layout.param_local.items() if owner[layout.index[name]] == chunk)
+    out.params = _chunk_params(graph, layout, owner, chunk)
     out.loss_per_sample = _loss_bytes(graph, layout, owner, chunk)
     return out
+
+
+def _chunk_params(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int) -> float:
+    """Parameter elements a device of `chunk` holds. A tied weight (embedding and head) counts
+    once where both uses share a chunk, and on both sides when the pipeline separates them."""
+    by_fqn = {n.param_fqn: layout.index[n.name] for n in graph.parameters}
+    total = 0.0
+    for name, count in layout.param_local.items():
+        i = layout.index[name]
+        tied = graph.nodes[i].tied_to
+        if owner[i] == chunk and (tied is None or owner[by_fqn.get(tied, i)] != chunk):
+            total += count
+    return total
 
 
 def _kernels(node: NodeLayout, b: int, attention: str) -> tuple[list, list, float]:

@@ -114,6 +114,8 @@ def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
             storage[node.name] = node.name
             contiguous[node.name] = True
             from_input[node.name] = node.role is Role.INPUT
+            if node.role is Role.INPUT:       # kept when a first op saves it (a matmul's input)
+                storage_bytes[node.name] = local_bytes(node)
             continue
         family = op_family(node.target)
         name = op_name(node.target)

@@ -1,0 +1,284 @@
+"""The cost model against hand-computed values: collectives, roofline, memory, the estimator."""
+
+import json
+import math
+
+import pytest
+import sympy
+
+from autopar.cli import main
+from autopar.cost.collectives import (Group, all_gather_time, all_reduce_time, all_to_all_time,
+                                      reduce_scatter_time, send_recv_time)
+from autopar.cost.compute import Efficiencies, compute_time, op_family
+from autopar.cost.config import Config
+from autopar.cost.estimate import StageSpec, estimate, estimate_stages, max_batch, memory_expression
+from autopar.cost.memory import in_flight, model_state_bytes
+from autopar.cost.mesh import DEVICES, Mesh
+from autopar.errors import AutoparError, MeshError
+from autopar.graph import Graph, Node, Role
+
+A100 = DEVICES["a100-80g"]
+NVLINK_BW = 300e9 * 0.77
+IB_BW = 25e9 * 0.90
+
+
+def test_ring_all_reduce_matches_the_alpha_beta_formula():
+    mesh = Mesh.parse("8:a100-80g")
+    nbytes = 1e9
+    expected = 2 * 7 / 8 * nbytes / NVLINK_BW + 2 * 7 * 5e-6
+    assert all_reduce_time(nbytes, mesh, ["gpu"]) == pytest.approx(expected)
+    assert all_gather_time(nbytes, mesh, ["gpu"]) == pytest.approx(7 / 8 * nbytes / NVLINK_BW + 7 * 5e-6)
+    assert reduce_scatter_time(nbytes, mesh, ["gpu"]) == all_gather_time(nbytes, mesh, ["gpu"])
+    assert all_to_all_time(nbytes, mesh, ["gpu"]) == pytest.approx(7 / 64 * nbytes / NVLINK_BW + 7 * 5e-6)
+    assert send_recv_time(nbytes, A100.inter_node) == pytest.approx(10e-6 + nbytes / IB_BW)
+    tree = Group.of_axes(mesh, ["gpu"]).all_reduce(nbytes, "tree")
+    assert tree == pytest.approx(2 * 3 * 5e-6 + 2 * nbytes / NVLINK_BW)
+
+
+def test_hierarchical_all_reduce_is_reduce_scatter_inside_all_reduce_across_all_gather_inside():
+    mesh = Mesh.parse("4x8:a100-80g")
+    nbytes = 8e9
+    inside = 7 / 8 * nbytes / NVLINK_BW + 7 * 5e-6
+    across = 2 * 3 / 4 * (nbytes / 8) / IB_BW + 2 * 3 * 10e-6
+    assert all_reduce_time(nbytes, mesh, ["node", "gpu"]) == pytest.approx(2 * inside + across)
+    # A group strided over nodes only (one GPU per node) runs a ring on InfiniBand.
+    assert Group.strided(mesh, 4, 8).all_reduce(nbytes) == pytest.approx(
+        all_reduce_time(nbytes, mesh, ["node"]))
+    assert Group.strided(mesh, 16, 2).levels[0].size == 4
+
+
+def test_more_parallelism_over_the_slow_axis_costs_more():
+    mesh = Mesh.parse("2x8:a100-80g")
+    assert all_reduce_time(1e8, mesh, ["node"]) > all_reduce_time(1e8, mesh, ["gpu"])
+    assert Group.strided(mesh, 16, 1).all_reduce(1e8) > Group.strided(mesh, 8, 1).all_reduce(1e8)
+
+
+def test_collective_errors_name_the_problem():
+    mesh = Mesh.parse("2x8:a100-80g")
+    with pytest.raises(MeshError, match="no axis 'rack'"):
+        all_reduce_time(1e6, mesh, ["rack"])
+    with pytest.raises(MeshError, match="does not fit"):
+        Group.strided(mesh, 32, 1)
+
+
+def test_mesh_specs_and_errors():
+    assert Mesh.parse("128x8:a100-80g").world_size == 1024
+    assert [a.name for a in Mesh.parse("4:cpu").axes] == ["gpu"]
+    assert Mesh.parse("2x2:cpu").shape == (2, 2)
+    with pytest.raises(MeshError, match="known devices: a100-40g"):
+        Mesh.parse("8:v100")
+    with pytest.raises(MeshError, match="expected NODESxGPUS:DEVICE"):
+        Mesh.parse("8 gpus")
+
+
+def test_roofline_compute_and_memory_bound():
+    eff = Efficiencies()
+    flops = 2 * 8192 ** 3
+    big = compute_time(flops, 3 * 8192 ** 2 * 2, A100, "matmul")
+    assert big == pytest.approx(flops / (312e12 * eff.compute["matmul"]) + eff.kernel_latency_s)
+    moved = 3 * 2 ** 30
+    add = compute_time(2 ** 29, moved, A100, "elementwise")
+    assert add == pytest.approx(moved / (A100.hbm_bandwidth * eff.memory["elementwise"])
+                                + eff.kernel_latency_s)
+    assert compute_time(0, 10 ** 9, A100, "view") == 0.0
+    assert op_family("aten.linear.default") == "matmul"
+    assert op_family("aten.scaled_dot_product_attention.default") == "attention"
+    assert op_family("aten.layer_norm.default") == "norm"
+    assert op_family("aten.transpose.int") == "view"
+    assert op_family("aten.gelu.default") == "elementwise"
+
+
+def test_efficiencies_reject_nonsense():
+    with pytest.raises(AutoparError, match="fraction of the peak"):
+        Efficiencies(compute={"matmul": 1.5})
+    with pytest.raises(AutoparError, match="unknown"):
+        Efficiencies(memory={"fft": 0.5})
+
+
+def test_adam_mixed_precision_memory_per_zero_stage():
+    params, dp = 1e9, 8
+    assert sum(model_state_bytes(params, zero=0, dp=dp).values()) == 16e9
+    assert sum(model_state_bytes(params, zero=1, dp=dp).values()) == pytest.approx((2 + 2 + 12 / 8) * 1e9)
+    assert sum(model_state_bytes(params, zero=2, dp=dp).values()) == pytest.approx((2 + 14 / 8) * 1e9)
+    assert sum(model_state_bytes(params, zero=3, dp=dp).values()) == pytest.approx(16 / 8 * 1e9)
+
+
+def test_in_flight_micro_batches_per_schedule():
+    assert in_flight("1f1b", pp=4, micro_batches=16, stage=0) == 4
+    assert in_flight("1f1b", pp=4, micro_batches=16, stage=3) == 1
+    assert in_flight("1f1b", pp=4, micro_batches=2, stage=0) == 2
+    assert in_flight("gpipe", pp=4, micro_batches=16, stage=0) == 16
+    # Interleaved: (1 + (p-1)/(pv)) times 1F1B's first stage, in chunks: p*v + p - 1.
+    assert in_flight("interleaved-1f1b", pp=4, micro_batches=16, virtual=2, stage=0) == 4 * 2 + 3
+
+
+def _mlp_graph(batch=4, hidden=1024):
+    """x [batch, hidden] -> mm(w1) -> relu -> mm(w2): a hand-made graph."""
+    f32 = 4
+    act = batch * hidden * f32
+    def node(name, target, role, shape, inputs=(), flops=0):
+        size = math.prod(shape) * f32
+        return Node(name=name, target=target, role=role, shape=shape, dtype="float32", bytes=size,
+                    inputs=inputs, flops=flops, param_fqn=name if role is Role.PARAMETER else None)
+    nodes = [node("w1", "placeholder", Role.PARAMETER, (hidden, hidden)),
+             node("w2", "placeholder", Role.PARAMETER, (hidden, hidden)),
+             node("x", "placeholder", Role.INPUT, (batch, hidden)),
+             node("mm1", "aten.mm.default", Role.ACTIVATION, (batch, hidden), ("x", "w1"),
+                  2 * batch * hidden * hidden),
+             node("relu", "aten.relu.default", Role.ACTIVATION, (batch, hidden), ("mm1",), batch * hidden),
+             node("mm2", "aten.mm.default", Role.ACTIVATION, (batch, hidden), ("relu", "w2"),
+                  2 * batch * hidden * hidden),
+             Node(name="output", target="output", role=Role.OUTPUT, shape=(), dtype="", bytes=0,
+                  inputs=("mm2",))]
+    assert act
+    return Graph(nodes=nodes, blocks=[])
+
+
+def test_estimate_of_a_hand_made_graph_matches_hand_computed_times():
+    hidden, batch = 4096, 8192
+    graph = _mlp_graph(batch, hidden)
+    mesh = Mesh.parse("1:a100-80g")
+    result = estimate(graph, mesh, Config(global_batch=batch, micro_batch=batch))
+    eff = Efficiencies()
+    bf16 = 2
+    mm_flops = 2 * batch * hidden * hidden
+    mm_bytes = 2 * batch * hidden * bf16 + hidden * hidden * bf16
+    mm = compute_time(mm_flops, mm_bytes, A100, "matmul")
+    mm_bwd = compute_time(2 * mm_flops, 2 * mm_bytes, A100, "matmul")
+    relu_bytes = 2 * batch * hidden * bf16
+    relu = compute_time(batch * hidden, relu_bytes, A100, "elementwise")
+    relu_bwd = compute_time(batch * hidden, 1.5 * relu_bytes, A100, "elementwise")
+    compute = 2 * mm + 2 * mm_bwd + relu + relu_bwd
+    assert result.breakdown["compute"] == pytest.approx(compute)
+    optimizer = 2 * hidden * hidden * 30 / (A100.hbm_bandwidth * eff.memory["elementwise"])
+    assert result.step_time_s == pytest.approx(compute + optimizer + eff.kernel_latency_s)
+    assert result.memory_breakdown["weights"] == 2 * hidden * hidden * 2
+    # Kept for the backward: x (mm1), mm1's output (relu), relu's output (mm2), in bf16.
+    assert result.memory_breakdown["activations"] == 3 * batch * hidden * bf16
+    assert result.model_tflops_per_gpu == pytest.approx(
+        3 * graph.forward_flops / result.step_time_s / 1e12)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    from autopar.commands.estimate import capture_training_step
+    return capture_training_step("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1024,dropout=0.1")
+
+
+def test_tensor_parallelism_across_nodes_costs_more_than_inside_one(tiny_gpt):
+    config = Config(tp=4, dp=1, global_batch=8, micro_batch=8)
+    inside = estimate(tiny_gpt, Mesh.parse("4:a100-80g"), config)
+    across = estimate(tiny_gpt, Mesh.parse("4x1:a100-80g"), config)
+    assert across.breakdown["exposed_comm"] > inside.breakdown["exposed_comm"]
+    assert across.step_time_s > inside.step_time_s
+
+
+def test_recompute_zero_and_sequence_parallel_trade_time_for_memory(tiny_gpt):
+    mesh = Mesh.parse("8:a100-80g")
+    base = dict(tp=2, pp=2, dp=2, global_batch=32, micro_batch=4)
+    plain = estimate(tiny_gpt, mesh, Config(**base))
+    full = estimate(tiny_gpt, mesh, Config(**base, recompute="full"))
+    assert full.memory_breakdown["activations"] < plain.memory_breakdown["activations"]
+    assert full.step_time_s > plain.step_time_s
+    assert full.tflops_per_gpu * full.step_time_s > plain.tflops_per_gpu * plain.step_time_s
+    assert full.model_tflops_per_gpu * full.step_time_s == pytest.approx(
+        plain.model_tflops_per_gpu * plain.step_time_s)
+    sp = estimate(tiny_gpt, mesh, Config(**base, sequence_parallel=True))
+    assert sp.memory_breakdown["activations"] < plain.memory_breakdown["activations"]
+    zero = [estimate(tiny_gpt, mesh, Config(**base, zero=z)).memory_per_gpu_bytes for z in range(4)]
+    assert zero == sorted(zero, reverse=True) and zero[3] < zero[0]
+
+
+def test_bubble_fraction_is_p_minus_1_over_v_m_for_equal_stages():
+    from autopar.commands.estimate import capture_training_step
+    graph = capture_training_step("gpt:layers=8,hidden=128,heads=4,seq=64,vocab=128")
+    mesh = Mesh.parse("4:a100-80g")
+    one = estimate(graph, mesh, Config(pp=4, global_batch=16, micro_batch=1))
+    # The first and last stages carry the embedding and the head: nearly, not exactly, equal.
+    assert one.bubble_fraction == pytest.approx(3 / 16, rel=0.15)
+    two = estimate(graph, mesh, Config(pp=4, virtual=2, schedule="interleaved-1f1b",
+                                       global_batch=16, micro_batch=1))
+    assert two.bubble_fraction == pytest.approx(3 / 32, rel=0.15)
+
+
+def test_graph_activations_agree_with_the_megatron_formula():
+    from autopar.commands.estimate import capture_training_step
+    from autopar.cost.memory import megatron_activation_bytes
+    seq, hidden, heads, batch = 512, 512, 8, 2
+    spec = f"gpt:layers=4,hidden={hidden},heads={heads},seq={seq},vocab=512,dropout=0.1"
+    graph = capture_training_step(spec)
+    mesh = Mesh.parse("8:a100-80g")
+    for tp in (1, 4):
+        config = Config(tp=tp, dp=8 // tp, global_batch=batch * 8 // tp, micro_batch=batch)
+        short = capture_training_step(spec.replace("layers=4", "layers=2"))
+        per_layer = (estimate(graph, mesh, config, attention="unfused").memory_breakdown["activations"]
+                     - estimate(short, mesh, config, attention="unfused").memory_breakdown["activations"]) / 2
+        formula = megatron_activation_bytes(seq=seq, batch=batch, hidden=hidden, heads=heads, tp=tp)
+        # The graph keeps FlashAttention-free attention's output besides the projection's input.
+        assert per_layer == pytest.approx(formula, rel=0.1)
+
+
+def test_max_batch_agrees_with_the_numeric_memory_model(tiny_gpt):
+    mesh = Mesh.parse("2x4:a100-40g")
+    config = Config(tp=2, pp=2, dp=2, global_batch=16, micro_batch=2, recompute="selective")
+    limit = 3e9
+    best = max_batch(tiny_gpt, mesh, config, limit)
+    assert best > 2
+    def memory(b):
+        c = Config(**{**config.to_dict(), "micro_batch": b,
+                      "global_batch": b * config.dp * config.micro_batches})
+        return estimate(tiny_gpt, mesh, c).memory_per_gpu_bytes
+    assert memory(best) <= limit < memory(best + 1)
+    b = sympy.Symbol("b", positive=True)
+    expression = memory_expression(tiny_gpt, mesh, config, batch=b)
+    assert float(expression.subs(b, best)) == pytest.approx(memory(best))
+    assert max_batch(tiny_gpt, mesh, config, 1e6) == 0
+
+
+def test_estimate_stages_prices_non_uniform_stages(tiny_gpt):
+    mesh = Mesh.parse("8:a100-80g")
+    stages = [StageSpec(layers=["model.layers.0"], tp=2, dp=2, recompute="full"),
+              StageSpec(layers=["model.layers.1", "model.layers.2", "model.layers.3"], tp=2, dp=2)]
+    result = estimate_stages(tiny_gpt, mesh, stages, global_batch=16, micro_batch=2)
+    assert len(result.devices) == 2 and result.step_time_s > 0
+    with pytest.raises(AutoparError, match="not a block"):
+        estimate_stages(tiny_gpt, mesh, [StageSpec(layers=["layers.9"], tp=8)], global_batch=8,
+                        micro_batch=1)
+
+
+def test_estimate_rejects_a_bad_factorization(tiny_gpt):
+    with pytest.raises(AutoparError, match="does not match the 8 devices"):
+        estimate(tiny_gpt, Mesh.parse("8:a100-80g"), Config(tp=2, dp=2, global_batch=8))
+    with pytest.raises(AutoparError, match="split evenly"):
+        estimate(tiny_gpt, Mesh.parse("3:a100-80g"), Config(pp=3, global_batch=3))
+
+
+def test_cli_estimate_json_schema(capsys):
+    code = main(["estimate", "gpt-tiny", "--mesh", "2x2:a100-80g", "--tp", "2", "--pp", "2",
+                 "--global-batch", "8", "--micro-batch", "2", "--recompute", "full", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tflops_per_gpu", "model_tflops_per_gpu", "mfu",
+                "memory_per_gpu_bytes", "bubble_fraction"):
+        assert isinstance(report[key], float) and report[key] >= 0
+    assert report["config"]["dp"] == 1
+    assert set(report["breakdown"]) == {"compute", "exposed_comm", "bubble", "optimizer"}
+    assert report["step_time_s"] == pytest.approx(sum(report["breakdown"].values()))
+
+
+def test_cli_estimate_bad_factorization_is_a_clear_error(capsys):
+    code = main(["estimate", "gpt-tiny", "--mesh", "4:cpu", "--tp", "3", "--global-batch", "8"])
+    assert code == 1
+    assert "does not divide the 4 devices" in capsys.readouterr().err
+
+
+def test_calibrate_on_cpu_writes_a_file_estimate_reads(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--out", str(out), "--device", "cpu", "--budget", "0.01"]) == 0
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and 0 < data["compute"]["matmul"] <= 1
+    assert "mm 1024x1024x1024" in data["measurements"]
+    capsys.readouterr()
+    assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
+                 "--calibration", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == str(out)

@@ -1,0 +1,53 @@
+"""The estimator against published measurements: every row of Megatron-LM's SC'21 table 1 given in
+shared/reference, predicted within 15% of its TFLOP/s per GPU, fitting in 80 GB."""
+
+from pathlib import Path
+
+import pytest
+
+from autopar.commands.estimate import capture_training_step
+from autopar.cost.estimate import estimate
+from autopar.cost.reference import sc21_runs
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron_sc21_table1.csv"
+RUNS = sc21_runs(REFERENCE) if REFERENCE.exists() else []
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    """One capture per model spec, shared by the tests of this module."""
+    cache = {}
+    def graph(spec):
+        if spec not in cache:
+            cache[spec] = capture_training_step(spec)
+        return cache[spec]
+    return graph
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason=f"reference table not found at {REFERENCE}")
+@pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
+def test_predicted_tflops_within_15_percent_and_memory_fits(run, graphs):
+    result = estimate(graphs(run.spec), run.mesh, run.config, attention=run.attention)
+    error = result.tflops_per_gpu / run.published_tflops - 1
+    assert abs(error) <= 0.15, (f"{run.name}: predicted {result.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+                                f"published {run.published_tflops:.0f} ({error:+.1%})")
+    assert result.memory_per_gpu_bytes <= 80e9
+    assert result.fits
+    # Megatron's own accounting of the pipeline bubble for these configurations.
+    c = run.config
+    assert result.bubble_fraction == pytest.approx((c.pp - 1) / (c.virtual * c.micro_batches),
+                                                   rel=0.05, abs=1e-9)
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason=f"reference table not found at {REFERENCE}")
+def test_hardware_flops_follow_megatrons_formula(graphs):
+    """F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation."""
+    run = RUNS[0]
+    result = estimate(graphs(run.spec), run.mesh, run.config, attention=run.attention)
+    fields = dict(item.split("=") for item in run.spec.split(":")[1].split(","))
+    s, l, h, v = (int(fields[k]) for k in ("seq", "layers", "hidden", "vocab"))
+    batch = run.config.global_batch
+    formula = 96 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    counted = result.tflops_per_gpu * 1e12 * result.step_time_s * run.mesh.world_size
+    # The graph also counts biases, norms, GELU and softmax: a few percent above the matmuls.
+    assert counted == pytest.approx(formula, rel=0.05)
