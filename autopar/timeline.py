@@ -224,20 +224,17 @@ def _time_unit(seconds: float) -> tuple[float, str]:
 
 
 def plan_timeline(plan) -> Timeline:
-    """Simulate a Plan's schedule with its stages' predicted forward and backward times per
-    micro-batch; a plan without them gets times in proportion to its stages' layer counts, scaled
-    to the predicted compute (backward twice the forward)."""
-    stages = plan.stages
-    if all("forward_s" in s.predicted and "backward_s" in s.predicted for s in stages):
-        forward = [s.predicted["forward_s"] for s in stages]
-        backward = [s.predicted["backward_s"] for s in stages]
-    else:
-        compute = (plan.predicted.get("breakdown") or {}).get("compute") or plan.predicted.get("step_time_s", 1.0)
-        per_rank_micro_batch = compute / plan.micro_batches
-        layers = [max(1, len(s.layers)) for s in stages]
-        per_rank_layers = max(sum(layers[r::plan.pp]) for r in range(plan.pp))
-        forward = [per_rank_micro_batch * n / per_rank_layers / 3 for n in layers]
-        backward = [2 * f for f in forward]
-    return simulate(plan.schedule, forward_s=forward, backward_s=backward,
-                    micro_batches=plan.micro_batches, virtual=plan.virtual,
-                    send_s=plan.predicted.get("send_s", 0.0))
+    """Simulate a Plan's schedule with the predicted time per micro-batch of each pipeline rank
+    (`stage.predicted["time_per_micro_batch_s"]`), shared among the rank's chunks by layer count,
+    backward twice the forward. A plan without them gets its predicted compute per rank."""
+    stages, pp = plan.stages, plan.pp
+    layers = [max(1, len(s.layers)) for s in stages]
+    fallback = ((plan.predicted.get("breakdown") or {}).get("compute")
+                or plan.predicted.get("step_time_s", 1.0)) / plan.micro_batches
+    totals = []
+    for i, stage in enumerate(stages):
+        rank_time = stage.predicted.get("time_per_micro_batch_s", fallback)
+        totals.append(rank_time * layers[i] / sum(layers[i % pp::pp]))
+    return simulate(plan.schedule, forward_s=[t / 3 for t in totals],
+                    backward_s=[2 * t / 3 for t in totals], micro_batches=plan.micro_batches,
+                    virtual=plan.virtual)

@@ -14,7 +14,7 @@ def make_plan(recompute_last="none", fingerprint="0123456789abcdef") -> Plan:
     mesh = Mesh.parse("2x4:a100-80g")
     stages = [Stage(index=i, layers=layers, ranks=list(range(4 * i, 4 * i + 4)), tp=2, dp=2,
                     recompute=recompute, zero=1, sequence_parallel=True,
-                    predicted={"forward_s": 0.01 * (i + 1), "backward_s": 0.02 * (i + 1) + 1e-17,
+                    predicted={"stage": i, "time_per_micro_batch_s": 0.03 * (i + 1) + 1e-17,
                                "memory_bytes": 3.5 * 2**30})
               for i, (layers, recompute) in enumerate([
                   (["tok_emb", "pos_emb", "layers.0"], "full"),

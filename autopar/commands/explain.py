@@ -61,15 +61,15 @@ def headline(plan: Plan) -> str:
 
 def stage_table(plan: Plan) -> Table:
     table = Table(title="stages", title_justify="left")
-    for column in ("stage", "ranks", "layers", "tp x dp", "recompute", "ZeRO", "time / micro-batch",
-                   "memory"):
-        table.add_column(column, justify="right" if column in ("stage", "memory") else "left")
+    for column in ("stage", "ranks", "layers", "tp x dp", "recompute", "ZeRO",
+                   "rank's time / micro-batch", "rank's memory"):
+        table.add_column(column, justify="right" if column in ("stage", "rank's memory") else "left")
     for stage in plan.stages:
         predicted = stage.predicted
         time_text = _stage_time(predicted)
         table.add_row(str(stage.index), rank_ranges(stage.ranks), compress_layers(stage.layers),
                       f"{stage.tp} x {stage.dp}", stage.recompute, str(stage.zero), time_text,
-                      _fmt_gib(predicted.get("memory_bytes", predicted.get("memory_per_gpu_bytes"))))
+                      _fmt_gib(predicted.get("memory_bytes")))
     return table
 
 
@@ -85,10 +85,7 @@ def breakdown_table(plan: Plan) -> Table:
 
 
 def _stage_time(predicted: dict) -> str:
-    forward, backward = predicted.get("forward_s"), predicted.get("backward_s")
-    if forward is None or backward is None:
-        return "-"
-    return f"F {_fmt_s(forward)} + B {_fmt_s(backward)}"
+    return _fmt_s(predicted.get("time_per_micro_batch_s"))
 
 
 def compress_layers(layers: list[str]) -> str:

@@ -40,6 +40,12 @@ class Unit:
     layers: tuple[str, ...]     # module paths of the unit, in order
     start: int                  # node index range in Graph.nodes
     stop: int
+    block: bool = False         # a repeated block instance (its module path names it to the estimator)
+
+    @property
+    def ref(self):
+        """How the estimator's StageSpec names the unit: a block's path, otherwise its node range."""
+        return self.name if self.block else (self.start, self.stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +97,8 @@ def pipeline_units(graph: Graph) -> list[Unit]:
     for inst, following in zip(instances, instances[1:] + [None]):
         # nodes between two blocks (a residual add at the top level) run with the block before
         stop = following.start if following is not None else inst.stop
-        units.append(Unit(name=inst.module_path, layers=(inst.module_path,), start=inst.start, stop=stop))
+        units.append(Unit(name=inst.module_path, layers=(inst.module_path,), start=inst.start, stop=stop,
+                          block=True))
     head = _top_modules(graph, last.stop, len(graph.nodes), blocks)
     if head:
         units.append(Unit(name="head", layers=head, start=last.stop, stop=len(graph.nodes)))
@@ -192,6 +199,24 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
     return shapes
 
 
+def autopar_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int) -> list[Shape]:
+    """Layouts outside the grid: PP that does not divide the blocks (uneven stages), and pipelines
+    with fewer micro-batches than stages, which only GPipe and the zero-bubble schedule can run."""
+    shapes = []
+    for shape in megatron_shapes(blocks, world, gpus_per_node, global_batch, pp_divides_blocks=False):
+        if shape.virtual == 1 and blocks % shape.pp:
+            shapes.append(shape)
+    for tp in [t for t in range(1, min(MAX_TP, gpus_per_node) + 1) if gpus_per_node % t == 0]:
+        for pp in [p for p in range(2, min(world // tp, blocks) + 1) if (world // tp) % p == 0]:
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            for mbs in [b for b in GRID_MICRO_BATCH if (global_batch // dp) % b == 0]:
+                if global_batch // (dp * mbs) < pp:
+                    shapes.append(Shape(tp, pp, dp, mbs, "gpipe", 1, tp > 1))
+    return shapes
+
+
 @dataclass(kw_only=True, slots=True)
 class Search:
     """The planner's state: the pricer, the units, the best priced candidate so far."""
@@ -262,8 +287,9 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
 
 
 def refine(search: Search, start: Priced, weights_for) -> Priced:
-    """Local search from one priced candidate: each move one estimator call, the first faster one
-    that fits is taken and the moves are generated again from it (hill climbing)."""
+    """Local search from one priced candidate: each move one estimator call; the first better one
+    is taken and the moves are generated again from it (hill climbing). Better means faster and
+    fitting; while the current one does not fit, anything that fits or needs less memory."""
     current = start
     for move in (_schedule_moves, _balanced_move, _boundary_moves, _recompute_moves, _zero_moves,
                  _boundary_moves):
@@ -272,10 +298,16 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
             improved = False
             for candidate in move(current.candidate, search.pricer.global_batch, weights_for):
                 priced = search.price(candidate)
-                if priced is not None and priced.fits and priced.step_time_s < current.step_time_s:
+                if priced is not None and _better(priced, current):
                     current, improved = priced, True
                     break
     return current
+
+
+def _better(new: Priced, current: Priced) -> bool:
+    if current.fits:
+        return new.fits and new.step_time_s < current.step_time_s
+    return new.fits or new.memory_bytes < current.memory_bytes
 
 
 def _schedule_moves(candidate: Candidate, global_batch: int, weights_for):
@@ -305,21 +337,29 @@ def _boundary_moves(candidate: Candidate, global_batch: int, weights_for):
 
 
 def _recompute_moves(candidate: Candidate, global_batch: int, weights_for):
-    """Lower recompute one chunk at a time, last chunks first (they hold the fewest in flight)."""
+    """Change recompute one chunk at a time, last chunks first (they hold the fewest micro-batches
+    in flight), the cheaper levels first."""
     for i in reversed(range(candidate.chunks)):
-        level = RECOMPUTE_ORDER.index(candidate.recompute[i])
-        for lower in RECOMPUTE_ORDER[:level]:
-            recompute = list(candidate.recompute)
-            recompute[i] = lower
-            yield replace(candidate, recompute=tuple(recompute))
+        for level in RECOMPUTE_ORDER:
+            if level != candidate.recompute[i]:
+                recompute = list(candidate.recompute)
+                recompute[i] = level
+                yield replace(candidate, recompute=tuple(recompute))
 
 
 def _zero_moves(candidate: Candidate, global_batch: int, weights_for):
+    """ZeRO levels for all chunks at once, then one chunk at a time."""
     if candidate.shape.dp == 1:
         return
     for zero in (0, 1, 2, 3):
         if (zero,) * candidate.chunks != candidate.zero:
             yield replace(candidate, zero=(zero,) * candidate.chunks)
+    for i in range(candidate.chunks):
+        for zero in (0, 1, 2, 3):
+            if zero != candidate.zero[i]:
+                levels = list(candidate.zero)
+                levels[i] = zero
+                yield replace(candidate, zero=tuple(levels))
 
 
 def infeasible(search: Search, memory_limit: float) -> InfeasibleError:

@@ -19,7 +19,7 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph
 from autopar.plan import Plan, Stage
 from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, balanced_cuts, grid_phase,
-                                     infeasible, megatron_shapes, pipeline_units, refine,
+                                     infeasible, megatron_shapes, autopar_shapes, pipeline_units, refine,
                                      uneven_phase, uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
 
@@ -30,32 +30,38 @@ Progress = Callable[[str, int, int], None]
 def plan_graph(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
                time_limit: float = 60.0, progress: Progress | None = None) -> Plan:
     started = time.monotonic()
-    limit = memory_limit or mesh.device.memory_bytes
-    search = _new_search(graph, mesh, global_batch, limit, started + time_limit)
-    weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
-    blocks = sum(1 for unit in search.units if unit.name not in ("embedding", "head"))
-    grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch)
-    _report(progress, "Megatron grid", 0, 3)
-    grid_phase(search, grid)
-    _report(progress, "uneven stages", 1, 3)
-    uneven = [s for s in megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch,
-                                         pp_divides_blocks=False)
-              if blocks % s.pp and s.virtual == 1]
-    uneven_phase(search, uneven, weights_for)
-    if search.best is None:
-        # only ZeRO-2/3 might still fit: the grid again with them
-        grid_phase(search, grid, zero_levels=(2, 3))
-    if search.best is None:
-        raise infeasible(search, limit)
-    _report(progress, "refining", 2, 3)
-    for seed in _seeds(search):
-        refine(search, seed, weights_for)
+    search = search_pipeline(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
+                             deadline=started + time_limit, progress=progress)
     inter_seconds = time.monotonic() - started
     _report(progress, "placements", 3, 3)
     status = "time_limit" if search.timed_out else "searched"
     return _assemble(graph, mesh, search.best, search.units, global_batch=global_batch, solver={
         "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced},
         time_limit=max(1.0, started + time_limit - time.monotonic()))
+
+
+def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None,
+                    deadline: float, progress: Progress | None = None) -> Search:
+    """The inter-op search alone; `search.best` is the fastest candidate that fits."""
+    limit = memory_limit or mesh.device.memory_bytes
+    search = _new_search(graph, mesh, global_batch, limit, deadline)
+    weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
+    blocks = sum(1 for unit in search.units if unit.block)
+    grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch)
+    _report(progress, "Megatron grid", 0, 3)
+    grid_phase(search, grid)
+    _report(progress, "uneven stages", 1, 3)
+    uneven_phase(search, autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch),
+                 weights_for)
+    if search.best is None:
+        # only ZeRO-2/3 might still fit: the grid again with them
+        grid_phase(search, grid, zero_levels=(2, 3))
+    _report(progress, "refining", 2, 3)
+    for seed in _seeds(search):
+        refine(search, seed, weights_for)
+    if search.best is None:
+        raise infeasible(search, limit)
+    return search
 
 
 def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float | None = None,
@@ -97,12 +103,16 @@ def _new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadl
 
 
 def _seeds(search: Search) -> list[Priced]:
-    """The fastest fitting candidate of each of the best few device layouts."""
+    """The best candidate of each of the best few device layouts: the fastest that fit, or while
+    none fits, those that need the least memory."""
+    priced = [p for p in search.pricer.cache.values() if p is not None]
+    fitting = [p for p in priced if p.fits]
+    ranked = sorted(fitting, key=lambda p: p.step_time_s) if fitting else \
+        sorted(priced, key=lambda p: p.memory_bytes)
     seeds: dict[tuple, Priced] = {}
-    for priced in sorted((p for p in search.pricer.cache.values() if p is not None and p.fits),
-                         key=lambda p: p.step_time_s):
-        shape = priced.candidate.shape
-        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.micro_batch, shape.virtual), priced)
+    for candidate in ranked:
+        shape = candidate.candidate.shape
+        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.micro_batch, shape.virtual), candidate)
         if len(seeds) == REFINED_SHAPES:
             break
     return list(seeds.values())
@@ -129,16 +139,16 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     submesh = stage_submesh(mesh, shape.dp, shape.tp)
     intra = solve_intra_op(graph, submesh, roles={"dp": "data", "tp": "tensor"}, time_limit=time_limit)
     estimate = priced.estimate.to_dict()
-    per_stage = estimate.get("stages") or []
+    devices = estimate.get("devices") or []   # per pipeline rank: time per micro-batch, memory
     group = shape.dp * shape.tp
     stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
                     ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
                     tp=shape.tp, dp=shape.dp, recompute=candidate.recompute[i], zero=candidate.zero[i],
                     sequence_parallel=shape.sequence_parallel,
-                    predicted=per_stage[i] if len(per_stage) == candidate.chunks else {})
+                    predicted=dict(devices[i % shape.pp]) if len(devices) == shape.pp else {})
               for i in range(candidate.chunks)]
     parameters = _with_zero3(dict(intra.parameter_placements), stages)
-    predicted = {key: value for key, value in estimate.items() if key != "stages"}
+    predicted = {key: value for key, value in estimate.items() if key != "devices"}
     solver = {**solver, "intra_op": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
                                      "variables": intra.variables, "constraints": intra.constraints,
                                      "objective_s": intra.objective_s}}

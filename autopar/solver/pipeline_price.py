@@ -51,7 +51,8 @@ class Pricer:
 
     def _estimate_stages(self, candidate: Candidate, units: list[Unit]):
         shape = candidate.shape
-        specs = [StageSpec(layers=chunk_layers(units, candidate, i), tp=shape.tp, dp=shape.dp,
+        specs = [StageSpec(layers=[u.ref for u in units[candidate.cuts[i]:candidate.cuts[i + 1]]],
+                           tp=shape.tp, dp=shape.dp,
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
                            sequence_parallel=shape.sequence_parallel)
                  for i in range(candidate.chunks)]
