@@ -59,8 +59,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         example_inputs = (example_inputs,)
     program = _export(model, example_inputs, example_kwargs or {})
     nodes, stacks = _nodes(program, _tied_parameters(model))
-    return Graph(nodes=nodes, blocks=find_blocks(nodes, stacks), model_type=type(model).__name__,
-                 program=program)
+    constants = frozenset(spec.arg.name for spec in program.graph_signature.input_specs
+                          if spec.kind is InputKind.CONSTANT_TENSOR)
+    return Graph(nodes=nodes, blocks=find_blocks(nodes, stacks, constants),
+                 model_type=type(model).__name__, program=program)
 
 
 def _export(model, args: tuple, kwargs: dict):
@@ -100,6 +102,12 @@ def _capture_error(model: torch.nn.Module, err: Exception) -> CaptureError:
             f"and capture traces with fake tensors whose values are unknown ({first_line}). "
             f"Likely fix: compute both branches and select with torch.where, use torch.cond for "
             f"a real branch, or move the branch out of forward.")
+    if "in output, which is not a known type" in first_line:
+        return CaptureError(
+            f"cannot capture {type(model).__name__}: forward returns an object torch.export cannot "
+            f"flatten ({first_line.split(' in output')[0].removeprefix('Found ')}), usually a "
+            f"key-value cache. Likely fix: return tensors only; for HuggingFace models pass "
+            f"use_cache=False in example_kwargs.")
     return CaptureError(
         f"cannot capture {type(model).__name__}: torch.export failed {where} with "
         f"{type(err).__name__}: {first_line}. Likely fix: make forward traceable by "
@@ -214,18 +222,20 @@ class _Module:
         return self.count == self.last - self.first + 1
 
 
-def find_blocks(nodes: list[Node], stacks: list[tuple[tuple[str, str], ...]]) -> list[BlockKind]:
+def find_blocks(nodes: list[Node], stacks: list[tuple[tuple[str, str], ...]],
+                constants: frozenset[str] = frozenset()) -> list[BlockKind]:
     """Group repeated submodules into block kinds (the method is in the module docstring).
-    `stacks[i]` is node i's module stack, (path, class name) pairs from the outermost module in."""
+    `stacks[i]` is node i's module stack, (path, class name) pairs from the outermost module in;
+    `constants` names the placeholders of tensors created inside forward (lifted constants)."""
     modules = _module_tree(stacks)
     if "" not in modules:
         return []
-    index = {node.name: i for i, node in enumerate(nodes)}
+    finder = _BlockFinder(nodes, constants)
     found: list[tuple[_Module, str]] = []          # (block instance, signature)
     pending = [modules[""]]
     while pending:
         children = [modules[path] for path in pending.pop().children]
-        blocks = _repeated_children(children, nodes, index)
+        blocks = finder.repeated_children(children)
         found.extend(blocks)
         covered = {id(module) for module, _ in blocks}
         pending.extend(reversed([child for child in children if id(child) not in covered]))
@@ -256,66 +266,73 @@ def _module_tree(stacks) -> dict[str, _Module]:
     return modules
 
 
-def _repeated_children(children: list[_Module], nodes: list[Node], index: dict[str, int],
-                       ) -> list[tuple[_Module, str]]:
-    """The children that are instances of a repeated block: members of periodic runs of
-    structurally identical children inside a chain."""
-    found = []
-    for chain in _chains(children, nodes, index):
-        signatures = [_signature(module, nodes, index) for module in chain]
-        covered = _periodic_cover(signatures)
-        found.extend((module, signatures[i]) for i, module in enumerate(chain) if i in covered)
-    return found
+class _BlockFinder:
+    """Chains and structural signatures of modules over one graph's nodes."""
 
+    def __init__(self, nodes: list[Node], constants: frozenset[str]):
+        self.nodes = nodes
+        self.constants = constants
+        self.index = {node.name: i for i, node in enumerate(nodes)}
 
-def _chains(children: list[_Module], nodes: list[Node], index: dict[str, int]) -> list[list[_Module]]:
-    """Maximal runs (of two or more) of contiguous children in which each child reads data that the
-    previous one produced, directly or through the ops between them."""
-    chains, current = [], []
-    for child in children:
-        if not child.contiguous:
-            current = []
-            continue
-        if current and not _feeds(current[-1], child, nodes, index):
-            current = []
-        if not current:
-            chains.append(current)
-        current.append(child)
-    return [chain for chain in chains if len(chain) >= 2]
+    def repeated_children(self, children: list[_Module]) -> list[tuple[_Module, str]]:
+        """The children that are instances of a repeated block: members of periodic runs of
+        structurally identical children inside a chain."""
+        found = []
+        for chain in self.chains(children):
+            signatures = [self.signature(module) for module in chain]
+            covered = _periodic_cover(signatures)
+            found.extend((module, signatures[i]) for i, module in enumerate(chain) if i in covered)
+        return found
 
+    def chains(self, children: list[_Module]) -> list[list[_Module]]:
+        """Maximal runs (of two or more) of contiguous children in which each child reads a value
+        computed inside the previous one."""
+        chains, current = [], []
+        for child in children:
+            if not child.contiguous:
+                current = []
+                continue
+            if current and not self.feeds(current[-1], child):
+                current = []
+            if not current:
+                chains.append(current)
+            current.append(child)
+        return [chain for chain in chains if len(chain) >= 2]
 
-def _feeds(producer: _Module, consumer: _Module, nodes: list[Node], index: dict[str, int]) -> bool:
-    """Whether the consumer reads a value computed inside the producer. Only direct reads count:
-    layers hand their output straight to the next layer, while a chain through other ops would
-    also link, say, a value projection to the output projection after attention."""
-    if consumer.first <= producer.last:
-        return False
-    return any(producer.first <= index[name] <= producer.last
-               for i in range(consumer.first, consumer.last + 1) for name in nodes[i].inputs)
+    def feeds(self, producer: _Module, consumer: _Module) -> bool:
+        """Whether the consumer reads a value computed inside the producer. Only direct reads
+        count: layers hand their output straight to the next layer, while a chain through other
+        ops would also link, say, a value projection to the output projection after attention."""
+        if consumer.first <= producer.last:
+            return False
+        return any(producer.first <= self.index[name] <= producer.last
+                   for node in self.nodes[consumer.first:consumer.last + 1] for name in node.inputs)
 
-
-def _signature(module: _Module, nodes: list[Node], index: dict[str, int]) -> str:
-    """Hash of the ops, shapes, dtypes and arguments of the module's nodes and of their wiring:
-    inputs inside the module by relative position, its own parameters by relative name,
-    anything else by order of first use."""
-    start, prefix = module.first, module.path + "."
-    outside: dict[str, int] = {}
-    digest = hashlib.sha256()
-    for i in range(start, module.last + 1):
-        node = nodes[i]
-        wiring = []
-        for name in node.inputs:
-            j = index[name]
-            source = nodes[j]
-            if start <= j < i:
-                wiring.append(j - start)
-            elif source.param_fqn is not None and source.param_fqn.startswith(prefix):
-                wiring.append((source.param_fqn[len(prefix):], source.shape))
-            else:
-                wiring.append(("outside", outside.setdefault(name, len(outside))))
-        digest.update(repr((node.target, node.shape, node.dtype, node.args, node.kwargs,
-                            wiring)).encode())
-    return digest.hexdigest()[:16]
+    def signature(self, module: _Module) -> str:
+        """Hash of the ops, shapes, dtypes and arguments of the module's nodes and of their
+        wiring: inputs inside the module by relative position, its own parameters and buffers by
+        relative name, constants created in forward by shape (torch numbers their names over the
+        whole model), anything else by order of first use."""
+        start, prefix = module.first, module.path + "."
+        outside: dict[str, int] = {}
+        digest = hashlib.sha256()
+        for i in range(start, module.last + 1):
+            node = self.nodes[i]
+            wiring = []
+            for name in node.inputs:
+                j = self.index[name]
+                source = self.nodes[j]
+                if start <= j < i:
+                    wiring.append(j - start)
+                elif name in self.constants:
+                    wiring.append(("constant", source.shape, source.dtype))
+                elif source.param_fqn is not None and source.param_fqn.startswith(prefix):
+                    wiring.append((source.param_fqn[len(prefix):], source.shape))
+                else:
+                    wiring.append(("outside", outside.setdefault(name, len(outside))))
+            digest.update(repr((node.target, node.shape, node.dtype, node.args, node.kwargs,
+                                wiring)).encode())
+        return digest.hexdigest()[:16]
 
 
 def _periodic_cover(signatures: list[str]) -> set[int]:

@@ -273,3 +273,35 @@ def test_tied_weights_are_counted_once():
     graph = capture(Tied(), (torch.randint(0, 50, (2, 4)),))
     assert graph.param_count == 50 * 8
     assert [n.tied_to for n in graph.parameters] == [None, "emb.weight"]
+
+
+class Scaled(nn.Module):
+    """Creates a constant inside forward: torch numbers such constants over the whole model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x) * torch.tensor([0.5])
+
+
+def test_constants_created_in_forward_do_not_split_a_block_kind():
+    graph = capture(Stack([Scaled() for _ in range(3)]), (torch.randn(2, 16),))
+    assert [kind.count for kind in graph.blocks] == [3]
+
+
+def test_buffers_and_batch_norm_statistics():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    graph = capture(model, (torch.randn(5, 4),))
+    buffers = {n.param_fqn for n in graph.nodes if n.role is Role.BUFFER}
+    assert buffers == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert graph.param_count == sum(p.numel() for p in model.parameters())
+
+
+def test_huggingface_cache_output_names_use_cache():
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=32))
+    with pytest.raises(CaptureError, match="use_cache=False"):
+        capture(gpt2, (), {"input_ids": torch.randint(0, 100, (2, 8))})
