@@ -76,7 +76,9 @@ class Plan:
 
     def summary(self) -> str:
         """One line a person can compare: degrees, schedule, micro-batches, per-stage choices."""
-        layer_counts = "/".join(str(len(s.layers)) for s in self.stages)
+        # repeated blocks (module paths ending in an index) per stage: the embedding and head not counted
+        layer_counts = "/".join(str(sum(1 for layer in s.layers if layer.rsplit(".", 1)[-1].isdigit()))
+                                for s in self.stages)
         # per-stage choices in stage order, one value when all stages agree
         recompute = [s.recompute for s in self.stages]
         recompute = recompute[:1] if len(set(recompute)) == 1 else recompute
@@ -85,7 +87,7 @@ class Plan:
         schedule = self.schedule + (f" v={self.virtual}" if self.virtual > 1 else "")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} {schedule} mbs={self.micro_batch_size} "
                 f"m={self.micro_batches} recompute={'/'.join(recompute)} zero={'/'.join(map(str, zero))}"
-                + (f" stages={layer_counts}" if len(self.stages) > 1 else ""))
+                + (f" blocks={layer_counts}" if len(self.stages) > 1 else ""))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -115,7 +115,7 @@ def test_degrees_and_summary():
     plan = make_plan()
     assert (plan.pp, plan.dp, plan.tp, plan.world_size) == (2, 2, 2, 8)
     assert "tp=2 pp=2 dp=2 1f1b mbs=4 m=8" in plan.summary()
-    assert "stages=3/4" in plan.summary()
+    assert "blocks=1/2" in plan.summary()
 
 
 def test_diff_names_the_changed_decisions():
@@ -146,3 +146,25 @@ def test_explain_of_a_broken_file_is_a_clear_error(tmp_path, capsys):
     path.write_text("{}")
     assert main(["explain", str(path)]) == 1
     assert "schema version" in capsys.readouterr().err
+
+
+def test_planned_gpt_round_trips_and_explains(tmp_path, capsys, monkeypatch):
+    """`autopar plan` end to end on a small GPT: a plan file that loads equal, fits the graph it
+    was made for, and explains; every parameter has a placement per axis."""
+    monkeypatch.setenv("COLUMNS", "200")
+    from autopar.capture import capture
+    from autopar.models import build_model
+
+    out = tmp_path / "plan.json"
+    spec = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=256"
+    assert main(["plan", spec, "--mesh", "2x2:a100-80g", "--global-batch", "16", "--out", str(out),
+                 "--time-limit", "30"]) == 0
+    plan = Plan.load(out)
+    plan.check_graph(capture(*build_model(spec)))
+    assert plan.world_size == 4
+    assert sorted(r for s in plan.stages[:plan.pp] for r in s.ranks) == list(range(4))
+    assert all(len(p) == 2 for p in plan.parameters.values()) and "lm_head.weight" in plan.parameters
+    assert plan.predicted["step_time_s"] > 0 and plan.solver["status"] in ("searched", "time_limit")
+    assert Plan.load(out) == plan
+    assert main(["explain", str(out)]) == 0
+    assert "stages" in capsys.readouterr().out

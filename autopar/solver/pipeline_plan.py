@@ -1,9 +1,10 @@
 """From a captured graph and a mesh to a Plan: the inter-op search, then per-op placements.
 
 `plan_graph` runs the search of autopar.solver.pipeline under a time limit, then asks the intra-op
-ILP for the placements of every parameter and node on the chosen dp x tp sub-mesh, with the roles
-the plan fixed (a data axis, a tensor axis). All stages share that sub-mesh shape and the ILP ties
-repeated blocks, so one solve covers every stage: solving scales with distinct blocks, not layers.
+ILP for the placements of every parameter and node on the tensor-parallel axis of the chosen
+dp x tp sub-mesh; the data-parallel axis splits the batch (and ZeRO-3 parameters) by the plan's
+decision. All stages share that sub-mesh shape and the ILP ties repeated blocks, so one solve
+covers every stage: solving scales with distinct blocks, not layers.
 `plan_config` turns a forced Megatron-style Config into a Plan the same way.
 """
 
@@ -16,7 +17,7 @@ from functools import cache
 from autopar.cost.config import Config
 from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.errors import AutoparError
-from autopar.graph import Graph
+from autopar.graph import Graph, Role
 from autopar.plan import Plan, Stage
 from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, balanced_cuts, grid_phase,
                                      infeasible, megatron_shapes, autopar_shapes, pipeline_units, refine,
@@ -123,21 +124,40 @@ def _report(progress: Progress | None, phase: str, done: int, total: int) -> Non
         progress(phase, done, total)
 
 
-def stage_submesh(mesh: Mesh, dp: int, tp: int) -> Mesh:
-    """The dp x tp mesh one stage runs on: tp consecutive GPUs of a node, dp replicas next to them
-    (inside the node while they fit, across nodes beyond)."""
-    inner = mesh.device.intra_node
-    outer = inner if dp * tp <= mesh.gpus_per_node else mesh.device.inter_node
-    return Mesh(mesh.device, (MeshAxis("dp", dp, outer), MeshAxis("tp", tp, inner)))
+def _tensor_placements(graph: Graph, mesh: Mesh, tp: int, time_limit: float) -> dict:
+    """Per-op placements on the tensor-parallel axis from the intra-op ILP, with the plan's memory
+    left to the estimator (it prices stages, the ILP sees the whole graph). The data-parallel
+    axis needs no solve: the plan fixes it to split the batch."""
+    if tp == 1:
+        return {"parameters": {n.param_fqn: ["R"] for n in graph.parameters},
+                "nodes": {n.name: ["R"] for n in graph.nodes if n.role is not Role.PARAMETER},
+                "replicated_ops": [], "stats": {"status": "no tensor axis", "seconds": 0.0}}
+    from autopar.solver import solve_intra_op
+
+    axis = Mesh(mesh.device, (MeshAxis("tp", tp, mesh.device.intra_node),))
+    intra = solve_intra_op(graph, axis, roles={"tp": "tensor"}, memory_limit=float("inf"),
+                           time_limit=time_limit)
+    return {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
+            "replicated_ops": list(intra.replicated_ops),
+            "stats": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
+                      "variables": intra.variables, "constraints": intra.constraints,
+                      "objective_s": intra.objective_s}}
+
+
+def _batch_nodes(graph: Graph) -> set[str]:
+    """Nodes whose value depends on the inputs: the batch flows through them, so the data axis
+    splits them (dim 0, where the models keep the batch); the rest derive from parameters alone."""
+    carrying: set[str] = set()
+    for node in graph.nodes:
+        if node.role is Role.INPUT or any(name in carrying for name in node.inputs):
+            carrying.add(node.name)
+    return carrying
 
 
 def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: int, solver: dict,
               time_limit: float) -> Plan:
-    from autopar.solver import solve_intra_op
-
     candidate, shape = priced.candidate, priced.candidate.shape
-    submesh = stage_submesh(mesh, shape.dp, shape.tp)
-    intra = solve_intra_op(graph, submesh, roles={"dp": "data", "tp": "tensor"}, time_limit=time_limit)
+    tensor = _tensor_placements(graph, mesh, shape.tp, time_limit)
     estimate = priced.estimate.to_dict()
     devices = estimate.get("devices") or []   # per pipeline rank: time per micro-batch, memory
     group = shape.dp * shape.tp
@@ -147,18 +167,20 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
                     sequence_parallel=shape.sequence_parallel,
                     predicted=dict(devices[i % shape.pp]) if len(devices) == shape.pp else {})
               for i in range(candidate.chunks)]
-    parameters = _with_zero3(dict(intra.parameter_placements), stages)
+    batch = _batch_nodes(graph)
+    nodes = {name: ["S(0)" if name in batch and shape.dp > 1 else "R", *placements]
+             for name, placements in tensor["nodes"].items()}
+    parameters = _with_zero3({fqn: ["R", *placements] for fqn, placements in tensor["parameters"].items()},
+                             stages)
     predicted = {key: value for key, value in estimate.items() if key != "devices"}
-    solver = {**solver, "intra_op": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
-                                     "variables": intra.variables, "constraints": intra.constraints,
-                                     "objective_s": intra.objective_s}}
-    solver["seconds"] += intra.seconds
+    solver = {**solver, "intra_op": tensor["stats"]}
+    solver["seconds"] += tensor["stats"]["seconds"]
     return Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
                 axes=[["dp", shape.dp], ["tp", shape.tp]], stages=stages,
                 global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
                 micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
-                parameters=parameters, nodes=dict(intra.node_placements), predicted=predicted,
-                solver=solver, replicated_ops=list(intra.replicated_ops), model_type=graph.model_type)
+                parameters=parameters, nodes=nodes, predicted=predicted, solver=solver,
+                replicated_ops=tensor["replicated_ops"], model_type=graph.model_type)
 
 
 def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage]) -> dict[str, list[str]]:
