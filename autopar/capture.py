@@ -35,7 +35,7 @@ import types
 from dataclasses import dataclass, field
 
 import torch
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopar.cost.flops import forward_flops
@@ -131,20 +131,24 @@ def _tied_parameters(model: torch.nn.Module) -> dict[str, str]:
 
 def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[str, str], ...]]]:
     """The graph's nodes, and for each its module stack ((path, class name) outermost first)."""
-    placeholders = {spec.arg.name: spec for spec in program.graph_signature.input_specs
+    signature = program.graph_signature
+    placeholders = {spec.arg.name: spec for spec in signature.input_specs
                     if hasattr(spec.arg, "name")}
+    user_outputs = {spec.arg.name for spec in signature.output_specs
+                    if spec.kind is OutputKind.USER_OUTPUT and hasattr(spec.arg, "name")}
     nodes, stacks = [], []
     for fx_node in program.graph_module.graph.nodes:
         role, fqn = Role.ACTIVATION, None
+        value = fx_node.meta.get("val")
         if fx_node.op == "placeholder":
             spec = placeholders.get(fx_node.name)
             role = _INPUT_ROLES.get(spec.kind, Role.INPUT) if spec is not None else Role.INPUT
             fqn = spec.target if role in (Role.PARAMETER, Role.BUFFER) else None
         elif fx_node.op == "output":
+            # Describes what the user gets back; buffer updates (BatchNorm statistics) are
+            # among its inputs but not in its shape.
             role = Role.OUTPUT
-        value = fx_node.meta.get("val")
-        if fx_node.op == "output":
-            value = [n.meta.get("val") for n in fx_node.all_input_nodes]
+            value = [n.meta.get("val") for n in fx_node.all_input_nodes if n.name in user_outputs]
             value = value[0] if len(value) == 1 else value
         shape, dtype, nbytes = _describe(value)
         stack = tuple((path, _class_name(module_type)) for path, module_type
@@ -155,7 +159,8 @@ def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[
             name=fx_node.name, target=_target_name(fx_node), role=role, shape=shape, dtype=dtype,
             bytes=nbytes, inputs=tuple(n.name for n in fx_node.all_input_nodes),
             module_path=module_path, module_type=module_type, flops=forward_flops(fx_node),
-            param_fqn=fqn, tied_to=tied.get(fqn), args=_plain(fx_node.args), kwargs=_plain(dict(fx_node.kwargs))))
+            param_fqn=fqn, tied_to=tied.get(fqn), args=_plain(fx_node.args),
+            kwargs=_plain(dict(fx_node.kwargs))))
     return nodes, stacks
 
 

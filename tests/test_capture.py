@@ -305,3 +305,24 @@ def test_huggingface_cache_output_names_use_cache():
         n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=32))
     with pytest.raises(CaptureError, match="use_cache=False"):
         capture(gpt2, (), {"input_ids": torch.randint(0, 100, (2, 8))})
+
+
+class Ops(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, kernel_size=3, bias=True)
+        self.weight = nn.Parameter(torch.randn(6, 5))
+
+    def forward(self, images, a, b):
+        return self.conv(images).sum() + torch.bmm(a, b).sum() + (a @ self.weight[:, :4]).sum()
+
+
+def test_flops_of_convolution_bmm_and_matmul():
+    images, a, b = torch.randn(2, 3, 8, 8), torch.randn(7, 5, 6), torch.randn(7, 6, 3)
+    graph = capture(Ops(), (images, a, b))
+    flops = {n.target.split(".")[1]: n.flops for n in graph.nodes if n.target.startswith("aten.")}
+    conv_outputs = 2 * 4 * 6 * 6
+    assert flops["conv2d"] == 2 * conv_outputs * 3 * 3 * 3 + conv_outputs
+    assert flops["bmm"] == 2 * 7 * 5 * 3 * 6
+    assert flops["matmul"] == 2 * 7 * 5 * 4 * 6
+    assert flops["sum"] == 7 * 5 * 4            # the last sum reads the matmul's 140 elements
