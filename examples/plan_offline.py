@@ -13,7 +13,6 @@ import time
 from rich.console import Console
 
 import autopar
-from autopar.commands.explain import render
 from autopar.models import build_model
 
 
@@ -36,6 +35,8 @@ def main(argv=None) -> int:
         plan = autopar.plan(model, args.mesh, example_inputs=example_inputs,
                             global_batch=args.global_batch, memory_limit=args.memory_limit,
                             time_limit=args.time_limit)
+    from autopar.commands.explain import render
+
     render(plan, console)
     plan.save(args.out)
     console.print(f"planned in {time.monotonic() - started:.1f} s; plan saved to {args.out} "

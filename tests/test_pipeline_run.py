@@ -54,14 +54,19 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def train_plans(plans: list[Plan], optimizer=sgd) -> list[dict]:
-    """On every rank: train each plan; on rank 0 also one process, and report the differences."""
+def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None) -> list[dict]:
+    """On every rank: train each plan (through autopar.compile when a mesh is given); on rank 0
+    also one process, and report the differences."""
     reports = []
     for plan in plans:
-        model, _ = build_model(SPEC, device="cpu")
+        model, example_inputs = build_model(SPEC, device="cpu", batch=2)   # as planned
         data = batches(plan.global_batch)
-        runner = build_pipeline(model, plan, example_inputs=(data[0][0],), loss_fn=lm_loss,
-                                optimizer=optimizer)
+        if mesh is None:
+            runner = build_pipeline(model, plan, example_inputs=example_inputs, loss_fn=lm_loss,
+                                    optimizer=optimizer)
+        else:
+            runner = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=lm_loss,
+                                     optimizer=optimizer, plan=plan)
         losses = [runner.step(inputs, targets) for inputs, targets in data]
         state = runner.full_state_dict()
         if dist.get_rank() == 0:
@@ -152,6 +157,17 @@ def test_data_tensor_and_pipeline_parallel_2x2x2():
     plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2,
                        parameters=megatron_placements())]
     results = autopar.launch(train_plans, 8, plans, adamw, timeout=180)
+    assert_equal_to_one_process(results[0][0])
+
+
+def test_solver_plan_for_8_cpu_ranks_under_a_memory_limit():
+    from autopar.api import plan as plan_model
+
+    model, example_inputs = build_model(SPEC, batch=2)
+    plan = plan_model(model, "8:cpu", example_inputs=example_inputs, global_batch=16,
+                      memory_limit="300KB", time_limit=20)
+    assert len(plan.stages) > 1, f"the memory limit should force pipelining: {plan.summary()}"
+    results = autopar.launch(train_plans, 8, [plan], adamw, "8:cpu", timeout=240)
     assert_equal_to_one_process(results[0][0])
 
 
