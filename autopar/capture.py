@@ -342,18 +342,25 @@ class _BlockFinder:
 
 def _periodic_cover(signatures: list[str]) -> set[int]:
     """Positions covered by runs that repeat with some period p at least twice (p = 1: identical
-    neighbours; p = 2: alternating kinds). The period covering the most positions wins; ties go
-    to the shorter period."""
-    best: set[int] = set()
+    neighbours; p = 2: alternating kinds). Runs are taken longest first (ties: shorter period)
+    as long as they do not overlap runs already taken, so "ABAB CCC" yields both runs."""
+    runs = []                                   # (length, period, start)
     for period in range(1, len(signatures) // 2 + 1):
-        covered, run = set(), 0
-        for i in range(len(signatures) - period):
-            run = run + 1 if signatures[i] == signatures[i + period] else 0
-            if run >= period:
-                covered.update(range(i + 1 - run, i + period + 1))
-        if len(covered) > len(best):
-            best = covered
-    return best
+        run = 0
+        for i in range(len(signatures) - period + 1):
+            if i < len(signatures) - period and signatures[i] == signatures[i + period]:
+                run += 1
+            elif run >= period:                 # positions i - run .. i + period - 1
+                runs.append((run + period, period, i - run))
+                run = 0
+            else:
+                run = 0
+    covered: set[int] = set()
+    for length, _, start in sorted(runs, key=lambda r: (-r[0], r[1], r[2])):
+        positions = range(start, start + length)
+        if covered.isdisjoint(positions):
+            covered.update(positions)
+    return covered
 
 
 class _CallableModule(types.ModuleType):

@@ -326,3 +326,12 @@ def test_flops_of_convolution_bmm_and_matmul():
     assert flops["bmm"] == 2 * 7 * 5 * 3 * 6
     assert flops["matmul"] == 2 * 7 * 5 * 4 * 6
     assert flops["sum"] == 7 * 5 * 4            # the last sum reads the matmul's 140 elements
+
+
+@pytest.mark.parametrize("kinds, covered", [
+    ("LLLL", "LLLL"), ("xLLLLy", ".LLLL."), ("ABABAB", "ABABAB"), ("ABABCCC", "ABABCCC"),
+    ("aXbY", "...."), ("L", "."), ("AABAAB", "AABAAB"), ("xLLyLL", ".LL.LL")])
+def test_periodic_runs_of_block_signatures(kinds, covered):
+    from autopar.capture import _periodic_cover
+    positions = _periodic_cover(list(kinds))
+    assert "".join(k if i in positions else "." for i, k in enumerate(kinds)) == covered
