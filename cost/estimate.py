@@ -176,8 +176,15 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                            f"{dp} x {micro_batch}")
     owner = _chunk_of_nodes(graph, stages)
     layouts = _layouts(graph, stages)
-    chunks = [_price_chunk(graph, layouts[(s.tp, s.sequence_parallel)], owner, c, s, mesh,
-                           micro_batch, efficiencies, attention) for c, s in enumerate(stages)]
+    in_block = _block_mask(graph)
+    members: dict[tuple, list[list[NodeLayout]]] = {}
+    for key, layout in layouts.items():
+        members[key] = [[] for _ in stages]
+        for node in layout.nodes:
+            members[key][owner[layout.index[node.name]]].append(node)
+    chunks = [_price_chunk(graph, layouts[(s.tp, s.sequence_parallel)], owner, in_block, c,
+                           members[(s.tp, s.sequence_parallel)][c], s, mesh, micro_batch,
+                           efficiencies, attention) for c, s in enumerate(stages)]
     _add_sends(graph, layouts, owner, stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices,
@@ -251,8 +258,8 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
 
 
 def _layouts(graph: Graph, stages: list[StageSpec]) -> dict:
-    return {(s.tp, s.sequence_parallel): infer_layout(graph, s.tp, sequence_parallel=s.sequence_parallel)
-            for s in stages}
+    keys = {(s.tp, s.sequence_parallel) for s in stages}
+    return {(tp, sp): infer_layout(graph, tp, sequence_parallel=sp) for tp, sp in keys}
 
 
 def _chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:
@@ -291,19 +298,18 @@ def _chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:
     return owner
 
 
-def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int, spec: StageSpec,
-                 mesh: Mesh, b: int, eff: Efficiencies, attention: str) -> _Chunk:
+def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], in_block: list[str],
+                 chunk: int, nodes: list[NodeLayout], spec: StageSpec, mesh: Mesh, b: int,
+                 eff: Efficiencies, attention: str) -> _Chunk:
+    """Time, flops, parameters and kept activations of chunk `chunk`, whose nodes are `nodes`."""
     device = mesh.device
     tp_group = Group.strided(mesh, spec.tp, 1)
-    in_block = _block_mask(graph)
     out = _Chunk()
     saved: set[str] = set()
     block_saved: dict[str, set[str]] = {}
     score_bytes = 0.0
-    for node in layout.nodes:
+    for node in nodes:
         i = layout.index[node.name]
-        if owner[i] != chunk:
-            continue
         forward, backward, kept = _kernels(node, b, attention)
         fwd = sum(compute_time(f, by, device, fam, efficiencies=eff) for fam, f, by in forward)
         bwd = sum(compute_time(f, by, device, fam, efficiencies=eff) for fam, f, by in backward)
@@ -379,8 +385,8 @@ def _block_inputs(graph: Graph, layout: GraphLayout, block: str) -> set[str]:
     for i in range(inst.start, inst.stop):
         for name in graph.nodes[i].inputs:
             if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
-                kept.add(name)
-    return {k for k in kept if k in layout.storage_bytes}
+                kept.add(layout.storage[name])
+    return kept
 
 
 def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int) -> float:
@@ -394,23 +400,30 @@ def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int)
 
 def _add_sends(graph: Graph, layouts: dict, owner: list[int], stages: list[StageSpec],
                chunks: list[_Chunk], mesh: Mesh, b: int) -> None:
-    """Activations crossing chunk boundaries, forward and (their gradients) backward."""
+    """Activations crossing chunk boundaries, forward and (their gradients) backward. A tensor
+    used several chunks later is relayed through every boundary between."""
+    layout = layouts[(stages[0].tp, stages[0].sequence_parallel)]
+    sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            j = layout.index[name]
+            if owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION:
+                sent.update((layout.storage[name], c) for c in range(owner[j], owner[i]))
+    crossing = [0.0] * len(stages)         # bytes per sample leaving chunk c for chunk c + 1
+    for tensor, c in sent:
+        spec = stages[c]
+        crossing[c] += layouts[(spec.tp, spec.sequence_parallel)].storage_bytes.get(tensor, 0.0)
     for c in range(len(stages) - 1):
         spec = stages[c]
-        layout = layouts[(spec.tp, spec.sequence_parallel)]
-        crossing = 0.0
-        for i, node in enumerate(graph.nodes):
-            if owner[i] == c + 1:
-                for name in node.inputs:
-                    j = layout.index[name]
-                    if owner[j] == c and graph.nodes[j].role is Role.ACTIVATION:
-                        crossing = max(crossing, layout.storage_bytes.get(name, 0.0))
         per_rank = spec.tp * spec.dp
         link = mesh.device.inter_node if per_rank >= mesh.gpus_per_node else mesh.device.intra_node
-        nbytes = crossing * b
-        scattered = nbytes / spec.tp if not spec.sequence_parallel else nbytes
-        gather = Group.strided(mesh, spec.tp, 1).all_gather(nbytes) if not spec.sequence_parallel else 0.0
-        chunks[c].send_s += 2 * (send_recv_time(scattered, link) + gather)
+        nbytes = crossing[c] * b
+        if spec.sequence_parallel:         # already split over the tensor-parallel ranks
+            one_way = send_recv_time(nbytes, link)
+        else:                              # Megatron's scatter/gather: 1/tp each, gathered after
+            one_way = (send_recv_time(nbytes / spec.tp, link)
+                       + Group.strided(mesh, spec.tp, 1).all_gather(nbytes))
+        chunks[c].send_s += 2 * one_way
 
 
 def _chunk_time(chunk: _Chunk) -> float:

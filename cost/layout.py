@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 
@@ -58,6 +59,7 @@ class NodeLayout:
 class GraphLayout:
     nodes: list[NodeLayout]            # compute nodes in graph order (views included, free)
     index: dict[str, int]              # graph node name -> position in Graph.nodes
+    storage: dict[str, str]            # node -> the node that owns its storage (views resolved)
     storage_bytes: dict[str, float]    # storage owner -> bytes per sample on one rank
     param_local: dict[str, float]      # parameter node -> elements on one rank
     batch: int                         # the captured batch size
@@ -93,6 +95,7 @@ def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
     param_local: dict[str, float] = {}
     layouts: list[NodeLayout] = []
     grad_reduced: set[str] = set()       # inputs whose gradient is already all-reduced once
+    weight_of: dict[str, str] = {}       # views and casts of a parameter -> that parameter
 
     def full_bytes(node: Node) -> float:
         """Bytes of this node's whole output for one sample, in the training dtype."""
@@ -119,8 +122,12 @@ def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
             continue
         family = op_family(node.target)
         name = op_name(node.target)
-        acts = [i for i in node.inputs if by_name[i].role not in (Role.PARAMETER, Role.BUFFER)]
-        params = [i for i in node.inputs if by_name[i].role is Role.PARAMETER]
+        params = [weight_of.get(i, i) for i in node.inputs
+                  if by_name[i].role is Role.PARAMETER or i in weight_of]
+        acts = [i for i in node.inputs if by_name[i].role not in (Role.PARAMETER, Role.BUFFER)
+                and i not in weight_of]
+        if len(node.inputs) == 1 and params and (family == "view" or name in ("_to_copy", "to")):
+            weight_of[node.name] = params[0]   # w.t(), w.to(bf16): still the weight
         in_sharded = any(sharded[i] for i in acts)
         grad[node.name] = any(grad[i] for i in node.inputs)
         from_input[node.name] = bool(acts) and all(from_input[i] for i in acts) and not params
@@ -135,6 +142,7 @@ def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
                 layout.reduce_forward = full_bytes(node)
             else:                     # column-parallel: the input's gradient is all-reduced,
                 layout.sharded = True     # once however many matmuls read that input (q, k, v)
+                _check_divides(tp, node.shape[-1] if node.shape else 1, "output features", node)
                 if acts and storage[acts[0]] not in grad_reduced:
                     grad_reduced.add(storage[acts[0]])
                     layout.reduce_backward = full_bytes(by_name[acts[0]])
@@ -143,11 +151,17 @@ def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
             layout.reduce_forward = full_bytes(node)
         elif family in ("matmul", "attention") and in_sharded:
             parallel = True
+            if family == "attention":
+                for i in acts[:3]:
+                    shape = by_name[i].shape
+                    _check_divides(tp, shape[-3] if len(shape) >= 3 else 1, "attention heads", node)
         for p in params:
             if parallel:
                 param_local[p] = min(param_local.get(p, float("inf")), _numel(by_name[p].shape) / tp)
             else:
                 param_local.setdefault(p, _numel(by_name[p].shape))
+        if family == "view" and in_sharded and name in ("view", "reshape", "_unsafe_view", "unflatten"):
+            _check_split_heads(tp, by_name[acts[0]].shape, node)
         sharded[node.name] = layout.sharded
         split_compute = parallel or layout.sharded or (sequence_parallel and tp > 1)
         layout.flops = layout.flops / tp if split_compute else layout.flops
@@ -172,8 +186,30 @@ def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
     for node in graph.nodes:
         if node.role is Role.PARAMETER:
             param_local.setdefault(node.name, _numel(node.shape))
-    return GraphLayout(nodes=layouts, index=index, storage_bytes=storage_bytes,
+    return GraphLayout(nodes=layouts, index=index, storage=storage, storage_bytes=storage_bytes,
                        param_local=param_local, batch=batch)
+
+
+def _check_divides(tp: int, size: int, what: str, node: Node) -> None:
+    if size % tp:
+        where = f" in {node.module_path}" if node.module_path else ""
+        raise AutoparError(f"tp={tp} does not divide the {size} {what} of {node.name}{where}; "
+                           f"choose a tensor-parallel degree that divides {size}")
+
+
+def _check_split_heads(tp: int, source: tuple, node: Node) -> None:
+    """A sharded feature dim reshaped into (heads, head_dim) shards the heads: tp must divide them
+    (grouped-query attention's key/value heads included)."""
+    if not source or len(node.shape) < 2:
+        return
+    features, product = source[-1], 1
+    for k in range(len(node.shape) - 1, -1, -1):
+        product *= node.shape[k]
+        if product == features and k < len(node.shape) - 1:
+            _check_divides(tp, node.shape[k], "heads", node)
+            return
+        if product > features:
+            return
 
 
 def _numel(shape) -> int:

@@ -282,3 +282,50 @@ def test_calibrate_on_cpu_writes_a_file_estimate_reads(tmp_path, capsys):
     assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
                  "--calibration", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["calibration"] == str(out)
+
+
+def test_tensor_parallel_degree_must_divide_heads_including_grouped_key_value_heads():
+    from autopar.commands.estimate import capture_training_step
+    gpt = capture_training_step("gpt:layers=2,hidden=96,heads=6,seq=32,vocab=128")
+    with pytest.raises(AutoparError, match="tp=4 does not divide the 6 heads"):
+        estimate(gpt, Mesh.parse("4:a100-80g"), Config(tp=4, global_batch=4))
+    llama = capture_training_step("llama-tiny")      # 4 query heads, 2 key/value heads
+    with pytest.raises(AutoparError, match="tp=4 does not divide the 2 heads"):
+        estimate(llama, Mesh.parse("4:a100-80g"), Config(tp=4, global_batch=4))
+    assert estimate(llama, Mesh.parse("4:a100-80g"), Config(tp=2, dp=2, global_batch=4)).fits
+
+
+def test_a_weight_used_through_a_view_is_still_tensor_parallel():
+    """x @ w.t() shards like linear(x, w): column-parallel, the weight split over tp."""
+    hidden, batch = 256, 64
+    f32 = 4
+    nodes = [Node(name="w", target="placeholder", role=Role.PARAMETER, shape=(hidden, hidden),
+                  dtype="float32", bytes=hidden * hidden * f32, inputs=(), param_fqn="w"),
+             Node(name="x", target="placeholder", role=Role.INPUT, shape=(batch, hidden),
+                  dtype="float32", bytes=batch * hidden * f32, inputs=()),
+             Node(name="wt", target="aten.t.default", role=Role.ACTIVATION, shape=(hidden, hidden),
+                  dtype="float32", bytes=hidden * hidden * f32, inputs=("w",)),
+             Node(name="mm", target="aten.mm.default", role=Role.ACTIVATION, shape=(batch, hidden),
+                  dtype="float32", bytes=batch * hidden * f32, inputs=("x", "wt"),
+                  flops=2 * batch * hidden * hidden),
+             Node(name="output", target="output", role=Role.OUTPUT, shape=(), dtype="", bytes=0,
+                  inputs=("mm",))]
+    graph = Graph(nodes=nodes, blocks=[])
+    result = estimate(graph, Mesh.parse("2:a100-80g"), Config(tp=2, global_batch=batch,
+                                                              micro_batch=batch))
+    assert result.memory_breakdown["weights"] == hidden * hidden * 2 / 2
+
+
+def test_meshes_for_users_own_clusters_from_python_and_files(tmp_path):
+    from autopar.cost.mesh import DeviceSpec, Link
+    device = DeviceSpec("my-gpu", {"bfloat16": 400e12, "float32": 50e12}, 3e12, 96 * 2**30,
+                        Link("my-nvlink", 400e9, 3e-6, 0.8), Link("my-ib", 50e9, 8e-6, 0.85))
+    mesh = Mesh.build(device, gpus=4, nodes=16)
+    assert mesh.world_size == 64 and mesh.axis("node").link.name == "my-ib"
+    path = tmp_path / "mesh.json"
+    path.write_text(json.dumps(mesh.to_dict()))
+    assert Mesh.load(path) == mesh
+    assert all_reduce_time(1e9, Mesh.load(path), ["node"]) == pytest.approx(
+        2 * 15 / 16 * 1e9 / (50e9 * 0.85) + 2 * 15 * 8e-6)
+    with pytest.raises(MeshError, match="efficiency"):
+        Link("bad", 1e9, 1e-6, 1.5)

@@ -61,7 +61,8 @@ def capture_training_step(spec: str, *, batch: int = 1, **overrides):
     model, inputs = build_model(spec, device="meta", batch=batch, **overrides)
     if inputs[0].dtype != torch.int64:
         return capture(model, inputs)
-    return capture(WithLoss(model, lm_loss), (inputs[0], inputs[0]))
+    ids = inputs[0]
+    return capture(WithLoss(model, lm_loss), (ids, torch.empty_like(ids)))
 
 
 def parse_mesh(text: str):
