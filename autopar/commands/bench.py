@@ -86,21 +86,22 @@ def bench_row(model: str, cluster: str, global_batch: int, *, time_limit: float)
     from autopar.capture import capture
     from autopar.cost.mesh import Mesh
     from autopar.models import build_model
-    from autopar.solver.pipeline import grid_phase, megatron_shapes
-    from autopar.solver.pipeline_plan import _new_search, plan_graph
+    from autopar.solver.pipeline import Search, grid_phase, megatron_shapes
+    from autopar.solver.pipeline_plan import plan_and_search
 
     mesh = Mesh.parse(cluster)
     started = time.monotonic()
     graph = capture(*build_model(model))
     captured = time.monotonic()
-    plan = plan_graph(graph, mesh, global_batch=global_batch, time_limit=time_limit)
+    plan, search = plan_and_search(graph, mesh, global_batch=global_batch, time_limit=time_limit)
     solved = time.monotonic()
-    # The grid on its own search: every configuration priced by `estimate`, the fastest that fits.
-    grid_search = _new_search(graph, mesh, global_batch, mesh.device.memory_bytes, float("inf"))
+    # The grid, on its own search sharing only the estimator's memo of priced candidates (a pure
+    # function's results): every configuration by `estimate`, the fastest that fits.
+    grid_search = Search(pricer=search.pricer, units=search.units, deadline=float("inf"))
     blocks = sum(1 for unit in grid_search.units if unit.block)
-    grid = [p for p in grid_phase(grid_search, megatron_shapes(blocks, mesh.world_size,
-                                                               mesh.gpus_per_node, global_batch))
-            if p.fits]
+    priced = grid_phase(grid_search, megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
+                                                     global_batch))
+    grid = [p for p in priced if p.fits]
     if not grid:
         raise SystemExit(f"no grid configuration of {model} fits {cluster}; pick another row")
     best = min(grid, key=lambda p: p.step_time_s)
@@ -114,7 +115,7 @@ def bench_row(model: str, cluster: str, global_batch: int, *, time_limit: float)
                autopar_tflops=plan.predicted["tflops_per_gpu"],
                autopar_samples_per_s=global_batch / step, ratio=best.step_time_s / step,
                solve_s=solved - captured, capture_s=captured - started,
-               grid_configs=len(grid_search.pricer.cache), why=why(plan, grid_config, best, step))
+               grid_configs=len(priced), why=why(plan, grid_config, best, step))
 
 
 def _config_text(config) -> str:

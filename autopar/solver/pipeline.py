@@ -246,28 +246,47 @@ class Search:
 
 
 def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[Priced]:
-    """Price every uniform Megatron configuration; per shape and ZeRO level, recompute from the
-    cheapest up, stopping at the first that fits (more recompute only adds time)."""
+    """Price the uniform Megatron configurations, keeping for each shape and ZeRO level the fastest
+    recompute that fits. Memory only grows with less recompute, a lower ZeRO level and a larger
+    micro-batch, and time only grows with more recompute, so: the most saving recompute is priced
+    first and when it does not fit, nothing less saving is priced; a shape whose every ZeRO level
+    fails skips its larger micro-batches; after "full" fits, "none" then "selective" are tried."""
     results = []
+    too_big: set[tuple] = set()      # layouts whose smaller micro-batch already failed to fit
     for shape in shapes:
+        layout = (shape.tp, shape.pp, shape.dp, shape.virtual, shape.schedule)
         cuts = uniform_cuts(search.units, shape.pp * shape.virtual)
-        if cuts is None:
+        if cuts is None or layout in too_big:
             continue
-        for zero in zero_levels if shape.dp > 1 else (0,):
-            for recompute in RECOMPUTE_ORDER:
-                chunks = len(cuts) - 1
-                priced = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
-                                      uniform=True)
+        chunks = len(cuts) - 1
+        fitted = refused = False
+        for zero in sorted(zero_levels if shape.dp > 1 else (0,), reverse=True):
+            def price(recompute):
+                return search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
+                                    uniform=True)
+            saving = price(RECOMPUTE_ORDER[-1])
+            if saving is None:
+                refused = True
+                break
+            results.append(saving)
+            if not saving.fits:
+                break
+            fitted = True
+            for recompute in RECOMPUTE_ORDER[:-1]:
+                priced = price(recompute)
                 if priced is None:
                     break
                 results.append(priced)
                 if priced.fits:
                     break
+        if not fitted and not refused:
+            too_big.add(layout)
     return results
 
 
 def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Priced]:
-    """Shapes whose PP does not divide the blocks: balanced cuts, recompute up from none."""
+    """Shapes outside the grid: balanced cuts, ZeRO-1 where there is data parallelism, the fastest
+    recompute that fits (full first: when it does not fit, nothing does)."""
     results = []
     for shape in shapes:
         if search.out_of_time():
@@ -276,8 +295,13 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
         if cuts is None:
             continue
         chunks = len(cuts) - 1
-        for recompute in RECOMPUTE_ORDER:
-            priced = search.price(Candidate(shape, cuts, (recompute,) * chunks, (1 if shape.dp > 1 else 0,) * chunks))
+        zero = (1 if shape.dp > 1 else 0,) * chunks
+        saving = search.price(Candidate(shape, cuts, (RECOMPUTE_ORDER[-1],) * chunks, zero))
+        if saving is None:
+            continue
+        results.append(saving)
+        for recompute in RECOMPUTE_ORDER[:-1] if saving.fits else ():
+            priced = search.price(Candidate(shape, cuts, (recompute,) * chunks, zero))
             if priced is None:
                 break
             results.append(priced)

@@ -30,15 +30,23 @@ Progress = Callable[[str, int, int], None]
 
 def plan_graph(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
                time_limit: float = 60.0, progress: Progress | None = None) -> Plan:
+    return plan_and_search(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
+                           time_limit=time_limit, progress=progress)[0]
+
+
+def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
+                    time_limit: float = 60.0, progress: Progress | None = None) -> tuple[Plan, Search]:
+    """The plan and the search that found it (its priced candidates, for benchmarks)."""
     started = time.monotonic()
     search = search_pipeline(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
                              deadline=started + time_limit, progress=progress)
     inter_seconds = time.monotonic() - started
     _report(progress, "placements", 3, 3)
     status = "time_limit" if search.timed_out else "searched"
-    return _assemble(graph, mesh, search.best, search.units, global_batch=global_batch, solver={
+    plan = _assemble(graph, mesh, search.best, search.units, global_batch=global_batch, solver={
         "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced},
         time_limit=max(1.0, started + time_limit - time.monotonic()))
+    return plan, search
 
 
 def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None,
