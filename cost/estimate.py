@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import sympy
 
-from autopar.errors import AutoparError, InfeasibleError
+from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import BACKWARD, Efficiencies, attention_kernels, compute_time
@@ -174,6 +174,10 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     if global_batch % (dp * micro_batch):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
                            f"{dp} x {micro_batch}")
+    m = global_batch // (dp * micro_batch)
+    if virtual > 1 and m % pp:
+        raise AutoparError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a "
+                           f"multiple of the {pp} pipeline ranks; change the global or micro-batch")
     owner = _chunk_of_nodes(graph, stages)
     layouts = _layouts(graph, stages)
     in_block = _block_mask(graph)
@@ -187,8 +191,7 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                            efficiencies, attention) for c, s in enumerate(stages)]
     _add_sends(graph, layouts, owner, stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
-    return _Pipeline(chunks=chunks, devices=devices,
-                     micro_batches=global_batch // (dp * micro_batch))
+    return _Pipeline(chunks=chunks, devices=devices, micro_batches=m)
 
 
 def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str,

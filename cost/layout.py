@@ -83,111 +83,125 @@ def graph_batch(graph: Graph) -> int:
 def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
                  compute_dtype: str = "bfloat16") -> GraphLayout:
     """Per-sample, per-rank costs of every node of `graph` under tensor parallelism of degree `tp`."""
-    batch = graph_batch(graph)
-    by_name = {n.name: n for n in graph.nodes}
-    index = {n.name: i for i, n in enumerate(graph.nodes)}
-    sharded: dict[str, bool] = {}
-    grad: dict[str, bool] = {}
-    storage: dict[str, str] = {}          # node -> owner of its storage
-    contiguous: dict[str, bool] = {}
-    from_input: dict[str, bool] = {}      # derived from the model's inputs only (ids, masks)
-    storage_bytes: dict[str, float] = {}
-    param_local: dict[str, float] = {}
-    layouts: list[NodeLayout] = []
-    grad_reduced: set[str] = set()       # inputs whose gradient is already all-reduced once
-    weight_of: dict[str, str] = {}       # views and casts of a parameter -> that parameter
+    return _LayoutBuilder(graph, tp, sequence_parallel, compute_dtype).build()
 
-    def full_bytes(node: Node) -> float:
-        """Bytes of this node's whole output for one sample, in the training dtype."""
-        size = node.bytes / batch
-        return size * _itemsize(node.dtype, compute_dtype) / _DTYPE_BYTES.get(node.dtype, 4)
 
-    def local_bytes(node: Node) -> float:
-        """Bytes of this node's output on one rank for one sample."""
-        size = node.bytes / batch if node.shape and node.role is not Role.PARAMETER else node.bytes
-        if node.dtype:
-            size = size * _itemsize(node.dtype, compute_dtype) / _DTYPE_BYTES.get(node.dtype, 4)
-        split = sharded.get(node.name) or (sequence_parallel and node.role is Role.ACTIVATION)
-        return size / tp if split else size
+class _LayoutBuilder:
+    """One walk over the graph in topological order; each node's layout follows its inputs'."""
 
-    for node in graph.nodes:
-        if node.role in (Role.PARAMETER, Role.BUFFER, Role.INPUT) or node.target == "output":
-            sharded[node.name] = False
-            grad[node.name] = node.role is Role.PARAMETER
-            storage[node.name] = node.name
-            contiguous[node.name] = True
-            from_input[node.name] = node.role is Role.INPUT
-            if node.role is Role.INPUT:       # kept when a first op saves it (a matmul's input)
-                storage_bytes[node.name] = local_bytes(node)
-            continue
-        family = op_family(node.target)
-        name = op_name(node.target)
-        params = [weight_of.get(i, i) for i in node.inputs
-                  if by_name[i].role is Role.PARAMETER or i in weight_of]
-        acts = [i for i in node.inputs if by_name[i].role not in (Role.PARAMETER, Role.BUFFER)
-                and i not in weight_of]
-        if len(node.inputs) == 1 and params and (family == "view" or name in ("_to_copy", "to")):
-            weight_of[node.name] = params[0]   # w.t(), w.to(bf16): still the weight
-        in_sharded = any(sharded[i] for i in acts)
-        grad[node.name] = any(grad[i] for i in node.inputs)
-        from_input[node.name] = bool(acts) and all(from_input[i] for i in acts) and not params
-        layout = NodeLayout(name=node.name, family=family, sharded=in_sharded,
-                            requires_grad=grad[node.name], flops=node.flops / batch,
-                            act_bytes=0.0, param_bytes=0.0, out_bytes=0.0)
-        parallel = False
-        if family == "matmul" and params and tp > 1:
-            parallel = True
-            if in_sharded:            # row-parallel: partial sums all-reduced after the forward
-                layout.sharded = False
-                layout.reduce_forward = full_bytes(node)
-            else:                     # column-parallel: the input's gradient is all-reduced,
-                layout.sharded = True     # once however many matmuls read that input (q, k, v)
-                _check_divides(tp, node.shape[-1] if node.shape else 1, "output features", node)
-                if acts and storage[acts[0]] not in grad_reduced:
-                    grad_reduced.add(storage[acts[0]])
-                    layout.reduce_backward = full_bytes(by_name[acts[0]])
-        elif family == "embedding" and params and tp > 1 and acts and all(from_input[i] for i in acts):
-            parallel = True           # vocab-parallel lookup of token ids
-            layout.reduce_forward = full_bytes(node)
-        elif family in ("matmul", "attention") and in_sharded:
-            parallel = True
-            if family == "attention":
-                for i in acts[:3]:
-                    shape = by_name[i].shape
-                    _check_divides(tp, shape[-3] if len(shape) >= 3 else 1, "attention heads", node)
-        for p in params:
-            if parallel:
-                param_local[p] = min(param_local.get(p, float("inf")), _numel(by_name[p].shape) / tp)
+    def __init__(self, graph: Graph, tp: int, sequence_parallel: bool, compute_dtype: str):
+        self.graph, self.tp, self.sp, self.dtype = graph, tp, sequence_parallel, compute_dtype
+        self.batch = graph_batch(graph)
+        self.by_name = {n.name: n for n in graph.nodes}
+        self.sharded: dict[str, bool] = {}
+        self.grad: dict[str, bool] = {}
+        self.storage: dict[str, str] = {}          # node -> owner of its storage
+        self.contiguous: dict[str, bool] = {}
+        self.from_input: dict[str, bool] = {}      # derived from the model's inputs only (ids)
+        self.storage_bytes: dict[str, float] = {}
+        self.param_local: dict[str, float] = {}
+        self.grad_reduced: set[str] = set()        # tensors whose gradient is all-reduced already
+        self.weight_of: dict[str, str] = {}        # views and casts of a parameter -> it
+
+    def build(self) -> GraphLayout:
+        layouts = []
+        for node in self.graph.nodes:
+            if node.role in (Role.PARAMETER, Role.BUFFER, Role.INPUT) or node.target == "output":
+                self._leaf(node)
             else:
-                param_local.setdefault(p, _numel(by_name[p].shape))
+                layouts.append(self._node(node))
+        for node in self.graph.parameters:
+            self.param_local.setdefault(node.name, _numel(node.shape))
+        return GraphLayout(nodes=layouts, index={n.name: i for i, n in enumerate(self.graph.nodes)},
+                           storage=self.storage, storage_bytes=self.storage_bytes,
+                           param_local=self.param_local, batch=self.batch)
+
+    def full_bytes(self, node: Node) -> float:
+        """Bytes of this node's whole output for one sample, in the training dtype."""
+        return node.bytes / self.batch * _itemsize(node.dtype, self.dtype) / _DTYPE_BYTES.get(node.dtype, 4)
+
+    def local_bytes(self, node: Node) -> float:
+        """Bytes of this node's output on one rank for one sample."""
+        split = self.sharded.get(node.name) or (self.sp and node.role is Role.ACTIVATION)
+        return self.full_bytes(node) / self.tp if split else self.full_bytes(node)
+
+    def _leaf(self, node: Node) -> None:
+        self.sharded[node.name] = False
+        self.grad[node.name] = node.role is Role.PARAMETER
+        self.storage[node.name] = node.name
+        self.contiguous[node.name] = True
+        self.from_input[node.name] = node.role is Role.INPUT
+        if node.role is Role.INPUT:       # kept when a first op saves it (a matmul's input)
+            self.storage_bytes[node.name] = self.local_bytes(node)
+
+    def _node(self, node: Node) -> NodeLayout:
+        family, name, by_name = op_family(node.target), op_name(node.target), self.by_name
+        params = [self.weight_of.get(i, i) for i in node.inputs
+                  if by_name[i].role is Role.PARAMETER or i in self.weight_of]
+        acts = [i for i in node.inputs if by_name[i].role not in (Role.PARAMETER, Role.BUFFER)
+                and i not in self.weight_of]
+        if len(node.inputs) == 1 and params and (family == "view" or name in ("_to_copy", "to")):
+            self.weight_of[node.name] = params[0]   # w.t(), w.to(bf16): still the weight
+        in_sharded = any(self.sharded[i] for i in acts)
+        self.grad[node.name] = any(self.grad[i] for i in node.inputs)
+        self.from_input[node.name] = bool(acts) and all(self.from_input[i] for i in acts) and not params
+        layout = NodeLayout(name=node.name, family=family, sharded=in_sharded,
+                            requires_grad=self.grad[node.name], flops=node.flops / self.batch,
+                            act_bytes=0.0, param_bytes=0.0, out_bytes=0.0)
+        parallel = self._tensor_parallel(node, family, params, acts, layout)
+        for p in params:
+            whole = _numel(by_name[p].shape)
+            held = whole / self.tp if parallel else whole
+            self.param_local[p] = min(self.param_local.get(p, whole), held)
         if family == "view" and in_sharded and name in ("view", "reshape", "_unsafe_view", "unflatten"):
-            _check_split_heads(tp, by_name[acts[0]].shape, node)
-        sharded[node.name] = layout.sharded
-        split_compute = parallel or layout.sharded or (sequence_parallel and tp > 1)
-        layout.flops = layout.flops / tp if split_compute else layout.flops
-        _storage_of(node, name, family, storage, contiguous)
-        if storage[node.name] == node.name:
-            storage_bytes[node.name] = local_bytes(node)
-        layout.out_bytes = local_bytes(node)
+            _check_split_heads(self.tp, by_name[acts[0]].shape, node)
+        self.sharded[node.name] = layout.sharded
+        if parallel or layout.sharded or (self.sp and self.tp > 1):
+            layout.flops /= self.tp
+        _storage_of(node, name, family, self.storage, self.contiguous)
+        if self.storage[node.name] == node.name:
+            self.storage_bytes[node.name] = self.local_bytes(node)
+        layout.out_bytes = self.local_bytes(node)
         if family != "view" and not _is_noop(node, name):
-            layout.act_bytes = layout.out_bytes + sum(local_bytes(by_name[i]) for i in acts)
+            layout.act_bytes = layout.out_bytes + sum(self.local_bytes(by_name[i]) for i in acts)
             if family != "embedding":     # a lookup reads only the rows it returns
-                layout.param_bytes = sum(param_local[p] * _DTYPE_BYTES[compute_dtype] for p in params)
-        if grad[node.name]:
-            layout.saved = _saved(node, name, family, acts, storage, grad, by_name)
+                layout.param_bytes = sum(self.param_local[p] * _DTYPE_BYTES[self.dtype] for p in params)
+        if self.grad[node.name]:
+            layout.saved = _saved(node, name, family, acts, self.storage)
             for key in layout.saved:
                 if key.endswith(":mask"):     # one byte per element
-                    storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, compute_dtype)
+                    self.storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, self.dtype)
         if family == "attention":
-            layout.attention = _attention_info(node, by_name, batch, tp if in_sharded else 1)
+            layout.attention = _attention_info(node, by_name, self.batch, self.tp if in_sharded else 1)
             info = layout.attention     # the row-wise log-sum-exp, fp32
-            storage_bytes[f"{node.name}:lse"] = info["heads"] * info["q_len"] * 4
-        layouts.append(layout)
-    for node in graph.nodes:
-        if node.role is Role.PARAMETER:
-            param_local.setdefault(node.name, _numel(node.shape))
-    return GraphLayout(nodes=layouts, index=index, storage=storage, storage_bytes=storage_bytes,
-                       param_local=param_local, batch=batch)
+            self.storage_bytes[f"{node.name}:lse"] = info["heads"] * info["q_len"] * 4
+        return layout
+
+    def _tensor_parallel(self, node: Node, family: str, params: list[str], acts: list[str],
+                         layout: NodeLayout) -> bool:
+        """Apply Megatron's rules to one node; True when its work is split over the tp ranks."""
+        tp = self.tp
+        if family == "matmul" and params and tp > 1:
+            if layout.sharded:        # row-parallel: partial sums all-reduced after the forward
+                layout.sharded = False
+                layout.reduce_forward = self.full_bytes(node)
+                return True
+            # Column-parallel: the input's gradient is all-reduced in the backward, once however
+            # many matmuls read that input (q, k and v).
+            layout.sharded = True
+            _check_divides(tp, node.shape[-1] if node.shape else 1, "output features", node)
+            if acts and self.storage[acts[0]] not in self.grad_reduced:
+                self.grad_reduced.add(self.storage[acts[0]])
+                layout.reduce_backward = self.full_bytes(self.by_name[acts[0]])
+            return True
+        if family == "embedding" and params and tp > 1 and acts and all(self.from_input[i] for i in acts):
+            layout.reduce_forward = self.full_bytes(node)      # vocab-parallel lookup of token ids
+            return True
+        if family == "attention" and layout.sharded:
+            for i in acts[:3]:
+                shape = self.by_name[i].shape
+                _check_divides(tp, shape[-3] if len(shape) >= 3 else 1, "attention heads", node)
+        return family in ("matmul", "attention") and layout.sharded
 
 
 def _check_divides(tp: int, size: int, what: str, node: Node) -> None:
@@ -240,8 +254,7 @@ def _storage_of(node: Node, name: str, family: str, storage: dict, contiguous: d
     contiguous[node.name] = True
 
 
-def _saved(node: Node, name: str, family: str, acts: list[str], storage: dict, grad: dict,
-           by_name: dict) -> tuple[str, ...]:
+def _saved(node: Node, name: str, family: str, acts: list[str], storage: dict) -> tuple[str, ...]:
     """Storage owners that autograd keeps for this node's backward (activations only: parameters
     are counted as model state)."""
     if family in ("view", "reduction") or _is_noop(node, name):

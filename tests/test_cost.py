@@ -115,7 +115,7 @@ def test_in_flight_micro_batches_per_schedule():
 def _mlp_graph(batch=4, hidden=1024):
     """x [batch, hidden] -> mm(w1) -> relu -> mm(w2): a hand-made graph."""
     f32 = 4
-    act = batch * hidden * f32
+
     def node(name, target, role, shape, inputs=(), flops=0):
         size = math.prod(shape) * f32
         return Node(name=name, target=target, role=role, shape=shape, dtype="float32", bytes=size,
@@ -130,7 +130,6 @@ def _mlp_graph(batch=4, hidden=1024):
                   2 * batch * hidden * hidden),
              Node(name="output", target="output", role=Role.OUTPUT, shape=(), dtype="", bytes=0,
                   inputs=("mm2",))]
-    assert act
     return Graph(nodes=nodes, blocks=[])
 
 
