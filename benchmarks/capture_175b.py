@@ -5,9 +5,9 @@
 Both run in this one process, alternating, after a small warm-up export; the figure is the ratio
 of the median times (target <= 1.5). Times are CPU seconds of this process (time.process_time),
 which other jobs on a shared machine disturb less than wall time; wall times are printed too.
-The part autopar adds to the export (node table, FLOPs, block detection) is also timed alone. Memory: the process's peak resident set (ru_maxrss) over
-everything, and the Python heap's peak during one capture (tracemalloc, measured separately
-because tracing slows allocation). Target: peak under 1 GiB, one block kind with 96 instances.
+The part autopar adds to the export (node table, FLOPs, block detection) is also timed alone.
+Memory: the process's peak resident set (ru_maxrss) over everything, and the Python heap's peak
+during one capture (tracemalloc, measured separately because tracing slows allocation). Target: peak under 1 GiB, one block kind with 96 instances.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ def build_model(spec: str, *, device: str | torch.device = "meta", batch: int = 
 
     On "meta" (the default) nothing is allocated, so even gpt3-175b builds instantly; on a real
     device the weights are `torch.manual_seed(seed); model.init_weights()` (the global RNG is
-    left untouched) and the example inputs are random but deterministic too. Keyword overrides replace config keys,
-    e.g. `build_model("gpt3-175b", layers=2)`.
+    left untouched) and the example inputs are random but deterministic too. Keyword overrides
+    replace config keys, e.g. `build_model("gpt3-175b", layers=2)`.
     """
     if batch < 1:
         raise AutoparError(f"batch={batch} must be at least 1")
