@@ -73,3 +73,104 @@ def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: floa
 
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     return plan_config(graph, _as_mesh(mesh), config, memory_limit=limit, time_limit=time_limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running: autopar.compile
+# ---------------------------------------------------------------------------------------------
+
+
+def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_kwargs: dict | None = None,
+            global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = 60.0):
+    """Train `model` on this process's rank of `mesh` under a plan; returns a `CompiledModel`.
+
+    `plan` is a Plan, a path to a saved one, a forced `Config`, or None: then rank 0 plans (for
+    `global_batch`, default the example batch) and every rank receives the same plan.
+    `optimizer(params)` builds any torch.optim optimizer; it steps on this rank's local shards.
+    `loss_fn(outputs, targets)` must average over the batch, as a mean-reduced loss does.
+    Every rank calls it; mistakes (a mesh that is not the process group, a plan for another
+    model, a batch the data-parallel degree does not divide) raise on every rank before any
+    collective."""
+    import torch.distributed as dist
+
+    from autopar.capture import capture
+    from autopar.cost.config import Config
+    from autopar.errors import MeshError
+    from autopar.runtime.compiled import build_compiled
+
+    mesh = _as_mesh(mesh)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if mesh.device.name == "cpu" else "nccl")
+    if mesh.world_size != dist.get_world_size():
+        raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
+                        f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
+                        f"mesh of {dist.get_world_size()}")
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    example_kwargs = dict(example_kwargs or {})
+    graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    batch = global_batch or example_inputs[0].shape[0]
+    if isinstance(plan, Config):
+        plan = _plan_for_config(graph, mesh, plan)
+    elif plan is None:
+        plan = _plan_on_rank0(graph, mesh, batch, memory_limit, time_limit)
+    else:
+        plan = _load_plan(plan)
+    plan.check_graph(graph.fingerprint())
+    _check_batch(plan, global_batch)
+    if len(plan.stages) > 1:
+        from autopar.runtime.pipeline import build_pipeline
+
+        return build_pipeline(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    return build_compiled(model, plan, graph, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                          loss_fn=loss_fn, optimizer=optimizer,
+                          device_type="cpu" if mesh.device.name == "cpu" else "cuda")
+
+
+def _load_plan(plan):
+    from autopar.plan import Plan
+
+    if isinstance(plan, Plan):
+        return plan
+    return Plan.load(plan)
+
+
+def _plan_for_config(graph, mesh, config):
+    """A forced configuration: the Megatron layout for one stage, the planner's for pipelines."""
+    from autopar.runtime.forced_plan import megatron_plan
+
+    if config.pp > 1:
+        return plan_from_config(graph, mesh, config)
+    return megatron_plan(graph, mesh, config)
+
+
+def _plan_on_rank0(graph, mesh, global_batch, memory_limit, time_limit):
+    """Rank 0 plans and broadcasts: every rank runs the identical plan (a solver with a time limit
+    may answer differently on different ranks). A planning error is raised on every rank."""
+    import torch.distributed as dist
+
+    from autopar.plan import Plan
+
+    message = [None]
+    if dist.get_rank() == 0:
+        try:
+            message[0] = ("plan", plan_graph(graph, mesh, global_batch=global_batch,
+                                             memory_limit=memory_limit, time_limit=time_limit).to_dict())
+        except AutoparError as err:   # sent to the other ranks, then raised here too
+            message[0] = ("error", err)
+    dist.broadcast_object_list(message, src=0)
+    kind, payload = message[0]
+    if kind == "error":
+        raise payload
+    return Plan.from_dict(payload)
+
+
+def _check_batch(plan, global_batch) -> None:
+    stage = plan.stages[0]
+    if global_batch is not None and global_batch != plan.global_batch:
+        raise AutoparError(f"global_batch={global_batch} but the plan was made for {plan.global_batch}; "
+                           f"plan again for {global_batch} or pass the plan's batch")
+    per_step = stage.dp * plan.micro_batch_size * plan.micro_batches
+    if plan.global_batch != per_step:
+        raise AutoparError(f"the plan's global batch {plan.global_batch} is not dp x micro-batch size x "
+                           f"micro-batches = {stage.dp} x {plan.micro_batch_size} x {plan.micro_batches}; "
+                           f"choose a global batch divisible by dp = {stage.dp}")

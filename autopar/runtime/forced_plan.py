@@ -1,0 +1,118 @@
+"""A forced configuration (`Config`) as a single-stage Plan with Megatron-LM's layout.
+
+Used by `compile(plan=Config(...))` when the planner's `plan_from_config` (placements from the
+ILP with pinned axis roles) is not available. Tensor parallelism follows the data flow of each
+block: a linear whose input is whole is column-parallel (output features split over "tp"), a
+linear whose input is split is row-parallel (input features split, partial sums reduced where the
+residual stream enters the next norm).
+So q/k/v, the MLP's up and gate projections and the LM head come out column-parallel, the
+attention output and MLP down projections row-parallel, for any model built from linears,
+whatever its names. Sequence parallelism splits the sequence dim of every norm's input. ZeRO-3
+shards each parameter on its first dim divisible by "dp".
+"""
+
+from __future__ import annotations
+
+from autopar.cost.config import Config
+from autopar.cost.mesh import Mesh
+from autopar.errors import MeshError
+from autopar.graph import Graph, Role
+from autopar.plan import Plan, Stage
+
+# (weight dims of (output features, input features)) of each linear-like op, by its target.
+LINEAR_WEIGHT_DIMS = {"aten.linear.default": (0, 1), "aten.addmm.default": (1, 0),
+                      "aten.mm.default": (1, 0), "aten.matmul.default": (1, 0)}
+# position of the (input, weight, bias) arguments of each
+LINEAR_ARGS = {"aten.linear.default": (0, 1, 2), "aten.addmm.default": (1, 2, 0),
+               "aten.mm.default": (0, 1, None), "aten.matmul.default": (0, 1, None)}
+
+
+def megatron_plan(graph: Graph, mesh: Mesh, config: Config) -> Plan:
+    """The plan Megatron-LM would run for `config` on one pipeline stage."""
+    if config.pp != 1:
+        raise MeshError(f"config pp={config.pp}: the Megatron layout here covers one stage; "
+                        f"pipelines are planned by autopar.plan")
+    if config.world_size != mesh.world_size:
+        raise MeshError(f"config dp x tp = {config.dp} x {config.tp} = {config.world_size} devices, but "
+                        f"the mesh {mesh} has {mesh.world_size}; choose dp x tp = {mesh.world_size}")
+    tensor = _tensor_parallel_placements(graph, config.tp)
+    parameters = {}
+    for node in graph.parameters:
+        dp_place = _zero3_placement(node.shape, tensor.get(node.param_fqn), config) if config.zero == 3 else "R"
+        parameters[node.param_fqn] = [dp_place, tensor.get(node.param_fqn, "R")]
+    nodes = {n.name: ["S(0)", "R"] for n in graph.nodes if n.role is Role.INPUT}
+    if config.tp > 1:
+        # The residual stream is whole (or sequence-split) where it enters a norm: a row-parallel
+        # output's partial sums are reduced there, as in Megatron, instead of flowing on.
+        stream = "S(1)" if config.sequence_parallel else "R"
+        nodes.update({name: ["S(0)", stream] for name in _norm_inputs(graph, config.tp, stream)})
+    stage = Stage(index=0, layers=_top_modules(graph), ranks=list(range(mesh.world_size)), tp=config.tp,
+                  dp=config.dp, recompute=config.recompute, zero=config.zero,
+                  sequence_parallel=config.sequence_parallel)
+    return Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(), axes=[["dp", config.dp], ["tp", config.tp]],
+                stages=[stage], global_batch=config.global_batch, micro_batches=config.micro_batches,
+                micro_batch_size=config.micro_batch, schedule=config.schedule, parameters=parameters,
+                nodes=nodes, model_type=graph.model_type, solver={"method": "megatron layout"})
+
+
+def _tensor_parallel_placements(graph: Graph, tp: int) -> dict[str, str]:
+    """Column- then row-parallel linears along the data flow: param fqn -> placement on "tp"."""
+    if tp == 1:
+        return {}
+    fqn_of = {n.name: n.param_fqn for n in graph.nodes if n.role is Role.PARAMETER}
+    shape_of = {n.name: n.shape for n in graph.nodes}
+    split: set[str] = set()           # activations whose features are split over tp
+    placements: dict[str, str] = {}
+    for node in graph.nodes:
+        args = LINEAR_ARGS.get(node.target)
+        weight = node.inputs[args[1]] if args and len(node.inputs) > args[1] else None
+        if weight not in fqn_of or fqn_of[weight] in placements:
+            if any(i in split for i in node.inputs) and node.role is Role.ACTIVATION:
+                split.add(node.name)
+            continue
+        out_dim, in_dim = LINEAR_WEIGHT_DIMS[node.target]
+        bias = node.inputs[args[2]] if args[2] is not None and len(node.inputs) > args[2] else None
+        if node.inputs[args[0]] in split:             # row-parallel: partial sums, reduced after
+            placements[fqn_of[weight]] = f"S({in_dim})"
+        elif shape_of[weight][out_dim] % tp == 0:     # column-parallel: output features split
+            placements[fqn_of[weight]] = f"S({out_dim})"
+            if bias in fqn_of:
+                placements[fqn_of[bias]] = "S(0)"
+            split.add(node.name)
+    return placements
+
+
+def _zero3_placement(shape: tuple, tensor_placement: str | None, config: Config) -> str:
+    """Shard on the first dim that stays divisible after tensor parallelism, or keep whole."""
+    for dim, size in enumerate(shape):
+        if tensor_placement == f"S({dim})":
+            size //= config.tp
+        if size % config.dp == 0:
+            return f"S({dim})"
+    return "R"
+
+
+def _norm_inputs(graph: Graph, tp: int, stream: str) -> list[str]:
+    """Activations entering a norm module (with a sequence dim that tp divides, to split it)."""
+    by_name = {n.name: n for n in graph.nodes}
+    result = []
+    for node in graph.nodes:
+        if not node.module_type.endswith("Norm"):
+            continue
+        for name in node.inputs:
+            source = by_name[name]
+            if (source.role is Role.ACTIVATION and not source.module_path.startswith(node.module_path)
+                    and (stream == "R" or len(source.shape) == 3 and source.shape[1] % tp == 0)
+                    and name not in result):
+                result.append(name)
+    return result
+
+
+def _top_modules(graph: Graph) -> list[str]:
+    """Top-level module paths in graph order."""
+    seen: list[str] = []
+    for node in graph.nodes:
+        top = node.module_path.split(".")[0] if node.module_path else ""
+        if top and top not in seen:
+            seen.append(top)
+    return seen

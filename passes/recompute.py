@@ -1,0 +1,92 @@
+"""Recomputation: regions of the graph that run under torch.utils.checkpoint."""
+
+from __future__ import annotations
+
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import checkpoint
+
+from autopar.plan import Plan
+from autopar.runtime.layout import StageLayout
+
+ATTENTION_NAMES = ("attn", "attention")
+
+
+class Recomputed(nn.Module):
+    """Runs `region` under a non-reentrant checkpoint: only its inputs stay alive for backward."""
+
+    def __init__(self, region: nn.Module):
+        super().__init__()
+        self.region = region
+
+    def forward(self, *args):
+        return checkpoint(self.region, *args, use_reentrant=False)
+
+
+def wrap_recompute(gm: fx.GraphModule, plan: Plan, layout: StageLayout) -> fx.GraphModule:
+    """Checkpoint every block ("full") or every block's attention ("selective")."""
+    if layout.recompute == "none" or not layout.blocks:
+        return gm
+    region_of = _regions(gm, layout.blocks, selective=layout.recompute == "selective")
+    part_of, recomputed = _partitions(gm, region_of)
+    split = split_module(gm, gm, lambda node: part_of[node.name], keep_original_order=True,
+                         keep_original_node_name=True)
+    for part in recomputed:
+        name = f"submod_{part}"
+        setattr(split, name, Recomputed(getattr(split, name)))
+    # The split graph takes and returns flat values; keep the original calling convention.
+    split.graph._codegen = gm.graph._codegen
+    split.recompile()
+    return split
+
+
+def _regions(gm: fx.GraphModule, blocks: tuple[str, ...], selective: bool) -> dict[str, str | None]:
+    """Module path of the recomputed region each node belongs to (None: not recomputed).
+    Nodes without a module (parameters, inserted collectives) go with their first user."""
+    region_of: dict[str, str | None] = {}
+    for node in reversed(gm.graph.nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+        if node.op == "get_attr" or node.meta.get("autopar_inserted") or not paths:
+            users = [region_of.get(u.name) for u in node.users]
+            region_of[node.name] = users[0] if users else None
+        else:
+            region_of[node.name] = _region(paths, blocks, selective)
+    return region_of
+
+
+def _region(paths: list[str], blocks: tuple[str, ...], selective: bool) -> str | None:
+    block = next((p for p in paths if p in blocks), None)
+    if block is None or not selective:
+        return block
+    inside = [p for p in paths if p.startswith(block + ".")]
+    if inside and inside[0].rpartition(".")[2].lower().endswith(ATTENTION_NAMES):
+        return inside[0]
+    return None
+
+
+def _partitions(gm: fx.GraphModule, region_of: dict[str, str | None]) -> tuple[dict[str, int], set[int]]:
+    """Partition numbers in graph order: a new one each time the region changes."""
+    part_of, recomputed = {}, set()
+    current, part = object(), -1
+    first_part_of_region: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.name not in region_of:
+            continue
+        region = region_of[node.name]
+        if node.op == "get_attr" or node.meta.get("autopar_inserted"):
+            continue
+        if region != current:
+            part, current = part + 1, region
+            if region is not None:
+                recomputed.add(part)
+                first_part_of_region.setdefault(region, part)
+        part_of[node.name] = part
+    for node in reversed(gm.graph.nodes):     # users first: a chain of inserted nodes follows its end
+        if node.name in region_of and node.name not in part_of:
+            users = [part_of.get(u.name) for u in node.users]
+            region = region_of[node.name]
+            part_of[node.name] = first_part_of_region.get(region) if region is not None else \
+                min((u for u in users if u is not None), default=0)
+    return part_of, recomputed
