@@ -145,6 +145,14 @@ def megatron_placements() -> dict[str, list[str]]:
     return placements
 
 
+def test_zero2_and_zero3_across_pipeline_replicas():
+    cut = [UNITS[:5], UNITS[5:]]
+    plans = [make_plan(cut, pp=2, dp=2, schedule="1f1b", micro_batches=2, zero=zero) for zero in (2, 3)]
+    results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
+    for report in results[0]:
+        assert_equal_to_one_process(report)
+
+
 def test_tensor_parallel_stages_2x2():
     cut = [UNITS[:5], UNITS[5:]]
     plans = [make_plan(cut, pp=2, tp=2, schedule="1f1b", parameters=megatron_placements())]
@@ -152,9 +160,9 @@ def test_tensor_parallel_stages_2x2():
     assert_equal_to_one_process(results[0][0])
 
 
-def test_data_tensor_and_pipeline_parallel_2x2x2():
+def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero3():
     cut = [UNITS[:5], UNITS[5:]]
-    plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2,
+    plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2, zero=3,
                        parameters=megatron_placements())]
     results = autopar.launch(train_plans, 8, plans, adamw, timeout=180)
     assert_equal_to_one_process(results[0][0])

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
@@ -153,9 +154,11 @@ class PipelineRunner:
 
     def _reduce_gradients(self) -> None:
         """Average gradients over the data-parallel replicas in one flat all-reduce."""
-        if self.layout.dp == 1:
+        # FSDP stages (ZeRO-2/3) reduce-scatter their own gradients during the schedule
+        grads = [_local(p.grad) for program in self.programs if not isinstance(program.module, FSDPModule)
+                 for p in program.module.parameters() if p.grad is not None]
+        if self.layout.dp == 1 or not grads:
             return
-        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.mesh.get_group("dp"))
         flat /= self.layout.dp
@@ -176,15 +179,14 @@ class PipelineRunner:
         """Parameters and buffers under model.state_dict()'s names, gathered on every rank. A
         collective: call it on every rank."""
         mine = {}
-        if self.dp_rank == 0:
-            for program in self.programs:
-                for ref in program.module.modules():
-                    if isinstance(ref, TensorRef):
-                        # gathering a DTensor is a collective of the stage's tp group
-                        value = ref.value.detach()
-                        value = value.full_tensor() if isinstance(value, DTensor) else value
-                        mine[ref.fqn] = value.cpu().clone()
-        if self.tp_rank != 0:
+        for program in self.programs:
+            for ref in program.module.modules():
+                if isinstance(ref, TensorRef):
+                    # gathering a DTensor is a collective of its mesh: every rank takes part
+                    value = ref.value.detach()
+                    value = value.full_tensor() if isinstance(value, DTensor) else value
+                    mine[ref.fqn] = value.cpu().clone()
+        if (self.dp_rank, self.tp_rank) != (0, 0):
             mine = {}
         gathered: list[dict] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -221,15 +223,7 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     pp_rank = layout.coordinates(dist.get_rank())[0]
     own = [s for s, r in enumerate(layout.stage_rank) if r == pp_rank]
 
-    micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
-    graph = export_for_pipeline(model, micro)
-    programs = split_stages(graph, [s.layers for s in plan.stages], [s.recompute for s in plan.stages])
-    programs = [_materialize(programs[s], device) for s in own]
-    if layout.tp > 1:
-        tp_axis = [name for name, _ in plan.axes].index("tp")
-        for program in programs:
-            program.module = shard_stage(program.module, mesh["tp"], plan.parameters, tp_axis)
-
+    programs = _stage_programs(model, plan, layout, mesh, own, example_inputs, device)
     stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
               for p in programs]
     schedule = _schedule(plan, layout, stages, loss_fn)
@@ -240,15 +234,34 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
                           state_aliases=state_aliases(model))
 
 
+def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
+                    own: list[int], example_inputs: tuple, device: torch.device) -> list[StageProgram]:
+    """This rank's stages, in order: export for one micro-batch; cut into the plan's stages (with
+    recompute per layer); keep our stages and copy only their tensors; shard parameters over tp
+    (DTensor needs whole tensors to distribute); then over dp for ZeRO-2/3 (FSDP shards what TP
+    left, so it comes last)."""
+    micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+    graph = export_for_pipeline(model, micro)
+    programs = split_stages(graph, [s.layers for s in plan.stages], [s.recompute for s in plan.stages])
+    programs = [_materialize(programs[s], device) for s in own]
+    tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
+    for program in programs:
+        if tp_axis is not None:
+            program.module = shard_stage(program.module, mesh["tp"], plan.parameters, tp_axis)
+        zero = plan.stages[program.index].zero
+        if zero >= 2 and layout.dp > 1:
+            # ZeRO-2 keeps parameters gathered from forward to backward; ZeRO-3 frees them between
+            program.module = fully_shard(program.module, mesh=mesh["dp"], reshard_after_forward=zero == 3)
+    return programs
+
+
 def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: PipelineLayout,
                mesh: DeviceMesh):
     """The user's optimizer on this rank's parameters; with ZeRO-1 its state is sharded over the
     data-parallel replicas (torch's ZeroRedundancyOptimizer, after the gradient all-reduce)."""
-    if zero == 0 or layout.dp == 1:
+    if zero != 1 or layout.dp == 1:
+        # ZeRO-2/3 stages hold sharded parameters (FSDP): a plain optimizer steps on the shards
         return make_optimizer(params)
-    if zero > 1:
-        raise AutoparError(f"ZeRO-{zero} across pipeline replicas is not available; the pipeline "
-                           f"runtime shards optimizer state (ZeRO-1): plan with zero<=1")
     # ZeroRedundancyOptimizer builds the optimizer itself from a class and keyword arguments.
     probe = make_optimizer([nn.Parameter(torch.zeros(1))])
     accepted = inspect.signature(type(probe)).parameters
