@@ -17,6 +17,8 @@ writes the same bytes.
 from __future__ import annotations
 
 import json
+import sys
+import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -159,3 +161,17 @@ def _diff(a, b, path: str) -> list[tuple[str, object, object]]:
     if isinstance(a, list) and isinstance(b, list) and a and isinstance(a[0], dict) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
     return [] if a == b else [(path, a, b)]
+
+
+class _CallableModule(types.ModuleType):
+    """`autopar.plan` names both this module and the planning function of autopar.api. Importing
+    the module binds the package attribute to it, so the module forwards calls to the function:
+    `autopar.plan(model, mesh, ...)` works in every import order (as autopar.capture does)."""
+
+    def __call__(self, *args, **kwargs) -> Plan:
+        from autopar.api import plan
+
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -205,3 +205,45 @@ def test_plan_is_never_worse_than_the_best_grid_configuration(graph):
     grid_best = min(p.step_time_s for p in grid if p.fits)
     planned = _search(graph, "2x2:a100-80g", global_batch=16, memory_limit=None).best
     assert planned.step_time_s <= grid_best
+
+
+def test_memory_sizes_parse():
+    from autopar.api import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40GB") == 40 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes(123456) == parse_bytes("123456") == 123456
+    with pytest.raises(AutoparError, match="80GiB"):
+        parse_bytes("80 gigs")
+    with pytest.raises(AutoparError, match="positive"):
+        parse_bytes("0GiB")
+
+
+def test_a_forced_configuration_is_a_plan_priced_like_estimate(graph):
+    from autopar.api import plan_from_config
+    from autopar.cost.config import Config
+    from autopar.cost.estimate import estimate
+
+    mesh = Mesh.parse("2x2:a100-80g")
+    config = Config(tp=2, pp=2, dp=1, global_batch=8, micro_batch=1, recompute="selective",
+                    sequence_parallel=True)
+    plan = plan_from_config(graph, mesh, config)
+    assert (plan.tp, plan.pp, plan.dp, plan.micro_batches) == (2, 2, 1, 8)
+    assert [s.recompute for s in plan.stages] == ["selective", "selective"]
+    assert plan.stages[0].layers[-1] == "layers.3" and plan.stages[1].layers[0] == "layers.4"
+    assert plan.predicted["step_time_s"] == estimate(graph, mesh, config).step_time_s
+    assert plan.solver["status"] == "forced"
+    with pytest.raises(AutoparError, match="inside a node"):
+        plan_from_config(graph, mesh, Config(tp=4, global_batch=8))
+
+
+def test_autopar_plan_from_a_module():
+    import autopar
+    from autopar.models import build_model
+
+    model, inputs = build_model("gpt-tiny")
+    plan = autopar.plan(model, "4:cpu", example_inputs=inputs, global_batch=8, memory_limit="1GiB",
+                        time_limit=20)
+    assert plan.world_size == 4 and plan.global_batch == 8
+    assert plan.predicted["memory_per_gpu_bytes"] <= 2**30
