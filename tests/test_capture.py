@@ -69,6 +69,8 @@ def test_node_shapes_equal_a_real_forward(spec):
         assert node.bytes == value.numel() * value.element_size(), node.name
     logits = model(*inputs)
     assert graph.nodes[-1].shape == tuple(logits.shape)
+    # The captured program computes what the model computes.
+    torch.testing.assert_close(real[graph.nodes[-1].inputs[0]], logits)
 
 
 def test_capture_of_real_weights_copies_nothing():
