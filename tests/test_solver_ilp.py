@@ -53,7 +53,7 @@ def brute_force(problem: Problem) -> tuple[float, dict]:
 def test_brute_force_agrees(seed, backend):
     problem = random_problem(seed, memory_limit=[None, 2.2e9][seed % 2])
     expected, _ = brute_force(problem)
-    found = solve(problem, backend=backend, time_limit=20)
+    found = solve(problem, backend=backend, time_limit=20, relative_gap=0.0)
     if expected == float("inf"):
         assert found.status == "infeasible"
         return
@@ -106,3 +106,54 @@ def test_bad_inputs_are_named():
     problem.nodes[1].strategies = problem.nodes[1].strategies[:2]
     with pytest.raises(AutoparError, match="tied"):
         solve(problem)
+
+
+def odd_cycle(same_cost: float | None) -> Problem:
+    """Three nodes, two strategies each, every pair charged when equal: the LP relaxation takes
+    every strategy by half at no cost; an integral answer must pay on one edge."""
+    nodes = [ProblemNode(name=f"n{i}", kind="op",
+                         strategies=[Strategy(output=["R"], inputs=[]), Strategy(output=["S(0)"], inputs=[])])
+             for i in range(3)]
+    edges = [Edge(src=f"n{a}", dst=f"n{b}", arg=0, src_class=[0, 1], dst_class=[0, 1],
+                  cost=[[same_cost, 0.0], [0.0, same_cost]]) for a, b in ((0, 1), (1, 2), (0, 2))]
+    return Problem(axes=[["gpu", 2]], nodes=nodes, edges=edges)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cp-sat"])
+def test_fractional_relaxation_falls_back_to_integers(backend):
+    found = solve(odd_cycle(1e-3), backend=backend, relative_gap=0.0)
+    assert found.status == "optimal"
+    assert found.objective_s == pytest.approx(1e-3)
+    assert solve(odd_cycle(None), backend=backend).status == "infeasible"
+
+
+def layered(copies: int, memory_limit: float) -> Problem:
+    """`copies` tied ops, each reading its own tied parameter that can be kept whole (fast) or
+    sharded (slower, less memory): the budget decides how many copies shard."""
+    nodes, edges = [], []
+    for k in range(copies):
+        tie = None if k == 0 else "p0"
+        nodes.append(ProblemNode(name=f"p{k}", kind="parameter", tie=tie, strategies=[
+            Strategy(output=["R"], inputs=[], memory_bytes=4e9),
+            Strategy(output=["S(0)"], inputs=[], comm_s=1e-3 * (1 + 0.1 * 0), memory_bytes=1e9)]))
+        nodes.append(ProblemNode(name=f"op{k}", kind="op", tie=None if k == 0 else "op0", strategies=[
+            Strategy(output=["R"], inputs=[["R"]], compute_s=2e-3),
+            Strategy(output=["S(0)"], inputs=[["S(0)"]], compute_s=1.5e-3, memory_bytes=0.5e9)]))
+        edges.append(Edge(src=f"p{k}", dst=f"op{k}", arg=0, src_class=[0, 1], dst_class=[0, 1],
+                          cost=[[0.0, 2e-4], [3e-4, 0.0]]))
+    return Problem(axes=[["gpu", 4]], nodes=nodes, edges=edges, memory_limit=memory_limit)
+
+
+@pytest.mark.parametrize("limit", [5e9, 9e9, 12e9, 16e9])
+def test_tied_parameters_choose_per_copy(limit):
+    problem = layered(4, limit)
+    best = float("inf")
+    for ops in range(2):
+        for params in itertools.product(range(2), repeat=4):
+            choice = {f"op{k}": ops for k in range(4)} | {f"p{k}": params[k] for k in range(4)}
+            time_s, memory = problem.evaluate(choice)
+            if memory <= limit:
+                best = min(best, time_s)
+    found = solve(problem, relative_gap=0.0)
+    assert found.objective_s == pytest.approx(best)
+    assert found.memory_bytes <= limit

@@ -40,7 +40,8 @@ class ProblemNode:
     name: str
     kind: str                       # "op", "parameter", "input", "replicated" (an op with no rule)
     strategies: list[Strategy]
-    tie: str | None = None          # uses the variables of this node (same block position, instance 0)
+    tie: str | None = None          # uses the variables of this node (same block position, instance 0);
+                                    # tied parameters may differ per copy (ZeRO for some layers)
     label: str = ""                 # what a person recognizes: a parameter's name, an op's module
 
 
@@ -99,13 +100,14 @@ class Problem:
                 raise AutoparError(f"edge {edge.src}->{edge.dst} classes do not match the strategies")
 
     def evaluate(self, choice: dict[str, int]) -> tuple[float, float]:
-        """(time in seconds, memory in bytes per device) of one strategy index per node; tied
-        nodes take their representative's choice. Infinite time where an edge is not allowed.
+        """(time in seconds, memory in bytes per device) of one strategy index per node (a node
+        missing from `choice` takes its representative's). Infinite time where an edge is not
+        allowed.
 
         time = compute + own communication + resharding
                + max(0, parameter/gradient traffic - backward compute)   (what overlap leaves)"""
         rep = self.representative()
-        pick = {name: choice[rep[name]] for name in rep}
+        pick = {name: choice[name] if name in choice else choice[rep[name]] for name in rep}
         time = memory = backward = overlapped = 0.0
         for node in self.nodes:
             strategy = node.strategies[pick[node.name]]
