@@ -36,6 +36,8 @@ from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, infer_layo
 from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, model_state_bytes
 from autopar.cost.mesh import Mesh
 
+# PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
+BUCKET_BYTES = 25 * 2**20
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
@@ -435,18 +437,20 @@ def _chunk_time(chunk: _Chunk) -> float:
 
 def _data_parallel_exposed(params: float, spec: StageSpec, mesh: Mesh, m: int, per_mb: float,
                            window: float) -> float:
-    """Gradient reduction (and ZeRO's gathers) not hidden behind computation."""
+    """Gradient reduction (and ZeRO's gathers) not hidden behind computation. Collectives run in
+    buckets while compute goes on; the last bucket (or, for ZeRO-3, the first gather) waits."""
     if spec.dp == 1:
         return 0.0
     group = Group.strided(mesh, spec.dp, spec.tp)
     grads = params * 2
+    bucket = min(grads, BUCKET_BYTES)
     if spec.zero == 3:
         # FSDP gathers the weights for the forward and again for the backward and reduce-scatters
         # gradients every micro-batch, prefetching so that only what exceeds compute shows.
         per_micro = 2 * group.all_gather(grads) + group.reduce_scatter(grads)
-        return m * max(0.0, per_micro - per_mb) + group.all_gather(grads) / max(1, m)
+        return m * max(0.0, per_micro - per_mb) + group.all_gather(bucket)
     # All-reduce, or ZeRO-1/2's reduce-scatter + all-gather of the same ring cost.
-    return max(0.0, group.all_reduce(grads) - window)
+    return max(group.all_reduce(grads) - window, group.all_reduce(bucket))
 
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
