@@ -8,8 +8,9 @@ from `nn_module_stack`, and its forward FLOPs from `autopar.cost.flops`.
 
 Block detection groups repeated submodules (transformer layers) so that later stages can price one
 block and reuse it for its copies:
-  1. The module tree comes from the nodes' `nn_module_stack`s; each module covers a contiguous
-     range of nodes (export records ops in execution order).
+  1. The tree of module calls comes from the nodes' `nn_module_stack`s (a module called three
+     times is three calls); each call covers a contiguous range of nodes (export records ops in
+     execution order).
   2. Among the children of a module, a *chain* is a run of consecutive children where each one
      reads a value computed inside the previous one: layers are chained, parallel siblings such
      as the q/k/v projections or two embeddings are not.
@@ -129,8 +130,9 @@ def _tied_parameters(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[str, str], ...]]]:
-    """The graph's nodes, and for each its module stack ((path, class name) outermost first)."""
+def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[str, ...], ...]]]:
+    """The graph's nodes, and for each its module stack, outermost first: (call key, path, class
+    name), where the call key tells apart the calls of a module used more than once."""
     signature = program.graph_signature
     placeholders = {spec.arg.name: spec for spec in signature.input_specs
                     if hasattr(spec.arg, "name")}
@@ -151,9 +153,9 @@ def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[
             value = [n.meta.get("val") for n in fx_node.all_input_nodes if n.name in user_outputs]
             value = value[0] if len(value) == 1 else value
         shape, dtype, nbytes = _describe(value)
-        stack = tuple((path, _class_name(module_type)) for path, module_type
-                      in (fx_node.meta.get("nn_module_stack") or {}).values())
-        module_path, module_type = stack[-1] if stack else ("", "")
+        stack = tuple((key, path, _class_name(module_type)) for key, (path, module_type)
+                      in (fx_node.meta.get("nn_module_stack") or {}).items())
+        module_path, module_type = stack[-1][1:] if stack else ("", "")
         stacks.append(stack)
         nodes.append(Node(
             name=fx_node.name, target=_target_name(fx_node), role=role, shape=shape, dtype=dtype,
@@ -219,27 +221,28 @@ class _Module:
     module_type: str
     first: int                      # index of its first node
     last: int                       # index of its last node
+    parent: str | None = None       # path of the calling module; None at the root
     count: int = 0                  # nodes under it; equal to last - first + 1 when contiguous
-    children: list[str] = field(default_factory=list)
+    children: list[str] = field(default_factory=list)    # call keys
 
     @property
     def contiguous(self) -> bool:
         return self.count == self.last - self.first + 1
 
 
-def find_blocks(nodes: list[Node], stacks: list[tuple[tuple[str, str], ...]],
+def find_blocks(nodes: list[Node], stacks: list[tuple[tuple[str, ...], ...]],
                 constants: frozenset[str] = frozenset()) -> list[BlockKind]:
     """Group repeated submodules into block kinds (the method is in the module docstring).
-    `stacks[i]` is node i's module stack, (path, class name) pairs from the outermost module in;
-    `constants` names the placeholders of tensors created inside forward (lifted constants)."""
+    `stacks[i]` is node i's module stack, (call key, path, class name) from the outermost module
+    in; `constants` names the placeholders of tensors created inside forward (lifted constants).
+    A module called several times (shared weights) gives one instance per call."""
     modules = _module_tree(stacks)
-    if "" not in modules:
-        return []
+    roots = [module for module in modules.values() if module.parent is None]
     finder = _BlockFinder(nodes, constants)
     found: list[tuple[_Module, str]] = []          # (block instance, signature)
-    pending = [modules[""]]
+    pending = roots[::-1]
     while pending:
-        children = [modules[path] for path in pending.pop().children]
+        children = [modules[key] for key in pending.pop().children]
         blocks = finder.repeated_children(children)
         found.extend(blocks)
         covered = {id(module) for module, _ in blocks}
@@ -255,16 +258,17 @@ def find_blocks(nodes: list[Node], stacks: list[tuple[tuple[str, str], ...]],
 
 
 def _module_tree(stacks) -> dict[str, _Module]:
-    """Every module that ran, with its node range and its children in order of execution."""
+    """Every module call, by call key, with its node range and its children in execution order."""
     modules: dict[str, _Module] = {}
     for i, stack in enumerate(stacks):
         parent = None
-        for path, module_type in stack:
-            module = modules.get(path)
+        for key, path, module_type in stack:
+            module = modules.get(key)
             if module is None:
-                module = modules[path] = _Module(path, module_type, first=i, last=i)
+                module = modules[key] = _Module(path, module_type, first=i, last=i,
+                                                parent=None if parent is None else parent.path)
                 if parent is not None:
-                    parent.children.append(path)
+                    parent.children.append(key)
             module.last = i
             module.count += 1
             parent = module

@@ -337,3 +337,23 @@ def test_periodic_runs_of_block_signatures(kinds, covered):
     from autopar.capture import _periodic_cover
     positions = _periodic_cover(list(kinds))
     assert "".join(k if i in positions else "." for i, k in enumerate(kinds)) == covered
+
+
+class SharedBlock(nn.Module):
+    """One block applied three times (ALBERT-style weight sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Residual(16, 32)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.block(x)
+        return x
+
+
+def test_a_shared_block_called_three_times_is_three_instances():
+    graph = capture(SharedBlock(), (torch.randn(2, 16),))
+    [kind] = graph.blocks
+    assert [i.module_path for i in kind.instances] == ["block"] * 3
+    assert [i.start for i in kind.instances] == sorted({i.start for i in kind.instances})
