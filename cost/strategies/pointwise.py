@@ -10,8 +10,9 @@ from autopar.cost.strategies.registry import OpStrategy, OpView, rule
 ADDITIVE = ("aten.add.Tensor", "aten.sub.Tensor")
 SCALING = ("aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
            "aten.neg.default", "aten.clone.default", "aten._to_copy.default", "aten.to.dtype",
-           "aten.to.dtype_layout", "aten.alias.default", "aten.detach.default",
-           "aten.type_as.default", "aten.contiguous.default", "aten.lift_fresh_copy.default")
+           "aten.alias.default", "aten.detach.default",
+           "aten.type_as.default", "aten.contiguous.default", "aten.lift_fresh_copy.default",
+           "aten.to.device", "aten.to.dtype_layout")
 NONLINEAR = ("aten.add.Scalar", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.gelu.default",
              "aten.relu.default", "aten.silu.default", "aten.tanh.default", "aten.sigmoid.default",
              "aten.exp.default", "aten.log.default", "aten.sqrt.default", "aten.rsqrt.default",
@@ -24,7 +25,10 @@ NONLINEAR = ("aten.add.Scalar", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.gel
              "aten.ones_like.default", "aten.full_like.default", "aten.empty_like.default",
              "aten.native_dropout.default", "aten.dropout.default", "aten.tril.default",
              "aten.triu.default", "aten.square.default", "aten.log1p.default", "aten.expm1.default",
-             "aten.gelu_backward.default", "aten.bitwise_not.default")
+             "aten.gelu_backward.default", "aten.bitwise_not.default", "aten.__and__.Tensor",
+             "aten.__or__.Tensor", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
+             "aten.le.Tensor", "aten.lt.Tensor", "aten.ge.Tensor", "aten.gt.Tensor",
+             "aten.le.Scalar", "aten.ge.Scalar", "aten.ne.Tensor")
 
 
 def broadcast_strategies(view: OpView) -> list[OpStrategy]:
@@ -85,9 +89,11 @@ def _dim(view: OpView, index: int) -> int:
 
 
 @rule("aten._softmax.default", "aten.softmax.int", "aten._log_softmax.default",
-      "aten.log_softmax.int", "aten._safe_softmax.default")
+      "aten.log_softmax.int", "aten._safe_softmax.default", "aten.cumsum.default",
+      "aten.diff.default")
 def softmax(view: OpView) -> list[OpStrategy]:
-    dim = _dim(view, 1)
+    """Along `dim` (a normalization or a scan): any other dim sharded."""
+    dim = _dim(view, 2 if view.target == "aten.diff.default" else 1)
     return [OpStrategy(Shard(d), (Shard(d),)) for d in range(len(view.input_shapes[0])) if d != dim]
 
 
@@ -140,9 +146,11 @@ def creation(view: OpView) -> list[OpStrategy]:
 
 
 @rule("aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-      "aten.sym_constrain_range_for_size.default")
+      "aten.sym_constrain_range_for_size.default", "aten.new_ones.default",
+      "aten.new_zeros.default", "aten.new_empty.default", "aten.new_full.default")
 def check_only(view: OpView) -> list[OpStrategy]:
-    """Checks that produce nothing: accept their input however it is placed."""
+    """Checks, and `new_*` factories that read only the dtype and device of their input: the
+    input may be placed anyhow; an output is made replicated."""
     found = []
     for dim in range(len(view.input_shapes[0]) if view.input_shapes else 0):
         found.append(OpStrategy(Replicate(), (Shard(dim),)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost.strategies.registry import OpStrategy, OpView, rule
 
@@ -116,9 +116,26 @@ def stack(view: OpView) -> list[OpStrategy]:
     return found
 
 
-@rule("getitem", "_operator.getitem")
+@rule("getitem", "operator.getitem", "_operator.getitem")
 def getitem(view: OpView) -> list[OpStrategy]:
     """One output of a multi-output op takes the op's placement (it has one for all outputs)."""
     found = [OpStrategy(Shard(d), (Shard(d),)) for d, size in enumerate(view.output_shape) if size > 1]
     found.append(OpStrategy(Partial(), (Partial(),)))
+    return found
+
+
+@rule("aten.index.Tensor")
+def index(view: OpView) -> list[OpStrategy]:
+    """x[i0, i1, ...] with index tensors on x's leading dims (no gaps): a dim of x after them
+    stays sharded; or the indices are sharded, x replicated, and the output follows them."""
+    x_shape, index_shapes = view.input_shapes[0], view.input_shapes[1:]
+    if not index_shapes or len(view.arg(1) or []) != len(index_shapes):
+        return []
+    taken = len(index_shapes)
+    index_rank = len(view.output_shape) - (len(x_shape) - taken)
+    found = [OpStrategy(Shard(d - taken + index_rank), (Shard(d),) + (Replicate(),) * taken)
+             for d in range(taken, len(x_shape))]
+    for d in range(index_rank):
+        if all(len(s) == index_rank and s[d] == view.output_shape[d] for s in index_shapes):
+            found.append(OpStrategy(Shard(d), (Replicate(),) + (Shard(d),) * taken))
     return found
