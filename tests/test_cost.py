@@ -328,3 +328,25 @@ def test_meshes_for_users_own_clusters_from_python_and_files(tmp_path):
         2 * 15 / 16 * 1e9 / (50e9 * 0.85) + 2 * 15 * 8e-6)
     with pytest.raises(MeshError, match="efficiency"):
         Link("bad", 1e9, 1e-6, 1.5)
+
+
+def test_selective_recompute_drops_the_attention_scores_only_when_they_are_kept(tiny_gpt):
+    mesh = Mesh.parse("8:a100-80g")
+    base = dict(tp=2, dp=4, global_batch=16, micro_batch=4)
+    memory = {(kernel, mode): estimate(tiny_gpt, mesh, Config(**base, recompute=mode),
+                                       attention=kernel).memory_breakdown["activations"]
+              for kernel in ("flash", "unfused") for mode in ("none", "selective")}
+    # Scores of 4 heads / 2 ranks x 128 x 128 per sample, kept as softmax output (2 bytes),
+    # dropout mask (1) and dropout output (2), in each of the 4 layers.
+    scores = 4 * 4 / 2 * 128 * 128 * 5 * 4
+    assert memory["unfused", "none"] - memory["unfused", "selective"] == pytest.approx(scores)
+    assert memory["flash", "selective"] == memory["flash", "none"]
+
+
+def test_gpipe_holds_every_micro_batch_and_1f1b_holds_p(tiny_gpt):
+    mesh = Mesh.parse("4:a100-80g")
+    kept = {schedule: estimate(tiny_gpt, mesh, Config(pp=4, global_batch=16, micro_batch=1,
+                                                      schedule=schedule)).devices
+            for schedule in ("gpipe", "1f1b")}
+    per_stage = lambda s: [d["memory_bytes"] for d in kept[s]]
+    assert all(g > o for g, o in zip(per_stage("gpipe"), per_stage("1f1b")))
