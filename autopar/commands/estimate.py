@@ -121,27 +121,38 @@ def _print(console: Console, report: dict) -> None:
     summary = Table(title=title, show_header=False)
     summary.add_column("quantity")
     summary.add_column("value", justify="right")
-    summary.add_row("step time", f"{report['step_time_s']:.3f} s")
-    summary.add_row("TFLOP/s per GPU (hardware)", f"{report['tflops_per_gpu']:.1f}")
-    summary.add_row("TFLOP/s per GPU (model)", f"{report['model_tflops_per_gpu']:.1f}")
+    summary.add_row("step time", _seconds(report["step_time_s"]))
+    summary.add_row("TFLOP/s per GPU (hardware)", f"{report['tflops_per_gpu']:.4g}")
+    summary.add_row("TFLOP/s per GPU (model)", f"{report['model_tflops_per_gpu']:.4g}")
     summary.add_row("MFU", f"{report['mfu']:.1%}")
     summary.add_row("micro-batches per step", str(report["micro_batches"]))
     summary.add_row("bubble fraction", f"{report['bubble_fraction']:.3f}")
     fits = "fits" if report["fits"] else "DOES NOT FIT"
-    summary.add_row("memory per GPU", f"{report['memory_per_gpu_bytes'] / 2**30:.1f} GiB of "
-                                      f"{report['memory_limit_bytes'] / 2**30:.0f} GiB ({fits})")
+    summary.add_row("memory per GPU", f"{_bytes(report['memory_per_gpu_bytes'])} of "
+                                      f"{_bytes(report['memory_limit_bytes'])} ({fits})")
     console.print(summary)
     parts = Table(title="breakdown")
     parts.add_column("step time")
-    parts.add_column("s", justify="right")
+    parts.add_column("", justify="right")
     parts.add_column("memory per GPU")
-    parts.add_column("GiB", justify="right")
+    parts.add_column("", justify="right")
     times = list(report["breakdown"].items()) + [(f"  {k} comm", v) for k, v in
                                                 report["comm_breakdown"].items()]
     memory = list(report["memory_breakdown"].items())
     for row in range(max(len(times), len(memory))):
         t = times[row] if row < len(times) else ("", None)
         m = memory[row] if row < len(memory) else ("", None)
-        parts.add_row(t[0], "" if t[1] is None else f"{t[1]:.3f}",
-                      m[0], "" if m[1] is None else f"{m[1] / 2**30:.2f}")
+        parts.add_row(t[0], "" if t[1] is None else _seconds(t[1]),
+                      m[0], "" if m[1] is None else _bytes(m[1]))
     console.print(parts)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
