@@ -147,7 +147,8 @@ def megatron_placements() -> dict[str, list[str]]:
 
 def test_zero2_and_zero3_across_pipeline_replicas():
     cut = [UNITS[:5], UNITS[5:]]
-    plans = [make_plan(cut, pp=2, dp=2, schedule="1f1b", micro_batches=2, zero=zero) for zero in (2, 3)]
+    plans = [make_plan(cut, pp=2, dp=2, schedule=schedule, micro_batches=2, zero=zero)
+             for schedule, zero in (("1f1b", 2), ("1f1b", 3), ("zero-bubble", 3))]
     results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
     for report in results[0]:
         assert_equal_to_one_process(report)

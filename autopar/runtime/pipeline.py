@@ -250,8 +250,11 @@ def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: 
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, tp_axis)
         zero = plan.stages[program.index].zero
         if zero >= 2 and layout.dp > 1:
-            # ZeRO-2 keeps parameters gathered from forward to backward; ZeRO-3 frees them between
-            program.module = fully_shard(program.module, mesh=mesh["dp"], reshard_after_forward=zero == 3)
+            # ZeRO-2 keeps parameters gathered from forward to backward; ZeRO-3 frees them between.
+            # Under zero-bubble schedules (backward split into input and weight parts) freeing them
+            # gives wrong weight gradients in this torch, so there ZeRO-3 runs as ZeRO-2.
+            reshard = zero == 3 and plan.schedule != "zero-bubble"
+            program.module = fully_shard(program.module, mesh=mesh["dp"], reshard_after_forward=reshard)
     return programs
 
 
