@@ -251,7 +251,7 @@ class _Builder:
                 forward = self.pricer.reshard(out, given_in, nbytes, bucketed=is_param)
                 backward = (self.pricer.reshard(grad, need, nbytes, bucketed=is_param)
                             if differentiable else 0.0)
-                if forward is None or backward is None:
+                if forward is None or backward is None or (is_param and _zero3_off_dim0(need, given_in)):
                     row.append(None)
                 else:   # a gathered parameter is freed after use and gathered again for the backward
                     row.append(forward * (2 if is_param else 1) + backward)
@@ -294,6 +294,12 @@ class _Builder:
         return (a.target == b.target and a.shape == b.shape and a.dtype == b.dtype
                 and a.args == b.args and a.name in self.views and b.name in self.views
                 and self.views[a.name].input_shapes == self.views[b.name].input_shapes)
+
+
+def _zero3_off_dim0(stored: tuple[str, ...], used: tuple[str, ...]) -> bool:
+    """A parameter gathered for use (ZeRO-3/FSDP) is kept sharded on dim 0, as FSDP does; storing
+    it on another dim instead costs and saves the same, so those duplicates are left out."""
+    return any(s.startswith("S") and s != "S(0)" and u == "R" for s, u in zip(stored, used))
 
 
 def _even(shape, placements: list[str], sizes: list[int]) -> bool:
