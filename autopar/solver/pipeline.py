@@ -13,9 +13,9 @@ The search, in three phases, prices every candidate with the one estimator of au
 2. Shapes the grid cannot express: PP that does not divide the blocks, with stages balanced by a
    dynamic program over contiguous cuts (`balanced_cuts`).
 3. Refinement of the best shapes, one estimator call per move, kept when it is faster and fits:
-   other schedules (zero-bubble, GPipe), cut boundaries moved by one unit (the embedding and head
-   are not free, so the outer stages take fewer blocks), recompute lowered and ZeRO changed stage by
-   stage (the first stage keeps p micro-batches in flight, the last one).
+   other schedules (zero-bubble, GPipe), a unit moved off the slowest pipeline rank (the embedding
+   and head are not free, so the outer stages take fewer blocks), recompute and ZeRO changed rank
+   by rank (the first rank keeps p micro-batches in flight, the last one).
 """
 
 from __future__ import annotations
@@ -312,15 +312,16 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
 
 def refine(search: Search, start: Priced, weights_for) -> Priced:
     """Local search from one priced candidate: each move one estimator call; the first better one
-    is taken and the moves are generated again from it (hill climbing). Better means faster and
-    fitting; while the current one does not fit, anything that fits or needs less memory."""
+    is taken and the moves are generated again from it (hill climbing; repeated candidates come
+    from the pricer's memo). Better means faster and fitting; while the current one does not fit,
+    anything that fits or needs less memory."""
     current = start
     for move in (_schedule_moves, _balanced_move, _boundary_moves, _recompute_moves, _zero_moves,
                  _boundary_moves):
         improved = True
         while improved and not search.out_of_time():
             improved = False
-            for candidate in move(current.candidate, search.pricer.global_batch, weights_for):
+            for candidate in move(current, search.pricer.global_batch, weights_for):
                 priced = search.price(candidate)
                 if priced is not None and _better(priced, current):
                     current, improved = priced, True
@@ -334,8 +335,8 @@ def _better(new: Priced, current: Priced) -> bool:
     return new.fits or new.memory_bytes < current.memory_bytes
 
 
-def _schedule_moves(candidate: Candidate, global_batch: int, weights_for):
-    shape = candidate.shape
+def _schedule_moves(current: Priced, global_batch: int, weights_for):
+    candidate, shape = current.candidate, current.candidate.shape
     if shape.pp == 1 or shape.virtual > 1:
         return
     m = global_batch // (shape.dp * shape.micro_batch)
@@ -346,45 +347,61 @@ def _schedule_moves(candidate: Candidate, global_batch: int, weights_for):
             yield replace(candidate, shape=replace(shape, schedule=schedule))
 
 
-def _balanced_move(candidate: Candidate, global_batch: int, weights_for):
+def _balanced_move(current: Priced, global_batch: int, weights_for):
+    candidate = current.candidate
     cuts = balanced_cuts(weights_for(candidate.shape.tp), candidate.chunks)
     if cuts is not None and cuts != candidate.cuts:
         yield replace(candidate, cuts=cuts)
 
 
-def _boundary_moves(candidate: Candidate, global_batch: int, weights_for):
-    """Move each inner boundary by one unit either way, keeping every chunk non-empty."""
-    for i in range(1, candidate.chunks):
-        for step in (-1, 1):
+def _boundary_moves(current: Priced, global_batch: int, weights_for):
+    """Give one unit of a chunk on the binding pipeline rank (the slowest, or while nothing fits
+    the fullest) to its neighbour chunk: only that rank's load bounds the step (or the memory)."""
+    candidate, pp = current.candidate, current.candidate.shape.pp
+    devices = current.estimate.devices
+    key = "time_per_micro_batch_s" if current.fits else "memory_bytes"
+    binding = max(range(pp), key=lambda d: devices[d][key])
+    for chunk in range(binding, candidate.chunks, pp):
+        for boundary, step in ((chunk, 1), (chunk + 1, -1)):
             cuts = list(candidate.cuts)
-            cuts[i] += step
-            if cuts[i - 1] < cuts[i] < cuts[i + 1]:
-                yield replace(candidate, cuts=tuple(cuts))
+            if 0 < boundary < candidate.chunks:
+                cuts[boundary] += step
+                if cuts[boundary - 1] < cuts[boundary] < cuts[boundary + 1]:
+                    yield replace(candidate, cuts=tuple(cuts))
 
 
-def _recompute_moves(candidate: Candidate, global_batch: int, weights_for):
-    """Change recompute one chunk at a time, last chunks first (they hold the fewest micro-batches
-    in flight), the cheaper levels first."""
-    for i in reversed(range(candidate.chunks)):
+def _rank_chunks(candidate: Candidate) -> list[list[int]]:
+    pp = candidate.shape.pp
+    return [list(range(rank, candidate.chunks, pp)) for rank in range(pp)]
+
+
+def _recompute_moves(current: Priced, global_batch: int, weights_for):
+    """Another recompute level for the chunks of one pipeline rank, last ranks first (they hold
+    the fewest micro-batches in flight), the cheaper levels first."""
+    candidate = current.candidate
+    for chunks in reversed(_rank_chunks(candidate)):
         for level in RECOMPUTE_ORDER:
-            if level != candidate.recompute[i]:
-                recompute = list(candidate.recompute)
-                recompute[i] = level
+            recompute = list(candidate.recompute)
+            for chunk in chunks:
+                recompute[chunk] = level
+            if tuple(recompute) != candidate.recompute:
                 yield replace(candidate, recompute=tuple(recompute))
 
 
-def _zero_moves(candidate: Candidate, global_batch: int, weights_for):
-    """ZeRO levels for all chunks at once, then one chunk at a time."""
+def _zero_moves(current: Priced, global_batch: int, weights_for):
+    """ZeRO levels for all chunks at once, then for the chunks of one pipeline rank."""
+    candidate = current.candidate
     if candidate.shape.dp == 1:
         return
     for zero in (0, 1, 2, 3):
         if (zero,) * candidate.chunks != candidate.zero:
             yield replace(candidate, zero=(zero,) * candidate.chunks)
-    for i in range(candidate.chunks):
+    for chunks in _rank_chunks(candidate):
         for zero in (0, 1, 2, 3):
-            if zero != candidate.zero[i]:
-                levels = list(candidate.zero)
-                levels[i] = zero
+            levels = list(candidate.zero)
+            for chunk in chunks:
+                levels[chunk] = zero
+            if tuple(levels) != candidate.zero:
                 yield replace(candidate, zero=tuple(levels))
 
 
