@@ -35,24 +35,13 @@ from autopar.cost.config import Config
 from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, infer_layout
 from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, model_state_bytes
 from autopar.cost.mesh import Mesh
+from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, uniform_stages
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
 BUCKET_BYTES = 25 * 2**20
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
-
-
-@dataclass(kw_only=True, slots=True)
-class StageSpec:
-    """One pipeline chunk: block instances by module path ("layers.3") or (start, stop) node-index
-    ranges. Nodes outside every block (embeddings, the head) join the chunk of the nearest block."""
-    layers: list
-    tp: int = 1
-    dp: int = 1
-    recompute: str = "none"
-    zero: int = 0
-    sequence_parallel: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,28 +97,6 @@ def _check_world(mesh: Mesh, config: Config) -> None:
                            f"mesh {mesh}; choose degrees whose product is {mesh.world_size}")
 
 
-def block_paths(graph: Graph) -> list[str]:
-    instances = sorted((i for kind in graph.blocks for i in kind.instances), key=lambda i: i.start)
-    return [i.module_path for i in instances]
-
-
-def uniform_stages(graph: Graph, config: Config) -> list[StageSpec]:
-    chunks = config.pp * config.virtual
-    paths = block_paths(graph)
-    if chunks == 1:
-        groups = [paths or [(0, len(graph.nodes))]]
-    elif not paths or len(paths) % chunks:
-        raise AutoparError(f"{len(paths)} repeated blocks cannot be split evenly into pp x virtual = "
-                           f"{config.pp} x {config.virtual} = {chunks} pipeline chunks; choose pp and "
-                           f"virtual whose product divides {len(paths)}")
-    else:
-        per = len(paths) // chunks
-        groups = [paths[i * per:(i + 1) * per] for i in range(chunks)]
-    return [StageSpec(layers=group, tp=config.tp, dp=config.dp, recompute=config.recompute,
-                      zero=config.zero, sequence_parallel=config.sequence_parallel)
-            for group in groups]
-
-
 def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
@@ -180,9 +147,9 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     if virtual > 1 and m % pp:
         raise AutoparError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a "
                            f"multiple of the {pp} pipeline ranks; change the global or micro-batch")
-    owner = _chunk_of_nodes(graph, stages)
+    owner = chunk_of_nodes(graph, stages)
     layouts = _layouts(graph, stages)
-    in_block = _block_mask(graph)
+    in_block = block_mask(graph)
     members: dict[tuple, list[list[NodeLayout]]] = {}
     for key, layout in layouts.items():
         members[key] = [[] for _ in stages]
@@ -267,43 +234,7 @@ def _layouts(graph: Graph, stages: list[StageSpec]) -> dict:
     return {(tp, sp): infer_layout(graph, tp, sequence_parallel=sp) for tp, sp in keys}
 
 
-def _chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:
-    """The chunk each graph node belongs to; nodes outside blocks join the nearest assigned one."""
-    ranges = {i.module_path: (i.start, i.stop) for kind in graph.blocks for i in kind.instances}
-    owner = [-1] * len(graph.nodes)
-    for c, stage in enumerate(stages):
-        for layer in stage.layers:
-            if isinstance(layer, str):
-                if layer not in ranges:
-                    raise AutoparError(f"stage {c} names layer {layer!r}, which is not a block of the "
-                                       f"graph; blocks are {list(ranges)[:4]}...")
-                start, stop = ranges[layer]
-            else:
-                start, stop = layer
-            for i in range(start, stop):
-                if owner[i] != -1:
-                    raise AutoparError(f"node {graph.nodes[i].name} is in stages {owner[i]} and {c}")
-                owner[i] = c
-    assigned = [c for c in owner if c != -1]
-    if not assigned:
-        raise AutoparError("the stages cover no node of the graph")
-    current = assigned[0]
-    for i, c in enumerate(owner):
-        current = c if c != -1 else current
-        owner[i] = current
-    # Parameters are placeholders at the top: they live with their first consumer.
-    first_use: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            first_use.setdefault(name, owner[i])
-    index = {n.name: i for i, n in enumerate(graph.nodes)}
-    for name, c in first_use.items():
-        if graph.nodes[index[name]].role in (Role.PARAMETER, Role.BUFFER, Role.INPUT):
-            owner[index[name]] = c
-    return owner
-
-
-def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], in_block: list[str],
+def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], in_block: list,
                  chunk: int, nodes: list[NodeLayout], spec: StageSpec, mesh: Mesh, b: int,
                  eff: Efficiencies, attention: str) -> _Chunk:
     """Time, flops, parameters and kept activations of chunk `chunk`, whose nodes are `nodes`."""
@@ -311,7 +242,7 @@ def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], in_block: 
     tp_group = Group.strided(mesh, spec.tp, 1)
     out = _Chunk()
     saved: set[str] = set()
-    block_saved: dict[str, set[str]] = {}
+    block_saved: dict[tuple, set[str]] = {}
     score_bytes = 0.0
     for node in nodes:
         i = layout.index[node.name]
@@ -372,22 +303,12 @@ def _kernels(node: NodeLayout, b: int, attention: str) -> tuple[list, list, floa
             [(node.family, flops * flops_factor, moved * bytes_factor)], 0.0)
 
 
-def _block_mask(graph: Graph) -> list[str]:
-    """For each node, the module path of the block instance it is in, or ""."""
-    mask = [""] * len(graph.nodes)
-    for kind in graph.blocks:
-        for inst in kind.instances:
-            for i in range(inst.start, inst.stop):
-                mask[i] = inst.module_path
-    return mask
-
-
-def _block_inputs(graph: Graph, layout: GraphLayout, block: str) -> set[str]:
+def _block_inputs(graph: Graph, layout: GraphLayout, block: tuple[int, int]) -> set[str]:
     """What a fully recomputed block keeps: the activations it reads from outside itself."""
-    inst = next(i for kind in graph.blocks for i in kind.instances if i.module_path == block)
-    inside = {graph.nodes[i].name for i in range(inst.start, inst.stop)}
+    start, stop = block
+    inside = {graph.nodes[i].name for i in range(start, stop)}
     kept = set()
-    for i in range(inst.start, inst.stop):
+    for i in range(start, stop):
         for name in graph.nodes[i].inputs:
             if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
                 kept.add(layout.storage[name])

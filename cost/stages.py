@@ -1,0 +1,109 @@
+"""Which nodes each pipeline chunk holds.
+
+A stage (`StageSpec`) lists block instances by module path, or node ranges; nodes outside every
+block (embeddings, the head, the loss) join the nearest chunk, parameters their first consumer.
+A Megatron-style configuration splits the blocks evenly over pp x virtual chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.config import Config
+from autopar.errors import AutoparError
+from autopar.graph import Graph, Role
+
+
+@dataclass(kw_only=True, slots=True)
+class StageSpec:
+    """One pipeline chunk: block instances by module path ("layers.3") or (start, stop) node-index
+    ranges. Nodes outside every block (embeddings, the head) join the chunk of the nearest block."""
+    layers: list
+    tp: int = 1
+    dp: int = 1
+    recompute: str = "none"
+    zero: int = 0
+    sequence_parallel: bool = False
+
+
+def block_refs(graph: Graph) -> list:
+    """Block instances in order, by module path; by node range when one module runs several
+    times (a shared block), since its path alone does not say which call."""
+    instances = sorted((i for kind in graph.blocks for i in kind.instances), key=lambda i: i.start)
+    paths = [i.module_path for i in instances]
+    if len(set(paths)) == len(paths):
+        return paths
+    return [(i.start, i.stop) for i in instances]
+
+
+def uniform_stages(graph: Graph, config: Config) -> list[StageSpec]:
+    chunks = config.pp * config.virtual
+    paths = block_refs(graph)
+    if chunks == 1:
+        groups = [paths or [(0, len(graph.nodes))]]
+    elif not paths or len(paths) % chunks:
+        raise AutoparError(f"{len(paths)} repeated blocks cannot be split evenly into pp x virtual = "
+                           f"{config.pp} x {config.virtual} = {chunks} pipeline chunks; choose pp and "
+                           f"virtual whose product divides {len(paths)}")
+    else:
+        per = len(paths) // chunks
+        groups = [paths[i * per:(i + 1) * per] for i in range(chunks)]
+    return [StageSpec(layers=group, tp=config.tp, dp=config.dp, recompute=config.recompute,
+                      zero=config.zero, sequence_parallel=config.sequence_parallel)
+            for group in groups]
+
+
+def chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:
+    """The chunk each graph node belongs to; nodes outside blocks join the nearest assigned one."""
+    ranges: dict[str, list[tuple[int, int]]] = {}     # a shared block: every call of it
+    for kind in graph.blocks:
+        for inst in kind.instances:
+            ranges.setdefault(inst.module_path, []).append((inst.start, inst.stop))
+    owner = [-1] * len(graph.nodes)
+    for c, stage in enumerate(stages):
+        for layer in stage.layers:
+            if isinstance(layer, str) and layer not in ranges:
+                raise AutoparError(f"stage {c} names layer {layer!r}, which is not a block of the "
+                                   f"graph; blocks are {list(ranges)[:4]}...")
+            for start, stop in ranges[layer] if isinstance(layer, str) else [layer]:
+                _assign(graph, owner, range(start, stop), c)
+    return _fill_owners(graph, owner)
+
+
+def _assign(graph: Graph, owner: list[int], indices: range, chunk: int) -> None:
+    for i in indices:
+        if owner[i] != -1:
+            raise AutoparError(f"node {graph.nodes[i].name} is in stages {owner[i]} and {chunk}")
+        owner[i] = chunk
+
+
+def _fill_owners(graph: Graph, owner: list[int]) -> list[int]:
+    """Nodes outside the stages' blocks join the nearest assigned chunk before them (the first
+    chunk for those at the top); parameters and inputs join their first consumer."""
+    assigned = [c for c in owner if c != -1]
+    if not assigned:
+        raise AutoparError("the stages cover no node of the graph")
+    current = assigned[0]
+    for i, c in enumerate(owner):
+        current = c if c != -1 else current
+        owner[i] = current
+    # Parameters are placeholders at the top: they live with their first consumer.
+    first_use: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            first_use.setdefault(name, owner[i])
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    for name, c in first_use.items():
+        if graph.nodes[index[name]].role in (Role.PARAMETER, Role.BUFFER, Role.INPUT):
+            owner[index[name]] = c
+    return owner
+
+
+def block_mask(graph: Graph) -> list:
+    """For each node, the (start, stop) node range of the block instance it is in, or None."""
+    mask = [None] * len(graph.nodes)
+    for kind in graph.blocks:
+        for inst in kind.instances:
+            for i in range(inst.start, inst.stop):
+                mask[i] = (inst.start, inst.stop)
+    return mask
