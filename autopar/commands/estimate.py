@@ -100,7 +100,11 @@ def run(args) -> int:
     mesh = parse_mesh(args.mesh)
     config = build_config(args, mesh)
     efficiencies = Efficiencies.load(args.calibration) if args.calibration else None
-    with Console(stderr=True).status(f"capturing {args.model} on the meta device"):
+    status = Console(stderr=True)
+    if efficiencies and efficiencies.device and efficiencies.device != mesh.device.name:
+        status.print(f"[yellow]warning:[/] {args.calibration} was measured on "
+                     f"{efficiencies.device}, the mesh has {mesh.device.name}")
+    with status.status(f"capturing {args.model} on the meta device"):
         graph = capture_training_step(args.model)
     result = estimate(graph, mesh, config, efficiencies=efficiencies, attention=args.attention)
     report = {"model": args.model, "mesh": str(mesh), "config": config.to_dict(),
