@@ -1,7 +1,7 @@
 """Forward FLOPs of one ATen op, from the shapes in its fx node's `meta["val"]`.
 
 What is counted: a multiply-add is 2 FLOPs. Matmuls (linear, mm, addmm, bmm, baddbmm, matmul,
-convolution) count 2*M*N*K plus one per output element for a bias or `beta` term. Attention
+mv, dot, einsum, convolution) count 2*M*N*K plus one per output element for a bias or `beta` term. Attention
 (`scaled_dot_product_attention` and its fused variants) counts the two matmuls over the FULL
 score matrix, 2*B*H*Sq*Sk*(Dqk + Dv), even when causal, as Megatron-LM's and the PaLM paper's
 MFU formulas do, plus ~5 per score for the softmax. Norms ~5 per input element, softmax ~5,
@@ -36,7 +36,9 @@ def forward_flops(node: torch.fx.Node) -> int:
         return 0
     if family == "elementwise":
         return _numel(node.meta.get("val"))
-    return _PER_ELEMENT[family] * _numel(_tensor_arg(node, 0))
+    # Families without a formula of their own (a matmul variant with no counter) count as
+    # elementwise over their first input rather than failing.
+    return _PER_ELEMENT.get(family, 1) * _numel(_tensor_arg(node, 0))
 
 
 def _numel(value) -> int:
@@ -86,6 +88,18 @@ def _convolution(node: torch.fx.Node) -> int:
     return 2 * outputs * math.prod(weight[1:]) + (outputs if has_bias else 0)
 
 
+def _einsum(node: torch.fx.Node) -> int:
+    """2 x the product of every index's size (each output element sums over the other indices)."""
+    equation, operands = node.args[0], node.args[1]
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes = {}
+    for letters, operand in zip(inputs, operands):
+        value = operand.meta.get("val") if isinstance(operand, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and "." not in letters:
+            sizes.update(zip(letters, (int(size) for size in value.shape)))
+    return 2 * math.prod(sizes.values()) if sizes else 0
+
+
 def _attention(node: torch.fx.Node) -> int:
     query, key, value = _shape(node, 0), _shape(node, 1), _shape(node, 2)
     if not (query and key and value):
@@ -99,7 +113,8 @@ def _attention(node: torch.fx.Node) -> int:
 _MATMUL_COUNTERS = {
     "linear": _linear,
     "mm": _mm_like(0, False), "bmm": _mm_like(0, False), "matmul": _mm_like(0, False),
-    "addmm": _mm_like(1, True), "baddbmm": _mm_like(1, True),
+    "addmm": _mm_like(1, True), "baddbmm": _mm_like(1, True), "mv": _mm_like(0, False),
+    "dot": _mm_like(0, False), "addmv": _mm_like(1, True), "einsum": _einsum,
     "convolution": _convolution, "conv1d": _convolution, "conv2d": _convolution,
     "conv3d": _convolution, "_convolution": _convolution,
 }

@@ -316,7 +316,8 @@ class Ops(nn.Module):
         self.weight = nn.Parameter(torch.randn(6, 5))
 
     def forward(self, images, a, b):
-        return self.conv(images).sum() + torch.bmm(a, b).sum() + (a @ self.weight[:, :4]).sum()
+        return (self.conv(images).sum() + torch.bmm(a, b).sum()
+                + torch.einsum("bij,bjk->bik", a, b).amax() + (a @ self.weight[:, :4]).sum())
 
 
 def test_flops_of_convolution_bmm_and_matmul():
@@ -327,6 +328,7 @@ def test_flops_of_convolution_bmm_and_matmul():
     assert flops["conv2d"] == 2 * conv_outputs * 3 * 3 * 3 + conv_outputs
     assert flops["bmm"] == 2 * 7 * 5 * 3 * 6
     assert flops["matmul"] == 2 * 7 * 5 * 4 * 6
+    assert flops["einsum"] == 2 * 7 * 5 * 6 * 3
     assert flops["sum"] == 7 * 5 * 4            # the last sum reads the matmul's 140 elements
 
 
