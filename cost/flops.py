@@ -68,7 +68,8 @@ def _linear(node: torch.fx.Node) -> int:
     """input [..., K] @ weight[N, K].T (+ bias): 2 * outputs * K (+ outputs)."""
     outputs = _output_numel(node)
     has_bias = len(node.args) > 2 and node.args[2] is not None
-    return 2 * outputs * _shape(node, 1)[-1] + (outputs if has_bias else 0)
+    inner = _shape(node, 1)[-1] if _shape(node, 1) else 0
+    return 2 * outputs * inner + (outputs if has_bias else 0)
 
 
 def _mm_like(first: int, with_bias: bool):
