@@ -81,7 +81,8 @@ def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: floa
 
 
 def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_kwargs: dict | None = None,
-            global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = 60.0):
+            global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = 60.0,
+            graph=None):
     """Train `model` on this process's rank of `mesh` under a plan; returns a `CompiledModel`.
 
     `plan` is a Plan, a path to a saved one, a forced `Config`, or None: then rank 0 plans (for
@@ -90,7 +91,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     `loss_fn(outputs, targets)` must average over the batch, as a mean-reduced loss does.
     Every rank calls it; mistakes (a mesh that is not the process group, a plan for another
     model, a batch the data-parallel degree does not divide) raise on every rank before any
-    collective."""
+    collective. `graph`: this model's `autopar.capture` for these example inputs, to skip capturing
+    it again (after planning, or to compile one model several ways)."""
     import torch.distributed as dist
 
     from autopar.capture import capture
@@ -107,7 +109,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
                         f"mesh of {dist.get_world_size()}")
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     example_kwargs = dict(example_kwargs or {})
-    graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    if graph is None:
+        graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     batch = global_batch or example_inputs[0].shape[0]
     if isinstance(plan, Config):
         plan = _plan_for_config(graph, mesh, plan)

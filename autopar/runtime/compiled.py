@@ -157,13 +157,27 @@ def _plan_placements(plan: Plan, program: fx.GraphModule) -> dict[str, list[str]
 
 
 def _program_for(model, graph: Graph, example_inputs: tuple, example_kwargs: dict, micro: int) -> fx.GraphModule:
-    """The exported program at the micro-batch size (shapes in an exported graph are static)."""
+    """The exported program at the micro-batch size (shapes in an exported graph are static),
+    holding `model`'s own parameters and buffers (the graph may come from another instance)."""
     batched = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     if batched and batched[0].shape[0] == micro:
-        return graph.program.module()
-    resized = tuple(t[torch.arange(micro) % t.shape[0]] if isinstance(t, torch.Tensor) else t
-                    for t in example_inputs)
-    return torch.export.export(model, resized, example_kwargs, strict=False).module()
+        program = graph.program.module()
+    else:
+        resized = tuple(t[torch.arange(micro) % t.shape[0]] if isinstance(t, torch.Tensor) else t
+                        for t in example_inputs)
+        program = torch.export.export(model, resized, example_kwargs, strict=False).module()
+    model_state = dict(model.named_parameters(remove_duplicate=False))
+    model_state.update(model.named_buffers(remove_duplicate=False))
+    for name, _ in program.named_parameters(remove_duplicate=False):
+        if name not in model_state:
+            raise PlanMismatchError(f"the captured graph has parameter {name}, which the model does not: "
+                                    f"pass the graph captured from this model")
+    # Buffers the model lacks are constants the export lifted out of the forward: kept as they are.
+    for name, _ in [*program.named_parameters(remove_duplicate=False), *program.named_buffers(remove_duplicate=False)]:
+        if name in model_state:
+            owner, _, attr = name.rpartition(".")
+            setattr(program.get_submodule(owner), attr, model_state[name])
+    return program
 
 
 def _broadcast_from_rank0(program: fx.GraphModule) -> None:
@@ -218,59 +232,3 @@ def _shards_by_name(program: fx.GraphModule, canonical: dict[str, str]) -> dict[
     if missing:
         raise AutoparError(f"parameters {sorted(missing)[:3]} are missing from the rewritten program")
     return {name: found[name] for name in order}
-
-
-def _plan_placements(plan: Plan, program: fx.GraphModule) -> dict[str, list[str] | None]:
-    """The plan's placements under the program's names. Tied weights are one parameter with
-    several names; the plan may use any of them."""
-    aliases: dict[int, list[str]] = {}
-    for name, param in program.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    known = {name for names in aliases.values() for name in names}
-    unknown = sorted(set(plan.parameters) - known)
-    if unknown:
-        raise PlanMismatchError(f"the plan places parameters this model does not have ({unknown[:3]}); "
-                                f"plan this model again")
-    return {name: next((plan.parameters[n] for n in names if n in plan.parameters), None)
-            for names in aliases.values() for name in names}
-
-
-def _program_for(model, graph: Graph, example_inputs: tuple, example_kwargs: dict, micro: int) -> fx.GraphModule:
-    """The exported program at the micro-batch size (shapes in an exported graph are static)."""
-    batched = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    if batched and batched[0].shape[0] == micro:
-        return graph.program.module()
-    resized = tuple(t[torch.arange(micro) % t.shape[0]] if isinstance(t, torch.Tensor) else t
-                    for t in example_inputs)
-    return torch.export.export(model, resized, example_kwargs, strict=False).module()
-
-
-def _broadcast_from_rank0(program: fx.GraphModule) -> None:
-    """Every rank starts from global rank 0's values, as torch's DDP does."""
-    tensors = [t.detach() for t in [*program.parameters(), *program.buffers()]]
-    if not tensors or dist.get_world_size() == 1:
-        return
-    for dtype in {t.dtype for t in tensors}:
-        group = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.broadcast(flat, src=0)
-        with torch.no_grad():
-            for tensor, value in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
-                tensor.copy_(value)
-
-
-def _state_names(model: nn.Module, program: fx.GraphModule) -> dict[str, str]:
-    """model.state_dict() key -> the program's name for the same tensor (tied weights share one)."""
-    own = {name for name, _ in program.named_parameters()} | {name for name, _ in program.named_buffers()}
-    state = model.state_dict(keep_vars=True)
-    by_id = {}
-    for key, tensor in state.items():
-        if key in own:
-            by_id.setdefault(id(tensor), key)
-    names = {}
-    for key, tensor in state.items():
-        source = key if key in own else by_id.get(id(tensor))
-        if source is None:
-            raise PlanMismatchError(f"state {key} of the model is not in its exported program")
-        names[key] = source
-    return names

@@ -1,0 +1,104 @@
+"""Every parallel form of autopar's small GPT trains exactly like one process: real gloo ranks,
+fp32, loss at each of 3 SGD steps and the final full parameters (autopar.runtime.equivalence)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+# Imported here, before the ranks fork, so that they inherit it: each rank's first optimizer step
+# or export would otherwise import it on its own (4 s each, 4 ranks sharing 2 cores).
+import torch._dynamo  # noqa: F401
+
+import autopar
+from autopar.cost.config import Config
+from autopar.models import build_model
+from autopar.models.gpt import lm_loss
+from autopar.runtime.equivalence import mismatches, train_single_process
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
+GLOBAL_BATCH = 8
+FORMS_ON_4 = {
+    "dp": Config(dp=4, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "dp x tp": Config(dp=2, tp=2, global_batch=GLOBAL_BATCH, micro_batch=4),
+    "zero-1": Config(dp=4, zero=1, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "zero-2": Config(dp=4, zero=2, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "zero-3": Config(dp=4, zero=3, global_batch=GLOBAL_BATCH, micro_batch=2),
+}
+FORMS_ON_2 = {
+    "tp": Config(tp=2, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH),
+    "tp + sequence parallel": Config(tp=2, sequence_parallel=True, global_batch=GLOBAL_BATCH,
+                                     micro_batch=GLOBAL_BATCH),
+    "dp with 2 micro-batches": Config(dp=2, global_batch=GLOBAL_BATCH, micro_batch=2),
+}
+RECOMPUTE = ("none", "full")
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def batches(steps=3):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=generator),
+             torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=generator)) for _ in range(steps)]
+
+
+def new_model():
+    return build_model(SPEC, device="cpu")[0]
+
+
+def train_forms(forms: dict) -> dict:
+    """On every rank: each form with and without recompute against one process's training."""
+    data = batches()
+    reference = train_single_process(new_model(), data, lm_loss, sgd)
+    results, graphs = {}, {}
+    for name, config in forms.items():
+        example = (data[0][0][:config.micro_batch],)
+        if config.micro_batch not in graphs:    # one capture serves every form of that batch
+            graphs[config.micro_batch] = autopar.capture(new_model(), example)
+        for recompute in RECOMPUTE:
+            cm = autopar.compile(new_model(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=sgd,
+                                 example_inputs=example, graph=graphs[config.micro_batch],
+                                 plan=replace(config, recompute=recompute))
+            losses = [cm.step(ids, targets) for ids, targets in data]
+            state = cm.full_state_dict()
+            results[(name, recompute)] = (losses, mismatches(reference, losses, state))
+    # The check can fail: a reference with another learning rate disagrees with the last run.
+    other = train_single_process(new_model(), data, lm_loss, lambda p: torch.optim.SGD(p, lr=0.21, momentum=0.9))
+    results["control"] = mismatches(other, losses, state)
+    return results
+
+
+@pytest.fixture(scope="module")
+def on_4_ranks():
+    return autopar.launch(train_forms, 4, FORMS_ON_4, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks():
+    return autopar.launch(train_forms, 2, FORMS_ON_2, timeout=240)
+
+
+def _check(results_by_rank, form):
+    for rank, results in enumerate(results_by_rank):
+        losses, found = results[form]
+        assert found == [], f"rank {rank}, {form}: {found}"
+        assert losses == results_by_rank[0][form][0], "ranks returned different losses"
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("form", FORMS_ON_4)
+def test_forms_on_4_ranks(on_4_ranks, form, recompute):
+    _check(on_4_ranks, (form, recompute))
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("form", FORMS_ON_2)
+def test_forms_on_2_ranks(on_2_ranks, form, recompute):
+    _check(on_2_ranks, (form, recompute))
+
+
+def test_comparison_detects_a_different_run(on_2_ranks):
+    assert on_2_ranks[0]["control"], "a run with another learning rate passed the comparison"

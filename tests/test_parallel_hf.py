@@ -1,0 +1,119 @@
+"""HuggingFace GPT2 and Llama from tiny configs train exactly like one process under every
+parallel form: real gloo ranks, fp32, AdamW with a large eps, loss at each of 3 steps and the
+final full parameters (autopar.runtime.equivalence)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+# Imported here, before the ranks fork, so that they inherit it: each rank's first optimizer step
+# or export would otherwise import it on its own (4 s each, 4 ranks sharing 2 cores).
+import torch._dynamo  # noqa: F401
+
+import autopar
+from autopar.cost.config import Config
+from autopar.runtime.equivalence import mismatches, train_single_process
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.multiprocess
+
+VOCAB, SEQ, GLOBAL_BATCH = 64, 8, 8
+FORMS_ON_4 = {
+    "dp": Config(dp=4, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "dp x tp": Config(dp=2, tp=2, global_batch=GLOBAL_BATCH, micro_batch=4),
+    "zero-1": Config(dp=4, zero=1, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "zero-2": Config(dp=4, zero=2, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "zero-3": Config(dp=4, zero=3, global_batch=GLOBAL_BATCH, micro_batch=2),
+}
+FORMS_ON_2 = {
+    "tp": Config(tp=2, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH),
+    "tp + sequence parallel": Config(tp=2, sequence_parallel=True, global_batch=GLOBAL_BATCH,
+                                     micro_batch=GLOBAL_BATCH),
+}
+RECOMPUTE = ("none", "full")
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                                      max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def loss_fn(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def batches(steps=3):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator),
+             torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)) for _ in range(steps)]
+
+
+def train_forms(model_name: str, forms: dict) -> dict:
+    """On every rank: each form with and without recompute against one process's training."""
+    make, data = MODELS[model_name], batches()
+    reference = train_single_process(make(), data, loss_fn, adamw,
+                                     call=lambda model, inputs: model(*inputs, use_cache=False))
+    results, graphs, kwargs = {}, {}, {"use_cache": False}
+    for name, config in forms.items():
+        example = (data[0][0][:config.micro_batch],)
+        if config.micro_batch not in graphs:    # one capture serves every form of that batch
+            graphs[config.micro_batch] = autopar.capture(make(), example, kwargs)
+        for recompute in RECOMPUTE:
+            cm = autopar.compile(make(), f"{config.world_size}:cpu", loss_fn=loss_fn, optimizer=adamw,
+                                 example_inputs=example, example_kwargs=kwargs, graph=graphs[config.micro_batch],
+                                 plan=replace(config, recompute=recompute))
+            losses = [cm.step(ids, targets) for ids, targets in data]
+            results[(name, recompute)] = (losses, mismatches(reference, losses, cm.full_state_dict()))
+    return results
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def on_4_ranks(model_name):
+    return autopar.launch(train_forms, 4, model_name, FORMS_ON_4, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks(model_name):
+    return autopar.launch(train_forms, 2, model_name, FORMS_ON_2, timeout=300)
+
+
+def _check(results_by_rank, form):
+    for rank, results in enumerate(results_by_rank):
+        losses, found = results[form]
+        assert found == [], f"rank {rank}, {form}: {found}"
+        assert losses == results_by_rank[0][form][0], "ranks returned different losses"
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("form", FORMS_ON_4)
+def test_forms_on_4_ranks(on_4_ranks, form, recompute):
+    _check(on_4_ranks, (form, recompute))
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("form", FORMS_ON_2)
+def test_forms_on_2_ranks(on_2_ranks, form, recompute):
+    _check(on_2_ranks, (form, recompute))
