@@ -16,10 +16,14 @@ activation that has a batch dim on it and nothing else, its ops see parameters r
 R, Z or S: ZeRO); a tensor axis never shards the batch. The batch dim of every tensor is found by following the graph inputs'
 dim 0 through the rules.
 
-Memory (per device, alive at the peak of a training step; a sound upper bound, no recompute):
-parameters, gradients and Adam state (two fp32 moments, plus an fp32 master copy of 16-bit
-weights) under their storage placement, plus the output of every op that allocates (not views),
-as all of them are assumed saved for the backward. Partial sums count at full size.
+Memory (per device, alive at the peak of a training step, no recompute): parameters, gradients
+and Adam state (two fp32 moments, plus an fp32 master copy of 16-bit weights) under their storage
+placement, plus the activations autograd keeps for the backward: an op's inputs (matmuls, norms,
+non-linear element-wise ops) and/or its output (softmax, attention), each under the placement the
+op reads or writes it in; sums, views and copies keep nothing. A tensor kept by several consumers
+counts once per consumer (an upper bound: q, k and v projections keep one input three times), so
+that no consumer's choice hides behind another's. Partial sums count at full size. Transient
+buffers (a gathered ZeRO-3 weight, a collective's output) are not counted.
 
 Ties. With `tie_blocks`, the k-th instance of a repeated block (Graph.blocks) has each node tied
 to the node at the same position of instance 0, and the parameters they read tied likewise.
@@ -29,14 +33,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from autopar.cost.compute import op_family
 from autopar.cost.mesh import Mesh
 from autopar.cost.strategies import (R, S, OpStrategy, OpView, axis_strategies, combine,
                                       placement_str)
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.solver.pricing import (NOT_DIFFERENTIABLE, ZERO2, Pricer, local_bytes,
-                                    optimizer_bytes)
+                                    optimizer_bytes, saved_for_backward)
 from autopar.solver.problem import Edge, Problem, ProblemNode, Strategy
 
 ROLES = ("data", "tensor")
@@ -77,6 +80,7 @@ class _Builder:
         self.batch = self._batch_dims()
         self.tie = {}
         self.edge_cache: dict[tuple, tuple] = {}
+        self.kept = self._kept_inputs()
 
     def build(self, memory_limit: float | None, tie_blocks: bool) -> Problem:
         if tie_blocks:
@@ -188,9 +192,24 @@ class _Builder:
         moved = local_bytes(node.bytes, output, self.sizes) + sum(
             local_bytes(self.by_name[name].bytes, p, self.sizes) for name, p in zip(node.inputs, inputs))
         forward, backward = self.pricer.op_time(node.target, node.flops, moved, split, node.dtype)
-        saved = 0.0 if op_family(node.target) == "view" else local_bytes(node.bytes, output, self.sizes)
+        kept_inputs, kept_output = self.kept[node.name]
+        saved = sum(local_bytes(self.by_name[node.inputs[k]].bytes, inputs[k], self.sizes)
+                    for k in kept_inputs)
+        if kept_output:
+            saved += local_bytes(node.bytes, output, self.sizes)
         return Strategy(output=output, inputs=inputs, compute_s=forward + backward,
                         backward_s=backward, memory_bytes=saved)
+
+    def _kept_inputs(self) -> dict[str, tuple[list[int], bool]]:
+        """Per op: the inputs it keeps for the backward (never parameters: their memory is the
+        parameter's) and whether it keeps its output."""
+        kept = {}
+        for node in self.graph.nodes:
+            keeps_inputs, keeps_output = saved_for_backward(node.target)
+            mine = [k for k, name in enumerate(node.inputs)
+                    if keeps_inputs and self.by_name[name].role is not Role.PARAMETER]
+            kept[node.name] = (mine, keeps_output)
+        return kept
 
     def _parameter_strategies(self, node: Node) -> list[Strategy]:
         per_axis = []

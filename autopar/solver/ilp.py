@@ -95,6 +95,18 @@ def solve(problem: Problem, *, time_limit: float = 10.0, backend: str = "highs",
     return model.solve(time_limit, start, relative_gap, limit if minimize == "time" else None)
 
 
+def model_size(problem: Problem, *, memory_limit: float | None = None) -> tuple[int, int]:
+    """(variables, constraints) of the model `solve` would build, without solving it."""
+    model = _Model(problem, BACKENDS["highs"])
+    model.add_choices()
+    model.add_edges()
+    limit = problem.memory_limit if memory_limit is None else memory_limit
+    if limit is not None:
+        model.add_memory_limit(limit)
+    model.set_objective("time")
+    return model.solver.NumVariables(), model.solver.NumConstraints()
+
+
 class _Model:
     def __init__(self, problem: Problem, backend: str):
         problem.check()

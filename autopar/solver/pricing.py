@@ -35,6 +35,26 @@ NOT_DIFFERENTIABLE = ("int64", "int32", "int16", "int8", "uint8", "bool", "")
 ZERO2 = "Z"       # a parameter axis choice: weights replicated, gradients and optimizer state sharded
 
 
+# What autograd keeps for the backward, per op family: the inputs, the output, or nothing (sums,
+# views, copies). Element-wise ops keep their inputs unless they are linear in them.
+SAVES_INPUTS = {"matmul", "attention", "norm", "elementwise", "embedding", "loss"}
+SAVES_OUTPUT = {"attention", "softmax"}
+KEEPS_NOTHING = {"aten.add.Tensor", "aten.sub.Tensor", "aten.add.Scalar", "aten.sub.Scalar",
+                 "aten.neg.default", "aten.clone.default", "aten._to_copy.default", "aten.to.dtype",
+                 "aten.to.device", "aten.alias.default", "aten.detach.default", "aten.dropout.default",
+                 "aten.native_dropout.default", "aten.contiguous.default", "aten.zeros_like.default",
+                 "aten.ones_like.default", "aten.full_like.default", "aten.empty_like.default"}
+
+
+def saved_for_backward(target: str) -> tuple[bool, bool]:
+    """(keeps its tensor inputs, keeps its output) for the backward. Dropout's mask (a byte per
+    element) is left out, as is a parameter input (its memory is the parameter's)."""
+    family = op_family(target)
+    if target in KEEPS_NOTHING:
+        return False, False
+    return family in SAVES_INPUTS, family in SAVES_OUTPUT
+
+
 def shard_factor(placements: list[str], axis_sizes: list[int]) -> int:
     return math.prod(size for p, size in zip(placements, axis_sizes) if p.startswith("S"))
 
