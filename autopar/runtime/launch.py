@@ -59,26 +59,28 @@ def _run_rank(fn, args, rank, world_size, port, pg_timeout, output: Path):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    status, payload = "ok", None
+    status, payload, failed_at = "ok", None, None
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         payload = fn(*args)
     except BaseException as err:  # reported to the parent, which raises it with the rank's name
         status, payload = "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-    _write(output, status, payload)
+        failed_at = time.monotonic_ns()   # one clock for all processes of the machine
+    _write(output, status, payload, failed_at)
     if status == "ok" and dist.is_initialized():
         dist.destroy_process_group()
     # Skip interpreter teardown: gloo threads of a failed peer can block a normal exit.
     os._exit(0 if status == "ok" else 1)
 
 
-def _write(path: Path, status: str, payload) -> None:
+def _write(path: Path, status: str, payload, failed_at: int | None) -> None:
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_bytes(pickle.dumps((status, payload)))
+        tmp.write_bytes(pickle.dumps((status, payload, failed_at)))
     except Exception as err:
-        tmp.write_bytes(pickle.dumps(("error", f"result of the rank could not be pickled: {err}")))
+        tmp.write_bytes(pickle.dumps(("error", f"result of the rank could not be pickled: {err}",
+                                      time.monotonic_ns())))
     tmp.rename(path)
 
 
@@ -103,19 +105,21 @@ def _wait(procs, outputs, timeout: float) -> None:
 
 
 def _first_failure(procs, outputs):
-    """(rank, message) of a rank that died without writing a result, else of the first that raised.
+    """(rank, message) of a rank that died without writing a result, else of the one that raised
+    first.
 
-    A dead rank comes first: its peers see the closed connection and raise within milliseconds,
-    often in the same poll, but their errors are the consequence, not the cause."""
+    Peers of a failed rank see the closed connection and raise within milliseconds, often before
+    the next poll, but their errors are the consequence, not the cause."""
     for rank, (proc, path) in enumerate(zip(procs, outputs)):
         if not path.exists() and not proc.is_alive() and proc.exitcode is not None:
             return rank, f"exited with code {proc.exitcode} before returning a result"
+    errors = []
     for rank, path in enumerate(outputs):
         if path.exists():
-            status, payload = _read(path)
+            status, payload, failed_at = _read(path)
             if status == "error":
-                return rank, payload
-    return None
+                errors.append((failed_at, rank, payload))
+    return min(errors)[1:] if errors else None
 
 
 def _stop(procs) -> None:
