@@ -54,12 +54,12 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None) -> list[dict]:
+def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec: str = SPEC) -> list[dict]:
     """On every rank: train each plan (through autopar.compile when a mesh is given); on rank 0
     also one process, and report the differences."""
     reports = []
     for plan in plans:
-        model, example_inputs = build_model(SPEC, device="cpu", batch=2)   # as planned
+        model, example_inputs = build_model(spec, device="cpu", batch=2)   # as planned
         data = batches(plan.global_batch)
         if mesh is None:
             runner = build_pipeline(model, plan, example_inputs=example_inputs, loss_fn=lm_loss,
@@ -70,14 +70,14 @@ def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None) -> li
         losses = [runner.step(inputs, targets) for inputs, targets in data]
         state = runner.full_state_dict()
         if dist.get_rank() == 0:
-            reports.append(compare_with_one_process(losses, state, data, optimizer))
+            reports.append(compare_with_one_process(losses, state, data, optimizer, spec))
         else:
             reports.append({"losses": losses})
     return reports
 
 
-def compare_with_one_process(losses, state, data, optimizer) -> dict:
-    reference, _ = build_model(SPEC, device="cpu")
+def compare_with_one_process(losses, state, data, optimizer, spec) -> dict:
+    reference, _ = build_model(spec, device="cpu")
     opt = optimizer(reference.parameters())
     expected = []
     for inputs, targets in data:
@@ -121,6 +121,14 @@ def test_interleaved_and_zero_bubble_with_two_chunks_per_rank():
     results = autopar.launch(train_plans, 2, plans, timeout=120)
     for report in results[0]:
         assert_equal_to_one_process(report)
+
+
+def test_llama_in_three_stages_copies_root_buffers_into_each_stage():
+    spec = "llama:layers=4,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64"
+    units = ["tok_emb", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head"]
+    plans = [make_plan([units[:2], units[2:4], units[4:]], pp=3, schedule="1f1b", recompute="full")]
+    results = autopar.launch(train_plans, 3, plans, sgd, None, spec, timeout=120)
+    assert_equal_to_one_process(results[0][0])
 
 
 def test_data_parallel_pipelines_with_zero1():

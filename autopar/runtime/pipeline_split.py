@@ -64,8 +64,10 @@ def export_for_pipeline(model: nn.Module, example_inputs: tuple) -> fx.GraphModu
         if node.op == "get_attr":
             tensor = _attribute(module, node.target)
             if isinstance(tensor, torch.Tensor):
-                module.add_submodule(node.name, TensorRef(node.target, tensor))
-                node.op, node.target = "call_module", node.name
+                # a fresh name: the node's own may be the tensor's attribute name on the model
+                name = f"ref_{node.name}"
+                module.add_submodule(name, TensorRef(node.target, tensor))
+                node.op, node.target = "call_module", name
     module.graph.lint()
     module.recompile()
     return module
@@ -100,19 +102,23 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
 
 
 def _assign_units(module: fx.GraphModule, units: list[str]) -> dict[str, int]:
-    """Unit index of every node that is not a graph input or output."""
+    """Unit index of every node that is not a graph input or output.
+
+    A node belongs to the layer its module path is in; glue outside any layer follows its latest
+    input. Constants (buffers and what is computed from them alone, e.g. rotary tables or a
+    position `arange`) are copied into every unit that reads them, so no stage waits for another's."""
     def unit_of_path(path: str) -> int | None:
         for index, unit in enumerate(units):
             if path == unit or path.startswith(unit + "."):
                 return index
         return None
 
+    constants = _constants(module)
     assigned: dict[str, int] = {}
-    pending = []
     for node in module.graph.nodes:
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output") or node in constants:
             continue
-        if node.op == "call_module" and isinstance(module.get_submodule(node.target), TensorRef):
+        if _is_ref(module, node):
             unit = unit_of_path(module.get_submodule(node.target).fqn)
         else:
             stack = node.meta.get("nn_module_stack") or {}
@@ -122,23 +128,62 @@ def _assign_units(module: fx.GraphModule, units: list[str]) -> dict[str, int]:
                 inputs = [assigned[n.name] for n in node.all_input_nodes if n.name in assigned]
                 unit = max(inputs) if inputs else None
         if unit is None:
-            pending.append(node)
-        else:
-            assigned[node.name] = unit
-    for node in reversed(pending):
-        users = [assigned[u.name] for u in node.users if u.name in assigned]
-        if not users:
             raise PlanMismatchError(
-                f"graph node {node.name} ({node.target}) belongs to none of the plan's layers "
-                f"{units} and feeds none of them; the plan was made for another model, plan it again")
-        assigned[node.name] = min(users)
+                f"graph node {node.name} ({node.target}) belongs to none of the plan's layers {units}; "
+                f"the plan was made for another model, plan it again")
+        assigned[node.name] = unit
+    for node in reversed(constants):
+        _copy_per_unit(module, node, assigned)
+    module.recompile()
     return assigned
+
+
+def _constants(module: fx.GraphModule) -> list[fx.Node]:
+    """Buffers and nodes computed from nothing but buffers and constants, in graph order."""
+    constants: list[fx.Node] = []
+    for node in module.graph.nodes:
+        if _is_ref(module, node):
+            if not isinstance(module.get_submodule(node.target).value, nn.Parameter):
+                constants.append(node)
+        elif node.op == "call_function" and all(n in constants for n in node.all_input_nodes):
+            constants.append(node)
+    return constants
+
+
+def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, int]) -> None:
+    """Give `node` the first unit that reads it and a copy of it to each other unit."""
+    by_unit: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.op != "output":
+            by_unit.setdefault(assigned[user.name], []).append(user)
+    if not by_unit:
+        raise PlanMismatchError(f"constant {node.name} ({node.target}) feeds none of the plan's "
+                                f"layers; the plan was made for another model, plan it again")
+    first, *others = sorted(by_unit)
+    assigned[node.name] = first
+    for unit in others:
+        with module.graph.inserting_after(node):
+            copy = module.graph.node_copy(node)
+        for user in by_unit[unit]:
+            user.replace_input_with(node, copy)
+        assigned[copy.name] = unit
+
+
+def _is_ref(module: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(module.get_submodule(node.target), TensorRef)
 
 
 def _check_stage_flow(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]):
     """A stage may read only its own values, the model inputs, and values of the stage just before
     it: a pipeline passes activations to the next stage only."""
     for node in module.graph.nodes:
+        if node.op == "placeholder":
+            later = sorted({unit_stage[unit_of_node[user.name]] for user in node.users
+                            if user.name in unit_of_node} - {0})
+            if later:
+                raise PlanMismatchError(
+                    f"model input {node.name} is read by pipeline stage(s) {later}; a pipeline hands "
+                    f"only activations from stage to stage, so only the first stage may read inputs")
         if node.name not in unit_of_node:
             continue
         stage = unit_stage[unit_of_node[node.name]]
@@ -146,7 +191,7 @@ def _check_stage_flow(module: fx.GraphModule, unit_of_node: dict[str, int], unit
             if source.op == "placeholder" or source.name not in unit_of_node:
                 continue
             source_stage = unit_stage[unit_of_node[source.name]]
-            if not source.all_input_nodes and source_stage != stage:
+            if _is_ref(module, source) and source_stage != stage:
                 raise PlanMismatchError(
                     f"parameter {source.target} is used in pipeline stages {source_stage} and {stage} "
                     f"(tied weights); put the layers that share it in one stage")
@@ -154,8 +199,6 @@ def _check_stage_flow(module: fx.GraphModule, unit_of_node: dict[str, int], unit
                 raise PlanMismatchError(
                     f"{node.name} in pipeline stage {stage} reads {source.name} of stage "
                     f"{source_stage}; stages must follow the model's data flow in order")
-        if node.op == "placeholder" and stage != 0:
-            raise PlanMismatchError(f"model input {node.name} is first used in stage {stage}")
 
 
 def _stage_of_top_node(node: fx.Node, stage_of_call: dict[str, int]) -> int:
