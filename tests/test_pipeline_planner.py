@@ -174,12 +174,12 @@ def test_uniform_blocks_give_balanced_stages():
     from autopar.capture import capture
     from autopar.models import build_model
     from autopar.solver.pipeline import Candidate, Shape, refine
-    from autopar.solver.pipeline_plan import _new_search
+    from autopar.solver.pipeline_plan import new_search
 
     model, inputs = build_model("gpt:layers=8,hidden=128,heads=2,seq=64,vocab=64")
     light = capture(model, example_inputs=inputs)
     mesh = Mesh.parse("4x1:a100-80g")
-    search = _new_search(light, mesh, 8, float("inf"), time.monotonic() + 60)
+    search = new_search(light, mesh, 8, float("inf"), time.monotonic() + 60)
     start = search.price(Candidate(Shape(1, 4, 1, 1, "1f1b"), (0, 1, 2, 3, 10), ("none",) * 4, (0,) * 4))
     best = refine(search, start, lambda tp: unit_weights(light, search.units, mesh, tp))
     cuts = best.candidate.cuts
@@ -196,10 +196,10 @@ def test_impossible_memory_limit_is_a_clear_error(graph):
 
 def test_plan_is_never_worse_than_the_best_grid_configuration(graph):
     from autopar.solver.pipeline import Search
-    from autopar.solver.pipeline_plan import _new_search, grid_phase
+    from autopar.solver.pipeline_plan import new_search, grid_phase
 
     mesh = Mesh.parse("2x2:a100-80g")
-    search = _new_search(graph, mesh, 16, mesh.device.memory_bytes, time.monotonic() + 60)
+    search = new_search(graph, mesh, 16, mesh.device.memory_bytes, time.monotonic() + 60)
     blocks = 8
     grid = grid_phase(search, megatron_shapes(blocks, 4, 2, 16))
     grid_best = min(p.step_time_s for p in grid if p.fits)

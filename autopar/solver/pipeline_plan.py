@@ -53,7 +53,7 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
                     deadline: float, progress: Progress | None = None) -> Search:
     """The inter-op search alone; `search.best` is the fastest candidate that fits."""
     limit = memory_limit or mesh.device.memory_bytes
-    search = _new_search(graph, mesh, global_batch, limit, deadline)
+    search = new_search(graph, mesh, global_batch, limit, deadline)
     weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
     blocks = sum(1 for unit in search.units if unit.block)
     grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch)
@@ -84,7 +84,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         raise AutoparError(f"tp={config.tp} must divide the {mesh.gpus_per_node} devices of a node: "
                            f"tensor parallelism stays inside a node")
     limit = memory_limit or mesh.device.memory_bytes
-    search = _new_search(graph, mesh, config.global_batch, limit, started + time_limit)
+    search = new_search(graph, mesh, config.global_batch, limit, started + time_limit)
     cuts = uniform_cuts(search.units, config.pp * config.virtual)
     if cuts is None:
         cuts = balanced_cuts(unit_weights(graph, search.units, mesh, config.tp), config.pp * config.virtual)
@@ -104,7 +104,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         time_limit=time_limit)
 
 
-def _new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float) -> Search:
+def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float) -> Search:
     if global_batch < 1:
         raise AutoparError(f"global batch {global_batch} must be at least 1")
     pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit)
