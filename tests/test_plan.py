@@ -168,3 +168,19 @@ def test_planned_gpt_round_trips_and_explains(tmp_path, capsys, monkeypatch):
     assert Plan.load(out) == plan
     assert main(["explain", str(out)]) == 0
     assert "stages" in capsys.readouterr().out
+
+
+def test_timeline_of_an_interleaved_plan(tmp_path):
+    from autopar.timeline import plan_timeline, save_png
+
+    plan = make_plan()
+    plan.virtual, plan.schedule = 2, "interleaved-1f1b"
+    plan.stages = [Stage(index=i, layers=[f"layers.{i}"], ranks=list(range(4 * (i % 2), 4 * (i % 2) + 4)),
+                         tp=2, dp=2, predicted={"time_per_micro_batch_s": 0.02})
+                   for i in range(4)]
+    assert plan.pp == 2
+    timeline = plan_timeline(plan)
+    assert len(timeline.events) == 2 * 4 * plan.micro_batches
+    assert timeline.bubble_fraction == pytest.approx((2 - 1) / (2 * plan.micro_batches))
+    save_png(timeline, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 10_000
