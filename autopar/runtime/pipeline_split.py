@@ -5,7 +5,8 @@ the exported graph belongs to the layer whose path prefixes its `nn_module_stack
 module (glue in the model's own forward) follow their inputs, or their first user when they read
 nothing (a position `arange`). Two `split_module` passes follow:
 
-1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint;
+1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint
+   (both "selective" and "full" recompute checkpoint whole layers here);
 2. the units grouped into one GraphModule per stage, which is what a `PipelineStage` runs.
 
 `split_module` turns a parameter read (`get_attr` of a tensor) into an input of the submodule, which

@@ -5,6 +5,11 @@ placement for the "tp" axis ("S(0)" column-parallel, "S(1)" row-parallel, "R" re
 op of the stage's graph computes on global shapes and DTensor's sharding propagation inserts the
 collectives. Between stages activations travel as ordinary tensors: a stage takes its inputs as
 replicated and hands its outputs on replicated, which is what the pipeline's send and receive move.
+
+Not done here: the plan's per-node placements are not enforced (DTensor's propagation chooses
+between the parameter placements, Megatron's layout for column-then-row pairs), and a stage's
+`sequence_parallel` is not applied, so activations between blocks stay replicated over tp: the
+same numbers, more activation memory than the plan predicts.
 """
 
 from __future__ import annotations
