@@ -39,11 +39,13 @@ def render(plan: Plan, console: Console) -> None:
     solver = plan.solver
     if solver:
         intra = solver.get("intra_op", {})
+        placements = (f"intra-op ILP {intra.get('status')} ({intra.get('variables')} variables, gap "
+                      f"{_fmt_gap(intra.get('gap'))})" if "variables" in intra
+                      else "no tensor axis: every op replicated within a data-parallel replica")
         console.print(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
-                      f"{solver.get('candidates', '?')} candidates priced; intra-op ILP "
-                      f"{intra.get('status', '-')} ({intra.get('variables', '?')} variables, gap "
-                      f"{_fmt_gap(intra.get('gap'))}); {len(plan.parameters)} parameters placed, "
-                      f"{len(plan.replicated_ops)} ops without a sharding rule run replicated")
+                      f"{solver.get('candidates', '?')} candidates priced; {placements}; "
+                      f"{len(plan.parameters)} parameters placed, {len(plan.replicated_ops)} ops "
+                      f"without a sharding rule run replicated")
 
 
 def headline(plan: Plan) -> str:
@@ -122,7 +124,13 @@ def _fmt_s(value) -> str:
 
 
 def _fmt_gib(value) -> str:
-    return "-" if value is None else f"{value / GIB:.2f} GiB"
+    """Bytes in the largest binary unit that keeps a leading digit: 1.50 GiB, 37.2 MiB, 512 B."""
+    if value is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
 
 
 def _fmt_pct(value) -> str:
