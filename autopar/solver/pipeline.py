@@ -336,14 +336,20 @@ def _better(new: Priced, current: Priced) -> bool:
 
 
 def _schedule_moves(current: Priced, global_batch: int, weights_for):
+    """Other schedules for the same stages. With v chunks per rank, interleaved 1F1B or torch's
+    interleaved zero-bubble; with one, 1F1B, GPipe or zero-bubble. 1F1B needs m >= p to run, and
+    zero-bubble leaves a third of the bubble only when m >= p (the schedule simulator gives 2/3
+    at m = 1), which is what the estimator assumes; so it is proposed only there."""
     candidate, shape = current.candidate, current.candidate.shape
-    if shape.pp == 1 or shape.virtual > 1:
+    if shape.pp == 1:
         return
     m = global_batch // (shape.dp * shape.micro_batch)
-    # 1F1B needs m >= p to run; zero-bubble only leaves a third of the bubble when m >= p (the
-    # schedule simulator gives 2/3 at m = 1), which is what the estimator assumes.
-    for schedule in ("zero-bubble", "gpipe", "1f1b"):
-        if schedule != shape.schedule and (schedule == "gpipe" or m >= shape.pp):
+    if shape.virtual > 1:
+        options = ("zero-bubble", "interleaved-1f1b") if m >= shape.pp else ()
+    else:
+        options = ("zero-bubble", "gpipe", "1f1b") if m >= shape.pp else ("gpipe",)
+    for schedule in options:
+        if schedule != shape.schedule:
             yield replace(candidate, shape=replace(shape, schedule=schedule))
 
 
