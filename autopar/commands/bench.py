@@ -21,12 +21,15 @@ from rich.table import Table
 
 # (model, mesh, global batch): GPT-3 and Llama sizes on A100 and H100 clusters of 8 to 1024 GPUs,
 # each model on clusters where it is trained in practice (weak scaling, as Megatron-LM's Table 1).
+# Three more rows on 40 GB A100s, where memory binds and per-stage choices matter.
 FULL_ROWS = [(model, f"{nodes}x8:{device}", batch)
              for device in ("a100-80g", "h100-80g")
              for model, nodes, batch in [
                  ("gpt3-1.3b", 1, 512), ("gpt3-2.7b", 2, 512), ("gpt3-6.7b", 8, 512),
                  ("gpt3-13b", 16, 1024), ("gpt3-175b", 128, 1536),
-                 ("llama-7b", 8, 512), ("llama-13b", 16, 1024), ("llama-70b", 64, 1024)]]
+                 ("llama-7b", 8, 512), ("llama-13b", 16, 1024), ("llama-70b", 64, 1024)]] + [
+             ("gpt3-6.7b", "1x8:a100-40g", 512), ("gpt3-13b", "2x8:a100-40g", 512),
+             ("gpt3-175b", "64x8:a100-40g", 1536)]
 QUICK_ROWS = [("gpt:layers=6,hidden=256,heads=8,seq=128,vocab=1024", "2x4:a100-80g", 64),
               ("gpt:layers=6,hidden=256,heads=8,seq=128,vocab=1024", "2x4:h100-80g", 16),
               ("llama-tiny", "1x4:a100-40g", 32)]
@@ -137,6 +140,8 @@ def why(plan, config, grid_best, autopar_step: float) -> str:
         reasons.append(f"pp={plan.pp}, which does not divide the layers")
     if plan.schedule not in ("1f1b", "interleaved-1f1b"):
         reasons.append(f"{plan.schedule} schedule")
+    if plan.micro_batch_size & (plan.micro_batch_size - 1):
+        reasons.append(f"micro-batch size {plan.micro_batch_size}, not a power of two")
     if len({s.recompute for s in plan.stages}) > 1:
         reasons.append("recompute per stage (" + "/".join(s.recompute for s in plan.stages) + ")")
     if any(s.zero > 1 for s in plan.stages):

@@ -13,7 +13,7 @@ The search, in three phases, prices every candidate with the one estimator of au
 2. Shapes the grid cannot express: PP that does not divide the blocks, with stages balanced by a
    dynamic program over contiguous cuts (`balanced_cuts`).
 3. Refinement of the best shapes, one estimator call per move, kept when it is faster and fits:
-   other schedules (zero-bubble, GPipe), a unit moved off the slowest pipeline rank (the embedding
+   other schedules (zero-bubble, GPipe), any micro-batch size that divides the batch, a unit moved off the slowest pipeline rank (the embedding
    and head are not free, so the outer stages take fewer blocks), recompute and ZeRO changed rank
    by rank (the first rank keeps p micro-batches in flight, the last one).
 """
@@ -31,6 +31,7 @@ from autopar.graph import Graph, Role
 RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
 GRID_VIRTUAL = (2, 3, 4, 6, 8)
 GRID_MICRO_BATCH = (1, 2, 4, 8, 16)
+MAX_MICRO_BATCH = 32
 MAX_TP = 8
 
 
@@ -316,8 +317,8 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
     from the pricer's memo). Better means faster and fitting; while the current one does not fit,
     anything that fits or needs less memory."""
     current = start
-    for move in (_schedule_moves, _balanced_move, _boundary_moves, _recompute_moves, _zero_moves,
-                 _boundary_moves):
+    for move in (_schedule_moves, _micro_batch_moves, _balanced_move, _boundary_moves,
+                 _recompute_moves, _zero_moves, _boundary_moves):
         improved = True
         while improved and not search.out_of_time():
             improved = False
@@ -351,6 +352,22 @@ def _schedule_moves(current: Priced, global_batch: int, weights_for):
     for schedule in options:
         if schedule != shape.schedule:
             yield replace(candidate, shape=replace(shape, schedule=schedule))
+
+
+def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
+    """Every other micro-batch size that divides a replica's batch (the grid tries powers of
+    two), where the schedule can still run with the micro-batches left (m >= p; interleaving
+    also needs m divisible by p)."""
+    candidate, shape = current.candidate, current.candidate.shape
+    per_replica = global_batch // shape.dp
+    for size in range(1, min(per_replica, MAX_MICRO_BATCH) + 1):
+        m = per_replica // size
+        if per_replica % size or size == shape.micro_batch:
+            continue
+        if shape.pp > 1 and shape.schedule != "gpipe" and (
+                m < shape.pp or (shape.virtual > 1 and m % shape.pp)):
+            continue
+        yield replace(candidate, shape=replace(shape, micro_batch=size))
 
 
 def _balanced_move(current: Priced, global_batch: int, weights_for):
