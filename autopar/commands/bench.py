@@ -144,8 +144,10 @@ def why(plan, config, grid_best, autopar_step: float) -> str:
         reasons.append(f"micro-batch size {plan.micro_batch_size}, not a power of two")
     if len({s.recompute for s in plan.stages}) > 1:
         reasons.append("recompute per stage (" + "/".join(s.recompute for s in plan.stages) + ")")
-    if any(s.zero > 1 for s in plan.stages):
-        reasons.append("ZeRO-" + "/".join(str(s.zero) for s in plan.stages))
+    zero = [s.zero for s in plan.stages]
+    if any(z > 1 for z in zero):
+        reasons.append(f"ZeRO-{zero[0]}" if len(set(zero)) == 1 else
+                       "ZeRO per stage " + "/".join(map(str, zero)))
     if (plan.tp, plan.pp, plan.dp, plan.micro_batch_size) != (config.tp, config.pp, config.dp,
                                                               config.micro_batch):
         reasons.append("another device layout made feasible or faster by the above")
