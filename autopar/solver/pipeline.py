@@ -224,7 +224,6 @@ class Search:
     pricer: object              # autopar.solver.pipeline_price.Pricer
     units: list[Unit]
     deadline: float
-    priced: int = 0
     best: Priced | None = None
     least_memory: Priced | None = None
     timed_out: bool = False
@@ -232,7 +231,6 @@ class Search:
     def price(self, candidate: Candidate, uniform: bool = False) -> Priced | None:
         """Price with the estimator; None when the candidate is not a valid plan for it."""
         result = self.pricer.price(candidate, self.units, uniform=uniform)
-        self.priced += 1
         if result is None:
             return None
         if result.fits and (self.best is None or result.step_time_s < self.best.step_time_s):
@@ -240,6 +238,11 @@ class Search:
         if self.least_memory is None or result.memory_bytes < self.least_memory.memory_bytes:
             self.least_memory = result
         return result
+
+    @property
+    def priced(self) -> int:
+        """Distinct candidates the estimator priced (repeats come from the pricer's memo)."""
+        return len(self.pricer.cache)
 
     def out_of_time(self) -> bool:
         self.timed_out = self.timed_out or time.monotonic() > self.deadline
