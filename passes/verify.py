@@ -10,6 +10,7 @@ from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.layout import StageLayout
 
+from autopar.passes.collectives import Redistribute, _last_inserted
 from autopar.passes.shard import local_shape
 
 
@@ -46,8 +47,8 @@ def verify_local_shapes(gm: fx.GraphModule, plan: Plan, layout: StageLayout) -> 
         placements = layout.nodes.get(node.name)
         if placements is None or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        placed = next((u for u in node.users if u.meta.get("autopar_inserted")), None)
-        if placed is None:
+        placed = _last_inserted(node)
+        if placed.op != "call_module" or not isinstance(gm.get_submodule(placed.target), Redistribute):
             continue
         shape = tuple(node.meta["val"].shape)
         name = f"check_{node.name}"
