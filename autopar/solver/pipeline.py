@@ -258,6 +258,9 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
     results = []
     too_big: set[tuple] = set()      # layouts whose smaller micro-batch already failed to fit
     for shape in shapes:
+        # past the deadline, stop once something fits (the plan then says "time_limit")
+        if search.best is not None and search.out_of_time():
+            break
         layout = (shape.tp, shape.pp, shape.dp, shape.virtual, shape.schedule)
         cuts = uniform_cuts(search.units, shape.pp * shape.virtual)
         if cuts is None or layout in too_big:
