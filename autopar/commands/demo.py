@@ -43,12 +43,12 @@ def run(args) -> int:
         raise autopar.AutoparError(f"--steps {args.steps}: train at least one step")
     console = Console()
     mesh = autopar.Mesh.parse(f"{args.ranks}:cpu")
-    plan = make_plan(mesh, args.memory_limit, args.time_limit, console)
+    graph, plan = make_plan(mesh, args.memory_limit, args.time_limit, console)
     render(plan, console)
     batches = counting_batches(args.steps, plan.global_batch)
     console.print(f"\nstarting {args.ranks} gloo processes, {args.steps} steps of "
                   f"{plan.global_batch} sequences")
-    results = autopar.launch(train_rank, args.ranks, str(mesh), plan, batches, timeout=600,
+    results = autopar.launch(train_rank, args.ranks, str(mesh), graph, plan, batches, timeout=600,
                              pg_timeout=120)
     parallel = results[0]
     with console.status("the same training in one process"):
@@ -58,8 +58,9 @@ def run(args) -> int:
 
 
 def make_plan(mesh, memory_limit, time_limit: float, console: Console):
-    """Plan the demo model; by default under a quarter of the memory a data-parallel replica needs
-    (half still fits plain data parallelism with recompute and ZeRO-1, which shows less)."""
+    """The demo model's graph and plan; by default under a quarter of the memory a data-parallel
+    replica needs (half still fits plain data parallelism with recompute and ZeRO-1, which shows
+    less)."""
     import autopar
     from autopar.api import plan_graph
     from autopar.capture import capture
@@ -74,8 +75,8 @@ def make_plan(mesh, memory_limit, time_limit: float, console: Console):
             memory_limit = int(replica.memory_per_gpu_bytes // 4)
             console.print(f"data parallelism would need {replica.memory_per_gpu_bytes / 2**20:.2f} MiB "
                           f"per device; planning under {memory_limit / 2**20:.2f} MiB")
-        return plan_graph(graph, mesh, global_batch=GLOBAL_BATCH, memory_limit=memory_limit,
-                          time_limit=time_limit)
+        return graph, plan_graph(graph, mesh, global_batch=GLOBAL_BATCH, memory_limit=memory_limit,
+                                 time_limit=time_limit)
 
 
 def counting_batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -99,8 +100,9 @@ def make_optimizer(params):
     return torch.optim.AdamW(params, lr=3e-3, eps=1e-6)
 
 
-def train_rank(mesh: str, plan, batches) -> list[float]:
-    """One gloo rank: compile the demo model under `plan` and train; rank 0 shows the progress."""
+def train_rank(mesh: str, graph, plan, batches) -> list[float]:
+    """One gloo rank: compile the demo model under `plan` (reusing the parent's capture, `graph`)
+    and train; rank 0 shows the progress."""
     import torch.distributed as dist
 
     import autopar
@@ -108,7 +110,7 @@ def train_rank(mesh: str, plan, batches) -> list[float]:
 
     model, example_inputs = build_model(MODEL, device="cpu", batch=MICRO_BATCH, seed=SEED)
     compiled = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=lm_loss,
-                               optimizer=make_optimizer, plan=plan)
+                               optimizer=make_optimizer, plan=plan, graph=graph)
     losses = []
     with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), disable=dist.get_rank() != 0) as progress:

@@ -207,10 +207,12 @@ def state_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
-                   device: torch.device | str | None = None) -> PipelineRunner:
+                   device: torch.device | str | None = None, graph=None) -> PipelineRunner:
     """This rank's PipelineRunner for `plan`. Call on every rank with the default process group up.
 
-    `optimizer` is a function from a list of parameters to a torch.optim optimizer."""
+    `optimizer` is a function from a list of parameters to a torch.optim optimizer. `graph` is the
+    model's capture for `example_inputs`: its export is reused when it was made for one micro-batch
+    on real tensors (the stage's tensors come from `model` by name either way)."""
     layout = pipeline_layout(plan)
     if dist.get_world_size() != layout.world_size:
         raise MeshError(f"the plan needs {layout.world_size} ranks (pp={layout.pp} x dp={layout.dp} x "
@@ -223,7 +225,9 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     pp_rank = layout.coordinates(dist.get_rank())[0]
     own = [s for s, r in enumerate(layout.stage_rank) if r == pp_rank]
 
-    programs = _stage_programs(model, plan, layout, mesh, own, example_inputs, device)
+    program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
+        else None
+    programs = _stage_programs(model, plan, layout, mesh, own, example_inputs, device, program)
     stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
               for p in programs]
     schedule = _schedule(plan, layout, stages, loss_fn)
@@ -235,15 +239,16 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
 
 
 def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
-                    own: list[int], example_inputs: tuple, device: torch.device) -> list[StageProgram]:
+                    own: list[int], example_inputs: tuple, device: torch.device,
+                    program=None) -> list[StageProgram]:
     """This rank's stages, in order: export for one micro-batch; cut into the plan's stages (with
     recompute per layer); keep our stages and copy only their tensors; shard parameters over tp
     (DTensor needs whole tensors to distribute); then over dp for ZeRO-2/3 (FSDP shards what TP
     left, so it comes last)."""
     micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
-    graph = export_for_pipeline(model, micro)
+    graph = export_for_pipeline(model, micro, program)
     programs = split_stages(graph, [s.layers for s in plan.stages], [s.recompute for s in plan.stages])
-    programs = [_materialize(programs[s], device) for s in own]
+    programs = [_materialize(programs[s], model, device) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
         if tp_axis is not None:
@@ -299,21 +304,42 @@ def _micro_batch(tensor: torch.Tensor, size: int) -> torch.Tensor:
     return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:size]
 
 
-def _materialize(program: StageProgram, device: torch.device) -> StageProgram:
-    """The stage's own copy of its tensors, on its device: nothing is shared with the caller's model,
-    and nothing of other stages is kept."""
+def _materialize(program: StageProgram, model: nn.Module, device: torch.device) -> StageProgram:
+    """The stage's own copy of its tensors, from the model by name, on its device: nothing is shared
+    with the caller's model, and nothing of other stages is kept."""
     for ref in program.module.modules():
         if isinstance(ref, TensorRef):
-            if ref.value.is_meta:
+            source = _model_tensor(model, ref.fqn)
+            # constants the export lifted out of the forward are not the model's attributes
+            source = ref.value if source is None else source
+            if source.is_meta:
                 raise AutoparError(
-                    f"parameter {ref.fqn} is on the meta device; build the model with real weights "
+                    f"{ref.fqn} is on the meta device; build the model with real weights "
                     f"(every rank the same, e.g. from one seed) before compiling a pipeline")
-            copy = ref.value.detach().to(device, copy=True)
+            copy = source.detach().to(device, copy=True)
             if isinstance(ref.value, nn.Parameter):
                 ref.value = nn.Parameter(copy, requires_grad=ref.value.requires_grad)
             else:
                 ref.value = copy
     return program
+
+
+def _model_tensor(model: nn.Module, fqn: str) -> torch.Tensor | None:
+    owner, _, name = fqn.rpartition(".")
+    try:
+        value = getattr(model.get_submodule(owner), name)
+    except AttributeError:
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _reusable(program, example_inputs: tuple, plan: Plan) -> bool:
+    """A capture can be cut into stages when it was made for one micro-batch and on real tensors:
+    ops that create tensors (a position `arange`) keep the device they were traced on, meta too."""
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if program is None or not tensors or tensors[0].shape[0] != plan.micro_batch_size:
+        return False
+    return not any(t.is_meta for t in [*tensors, *program.state_dict.values()])
 
 
 def _schedule(plan: Plan, layout: PipelineLayout, stages: list[PipelineStage], loss_fn):

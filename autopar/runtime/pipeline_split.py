@@ -50,12 +50,14 @@ class TensorRef(nn.Module):
         return self.value
 
 
-def export_for_pipeline(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
-    """The model as one flat ATen GraphModule with parameters as attributes (`get_attr`).
+def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None) -> fx.GraphModule:
+    """The model as one flat ATen GraphModule whose tensors are `TensorRef` modules.
 
-    Export with ONE micro-batch: shapes in the graph are static, and a stage only ever sees
-    micro-batches."""
-    program = torch.export.export(model, tuple(example_inputs), strict=False)
+    `program` is the model's ExportedProgram when there is one already (a capture); it must be
+    for ONE micro-batch, as an export here is: shapes in the graph are static, and a stage only
+    ever sees micro-batches."""
+    if program is None:
+        program = torch.export.export(model, tuple(example_inputs), strict=False)
     module = program.module()
     # The guard checks the whole model's input shapes; stages are called with their own inputs.
     for node in list(module.graph.nodes):
