@@ -59,7 +59,8 @@ def add_arguments(parser):
     parser.add_argument("--quick", action="store_true", help="a few small rows, for CI")
     parser.add_argument("--out", default="bench", help="folder for bench.md, bench.csv, bench.png")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per plan (default 60)")
+    parser.add_argument("--time-limit", type=float, default=600.0,
+                        help="seconds per plan (default 600: the benchmark measures quality)")
 
 
 def run(args) -> int:
