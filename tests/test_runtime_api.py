@@ -1,0 +1,99 @@
+"""CompiledModel's API on real gloo ranks: plan from a file, plan=None (rank 0 plans, every rank
+gets the same plan), the sampler with local batches (step(local=True)), full_state_dict's names
+and shapes."""
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before the fork: see test_parallel_gpt.py)
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import autopar
+from autopar.cost.config import Config
+from autopar.cost.mesh import Mesh
+from autopar.models import build_model
+from autopar.models.gpt import lm_loss
+from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.runtime.forced_plan import megatron_plan
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = "gpt:layers=2,hidden=16,heads=2,seq=8,vocab=32"
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2)
+
+
+def data(steps=3, batch=4):
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, 32, (batch, 8), generator=generator),
+             torch.randint(0, 32, (batch, 8), generator=generator)) for _ in range(steps)]
+
+
+def new_model():
+    return build_model(SPEC, device="cpu")[0]
+
+
+def api_checks(plan_path) -> dict:
+    batches = data()
+    reference = train_single_process(new_model(), batches, lm_loss, sgd)
+    example = (batches[0][0][:2],)
+    results = {}
+
+    cm = autopar.compile(new_model(), "2:cpu", example_inputs=example, loss_fn=lm_loss, optimizer=sgd,
+                         plan=plan_path)
+    losses = [cm.step(ids, targets) for ids, targets in batches]
+    state = cm.full_state_dict()
+    results["from file"] = mismatches(reference, losses, state)
+    results["state shapes"] = {k: tuple(v.shape) for k, v in state.items()} == \
+        {k: tuple(v.shape) for k, v in new_model().state_dict().items()}
+
+    cm = autopar.compile(new_model(), "2:cpu", example_inputs=example, loss_fn=lm_loss, optimizer=sgd,
+                         global_batch=4, time_limit=10)
+    results["solved plan"] = cm.plan.to_dict()
+    losses = [cm.step(ids, targets) for ids, targets in batches]
+    results["solved"] = mismatches(reference, losses, cm.full_state_dict())
+
+    cm = autopar.compile(new_model(), "2:cpu", example_inputs=example, loss_fn=lm_loss, optimizer=sgd,
+                         plan=Config(dp=2, global_batch=4, micro_batch=2))
+    dataset = TensorDataset(torch.cat([ids for ids, _ in batches]), torch.cat([t for _, t in batches]))
+    sampler = cm.sampler(dataset, shuffle=False)
+    # Without shuffling the sampler strides: the two ranks' i-th local batches are together the
+    # rows of global batch i, so training on them is training on the reference's batches.
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    local_losses = [cm.step(ids, targets, local=True) for ids, targets in loader]
+    results["sampler rows"] = [int(i) for i in sampler]
+    results["local"] = mismatches(reference, local_losses, cm.full_state_dict())
+    return results
+
+
+@pytest.fixture(scope="module")
+def results_by_rank(tmp_path_factory):
+    model, (ids,) = build_model(SPEC, device="cpu", batch=2)
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    megatron_plan(autopar.capture(model, (ids,)), Mesh.parse("2:cpu"),
+                  Config(dp=2, zero=2, global_batch=4, micro_batch=2)).save(path)
+    return autopar.launch(api_checks, 2, str(path), timeout=180)
+
+
+def test_plan_from_a_file_trains_like_one_process(results_by_rank):
+    for results in results_by_rank:
+        assert results["from file"] == []
+
+
+def test_full_state_dict_has_the_models_names_and_shapes(results_by_rank):
+    assert all(results["state shapes"] for results in results_by_rank)
+
+
+def test_rank_0_plans_and_every_rank_runs_that_plan(results_by_rank):
+    plans = [results["solved plan"] for results in results_by_rank]
+    assert plans[0] == plans[1]
+    assert results_by_rank[0]["solved"] == []
+
+
+def test_sampler_splits_the_dataset_over_data_parallel_ranks(results_by_rank):
+    rows = [results["sampler rows"] for results in results_by_rank]
+    assert sorted(rows[0] + rows[1]) == list(range(12)) and not set(rows[0]) & set(rows[1])
+    for results in results_by_rank:
+        assert results["local"] == []
