@@ -219,7 +219,7 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
                         f"tp={layout.tp}) but {dist.get_world_size()} are running; launch "
                         f"{layout.world_size} ranks or plan for this world size")
     check_batch(plan, plan.global_batch)
-    _check_layers(model, plan)
+    check_layers(model, plan)
     device = torch.device(device or _default_device())
     mesh = DeviceMesh(device.type, torch.tensor(layout.grid), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank = layout.coordinates(dist.get_rank())[0]
@@ -289,7 +289,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _check_layers(model: nn.Module, plan: Plan) -> None:
+def check_layers(model: nn.Module, plan: Plan) -> None:
+    """Every layer the plan names is a module of `model`."""
     modules = dict(model.named_modules())
     missing = [path for stage in plan.stages for path in stage.layers if path not in modules]
     if missing:

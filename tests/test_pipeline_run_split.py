@@ -1,0 +1,110 @@
+"""Cutting a model into pipeline stages and placing them on ranks, without processes."""
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.models import build_model
+from autopar.plan import Plan, Stage
+from autopar.runtime.pipeline import check_layers, pipeline_layout
+from autopar.runtime.pipeline_split import export_for_pipeline, split_stages
+
+GPT = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
+GPT_STAGES = [["tok_emb", "pos_emb", "emb_dropout", "layers.0"], ["layers.1", "layers.2"],
+              ["layers.3", "norm_f", "lm_head"]]
+
+
+def run_stages(programs, inputs):
+    for program in programs:
+        inputs = program.module(inputs)
+    return inputs
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_stages_in_sequence_compute_the_model(recompute):
+    model, (ids,) = build_model(GPT, device="cpu", batch=2)
+    programs = split_stages(export_for_pipeline(model, (ids,)), GPT_STAGES, [recompute] * 3)
+    torch.testing.assert_close(run_stages(programs, ids), model(ids), rtol=0, atol=0)
+
+
+def test_each_stage_owns_exactly_its_layers_parameters():
+    model, (ids,) = build_model(GPT, device="cpu", batch=2)
+    programs = split_stages(export_for_pipeline(model, (ids,)), GPT_STAGES)
+    for program, layers in zip(programs, GPT_STAGES):
+        expected = {name for name, _ in model.named_parameters()
+                    if any(name.startswith(layer + ".") for layer in layers)}
+        assert set(program.param_names.values()) == expected
+
+
+def test_root_buffers_are_copied_into_every_stage_that_reads_them():
+    model, (ids,) = build_model("llama:layers=3,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64",
+                                device="cpu", batch=2)
+    stages = [["tok_emb", "layers.0"], ["layers.1"], ["layers.2", "norm", "lm_head"]]
+    programs = split_stages(export_for_pipeline(model, (ids,)), stages)
+    torch.testing.assert_close(run_stages(programs, ids), model(ids), rtol=0, atol=0)
+
+
+class TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.mid(self.embed(ids)))
+
+
+def test_weights_tied_across_stages_are_refused():
+    model = TiedHead()
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(PlanMismatchError, match="tied weights"):
+        split_stages(export_for_pipeline(model, (ids,)), [["embed", "mid"], ["head"]])
+
+
+class InputToTheEnd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.last = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.last(self.first(x)) + x
+
+
+def test_a_model_input_read_by_a_later_stage_is_refused():
+    x = torch.zeros(2, 4)
+    module = export_for_pipeline(InputToTheEnd(), (x,))
+    with pytest.raises(PlanMismatchError, match="model input x is read by pipeline stage"):
+        split_stages(module, [["first"], ["last"]])
+
+
+def plan_of(stage_ranks: list[list[int]], dp: int = 1, tp: int = 1) -> Plan:
+    stages = [Stage(index=i, layers=[f"layers.{i}"], ranks=ranks, dp=dp, tp=tp)
+              for i, ranks in enumerate(stage_ranks)]
+    return Plan(fingerprint="", mesh={}, axes=[["dp", dp], ["tp", tp]], stages=stages,
+                global_batch=8 * dp, micro_batches=4, micro_batch_size=2)
+
+
+def test_layout_puts_stages_with_the_same_ranks_on_one_pipeline_rank():
+    layout = pipeline_layout(plan_of([[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]], dp=2, tp=2))
+    assert layout.stage_rank == [0, 1, 0, 1]
+    assert layout.grid == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert layout.coordinates(6) == (1, 1, 0)
+
+
+def test_layout_refuses_stages_of_different_shapes():
+    plan = plan_of([[0, 1], [2, 3]], dp=2)
+    plan.stages[1].dp, plan.stages[1].tp = 1, 2
+    with pytest.raises(AutoparError, match="one sub-mesh shape for all stages"):
+        pipeline_layout(plan)
+
+
+def test_layers_that_are_not_modules_of_the_model_are_named():
+    model, _ = build_model(GPT)
+    plan = plan_of([[0], [1]])
+    plan.stages[0].layers = ["embed", "layers.0"]
+    with pytest.raises(PlanMismatchError, match=r"\['embed'\] are not modules of this GPT"):
+        check_layers(model, plan)
