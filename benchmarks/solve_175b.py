@@ -46,15 +46,17 @@ def main() -> int:
                    "solve cpu s", "solve wall s", "status", "gap", "step s", "GiB/device"):
         table.add_column(column, justify="right")
 
-    rows = [("1 layer", 1, True), ("96 layers", 96, True)]
-    if args.untied_limit > 0:
-        rows.append(("96 layers", 96, False))
     solution = None
-    for label, layers, tied in rows:
+    for label, layers, tied in [("1 layer", 1, True), ("96 layers", 96, True), ("96 layers", 96, False)]:
         model, inputs = build_model("gpt3-175b", layers=layers, batch=args.batch, dtype=torch.bfloat16)
         graph = autopar.capture(model, inputs)
         problem, build_s, _ = timed(lambda: build_problem(
             graph, mesh, memory_limit=mesh.device.memory_bytes, tie_blocks=tied))
+        if not tied and args.untied_limit <= 0:
+            variables, constraints = model_size(problem)
+            table.add_row(label, "no (size only)", str(len(problem.nodes)), str(variables),
+                          str(constraints), f"{build_s:.2f}", *[""] * 6)
+            continue
         limit = 10.0 if tied else args.untied_limit
         found, cpu_s, wall_s = timed(lambda: solve(problem, time_limit=limit))
         if layers == 96 and tied:
@@ -63,12 +65,6 @@ def main() -> int:
                       str(found.constraints), f"{build_s:.2f}", f"{cpu_s:.2f}", f"{wall_s:.2f}",
                       found.status, f"{found.gap:.1e}", f"{found.objective_s:.3f}",
                       f"{found.memory_bytes / 2**30:.1f}")
-        if not tied:
-            continue
-        untied = build_problem(graph, mesh, memory_limit=mesh.device.memory_bytes, tie_blocks=False)
-        variables, constraints = model_size(untied)
-        table.add_row(label, "no (size only)", str(len(untied.nodes)), str(variables),
-                      str(constraints), "", "", "", "", "", "", "")
     console.print(table)
     if solution is not None:
         layer = Table(title="layer 0 of the 96-layer solution: placement each op reads its weight in, per axis")

@@ -36,9 +36,11 @@ Constraints
 Solving (`solve`). With HiGHS the LP relaxation comes first: when its x are integral (the usual
 case without a binding memory limit) that is the optimum. Otherwise `_rounded` rounds it, keeping
 the memory limit (each op group takes the least-memory strategy the LP mixes; counted groups round
-their counts toward the least-memory strategies); if that is within `relative_gap` of the LP bound
-it is the answer, else x become integers and the MIP runs. Every solve has a time limit and
-returns the best assignment found with its status and its relative gap to the best bound.
+their counts toward the least-memory strategies); within `relative_gap` of the LP bound, that is
+the answer. Else x become integers and the MIP runs for half the time left; if it finds nothing,
+`_dive` fixes fractional groups one at a time, solving the LP again after each, and the best
+rounding met is returned, "feasible" with its gap to the first LP's bound. Every solve has a time
+limit and returns the best assignment found with its status and relative gap to the best bound.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ BACKENDS = {"highs": "HIGHS", "cp-sat": "CP_SAT"}
 TIME_SCALE = 1e6          # seconds -> microseconds: keeps coefficients well above tolerances
 MEMORY_SCALE = 1 / 2**30  # bytes -> GiB
 RELATIVE_GAP = 1e-2       # "optimal" means within 1% of the best bound; the gap is reported
+DIVES = 30                # LP re-solves spent rounding a fractional relaxation
 STATUS = {pywraplp.Solver.OPTIMAL: "optimal", pywraplp.Solver.FEASIBLE: "feasible",
           pywraplp.Solver.INFEASIBLE: "infeasible", pywraplp.Solver.UNBOUNDED: "unbounded",
           pywraplp.Solver.ABNORMAL: "abnormal", pywraplp.Solver.NOT_SOLVED: "not solved",
@@ -261,33 +264,54 @@ class _Model:
               memory_limit: float | None) -> Assignment:
         self.solver.SetNumThreads(1)
         self.solver.SuppressOutput()
-        self.solver.SetTimeLimit(max(1, int(time_limit * 1000)))
+        deadline = start + time_limit
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, relative_gap)
-        code = self.solver.Solve(params)
-        counts = dict(variables=self.solver.NumVariables(), constraints=self.solver.NumConstraints())
-        if self.relax_first and code == pywraplp.Solver.OPTIMAL and not self._integral():
-            bound_s = self.solver.Objective().Value() / TIME_SCALE
-            rounded = self._rounded(bound_s, relative_gap, memory_limit)
-            if rounded is not None:
-                return Assignment(**rounded, seconds=time.perf_counter() - start, **counts)
-            for var in (v for xs in self.x.values() for v in xs):
-                var.SetInteger(True)
-            remaining = time_limit - (time.perf_counter() - start)
-            self.solver.SetTimeLimit(max(1, int(remaining * 1000)))
-            code = self.solver.Solve(params)
+        code = self._solve_until(deadline, params)
+        counts = dict(variables=self.solver.NumVariables(), constraints=self.solver.NumConstraints(),
+                      seconds=0.0)
+        if not self.relax_first or code != pywraplp.Solver.OPTIMAL or self._integral():
+            return self._read(code, counts, start)
+        bound_s = self.solver.Objective().Value() / TIME_SCALE
+        rounded = self._rounded(bound_s, memory_limit)
+        if rounded is not None and rounded["gap"] <= relative_gap:
+            return Assignment(**rounded, **{**counts, "seconds": time.perf_counter() - start})
+        # the MIP, with half the time left; then, if it found nothing, LP diving with the rest
+        xs = [v for group in self.x.values() for v in group]
+        for var in xs:
+            var.SetInteger(True)
+        code = self._solve_until(time.perf_counter() + (deadline - time.perf_counter()) / 2, params)
+        if STATUS.get(code) in ("optimal", "feasible"):
+            return self._read(code, counts, start)
+        for var in xs:
+            var.SetInteger(False)
+        if self._solve_until(deadline, params) == pywraplp.Solver.OPTIMAL:
+            dived = self._dive(bound_s, memory_limit, relative_gap, params, deadline)
+            if dived is not None and (rounded is None or dived["objective_s"] < rounded["objective_s"]):
+                rounded = dived
+        if rounded is None:
+            return self._read(code, counts, start)
+        status = "optimal" if rounded["gap"] <= relative_gap else "feasible"
+        return Assignment(**{**rounded, "status": status},
+                          **{**counts, "seconds": time.perf_counter() - start})
+
+    def _solve_until(self, deadline: float, params) -> int:
+        self.solver.SetTimeLimit(max(1, int((deadline - time.perf_counter()) * 1000)))
+        return self.solver.Solve(params)
+
+    def _read(self, code: int, counts: dict, start: float) -> Assignment:
+        counts = {**counts, "seconds": time.perf_counter() - start}
         status = STATUS.get(code, f"code {code}")
         if status not in ("optimal", "feasible"):
             return Assignment(choice={}, objective_s=float("inf"), memory_bytes=float("inf"),
-                              status=status, gap=float("inf"),
-                              seconds=time.perf_counter() - start, **counts)
+                              status=status, gap=float("inf"), **counts)
         choice = self._choice({rep: [round(v.solution_value()) for v in xs]
                                for rep, xs in self.x.items()})
         objective_s, memory = self.problem.evaluate(choice)
         value, bound = self.solver.Objective().Value(), self.solver.Objective().BestBound()
         gap = abs(value - bound) / max(abs(value), 1e-12)
         return Assignment(choice=choice, objective_s=objective_s, memory_bytes=memory,
-                          status=status, gap=gap, seconds=time.perf_counter() - start, **counts)
+                          status=status, gap=gap, **counts)
 
     def _integral(self) -> bool:
         return all(abs(v.solution_value() - round(v.solution_value())) < 1e-6
@@ -304,9 +328,41 @@ class _Model:
                 choice[name] = s
         return choice
 
-    def _rounded(self, bound_s: float, relative_gap: float, memory_limit: float | None) -> dict | None:
+    def _dive(self, bound_s: float, memory_limit: float | None, relative_gap: float, params,
+              deadline: float) -> dict | None:
+        """LP diving: fix the first fractional group (in graph order, so inputs first) to the
+        least-memory strategy its LP solution uses, solve the LP again, repeat until integral.
+        An LP often mixes two whole configurations; fixing one node makes the rest follow.
+        Keeps the best rounding met on the way; restores every bound before returning."""
+        best = self._rounded(bound_s, memory_limit)
+        changed = []
+        try:
+            for _ in range(DIVES):
+                fractional = [rep for rep, xs in self.x.items()
+                              if any(abs(v.solution_value() - round(v.solution_value())) > 1e-6 for v in xs)]
+                done = best is not None and best["gap"] <= relative_gap
+                if done or not fractional or time.perf_counter() > deadline:
+                    break
+                rep = fractional[0]
+                values = [v.solution_value() for v in self.x[rep]]
+                s = min((s for s, v in enumerate(values) if v > 1e-6),
+                        key=lambda s: self.memory_coef[rep][s])
+                var = self.x[rep][s]
+                changed.append((var, var.lb(), var.ub()))
+                var.SetLb(math.ceil(values[s] - 1e-6))
+                if self._solve_until(deadline, params) != pywraplp.Solver.OPTIMAL:
+                    break
+                found = self._rounded(bound_s, memory_limit)
+                if found is not None and (best is None or found["objective_s"] < best["objective_s"]):
+                    best = found
+        finally:
+            for var, lower, upper in reversed(changed):
+                var.SetBounds(lower, upper)
+        return best
+
+    def _rounded(self, bound_s: float, memory_limit: float | None) -> dict | None:
         """Round a fractional LP optimum without raising memory: fractions go to the strategies
-        of least memory the LP mixes. None when the result is not within `relative_gap`."""
+        of least memory the LP mixes. None when the result breaks an edge or the limit."""
         counts = {}
         for rep, xs in self.x.items():
             values = [v.solution_value() for v in xs]
@@ -321,7 +377,7 @@ class _Model:
         choice = self._choice(counts)
         objective_s, memory = self.problem.evaluate(choice)
         gap = (objective_s - bound_s) / max(objective_s, 1e-12)
-        if objective_s == float("inf") or gap > relative_gap:
+        if objective_s == float("inf"):
             return None
         if memory_limit is not None and memory > memory_limit * (1 + 1e-9):
             return None

@@ -94,7 +94,9 @@ def _dim(view: OpView, index: int) -> int:
 def softmax(view: OpView) -> list[OpStrategy]:
     """Along `dim` (a normalization or a scan): any other dim sharded."""
     dim = _dim(view, 2 if view.target == "aten.diff.default" else 1)
-    return [OpStrategy(Shard(d), (Shard(d),)) for d in range(len(view.input_shapes[0])) if d != dim]
+    count = len(view.input_shapes)      # diff's prepend/append follow x on the other dims
+    return [OpStrategy(Shard(d), (Shard(d),) * count)
+            for d in range(len(view.input_shapes[0])) if d != dim]
 
 
 SUMS = ("aten.sum.dim_IntList", "aten.sum.default")

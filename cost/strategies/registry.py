@@ -62,6 +62,8 @@ def axis_strategies(view: OpView) -> list[OpStrategy] | None:
         return None
     found = [replicated(view)]
     for strategy in fn(view):
+        if len(strategy.inputs) != len(view.input_shapes):
+            return None     # a call form the rule does not know (extra tensor arguments)
         if strategy not in found:
             found.append(strategy)
     return found
