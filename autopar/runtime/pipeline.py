@@ -121,9 +121,6 @@ class PipelineRunner:
         self.is_first = any(p.index == 0 for p in programs)
         self.is_last = any(p.index == len(plan.stages) - 1 for p in programs)
 
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for program in self.programs for p in program.module.parameters()]
-
     @property
     def global_batch(self) -> int:
         return self.plan.global_batch
@@ -191,8 +188,14 @@ class PipelineRunner:
         gathered: list[dict] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         found = {name: tensor for part in gathered for name, tensor in part.items()}
-        return {key: next(found[alias] for alias in aliases if alias in found)
-                for key, aliases in self.state_aliases.items()}
+        state = {}
+        for key, aliases in self.state_aliases.items():
+            present = [alias for alias in aliases if alias in found]
+            if not present:
+                raise AutoparError(f"{key} is in the model's state_dict but no pipeline stage reads "
+                                   f"it, so no rank holds it; read it from the model itself")
+            state[key] = found[present[0]]
+        return state
 
 
 def state_aliases(model: nn.Module) -> dict[str, list[str]]:
