@@ -115,3 +115,39 @@ def test_brute_force_agrees_on_a_real_graph():
                 best = min(best, time_s)
         found = solve(problem, relative_gap=0.0)
         assert found.objective_s == pytest.approx(best, rel=1e-9)
+
+
+def test_a_built_problem_round_trips_through_json_exactly(small_gpt, tmp_path):
+    from autopar.solver.problem import Problem
+    problem = build_problem(small_gpt, Mesh.parse("2x4:a100-80g"), memory_limit=3e9)
+    path = tmp_path / "problem.json"
+    problem.save(path)
+    loaded = Problem.load(path)
+    assert loaded == problem
+    assert solve(loaded).objective_s == solve(problem).objective_s
+
+
+def test_cp_sat_agrees_with_highs_on_a_real_graph():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    graph = autopar.capture(model.to("meta"), (torch.empty(4, 16, device="meta"),))
+    highs = solve_intra_op(graph, Mesh.parse("2x2:a100-80g"))
+    cp_sat = solve_intra_op(graph, Mesh.parse("2x2:a100-80g"), backend="cp-sat")
+    assert cp_sat.objective_s == pytest.approx(highs.objective_s, rel=1e-2)
+
+
+def test_roles_are_checked(small_gpt):
+    from autopar.errors import AutoparError
+    with pytest.raises(AutoparError, match="does not have"):
+        solve_intra_op(small_gpt, Mesh.parse("8:a100-80g"), roles={"node": "data"})
+    with pytest.raises(AutoparError, match="unknown"):
+        solve_intra_op(small_gpt, Mesh.parse("8:a100-80g"), roles={"gpu": "pipeline"})
+
+
+def test_tying_shares_variables_across_layers(small_gpt):
+    mesh = Mesh.parse("8:a100-80g")
+    tied = solve_intra_op(small_gpt, mesh)
+    untied = solve_intra_op(small_gpt, mesh, tie_blocks=False)
+    assert tied.variables < untied.variables
+    assert tied.objective_s == pytest.approx(untied.objective_s, rel=1e-2)
+    block = [n for n in tied.problem.nodes if n.tie is not None]
+    assert len(block) >= 3 * len({n.tie for n in block})      # layers 1-3 tied to layer 0
