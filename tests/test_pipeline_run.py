@@ -169,12 +169,13 @@ def test_tensor_parallel_stages_2x2():
     assert_equal_to_one_process(results[0][0])
 
 
-def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero3():
+def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero1_and_zero3():
     cut = [UNITS[:5], UNITS[5:]]
-    plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2, zero=3,
-                       parameters=megatron_placements())]
+    plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2, zero=zero,
+                       parameters=megatron_placements()) for zero in (1, 3)]
     results = autopar.launch(train_plans, 8, plans, adamw, timeout=180)
-    assert_equal_to_one_process(results[0][0])
+    for report in results[0]:
+        assert_equal_to_one_process(report)
 
 
 def test_solver_plan_for_8_cpu_ranks_under_a_memory_limit():

@@ -257,10 +257,11 @@ def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: 
         if tp_axis is not None:
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, tp_axis)
         zero = plan.stages[program.index].zero
-        if zero >= 2 and layout.dp > 1:
+        if layout.dp > 1 and (zero >= 2 or (zero == 1 and layout.tp > 1)):
             # ZeRO-2 keeps parameters gathered from forward to backward; ZeRO-3 frees them between.
             # Under zero-bubble schedules (backward split into input and weight parts) freeing them
-            # gives wrong weight gradients in this torch, so there ZeRO-3 runs as ZeRO-2.
+            # gives wrong weight gradients in this torch, so there ZeRO-3 runs as ZeRO-2. ZeRO-1 of
+            # DTensor (TP) parameters runs as ZeRO-2: ZeroRedundancyOptimizer cannot broadcast them.
             reshard = zero == 3 and plan.schedule != "zero-bubble"
             program.module = fully_shard(program.module, mesh=mesh["dp"], reshard_after_forward=reshard)
     return programs
@@ -270,8 +271,8 @@ def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: Pi
                mesh: DeviceMesh):
     """The user's optimizer on this rank's parameters; with ZeRO-1 its state is sharded over the
     data-parallel replicas (torch's ZeroRedundancyOptimizer, after the gradient all-reduce)."""
-    if zero != 1 or layout.dp == 1:
-        # ZeRO-2/3 stages hold sharded parameters (FSDP): a plain optimizer steps on the shards
+    if zero != 1 or layout.dp == 1 or layout.tp > 1:
+        # FSDP stages (see _stage_programs) hold sharded parameters: a plain optimizer steps on them
         return make_optimizer(params)
     # ZeroRedundancyOptimizer builds the optimizer itself from a class and keyword arguments.
     probe = make_optimizer([nn.Parameter(torch.zeros(1))])
