@@ -114,9 +114,13 @@ def _infeasible(problem: Problem, mesh: Mesh, limit: float, time_limit: float,
         group[1] += 1
         group[2] = group[2] or node.label
     largest = sorted(by_group.values(), key=lambda g: -g[0])[:5]
-    listed = "; ".join(f"{label}{f' (x{count})' if count > 1 else ''}: {nbytes / GIB:.2f} GiB"
+    listed = "; ".join(f"{label}{f' (x{count})' if count > 1 else ''}: {_size(nbytes)}"
                        for nbytes, count, label in largest)
     return InfeasibleError(
-        f"no sharding fits {limit / GIB:.2f} GiB per device on mesh {mesh}: the least any "
-        f"assignment needs is {least.memory_bytes / GIB:.2f} GiB. Largest contributors: {listed}. "
-        f"Use more devices or pipeline stages, a smaller micro-batch, or recompute activations")
+        f"no sharding fits {_size(limit)} per device on mesh {mesh}: the least any assignment "
+        f"needs is {_size(least.memory_bytes)}. Largest contributors: {listed}. Use more devices "
+        f"or pipeline stages, a smaller micro-batch, or recompute activations")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
