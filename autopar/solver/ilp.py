@@ -264,6 +264,8 @@ class _Model:
               memory_limit: float | None) -> Assignment:
         self.solver.SetNumThreads(1)
         self.solver.SuppressOutput()
+        if self.relax_first:        # HiGHS prints a banner on every solve unless told not to
+            self.solver.SetSolverSpecificParametersAsString("output_flag=false")
         deadline = start + time_limit
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, relative_gap)
