@@ -7,6 +7,7 @@ loss, or the largest magnitude of the reference parameter tensor.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -206,6 +207,8 @@ def _fail_in_step(how: str):
             raise RuntimeError("loss blew up on purpose")
         if how == "die" and step[0] == 1:
             os._exit(3)
+        if how == "stall" and step[0] == 1:
+            time.sleep(60)
         return lm_loss(logits, targets)
 
     step = [0]
@@ -219,6 +222,11 @@ def _fail_in_step(how: str):
 def test_failed_last_stage_stops_the_pipeline_and_is_named(how, message):
     with pytest.raises(autopar.LaunchError, match=f"rank 1 failed: {message}"):
         autopar.launch(_fail_in_step, 2, how, timeout=60, pg_timeout=10)
+
+
+def test_a_stalled_stage_makes_its_peer_time_out_at_the_process_group_timeout():
+    with pytest.raises(autopar.LaunchError, match=r"rank 0 failed: .*Timed out"):
+        autopar.launch(_fail_in_step, 2, "stall", timeout=60, pg_timeout=3)
 
 
 def _step_with_wrong_batch():
