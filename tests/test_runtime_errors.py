@@ -49,6 +49,10 @@ def bad_inputs():
     results["global batch"] = error_of(lambda: autopar.compile(
         model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd, global_batch=6,
         plan=Config(dp=2, global_batch=4, micro_batch=2)))
+    meta_model, _ = build_model(SPEC, device="meta")
+    results["meta model"] = error_of(lambda: autopar.compile(
+        meta_model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd,
+        plan=Config(dp=2, global_batch=4, micro_batch=2)))
     cm = autopar.compile(model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd,
                          plan=Config(dp=2, global_batch=4, micro_batch=2))
     rows = torch.zeros(6, 8, dtype=torch.long)
@@ -70,6 +74,7 @@ def errors_by_rank():
     ("global batch", AutoparError, "global_batch=6 but the plan was made for 4"),
     ("step batch", AutoparError, "batch of 6 but the plan's global batch is 4"),
     ("step local", AutoparError, "share per data-parallel rank is 2"),
+    ("meta model", AutoparError, "on the meta device"),
 ])
 def test_error_on_every_rank(errors_by_rank, case, kind, words):
     for rank, results in enumerate(errors_by_rank):

@@ -115,6 +115,11 @@ class CompiledModel:
 def build_compiled(model: nn.Module, plan: Plan, graph: Graph, *, example_inputs: tuple,
                    example_kwargs: dict, loss_fn, optimizer, device_type: str = "cpu") -> CompiledModel:
     """Rewrite `graph`'s program for this rank and wire gradient reduction and the optimizer."""
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise AutoparError(f"parameters such as {meta[0]} are on the meta device; the runtime starts from "
+                           f"the model's values: materialize it first (model.to_empty(device=...) and "
+                           f"initialize, the same seed on every rank)")
     program = _program_for(model, graph, example_inputs, example_kwargs, plan.micro_batch_size)
     _broadcast_from_rank0(program)
     input_names = [n.name for n in program.graph.nodes if n.op == "placeholder"]
