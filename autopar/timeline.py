@@ -208,8 +208,8 @@ def save_png(timeline: Timeline, path: str | Path, title: str = "") -> None:
     ax.set_xlabel(f"time ({unit})")
     kinds = sorted({e.action.kind for e in timeline.events}, key=COMPUTE_KINDS.index)
     names = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
-    ax.legend(handles=[Patch(color=COLORS[k], label=names[k]) for k in kinds], loc="lower right",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=len(kinds), frameon=False)
+    ax.legend(handles=[Patch(color=COLORS[k], label=names[k]) for k in kinds], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title(title or f"{timeline.schedule}: {timeline.pp} ranks, {timeline.micro_batches} micro-batches"
                  f", bubble {timeline.bubble_fraction:.1%}", loc="left")
     fig.tight_layout()
@@ -224,17 +224,20 @@ def _time_unit(seconds: float) -> tuple[float, str]:
 
 
 def plan_timeline(plan) -> Timeline:
-    """Simulate a Plan's schedule with the predicted time per micro-batch of each pipeline rank
-    (`stage.predicted["time_per_micro_batch_s"]`), shared among the rank's chunks by layer count,
-    backward twice the forward. A plan without them gets its predicted compute per rank."""
+    """Simulate a Plan's schedule with each stage's predicted time per micro-batch
+    (`chunk_time_per_micro_batch_s`; for plans without it, its pipeline rank's time shared among
+    the rank's chunks by layer count), backward twice the forward."""
     stages, pp = plan.stages, plan.pp
     layers = [max(1, len(s.layers)) for s in stages]
     fallback = ((plan.predicted.get("breakdown") or {}).get("compute")
                 or plan.predicted.get("step_time_s", 1.0)) / plan.micro_batches
     totals = []
     for i, stage in enumerate(stages):
-        rank_time = stage.predicted.get("time_per_micro_batch_s", fallback)
-        totals.append(rank_time * layers[i] / sum(layers[i % pp::pp]))
+        if "chunk_time_per_micro_batch_s" in stage.predicted:
+            totals.append(stage.predicted["chunk_time_per_micro_batch_s"])
+        else:
+            rank_time = stage.predicted.get("time_per_micro_batch_s", fallback)
+            totals.append(rank_time * layers[i] / sum(layers[i % pp::pp]))
     return simulate(plan.schedule, forward_s=[t / 3 for t in totals],
                     backward_s=[2 * t / 3 for t in totals], micro_batches=plan.micro_batches,
                     virtual=plan.virtual)

@@ -152,6 +152,24 @@ def _tensor_placements(graph: Graph, mesh: Mesh, tp: int, time_limit: float) -> 
                       "objective_s": intra.objective_s}}
 
 
+def _stage_predictions(graph: Graph, mesh: Mesh, priced: Priced, units) -> list[dict]:
+    """Each chunk's pipeline rank's predicted time and memory (the estimator prices ranks), and
+    the chunk's own time per micro-batch: its rank's time shared among the rank's chunks in
+    proportion to their roofline weights (what the timeline picture draws)."""
+    candidate, pp = priced.candidate, priced.candidate.shape.pp
+    devices = priced.estimate.devices
+    weights = unit_weights(graph, units, mesh, candidate.shape.tp)
+    chunk_weight = [sum(weights[candidate.cuts[c]:candidate.cuts[c + 1]]) for c in range(candidate.chunks)]
+    predictions = []
+    for c in range(candidate.chunks):
+        siblings = chunk_weight[c % pp::pp]
+        share = chunk_weight[c] / sum(siblings) if sum(siblings) else 1.0 / len(siblings)
+        device = dict(devices[c % pp])
+        predictions.append({**device,
+                            "chunk_time_per_micro_batch_s": device["time_per_micro_batch_s"] * share})
+    return predictions
+
+
 def _batch_nodes(graph: Graph) -> set[str]:
     """Nodes whose value depends on the inputs: the batch flows through them, so the data axis
     splits them (dim 0, where the models keep the batch); the rest derive from parameters alone."""
@@ -167,13 +185,12 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     candidate, shape = priced.candidate, priced.candidate.shape
     tensor = _tensor_placements(graph, mesh, shape.tp, time_limit)
     estimate = priced.estimate.to_dict()
-    devices = estimate.get("devices") or []   # per pipeline rank: time per micro-batch, memory
     group = shape.dp * shape.tp
+    predicted_stages = _stage_predictions(graph, mesh, priced, units)
     stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
                     ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
                     tp=shape.tp, dp=shape.dp, recompute=candidate.recompute[i], zero=candidate.zero[i],
-                    sequence_parallel=shape.sequence_parallel,
-                    predicted=dict(devices[i % shape.pp]) if len(devices) == shape.pp else {})
+                    sequence_parallel=shape.sequence_parallel, predicted=predicted_stages[i])
               for i in range(candidate.chunks)]
     batch = _batch_nodes(graph)
     nodes = {name: ["S(0)" if name in batch and shape.dp > 1 else "R", *placements]
