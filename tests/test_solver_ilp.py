@@ -157,3 +157,14 @@ def test_tied_parameters_choose_per_copy(limit):
     found = solve(problem, relative_gap=0.0)
     assert found.objective_s == pytest.approx(best)
     assert found.memory_bytes <= limit
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_least_memory_agrees_with_brute_force(seed):
+    problem = random_problem(seed)
+    rep = problem.representative()
+    names = sorted(set(rep.values()))
+    least = min(mem for combo in itertools.product(*(range(len(problem.node(n).strategies)) for n in names))
+                for time_s, mem in [problem.evaluate(dict(zip(names, combo)))] if time_s < float("inf"))
+    found = solve(problem, minimize="memory", relative_gap=0.0)
+    assert found.memory_bytes == pytest.approx(least, rel=1e-6)

@@ -134,6 +134,7 @@ class _Model:
         self.edge_terms: list[tuple] = []       # (variable, seconds) paid in full
         self.overlap_terms: list[tuple] = []    # (variable, seconds) that may hide behind the backward
         self.overlapped = any(edge.overlapped for edge in problem.edges)
+        self.minimize = "time"
 
     def _var(self, name: str, upper: int):
         if self.relax_first:
@@ -238,6 +239,7 @@ class _Model:
                          limit * MEMORY_SCALE)
 
     def set_objective(self, minimize: str) -> None:
+        self.minimize = minimize
         if minimize == "memory":
             terms = self._all_x(self.memory_coef, MEMORY_SCALE)
         elif minimize == "time":
@@ -275,7 +277,8 @@ class _Model:
         if not self.relax_first or code != pywraplp.Solver.OPTIMAL or self._integral():
             return self._read(code, counts, start)
         bound_s = self.solver.Objective().Value() / TIME_SCALE
-        rounded = self._rounded(bound_s, memory_limit)
+        # rounding and diving compare times: when minimizing memory the MIP alone decides
+        rounded = self._rounded(bound_s, memory_limit) if self.minimize == "time" else None
         if rounded is not None and rounded["gap"] <= relative_gap:
             return Assignment(**rounded, **{**counts, "seconds": time.perf_counter() - start})
         # the MIP, with half the time left; then, if it found nothing, LP diving with the rest
@@ -287,7 +290,7 @@ class _Model:
             return self._read(code, counts, start)
         for var in xs:
             var.SetInteger(False)
-        if self._solve_until(deadline, params) == pywraplp.Solver.OPTIMAL:
+        if self.minimize == "time" and self._solve_until(deadline, params) == pywraplp.Solver.OPTIMAL:
             dived = self._dive(bound_s, memory_limit, relative_gap, params, deadline)
             if dived is not None and (rounded is None or dived["objective_s"] < rounded["objective_s"]):
                 rounded = dived
