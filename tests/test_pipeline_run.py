@@ -55,11 +55,13 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec: str = SPEC) -> list[dict]:
-    """On every rank: train each plan (through autopar.compile when a mesh is given); on rank 0
-    also one process, and report the differences."""
+def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec: str = SPEC,
+                local: tuple[bool, ...] = ()) -> list[dict]:
+    """On every rank: train each plan (through autopar.compile when a mesh is given; feeding each
+    replica only its rows where `local` says so); on rank 0 also one process, and report the
+    differences."""
     reports = []
-    for plan in plans:
+    for index, plan in enumerate(plans):
         model, example_inputs = build_model(spec, device="cpu", batch=2)   # as planned
         data = batches(plan.global_batch)
         if mesh is None:
@@ -68,7 +70,12 @@ def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec:
         else:
             runner = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=lm_loss,
                                      optimizer=optimizer, plan=plan)
-        losses = [runner.step(inputs, targets) for inputs, targets in data]
+        if index < len(local) and local[index]:
+            share = slice(runner.dp_rank * plan.global_batch // runner.layout.dp,
+                          (runner.dp_rank + 1) * plan.global_batch // runner.layout.dp)
+            losses = [runner.step(x[share], y[share], local=True) for x, y in data]
+        else:
+            losses = [runner.step(inputs, targets) for inputs, targets in data]
         state = runner.full_state_dict()
         if dist.get_rank() == 0:
             reports.append(compare_with_one_process(losses, state, data, optimizer, spec))
@@ -132,11 +139,12 @@ def test_llama_in_three_stages_copies_root_buffers_into_each_stage():
     assert_equal_to_one_process(results[0][0])
 
 
-def test_data_parallel_pipelines_with_zero1():
+def test_data_parallel_pipelines_with_zero1_global_and_local_batches():
     cut = [UNITS[:5], UNITS[5:]]
-    plans = [make_plan(cut, pp=2, dp=2, schedule="1f1b", micro_batches=2, zero=1)]
-    results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
-    assert_equal_to_one_process(results[0][0])
+    plans = [make_plan(cut, pp=2, dp=2, schedule="1f1b", micro_batches=2, zero=1) for _ in range(2)]
+    results = autopar.launch(train_plans, 4, plans, adamw, None, SPEC, (False, True), timeout=120)
+    for report in results[0]:
+        assert_equal_to_one_process(report)
 
 
 def megatron_placements() -> dict[str, list[str]]:
