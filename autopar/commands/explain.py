@@ -58,7 +58,8 @@ def headline(plan: Plan) -> str:
             f"predicted step {_fmt_s(p.get('step_time_s'))}, {_fmt_num(p.get('tflops_per_gpu'))} "
             f"TFLOP/s per GPU, MFU {_fmt_pct(p.get('mfu'))}, memory "
             f"{_fmt_gib(p.get('memory_per_gpu_bytes'))} on the fullest device, bubble "
-            f"{_fmt_pct(p.get('bubble_fraction'))}")
+            f"{_fmt_pct(p.get('bubble_fraction'))} (simulated with torch's schedule: "
+            f"{_fmt_pct(p.get('simulated_bubble_fraction'))})")
 
 
 def stage_table(plan: Plan) -> Table:

@@ -23,6 +23,7 @@ from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, balanced_
                                      infeasible, megatron_shapes, autopar_shapes, pipeline_units, refine,
                                      uneven_phase, uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
+from autopar.timeline import plan_timeline
 
 REFINED_SHAPES = 4          # the best distinct device layouts that the local search starts from
 Progress = Callable[[str, int, int], None]
@@ -200,12 +201,16 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     predicted = {key: value for key, value in estimate.items() if key != "devices"}
     solver = {**solver, "intra_op": tensor["stats"]}
     solver["seconds"] += tensor["stats"]["seconds"]
-    return Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
+    plan = Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
                 axes=[["dp", shape.dp], ["tp", shape.tp]], stages=stages,
                 global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
                 micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
                 parameters=parameters, nodes=nodes, predicted=predicted, solver=solver,
                 replicated_ops=tensor["replicated_ops"], model_type=graph.model_type)
+    # A check on the estimator's bubble formula: torch's own action order, simulated with the
+    # stages' predicted times.
+    plan.predicted["simulated_bubble_fraction"] = plan_timeline(plan).bubble_fraction
+    return plan
 
 
 def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage]) -> dict[str, list[str]]:
