@@ -18,6 +18,7 @@ from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
 from autopar.plan import Plan, Stage
 from autopar.runtime.pipeline import build_pipeline, check_batch
+from autopar.runtime.pipeline_split import TensorRef
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,10 +78,12 @@ def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec:
         else:
             losses = [runner.step(inputs, targets) for inputs, targets in data]
         state = runner.full_state_dict()
+        held = sorted(ref.fqn for program in runner.programs for ref in program.module.modules()
+                      if isinstance(ref, TensorRef) and ref.value.requires_grad)
+        report = {"losses": losses, "held": held}
         if dist.get_rank() == 0:
-            reports.append(compare_with_one_process(losses, state, data, optimizer, spec))
-        else:
-            reports.append({"losses": losses})
+            report.update(compare_with_one_process(losses, state, data, optimizer, spec))
+        reports.append(report)
     return reports
 
 
@@ -120,6 +123,11 @@ def test_two_stages_gpipe_and_1f1b():
     for report in results[0]:
         assert_equal_to_one_process(report)
     assert results[1][0]["losses"] == results[0][0]["losses"]   # the same float on every rank
+    model, _ = build_model(SPEC)
+    for rank, layers in enumerate(cut):   # each rank holds its own stage's parameters, no others
+        assert results[rank][0]["held"] == sorted(
+            name for name, _ in model.named_parameters()
+            if any(name.startswith(layer + ".") for layer in layers))
 
 
 def test_interleaved_and_zero_bubble_with_two_chunks_per_rank():
