@@ -254,7 +254,7 @@ def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: 
     programs = [_materialize(programs[s], model, device) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
-        if tp_axis is not None:
+        if tp_axis is not None and _sharded_on(program, plan.parameters, tp_axis):
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, tp_axis)
         zero = plan.stages[program.index].zero
         if layout.dp > 1 and (zero >= 2 or (zero == 1 and layout.tp > 1)):
@@ -265,6 +265,14 @@ def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: 
             reshard = zero == 3 and plan.schedule != "zero-bubble"
             program.module = fully_shard(program.module, mesh=mesh["dp"], reshard_after_forward=reshard)
     return programs
+
+
+def _sharded_on(program: StageProgram, parameters: dict[str, list[str]], axis: int) -> bool:
+    """Whether the plan shards any of the stage's parameters on `axis`. When it shards none, every
+    tp rank computes the whole stage with plain tensors: the same numbers DTensor would give with
+    all placements replicated, without its dispatch cost on every op."""
+    return any(parameters.get(fqn, ["R"] * (axis + 1))[axis] != "R"
+               for fqn in program.param_names.values())
 
 
 def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: PipelineLayout,
