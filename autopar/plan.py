@@ -158,8 +158,11 @@ def _diff(a, b, path: str) -> list[tuple[str, object, object]]:
             else:
                 out.extend(_diff(a[key], b[key], sub))
         return out
-    if isinstance(a, list) and isinstance(b, list) and a and isinstance(a[0], dict) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+    if isinstance(a, list) and isinstance(b, list) and any(isinstance(x, dict) for x in a + b):
+        # lists of records (stages): field by field where both have the record, whole otherwise
+        return [d for i in range(max(len(a), len(b)))
+                for d in _diff(a[i] if i < len(a) else None, b[i] if i < len(b) else None,
+                               f"{path}[{i}]")]
     return [] if a == b else [(path, a, b)]
 
 

@@ -124,6 +124,9 @@ def test_diff_names_the_changed_decisions():
     paths = {path for path, _, _ in a.diff(b)}
     assert paths == {"stages[1].recompute", "parameters.lm_head.weight"}
     assert a.diff(make_plan()) == []
+    c = make_plan()
+    c.stages = c.stages[:1]
+    assert ("stages[1]", a.to_dict()["stages"][1], None) in a.diff(c)
 
 
 def test_explain_and_diff_commands(tmp_path, capsys, monkeypatch):

@@ -63,4 +63,6 @@ def _num(value, scale=1) -> str:
 def _value(value) -> str:
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value) and len(value) > 3:
         return compress_layers(value)
+    if isinstance(value, dict) and "layers" in value:     # a stage only one plan has
+        return f"{compress_layers(value['layers'])} (tp={value.get('tp')} dp={value.get('dp')})"
     return str(value)
