@@ -1,11 +1,13 @@
 """Run a plan with several pipeline stages: `build_pipeline(...) -> PipelineRunner`.
 
 Every rank runs the same code. From the plan it derives one rank grid (pp, dp, tp) and the process
-groups of each axis (a DeviceMesh over that grid), exports the model for one micro-batch, cuts the
+groups of each axis (a device mesh over that grid), exports the model for one micro-batch, cuts the
 graph into the plan's stages (pipeline_split.py), and keeps only the stages placed on its pipeline
-rank, with their own copy of only their parameters. `torch.distributed.pipelining` runs the
-schedule; gradients are averaged over the data-parallel replicas (or reduced into ZeRO-1 shards of
-the optimizer state); the optimizer steps on the local stages.
+rank, with their own copy of only their parameters. Inside a stage, parameters are DTensors over
+tp (pipeline_tensor.py); across pipeline replicas, gradients are averaged with one all-reduce
+(ZeRO-1: torch's ZeroRedundancyOptimizer shards the optimizer state) or, for ZeRO-2/3, the stage
+is FSDP-sharded (`fully_shard`) and reduce-scatters its own gradients. `torch.distributed.pipelining`
+runs the schedule; the optimizer steps on the local stages.
 
 The loss of one step is the mean over micro-batches and replicas, computed on the last stage and
 shared with every rank, so `step` returns the same float everywhere.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
@@ -224,7 +226,7 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     check_batch(plan, plan.global_batch)
     check_layers(model, plan)
     device = torch.device(device or _default_device())
-    mesh = DeviceMesh(device.type, torch.tensor(layout.grid), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = _device_mesh(layout, device)
     pp_rank = layout.coordinates(dist.get_rank())[0]
     own = [s for s, r in enumerate(layout.stage_rank) if r == pp_rank]
 
@@ -239,6 +241,16 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     return PipelineRunner(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                           optimizer=_optimizer(optimizer, params, zero, layout, mesh), device=device,
                           state_aliases=state_aliases(model))
+
+
+def _device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
+    """The (pp, dp, tp) mesh of the rank grid; torch's init_device_mesh when the grid is in rank
+    order (Megatron's, which the planner writes), a DeviceMesh over the grid as given otherwise."""
+    grid = torch.tensor(layout.grid)
+    names = ("pp", "dp", "tp")
+    if torch.equal(grid.flatten(), torch.arange(grid.numel())):
+        return init_device_mesh(device.type, tuple(grid.shape), mesh_dim_names=names)
+    return DeviceMesh(device.type, grid, mesh_dim_names=names)
 
 
 def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
