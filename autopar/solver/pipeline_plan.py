@@ -44,8 +44,11 @@ def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     inter_seconds = time.monotonic() - started
     _report(progress, "placements", 3, 3)
     status = "time_limit" if search.timed_out else "searched"
+    refused = search.pricer.refusals
     plan = _assemble(graph, mesh, search.best, search.units, global_batch=global_batch, solver={
-        "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced},
+        "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced,
+        "refused": sum(refused.values()),
+        "refusal_reasons": dict(sorted(refused.items(), key=lambda kv: -kv[1])[:5])},
         time_limit=max(1.0, started + time_limit - time.monotonic()))
     return plan, search
 

@@ -24,6 +24,7 @@ class Pricer:
     global_batch: int
     memory_limit: float
     cache: dict = field(default_factory=dict)
+    refusals: dict = field(default_factory=dict)    # the estimator's reason -> how many candidates
 
     def price(self, candidate: Candidate, units: list[Unit], uniform: bool = False) -> Priced | None:
         """The estimator's step time and memory; None when it refuses the candidate as invalid
@@ -33,7 +34,9 @@ class Pricer:
         try:
             result = (estimate(self.graph, self.mesh, self.config(candidate)) if uniform
                       else self._estimate_stages(candidate, units))
-        except AutoparError:
+        except AutoparError as err:
+            reason = str(err).split(";")[0]
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
             result = None
         priced = None if result is None else Priced(
             candidate=candidate, step_time_s=result.step_time_s,
