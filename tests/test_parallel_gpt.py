@@ -13,6 +13,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
+from autopar.passes.recompute import Recomputed
 from autopar.runtime.equivalence import mismatches, train_single_process
 
 pytestmark = pytest.mark.multiprocess
@@ -32,7 +33,7 @@ FORMS_ON_2 = {
                                      micro_batch=GLOBAL_BATCH),
     "dp with 2 micro-batches": Config(dp=2, global_batch=GLOBAL_BATCH, micro_batch=2),
 }
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "full", "selective")
 
 
 def sgd(params):
@@ -64,7 +65,8 @@ def train_forms(forms: dict) -> dict:
                                  plan=replace(config, recompute=recompute))
             losses = [cm.step(ids, targets) for ids, targets in data]
             state = cm.full_state_dict()
-            results[(name, recompute)] = (losses, mismatches(reference, losses, state))
+            regions = sum(isinstance(m, Recomputed) for m in cm.program.modules())
+            results[(name, recompute)] = (losses, mismatches(reference, losses, state), regions)
     # The check can fail: a reference with another learning rate disagrees with the last run.
     other = train_single_process(new_model(), data, lm_loss, lambda p: torch.optim.SGD(p, lr=0.21, momentum=0.9))
     results["control"] = mismatches(other, losses, state)
@@ -83,9 +85,11 @@ def on_2_ranks():
 
 def _check(results_by_rank, form):
     for rank, results in enumerate(results_by_rank):
-        losses, found = results[form]
+        losses, found, regions = results[form]
         assert found == [], f"rank {rank}, {form}: {found}"
         assert losses == results_by_rank[0][form][0], "ranks returned different losses"
+        # one checkpointed region per block (2 blocks), none without recompute
+        assert regions == (0 if form[1] == "none" else 2), f"{regions} recomputed regions"
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)

@@ -12,10 +12,13 @@ import torch._dynamo  # noqa: F401
 
 import autopar
 from autopar.cost.config import Config
+from autopar.passes.recompute import Recomputed
 from autopar.runtime.equivalence import mismatches, train_single_process
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess
+# Resolved here, before the ranks fork: transformers imports each model's module on first use.
+GPT2, LLAMA = transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 8, 8
 FORMS_ON_4 = {
@@ -38,7 +41,7 @@ def gpt2():
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                      bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return GPT2(config).eval()
 
 
 def llama():
@@ -46,7 +49,7 @@ def llama():
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
                                       max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return LLAMA(config).eval()
 
 
 MODELS = {"gpt2": gpt2, "llama": llama}
@@ -81,7 +84,8 @@ def train_forms(model_name: str, forms: dict) -> dict:
                                  example_inputs=example, example_kwargs=kwargs, graph=graphs[config.micro_batch],
                                  plan=replace(config, recompute=recompute))
             losses = [cm.step(ids, targets) for ids, targets in data]
-            results[(name, recompute)] = (losses, mismatches(reference, losses, cm.full_state_dict()))
+            regions = sum(isinstance(m, Recomputed) for m in cm.program.modules())
+            results[(name, recompute)] = (losses, mismatches(reference, losses, cm.full_state_dict()), regions)
     return results
 
 
@@ -102,9 +106,11 @@ def on_2_ranks(model_name):
 
 def _check(results_by_rank, form):
     for rank, results in enumerate(results_by_rank):
-        losses, found = results[form]
+        losses, found, regions = results[form]
         assert found == [], f"rank {rank}, {form}: {found}"
         assert losses == results_by_rank[0][form][0], "ranks returned different losses"
+        # one checkpointed region per block (2 blocks), none without recompute
+        assert regions == (0 if form[1] == "none" else 2), f"{regions} recomputed regions"
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)

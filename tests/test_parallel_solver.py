@@ -17,6 +17,8 @@ from autopar.solver.intra_op import solve_intra_op
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess
+# Resolved here, before the ranks fork: transformers imports each model's module on first use.
+GPT2, LLAMA = transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM
 
 VOCAB, SEQ, BATCH = 64, 8, 32
 MESHES = ("4:cpu", "2x2:cpu")
@@ -28,14 +30,14 @@ def autopar_gpt():
 
 def gpt2():
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    return GPT2(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)).eval()
 
 
 def llama():
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    return LLAMA(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
         eos_token_id=0)).eval()
