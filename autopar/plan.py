@@ -79,8 +79,9 @@ class Plan:
     def summary(self) -> str:
         """One line a person can compare: degrees, schedule, micro-batches, per-stage choices."""
         # repeated blocks (module paths ending in an index) per stage: the embedding and head not counted
-        layer_counts = "/".join(str(sum(1 for layer in s.layers if layer.rsplit(".", 1)[-1].isdigit()))
-                                for s in self.stages)
+        counts = [sum(1 for layer in s.layers if layer.rsplit(".", 1)[-1].isdigit()) for s in self.stages]
+        layer_counts = (f"{counts[0]}x{len(counts)}" if len(set(counts)) == 1
+                        else "/".join(map(str, counts)))
         # per-stage choices in stage order, one value when all stages agree
         recompute = [s.recompute for s in self.stages]
         recompute = recompute[:1] if len(set(recompute)) == 1 else recompute

@@ -25,7 +25,7 @@ from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, balanced_
 from autopar.solver.pipeline_price import Pricer, chunk_layers
 from autopar.timeline import plan_timeline
 
-REFINED_SHAPES = 4          # the best distinct device layouts that the local search starts from
+REFINED_SHAPES = 3          # the best distinct device layouts that the local search starts from
 Progress = Callable[[str, int, int], None]
 
 
