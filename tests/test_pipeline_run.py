@@ -17,6 +17,7 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
 from autopar.plan import Plan, Stage
+from autopar.runtime.forced_plan import megatron_plan
 from autopar.runtime.pipeline import build_pipeline, check_batch
 from autopar.runtime.pipeline_split import TensorRef
 
@@ -30,8 +31,9 @@ STEPS = 3
 
 def make_plan(chunks: list[list[str]], *, pp: int, schedule: str, dp: int = 1, tp: int = 1,
               micro_batches: int = 4, micro_batch_size: int = 2, recompute: str = "none",
-              zero: int = 0, parameters: dict | None = None) -> Plan:
-    """Stage i on pipeline rank i % pp (Megatron's interleaving), each on a dp x tp block of ranks."""
+              zero: int = 0, layout: tuple[dict, dict] = ({}, {})) -> Plan:
+    """Stage i on pipeline rank i % pp (Megatron's interleaving), each on a dp x tp block of ranks;
+    `layout` is (parameter placements, node placements)."""
     group = dp * tp
     stages = [Stage(index=i, layers=layers, ranks=list(range((i % pp) * group, (i % pp + 1) * group)),
                     dp=dp, tp=tp, recompute=recompute if i == 0 else "none", zero=zero)
@@ -39,7 +41,7 @@ def make_plan(chunks: list[list[str]], *, pp: int, schedule: str, dp: int = 1, t
     return Plan(fingerprint="", mesh={}, axes=[["dp", dp], ["tp", tp]], stages=stages,
                 global_batch=dp * micro_batches * micro_batch_size, micro_batches=micro_batches,
                 micro_batch_size=micro_batch_size, schedule=schedule,
-                virtual=len(chunks) // pp, parameters=parameters or {})
+                virtual=len(chunks) // pp, parameters=layout[0], nodes=layout[1])
 
 
 def batches(global_batch: int, vocab: int = 64, seq: int = 16):
@@ -155,41 +157,30 @@ def test_data_parallel_pipelines_with_zero1_global_and_local_batches():
         assert_equal_to_one_process(report)
 
 
-def megatron_placements() -> dict[str, list[str]]:
-    """Column-parallel q, k, v and fc1; row-parallel wo and fc2; the rest replicated: per axis
-    (dp, tp)."""
-    model, _ = build_model(SPEC)
-    placements = {}
-    for name, _ in model.named_parameters():
-        if any(key in name for key in ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.fc1.")):
-            placements[name] = ["R", "S(0)"]
-        elif name.endswith(("attn.wo.weight", "mlp.fc2.weight")):
-            placements[name] = ["R", "S(1)"]
-        else:
-            placements[name] = ["R", "R"]
-    return placements
+def megatron_layout(dp: int, sequence_parallel: bool = False) -> tuple[dict, dict]:
+    """The intra-op runtime's Megatron layout for one stage on dp x 2: column-parallel q, k, v and
+    fc1, row-parallel wo and fc2, the residual stream whole (or sequence-split) at every norm."""
+    model, example_inputs = build_model(SPEC, batch=2)
+    graph = autopar.capture(model, example_inputs=example_inputs)
+    config = autopar.Config(tp=2, dp=dp, global_batch=2 * dp, micro_batch=2,
+                            sequence_parallel=sequence_parallel)
+    plan = megatron_plan(graph, autopar.Mesh.parse(f"{2 * dp}:cpu"), config)
+    return plan.parameters, plan.nodes
 
 
-def test_zero2_and_zero3_across_pipeline_replicas():
+def test_tensor_parallel_stages_2x2_with_and_without_sequence_parallelism():
     cut = [UNITS[:5], UNITS[5:]]
-    plans = [make_plan(cut, pp=2, dp=2, schedule=schedule, micro_batches=2, zero=zero)
-             for schedule, zero in (("1f1b", 2), ("1f1b", 3), ("zero-bubble", 3))]
+    plans = [make_plan(cut, pp=2, tp=2, schedule="1f1b", layout=megatron_layout(1, sp))
+             for sp in (False, True)]
     results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
     for report in results[0]:
         assert_equal_to_one_process(report)
 
 
-def test_tensor_parallel_stages_2x2():
-    cut = [UNITS[:5], UNITS[5:]]
-    plans = [make_plan(cut, pp=2, tp=2, schedule="1f1b", parameters=megatron_placements())]
-    results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
-    assert_equal_to_one_process(results[0][0])
-
-
 def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero1_and_zero3():
     cut = [UNITS[:5], UNITS[5:]]
     plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2, zero=zero,
-                       parameters=megatron_placements()) for zero in (1, 3)]
+                       layout=megatron_layout(2)) for zero in (1, 3)]
     results = autopar.launch(train_plans, 8, plans, adamw, timeout=180)
     for report in results[0]:
         assert_equal_to_one_process(report)

@@ -267,7 +267,7 @@ def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: 
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
         if tp_axis is not None and _sharded_on(program, plan.parameters, tp_axis):
-            program.module = shard_stage(program.module, mesh["tp"], plan.parameters, tp_axis)
+            program.module = shard_stage(program.module, mesh["tp"], plan.parameters, plan.nodes, tp_axis)
         zero = plan.stages[program.index].zero
         if layout.dp > 1 and (zero >= 2 or (zero == 1 and layout.tp > 1)):
             # ZeRO-2 keeps parameters gathered from forward to backward; ZeRO-3 frees them between.

@@ -6,10 +6,9 @@ op of the stage's graph computes on global shapes and DTensor's sharding propaga
 collectives. Between stages activations travel as ordinary tensors: a stage takes its inputs as
 replicated and hands its outputs on replicated, which is what the pipeline's send and receive move.
 
-Not done here: the plan's per-node placements are not enforced (DTensor's propagation chooses
-between the parameter placements, Megatron's layout for column-then-row pairs), and a stage's
-`sequence_parallel` is not applied, so activations between blocks stay replicated over tp: the
-same numbers, more activation memory than the plan predicts.
+Values the plan places (`Plan.nodes`, e.g. the residual stream at each norm's input: whole, or
+split on the sequence for sequence parallelism) are moved there with the intra-op runtime's
+`Redistribute`; partial sums are left to DTensor, which reduces them where they are next read.
 """
 
 from __future__ import annotations
@@ -17,11 +16,12 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.utils._pytree import tree_map
 
 import autopar.runtime.dtensor_rules  # noqa: F401  (CPU attention has no DTensor rule in torch)
 from autopar.errors import PlanMismatchError
+from autopar.passes.collectives import Redistribute
 from autopar.runtime.layout import parse_placement
 from autopar.runtime.pipeline_split import TensorRef
 
@@ -78,10 +78,29 @@ def replicate_created_tensors(module: nn.Module, mesh: DeviceMesh) -> None:
         graph_module.recompile()
 
 
+def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]], tp_axis: int) -> None:
+    """After each node the plan places on `tp_axis`, move its value to that placement."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        for node in list(graph_module.graph.nodes):
+            texts = nodes.get(node.name)
+            if node.op != "call_function" or texts is None \
+                    or not isinstance(node.meta.get("val"), torch.Tensor):
+                continue
+            placement = parse_placement(texts[tp_axis])
+            if isinstance(placement, Partial):
+                continue
+            name = f"place_{node.name}"
+            graph_module.add_submodule(name, Redistribute(mesh, (placement,)))
+            with graph_module.graph.inserting_after(node):
+                placed = graph_module.graph.call_module(name, (node,))
+            node.replace_all_uses_with(placed, delete_user_cb=lambda user: user is not placed)
+        graph_module.recompile()
+
+
 def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[str]],
-                tp_axis: int) -> TensorParallelStage:
+                nodes: dict[str, list[str]], tp_axis: int) -> TensorParallelStage:
     """Distribute the stage's tensors by the plan's placements on axis `tp_axis`; unplaced ones
-    (buffers, constants, parameters the plan leaves out) are replicated."""
+    (buffers, constants, parameters the plan leaves out) are replicated. Then place the nodes."""
     for ref in module.modules():
         if not isinstance(ref, TensorRef):
             continue
@@ -99,4 +118,5 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
         else:
             ref.value = tensor
     replicate_created_tensors(module, mesh)
+    place_nodes(module, mesh, nodes, tp_axis)
     return TensorParallelStage(module, mesh)
