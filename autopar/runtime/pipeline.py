@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -266,7 +266,7 @@ def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: 
     programs = [_materialize(programs[s], model, device) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
-        if tp_axis is not None and _sharded_on(program, plan.parameters, tp_axis):
+        if tp_axis is not None and _sharded_on(program, plan, tp_axis):
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, plan.nodes, tp_axis)
         zero = plan.stages[program.index].zero
         if layout.dp > 1 and (zero >= 2 or (zero == 1 and layout.tp > 1)):
@@ -279,12 +279,15 @@ def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: 
     return programs
 
 
-def _sharded_on(program: StageProgram, parameters: dict[str, list[str]], axis: int) -> bool:
-    """Whether the plan shards any of the stage's parameters on `axis`. When it shards none, every
-    tp rank computes the whole stage with plain tensors: the same numbers DTensor would give with
-    all placements replicated, without its dispatch cost on every op."""
-    return any(parameters.get(fqn, ["R"] * (axis + 1))[axis] != "R"
-               for fqn in program.param_names.values())
+def _sharded_on(program: StageProgram, plan: Plan, axis: int) -> bool:
+    """Whether the plan shards any of the stage's parameters or values on `axis`. When it shards
+    none, every tp rank computes the whole stage with plain tensors: the same numbers DTensor would
+    give with all placements replicated, without its dispatch cost on every op."""
+    names = [node.name for graph_module in program.module.modules()
+             if isinstance(graph_module, fx.GraphModule) for node in graph_module.graph.nodes]
+    placed = [plan.parameters.get(fqn) for fqn in program.param_names.values()]
+    placed += [plan.nodes.get(name) for name in names]
+    return any(texts is not None and texts[axis] != "R" for texts in placed)
 
 
 def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: PipelineLayout,
