@@ -174,6 +174,14 @@ def _stage_predictions(graph: Graph, mesh: Mesh, priced: Priced, units) -> list[
     return predictions
 
 
+def _data_placement(carries_batch: bool, node_shape: tuple) -> str:
+    """On the data axis: batch-carrying tensors split on dim 0; a batch-carrying scalar (the
+    loss) is each replica's partial value; everything else replicated."""
+    if not carries_batch:
+        return "R"
+    return "S(0)" if node_shape else "P"
+
+
 def _batch_nodes(graph: Graph) -> set[str]:
     """Nodes whose value depends on the inputs: the batch flows through them, so the data axis
     splits them (dim 0, where the models keep the batch); the rest derive from parameters alone."""
@@ -197,7 +205,8 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
                     sequence_parallel=shape.sequence_parallel, predicted=predicted_stages[i])
               for i in range(candidate.chunks)]
     batch = _batch_nodes(graph)
-    nodes = {name: ["S(0)" if name in batch and shape.dp > 1 else "R", *placements]
+    shapes = {n.name: n.shape for n in graph.nodes}
+    nodes = {name: [_data_placement(name in batch and shape.dp > 1, shapes.get(name, ())), *placements]
              for name, placements in tensor["nodes"].items()}
     parameters = _with_zero3({fqn: ["R", *placements] for fqn, placements in tensor["parameters"].items()},
                              stages)
