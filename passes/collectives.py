@@ -78,11 +78,16 @@ class ToFull(nn.Module):
 
 
 def gather_zero3_parameters(gm: fx.GraphModule, plan: Plan, layout: StageLayout) -> fx.GraphModule:
-    """All-gather each parameter sharded on the data axes right before its uses."""
+    """All-gather each parameter sharded on the data axes right before its first use."""
+    position = {node: index for index, node in enumerate(gm.graph.nodes)}
     for node in _parameter_nodes(gm, layout):
         dim = layout.parameters[node.target].data_dim
-        if dim is not None:
-            _insert_after(gm, node, f"gather_{node.name}", GatherShards(dim, layout.dp_group))
+        if dim is not None and node.users:
+            gather = _insert_after(gm, node, f"gather_{node.name}", GatherShards(dim, layout.dp_group))
+            # Parameters are read at the top of an exported graph; the gather moves down to the
+            # first use, so a whole model is never gathered at once and a recomputed block
+            # gathers its own parameters again in backward, as FSDP does.
+            min(gather.users, key=position.__getitem__).prepend(gather)
     gm.recompile()
     return gm
 

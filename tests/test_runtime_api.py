@@ -57,6 +57,13 @@ def api_checks(plan_path) -> dict:
 
     cm = autopar.compile(new_model(), "2:cpu", example_inputs=example, loss_fn=lm_loss, optimizer=sgd,
                          plan=Config(dp=2, global_batch=4, micro_batch=2))
+    finish, launched = cm.reducer.finish, []
+    cm.reducer.finish = lambda: (launched.append(cm.reducer.next_launch), finish())
+    cm.step(*batches[0])
+    cm.reducer.finish = finish
+    results["launched during backward"] = launched == [len(cm.reducer.buckets)]
+    cm = autopar.compile(new_model(), "2:cpu", example_inputs=example, loss_fn=lm_loss, optimizer=sgd,
+                         plan=Config(dp=2, global_batch=4, micro_batch=2))
     dataset = TensorDataset(torch.cat([ids for ids, _ in batches]), torch.cat([t for _, t in batches]))
     sampler = cm.sampler(dataset, shuffle=False)
     # Without shuffling the sampler strides: the two ranks' i-th local batches are together the
@@ -90,6 +97,10 @@ def test_rank_0_plans_and_every_rank_runs_that_plan(results_by_rank):
     plans = [results["solved plan"] for results in results_by_rank]
     assert plans[0] == plans[1]
     assert results_by_rank[0]["solved"] == []
+
+
+def test_gradient_buckets_are_launched_from_backward_hooks(results_by_rank):
+    assert all(results["launched during backward"] for results in results_by_rank)
 
 
 def test_sampler_splits_the_dataset_over_data_parallel_ranks(results_by_rank):
