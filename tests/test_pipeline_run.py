@@ -157,6 +157,15 @@ def test_data_parallel_pipelines_with_zero1_global_and_local_batches():
         assert_equal_to_one_process(report)
 
 
+def test_zero2_and_zero3_across_pipeline_replicas():
+    cut = [UNITS[:5], UNITS[5:]]
+    plans = [make_plan(cut, pp=2, dp=2, schedule=schedule, micro_batches=2, zero=zero)
+             for schedule, zero in (("1f1b", 2), ("1f1b", 3), ("zero-bubble", 3))]
+    results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
+    for report in results[0]:
+        assert_equal_to_one_process(report)
+
+
 def megatron_layout(dp: int, sequence_parallel: bool = False) -> tuple[dict, dict]:
     """The intra-op runtime's Megatron layout for one stage on dp x 2: column-parallel q, k, v and
     fc1, row-parallel wo and fc2, the residual stream whole (or sequence-split) at every norm."""
