@@ -196,11 +196,15 @@ def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero1_and_zero3():
 
 
 def test_solver_plan_for_8_cpu_ranks_under_a_memory_limit():
-    from autopar.api import plan as plan_model
+    """A quarter of the memory plain data parallelism needs: the planner must shard the model."""
+    from autopar.api import plan_graph
 
     model, example_inputs = build_model(SPEC, batch=2)
-    plan = plan_model(model, "8:cpu", example_inputs=example_inputs, global_batch=16,
-                      memory_limit="300KB", time_limit=20)
+    graph = autopar.capture(model, example_inputs=example_inputs)
+    mesh = autopar.Mesh.parse("8:cpu")
+    replica = autopar.estimate(graph, mesh, autopar.Config(dp=8, global_batch=16, micro_batch=2))
+    plan = plan_graph(graph, mesh, global_batch=16, memory_limit=replica.memory_per_gpu_bytes / 4,
+                      time_limit=20)
     assert len(plan.stages) > 1, f"the memory limit should force pipelining: {plan.summary()}"
     results = autopar.launch(train_plans, 8, [plan], adamw, "8:cpu", timeout=240)
     assert_equal_to_one_process(results[0][0])
