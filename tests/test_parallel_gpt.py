@@ -26,6 +26,8 @@ FORMS_ON_4 = {
     "zero-1": Config(dp=4, zero=1, global_batch=GLOBAL_BATCH, micro_batch=2),
     "zero-2": Config(dp=4, zero=2, global_batch=GLOBAL_BATCH, micro_batch=2),
     "zero-3": Config(dp=4, zero=3, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "dp x tp + sp, zero-3": Config(dp=2, tp=2, zero=3, sequence_parallel=True, global_batch=GLOBAL_BATCH,
+                                   micro_batch=4),
 }
 FORMS_ON_2 = {
     "tp": Config(tp=2, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH),
