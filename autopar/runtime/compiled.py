@@ -48,19 +48,8 @@ class CompiledModel:
     def step(self, *batch, local: bool = False) -> float:
         """One optimizer step on `(*inputs, targets)`: the global batch, or with `local=True` this
         rank's share of it. Returns the batch's mean loss, the same float on every rank."""
-        if len(batch) < 2:
-            raise AutoparError("step(*inputs, targets): pass the model's inputs and the targets")
+        batch = self._rows_of_this_rank(batch, local)
         layout = self.layout
-        share = self.global_batch // layout.dp_size
-        expected = share if local else self.global_batch
-        for tensor in batch:
-            if tensor.shape[0] != expected:
-                raise AutoparError(
-                    f"step got a batch of {tensor.shape[0]} but the plan's {'share per data-parallel rank' if local else 'global batch'} "
-                    f"is {expected}; pass {expected} rows" + ("" if local else " (or local=True with this rank's share)"))
-        if not local:
-            start = layout.dp_rank * share
-            batch = tuple(t[start:start + share] for t in batch)
         micro = layout.micro_batch_size
         total = torch.zeros((), dtype=torch.float32)
         loss_work = None
@@ -86,9 +75,26 @@ class CompiledModel:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.reducer.broadcast_owned()
-        for param in self.params.values():
+        for param in self.params.values():   # ZeRO-1/2: gradients of parameters other ranks own
             param.grad = None
         return total.item()
+
+    def _rows_of_this_rank(self, batch: tuple, local: bool) -> tuple:
+        """Check the batch size (before any collective) and keep this data-parallel rank's rows."""
+        if len(batch) < 2:
+            raise AutoparError("step(*inputs, targets): pass the model's inputs and the targets")
+        share = self.global_batch // self.layout.dp_size
+        expected = share if local else self.global_batch
+        for tensor in batch:
+            if tensor.shape[0] != expected:
+                what = "share per data-parallel rank" if local else "global batch"
+                hint = "" if local else " (or local=True with this rank's share)"
+                raise AutoparError(f"step got a batch of {tensor.shape[0]} but the plan's {what} is "
+                                   f"{expected}; pass {expected} rows{hint}")
+        if local:
+            return batch
+        start = self.layout.dp_rank * share
+        return tuple(t[start:start + share] for t in batch)
 
     def sampler(self, dataset, **kwargs) -> DistributedSampler:
         """A DistributedSampler over the data-parallel ranks: feed its batches to step(local=True)."""
