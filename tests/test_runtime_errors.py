@@ -46,6 +46,10 @@ def bad_inputs():
                             Config(dp=2, global_batch=4, micro_batch=2))
     results["model"] = error_of(lambda: autopar.compile(
         model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd, plan=foreign))
+    odd = megatron_plan(autopar.capture(model, (ids,)), Mesh.parse("2:cpu"), Config(dp=2, global_batch=4, micro_batch=2))
+    odd.global_batch = 5
+    results["plan batch"] = error_of(lambda: autopar.compile(
+        model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd, plan=odd))
     results["global batch"] = error_of(lambda: autopar.compile(
         model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd, global_batch=6,
         plan=Config(dp=2, global_batch=4, micro_batch=2)))
@@ -72,6 +76,7 @@ def errors_by_rank():
     ("mesh", MeshError, "4 devices but the process group has 2 ranks"),
     ("model", PlanMismatchError, "another model"),
     ("global batch", AutoparError, "global_batch=6 but the plan was made for 4"),
+    ("plan batch", AutoparError, "choose a global batch divisible by dp = 2"),
     ("step batch", AutoparError, "batch of 6 but the plan's global batch is 4"),
     ("step local", AutoparError, "share per data-parallel rank is 2"),
     ("meta model", AutoparError, "on the meta device"),
