@@ -89,7 +89,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     `global_batch`, default the example batch) and every rank receives the same plan.
     `optimizer(params)` builds any torch.optim optimizer; it steps on this rank's local shards.
     `loss_fn(outputs, targets)` must average over the batch, as a mean-reduced loss does.
-    Every rank calls it; mistakes (a mesh that is not the process group, a plan for another
+    Every rank starts from rank 0's parameter values (broadcast into `model`, as torch's DDP does)
+    and trains its own shards of them; `full_state_dict()` gathers them. Every rank calls it; mistakes (a mesh that is not the process group, a plan for another
     model, a batch the data-parallel degree does not divide) raise on every rank before any
     collective. `graph`: this model's `autopar.capture` for these example inputs, to skip capturing
     it again (after planning, or to compile one model several ways)."""
