@@ -247,3 +247,22 @@ def test_autopar_plan_from_a_module():
                         time_limit=20)
     assert plan.world_size == 4 and plan.global_batch == 8
     assert plan.predicted["memory_per_gpu_bytes"] <= 2**30
+
+
+def test_stage_pricing_of_uniform_cuts_equals_estimate(graph):
+    """The planner's non-uniform pricing (estimate_stages over its units) agrees with `estimate`
+    on Megatron's uniform stages, so grid and autopar rows are priced alike."""
+    from autopar.solver.pipeline import Candidate, Shape
+    from autopar.solver.pipeline_plan import new_search
+
+    mesh = Mesh.parse("2x2:a100-80g")
+    search = new_search(graph, mesh, 16, mesh.device.memory_bytes, time.monotonic() + 60)
+    for shape, recompute in [(Shape(2, 2, 1, 1, "1f1b", 1, True), "full"),
+                             (Shape(1, 2, 2, 2, "interleaved-1f1b", 2), "none")]:
+        cuts = uniform_cuts(search.units, shape.pp * shape.virtual)
+        chunks = len(cuts) - 1
+        candidate = Candidate(shape, cuts, (recompute,) * chunks, (1,) * chunks)
+        uniform = search.pricer.price(candidate, search.units, uniform=True)
+        staged = search.pricer._estimate_stages(candidate, search.units)
+        assert staged.step_time_s == uniform.step_time_s
+        assert staged.memory_per_gpu_bytes == uniform.memory_bytes

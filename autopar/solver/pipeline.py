@@ -41,12 +41,13 @@ class Unit:
     layers: tuple[str, ...]     # module paths of the unit, in order
     start: int                  # node index range in Graph.nodes
     stop: int
-    block: bool = False         # a repeated block instance (its module path names it to the estimator)
+    block: bool = False         # a repeated block instance
 
     @property
-    def ref(self):
-        """How the estimator's StageSpec names the unit: a block's path, otherwise its node range."""
-        return self.name if self.block else (self.start, self.stop)
+    def ref(self) -> tuple[int, int]:
+        """How the estimator's StageSpec names the unit: its node range (a path would be ambiguous
+        for a block module that runs more than once)."""
+        return (self.start, self.stop)
 
 
 @dataclass(frozen=True, slots=True)
