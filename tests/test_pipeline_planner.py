@@ -263,6 +263,6 @@ def test_stage_pricing_of_uniform_cuts_equals_estimate(graph):
         chunks = len(cuts) - 1
         candidate = Candidate(shape, cuts, (recompute,) * chunks, (1,) * chunks)
         uniform = search.pricer.price(candidate, search.units, uniform=True)
-        staged = search.pricer._estimate_stages(candidate, search.units)
+        staged = search.pricer.stages_estimate(candidate, search.units)
         assert staged.step_time_s == uniform.step_time_s
         assert staged.memory_per_gpu_bytes == uniform.memory_bytes

@@ -33,7 +33,7 @@ class Pricer:
             return self.cache[candidate]
         try:
             result = (estimate(self.graph, self.mesh, self.config(candidate)) if uniform
-                      else self._estimate_stages(candidate, units))
+                      else self.stages_estimate(candidate, units))
         except AutoparError as err:
             reason = str(err).split(";")[0]
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
@@ -52,7 +52,7 @@ class Pricer:
                       recompute=candidate.recompute[0], zero=candidate.zero[0],
                       sequence_parallel=shape.sequence_parallel, schedule=shape.schedule)
 
-    def _estimate_stages(self, candidate: Candidate, units: list[Unit]):
+    def stages_estimate(self, candidate: Candidate, units: list[Unit]):
         shape = candidate.shape
         specs = [StageSpec(layers=[u.ref for u in units[candidate.cuts[i]:candidate.cuts[i + 1]]],
                            tp=shape.tp, dp=shape.dp,
