@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autopar.plan import Plan
 from autopar.runtime.layout import StageLayout
@@ -59,11 +59,6 @@ class Redistribute(nn.Module):
     def forward(self, value):
         if not isinstance(value, DTensor):   # a tensor made in the graph (arange, ...) is replicated
             value = DTensor.from_local(value, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
-        if any(isinstance(p, Partial) and type(p) is not Partial for p in value.placements):
-            # A masked partial (a vocab-sharded embedding's output) cannot go to Shard directly in
-            # torch's DTensor: it is reduced to whole first.
-            value = value.redistribute(self.mesh, [Replicate() if isinstance(p, Partial) else p
-                                                   for p in value.placements])
         return value.redistribute(self.mesh, self.placements)
 
     def extra_repr(self) -> str:
@@ -124,8 +119,6 @@ def insert_redistributions(gm: fx.GraphModule, plan: Plan, layout: StageLayout) 
     if mesh is None:
         return gm
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target == torch.ops.aten.embedding.default:
-            _gather_vocab_shards(gm, node)
         placements = layout.nodes.get(node.name)
         if (node.op not in ("call_function", "placeholder") or placements is None
                 or not isinstance(node.meta.get("val"), torch.Tensor)
@@ -136,23 +129,6 @@ def insert_redistributions(gm: fx.GraphModule, plan: Plan, layout: StageLayout) 
         _insert_after(gm, _last_inserted(node), f"place_{node.name}", Redistribute(mesh, placements))
     gm.recompile()
     return gm
-
-
-def _gather_vocab_shards(gm: fx.GraphModule, embedding: fx.Node) -> None:
-    """An embedding reads its table whole. DTensor's vocab-sharded lookup keeps a mask in its
-    cached sharding decision, which a later lookup then finds filled ("MaskBuffer has been
-    materialized with conflicting data"); gathering the table for the lookup avoids it."""
-    table = embedding.args[0]
-    wrap = gm.get_submodule(table.target) if table.op == "call_module" else None
-    if not isinstance(wrap, ToDTensor) or not any(isinstance(p, Shard) and p.dim == 0 for p in wrap.placements):
-        return
-    whole = tuple(Replicate() if isinstance(p, Shard) and p.dim == 0 else p for p in wrap.placements)
-    name = f"whole_{table.name}_for_{embedding.name}"
-    gm.add_submodule(name, Redistribute(wrap.mesh, whole))
-    with gm.graph.inserting_before(embedding):
-        gathered = gm.graph.call_module(name, (table,))
-    gathered.meta.update(autopar_inserted=True, val=table.meta.get("val"))
-    embedding.replace_input_with(table, gathered)
 
 
 def _parameter_nodes(gm: fx.GraphModule, layout: StageLayout) -> list[fx.Node]:
