@@ -202,12 +202,17 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
 
 
 def autopar_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int) -> list[Shape]:
-    """Layouts outside the grid: PP that does not divide the blocks (uneven stages), and pipelines
-    with fewer micro-batches than stages, which only GPipe and the zero-bubble schedule can run."""
+    """Layouts outside the grid whose PP does not divide the blocks: uneven stages."""
+    return [shape for shape in megatron_shapes(blocks, world, gpus_per_node, global_batch,
+                                               pp_divides_blocks=False)
+            if shape.virtual == 1 and blocks % shape.pp]
+
+
+def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int) -> list[Shape]:
+    """Pipelines with fewer micro-batches than stages, which only GPipe runs: a bubble of at least
+    the whole ideal step, so the planner tries them only when nothing else fits (a small global
+    batch on many devices)."""
     shapes = []
-    for shape in megatron_shapes(blocks, world, gpus_per_node, global_batch, pp_divides_blocks=False):
-        if shape.virtual == 1 and blocks % shape.pp:
-            shapes.append(shape)
     for tp in [t for t in range(1, min(MAX_TP, gpus_per_node) + 1) if gpus_per_node % t == 0]:
         for pp in [p for p in range(2, min(world // tp, blocks) + 1) if (world // tp) % p == 0]:
             dp = world // (tp * pp)

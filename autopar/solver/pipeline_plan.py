@@ -19,9 +19,9 @@ from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.plan import Plan, Stage
-from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, balanced_cuts, grid_phase,
-                                     infeasible, megatron_shapes, autopar_shapes, pipeline_units, refine,
-                                     uneven_phase, uniform_cuts, unit_weights)
+from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, autopar_shapes, balanced_cuts,
+                                     grid_phase, infeasible, megatron_shapes, pipeline_units, refine,
+                                     short_pipeline_shapes, uneven_phase, uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
 from autopar.timeline import plan_timeline
 
@@ -71,8 +71,10 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     uneven_phase(search, autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch),
                  weights_for)
     if search.best is None:
-        # only ZeRO-2/3 might still fit: the grid again with them
+        # only ZeRO-2/3 or a short GPipe pipeline might still fit
         grid_phase(search, grid, zero_levels=(2, 3))
+        uneven_phase(search, short_pipeline_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
+                                                   global_batch), weights_for)
     _report(progress, "refining", 2, 3)
     for seed in _seeds(search):
         refine(search, seed, weights_for)
