@@ -258,11 +258,13 @@ class Search:
 def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[Priced]:
     """Price the uniform Megatron configurations, keeping for each shape and ZeRO level the fastest
     recompute that fits. Memory only grows with less recompute, a lower ZeRO level and a larger
-    micro-batch, and time only grows with more recompute, so: the most saving recompute is priced
-    first and when it does not fit, nothing less saving is priced; a shape whose every ZeRO level
-    fails skips its larger micro-batches; after "full" fits, "none" then "selective" are tried."""
+    micro-batch, and time only grows with more recompute, so: when the same layout fitted without
+    recompute at its previous micro-batch or ZeRO level, "none" is priced first and ends the
+    ladder if it fits; otherwise "full" first, and when it does not fit nothing less saving is
+    priced; a layout whose every ZeRO level fails skips its larger micro-batches."""
     results = []
     too_big: set[tuple] = set()      # layouts whose smaller micro-batch already failed to fit
+    needed: dict[tuple, bool] = {}   # layout -> whether its last micro-batch needed recompute
     for shape in shapes:
         # past the deadline, stop once something fits (the plan then says "time_limit")
         if search.best is not None and search.out_of_time():
@@ -271,30 +273,42 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
         cuts = uniform_cuts(search.units, shape.pp * shape.virtual)
         if cuts is None or layout in too_big:
             continue
-        chunks = len(cuts) - 1
         fitted = refused = False
         for zero in sorted(zero_levels if shape.dp > 1 else (0,), reverse=True):
-            def price(recompute):
-                return search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
-                                    uniform=True)
-            saving = price(RECOMPUTE_ORDER[-1])
-            if saving is None:
+            ladder = _recompute_ladder(search, shape, cuts, zero,
+                                       try_none_first=not needed.get(layout, True))
+            if ladder is None:
                 refused = True
                 break
-            results.append(saving)
-            if not saving.fits:
+            priced, fastest = ladder
+            results.extend(priced)
+            if fastest is None:
                 break
             fitted = True
-            for recompute in RECOMPUTE_ORDER[:-1]:
-                priced = price(recompute)
-                if priced is None:
-                    break
-                results.append(priced)
-                if priced.fits:
-                    break
+            needed[layout] = fastest.candidate.recompute[0] != "none"
         if not fitted and not refused:
             too_big.add(layout)
     return results
+
+
+def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int,
+                      try_none_first: bool) -> tuple[list[Priced], Priced | None] | None:
+    """The candidates priced to find the fastest fitting recompute of one uniform configuration,
+    and that one (None when none fits); None when the estimator refuses the configuration."""
+    chunks = len(cuts) - 1
+    priced: list[Priced] = []
+    for recompute in ("none", "full", "selective") if try_none_first else ("full", "none", "selective"):
+        candidate = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
+                                 uniform=True)
+        if candidate is None:
+            if not priced:
+                return None
+            break
+        priced.append(candidate)
+        if (recompute == "none" and candidate.fits) or (recompute == "full" and not candidate.fits):
+            break       # the fastest fits, or the most saving does not
+    fitting = [p for p in priced if p.fits]
+    return priced, min(fitting, key=lambda p: p.step_time_s) if fitting else None
 
 
 def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Priced]:
