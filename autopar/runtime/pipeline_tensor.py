@@ -57,6 +57,8 @@ class Replicated(nn.Module):
         self.mesh = mesh
 
     def forward(self, value: torch.Tensor) -> DTensor:
+        if isinstance(value, DTensor):  # created from a DTensor's shape or dtype, already placed
+            return value
         return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
 
 

@@ -13,7 +13,8 @@ placement for free (each rank loads its part).
 
 Roles. `roles={"node": "data", "gpu": "tensor"}` restricts axes: a data axis shards every
 activation that has a batch dim on it and nothing else, its ops see parameters replicated (stored
-R, Z or S: ZeRO); a tensor axis never shards the batch. The batch dim of every tensor is found by following the graph inputs'
+R, Z or S: ZeRO); a tensor axis never shards the batch, and stores every matrix parameter
+sharded on it (what a tensor-parallel degree means to the estimator and to a user who forces one). The batch dim of every tensor is found by following the graph inputs'
 dim 0 through the rules.
 
 Memory (per device, alive at the peak of a training step, no recompute): parameters, gradients
@@ -144,10 +145,18 @@ class _Builder:
         if role is None:
             return one_axis or [replicated]
         if role == "tensor":
-            return [replicated] + [s for s in one_axis[1:] if not any(self._on_batch(node, s))]
+            allowed = [replicated] + [s for s in one_axis[1:] if not any(self._on_batch(node, s))]
+            # matrices are used where they are stored, split (see _parameter_strategies)
+            split = [s for s in allowed if not self._uses_whole_matrix(node, s)]
+            return split or allowed
         # a data axis splits the batch wherever there is one, and only the batch
         split = [s for s in one_axis[1:] if self._batch_split(node, s, self._on_batch(node, s))]
         return split or [replicated]
+
+    def _uses_whole_matrix(self, node: Node, strategy: OpStrategy) -> bool:
+        return any(p == R and self.by_name[name].role is Role.PARAMETER
+                   and len(self.by_name[name].shape) >= 2
+                   for name, p in zip(node.inputs, strategy.inputs))
 
     def _on_batch(self, node: Node, strategy: OpStrategy) -> list[bool]:
         """For the output and each input: is it sharded on its batch dim?"""
@@ -214,9 +223,15 @@ class _Builder:
     def _parameter_strategies(self, node: Node) -> list[Strategy]:
         per_axis = []
         for role in self.roles:
-            choices = ["R"] + [f"S({d})" for d in range(len(node.shape))]
+            sharded = [f"S({d})" for d in range(len(node.shape)) if node.shape[d] % self.sizes[len(per_axis)] == 0]
+            choices = ["R"] + sharded
             if role != "tensor" and node.shape:
                 choices.insert(1, ZERO2)
+            elif role == "tensor" and len(node.shape) >= 2 and sharded:
+                # A tensor axis exists to split the model's matrices: the estimator prices a
+                # tensor-parallel degree as weights stored 1/tp per device, so the ILP may not
+                # buy back its communication by replicating them.
+                choices = sharded
             per_axis.append(choices)
         found = []
         for combo in _product(per_axis):
