@@ -32,10 +32,11 @@ from autopar.graph import Graph, Role
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import BACKWARD, Efficiencies, attention_kernels, compute_time
 from autopar.cost.config import Config
-from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, infer_layout
+from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch
 from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, model_state_bytes
 from autopar.cost.mesh import Mesh
-from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, uniform_stages
+from autopar.cost.price_cache import PriceCache
+from autopar.cost.stages import StageSpec, uniform_stages
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
 BUCKET_BYTES = 25 * 2**20
@@ -80,14 +81,16 @@ class _Chunk:
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
-             attention: str = "flash", memory_limit: float | None = None) -> Estimate:
-    """Price a Megatron-style uniform configuration: layers split evenly over pp x virtual chunks."""
+             attention: str = "flash", memory_limit: float | None = None,
+             cache: dict | None = None) -> Estimate:
+    """Price a Megatron-style uniform configuration: layers split evenly over pp x virtual chunks.
+    `cache`: see `estimate_stages`."""
     _check_world(mesh, config)
     stages = uniform_stages(graph, config)
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
-                           memory_limit=memory_limit)
+                           memory_limit=memory_limit, cache=cache)
 
 
 def _check_world(mesh: Mesh, config: Config) -> None:
@@ -100,12 +103,17 @@ def _check_world(mesh: Mesh, config: Config) -> None:
 def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
-                    memory_limit: float | None = None) -> Estimate:
+                    memory_limit: float | None = None, cache: dict | None = None) -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
-    rank c % p of p = len(stages) / v ranks (Megatron's interleaving)."""
+    rank c % p of p = len(stages) / v ranks (Megatron's interleaving).
+
+    `cache`, a dict the caller owns, keeps what calls on the same graph, mesh and efficiencies
+    share (layouts, chunk owners, priced chunks), so that a search pricing many configurations
+    pays for each part once; results are the same with or without it."""
     eff = efficiencies or Efficiencies()
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
-                           virtual=virtual, efficiencies=eff, attention=attention)
+                           virtual=virtual, efficiencies=eff, attention=attention,
+                           memo=PriceCache.of(cache, graph, mesh, eff))
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
@@ -138,7 +146,7 @@ class _Pipeline:
 
 def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, virtual: int, efficiencies: Efficiencies,
-                    attention: str) -> _Pipeline:
+                    attention: str, memo: PriceCache) -> _Pipeline:
     pp, dp = _pipeline_shape(stages, virtual, mesh)
     if global_batch % (dp * micro_batch):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
@@ -147,18 +155,10 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     if virtual > 1 and m % pp:
         raise AutoparError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a "
                            f"multiple of the {pp} pipeline ranks; change the global or micro-batch")
-    owner = chunk_of_nodes(graph, stages)
-    layouts = _layouts(graph, stages)
-    in_block = block_mask(graph)
-    members: dict[tuple, list[list[NodeLayout]]] = {}
-    for key, layout in layouts.items():
-        members[key] = [[] for _ in stages]
-        for node in layout.nodes:
-            members[key][owner[layout.index[node.name]]].append(node)
-    chunks = [_price_chunk(graph, layouts[(s.tp, s.sequence_parallel)], owner, in_block, c,
-                           members[(s.tp, s.sequence_parallel)][c], s, mesh, micro_batch,
-                           efficiencies, attention) for c, s in enumerate(stages)]
-    _add_sends(graph, layouts, owner, stages, chunks, mesh, micro_batch)
+    split = memo.split(stages)
+    chunks = [memo.chunk(split, c, s, micro_batch, attention, _price_chunk)
+              for c, s in enumerate(stages)]
+    _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m)
 
@@ -180,7 +180,8 @@ def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
     stages = uniform_stages(graph, config)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, virtual=config.virtual,
-                           efficiencies=Efficiencies(), attention="flash")
+                           efficiencies=Efficiencies(), attention="flash",
+                           memo=PriceCache.of(None, graph, mesh, Efficiencies()))
     totals = [sympy.Add(*part.values()) for part in _memory(pipe, stages, batch, config.schedule,
                                                              config.virtual)]
     return sympy.Max(*totals)
@@ -197,7 +198,8 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     stages = uniform_stages(graph, config)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, virtual=config.virtual,
-                           efficiencies=Efficiencies(), attention=attention)
+                           efficiencies=Efficiencies(), attention=attention,
+                           memo=PriceCache.of(None, graph, mesh, Efficiencies()))
     best = None
     for part in _memory(pipe, stages, b, config.schedule, config.virtual):
         total = sympy.expand(sympy.Add(*part.values()))
@@ -227,11 +229,6 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
         raise AutoparError(f"stages have different data-parallel degrees {sorted(dps)}; one global "
                            f"batch splits into the same micro-batches on every stage")
     return pp, stages[0].dp
-
-
-def _layouts(graph: Graph, stages: list[StageSpec]) -> dict:
-    keys = {(s.tp, s.sequence_parallel) for s in stages}
-    return {(tp, sp): infer_layout(graph, tp, sequence_parallel=sp) for tp, sp in keys}
 
 
 def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], in_block: list,
@@ -324,10 +321,10 @@ def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int)
     return total
 
 
-def _add_sends(graph: Graph, layouts: dict, owner: list[int], stages: list[StageSpec],
-               chunks: list[_Chunk], mesh: Mesh, b: int) -> None:
-    """Activations crossing chunk boundaries, forward and (their gradients) backward. A tensor
-    used several chunks later is relayed through every boundary between."""
+def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
+                    stages: list[StageSpec]) -> list[float]:
+    """Activation bytes per sample leaving chunk c for chunk c + 1. A tensor used several chunks
+    later is relayed through every boundary between."""
     layout = layouts[(stages[0].tp, stages[0].sequence_parallel)]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
@@ -335,10 +332,16 @@ def _add_sends(graph: Graph, layouts: dict, owner: list[int], stages: list[Stage
             j = layout.index[name]
             if owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION:
                 sent.update((layout.storage[name], c) for c in range(owner[j], owner[i]))
-    crossing = [0.0] * len(stages)         # bytes per sample leaving chunk c for chunk c + 1
+    crossing = [0.0] * len(stages)
     for tensor, c in sent:
         spec = stages[c]
         crossing[c] += layouts[(spec.tp, spec.sequence_parallel)].storage_bytes.get(tensor, 0.0)
+    return crossing
+
+
+def _add_sends(crossing: list[float], stages: list[StageSpec], chunks: list[_Chunk], mesh: Mesh,
+               b: int) -> None:
+    """Activations crossing chunk boundaries forward, and their gradients backward."""
     for c in range(len(stages) - 1):
         spec = stages[c]
         per_rank = spec.tp * spec.dp

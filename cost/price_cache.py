@@ -1,0 +1,104 @@
+"""What the estimator's calls on one graph, mesh and efficiencies share, kept in a dict the caller
+owns (`estimate(..., cache=d)`), so that a planner pricing hundreds of configurations builds each
+layout, chunk split and priced chunk once.
+
+Every entry is a pure function of its key and of the (graph, mesh, efficiencies) context the dict
+was first used with; a dict used with another context is refused rather than answering wrongly.
+Entries are never mutated after they are stored: callers get copies of priced chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.cost.layout import GraphLayout, infer_layout
+from autopar.cost.mesh import Mesh
+from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes
+from autopar.errors import AutoparError
+from autopar.graph import Graph
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Split:
+    """Which nodes each chunk of a list of stages holds."""
+    key: tuple                  # the stages' layers, hashable
+    owner: list                 # graph node index -> chunk
+    node_sets: list             # chunk -> id of its set of nodes (equal sets, equal ids)
+
+
+class PriceCache:
+    """The estimator's memo over `store` (a caller's dict, or a fresh one for a single call)."""
+
+    __slots__ = ("store", "graph", "mesh", "efficiencies")
+
+    def __init__(self, store: dict, graph: Graph, mesh: Mesh, efficiencies) -> None:
+        self.store, self.graph, self.mesh, self.efficiencies = store, graph, mesh, efficiencies
+
+    @classmethod
+    def of(cls, store: dict | None, graph: Graph, mesh: Mesh, efficiencies) -> PriceCache:
+        if store is None:
+            return cls({}, graph, mesh, efficiencies)
+        context = store.setdefault("context", (graph, mesh, efficiencies))
+        if context[0] is not graph or context[1] != mesh or context[2] != efficiencies:
+            raise AutoparError("this estimator cache holds prices of another graph, mesh or "
+                               "efficiencies; pass a fresh dict (or none) for each of them")
+        return cls(store, graph, mesh, efficiencies)
+
+    def _get(self, key: tuple, make):
+        if key not in self.store:
+            self.store[key] = make()
+        return self.store[key]
+
+    def layout(self, tp: int, sequence_parallel: bool) -> GraphLayout:
+        return self._get(("layout", tp, sequence_parallel),
+                         lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel))
+
+    def layouts(self, stages: list[StageSpec]) -> dict:
+        return {(s.tp, s.sequence_parallel): self.layout(s.tp, s.sequence_parallel) for s in stages}
+
+    def split(self, stages: list[StageSpec]) -> Split:
+        key = tuple(tuple(_hashable(layer) for layer in s.layers) for s in stages)
+        return self._get(("split", key), lambda: self._make_split(key, stages))
+
+    def _make_split(self, key: tuple, stages: list[StageSpec]) -> Split:
+        owner = chunk_of_nodes(self.graph, stages)
+        members: list[list[int]] = [[] for _ in stages]
+        for i, c in enumerate(owner):
+            members[c].append(i)
+        ids = self.store.setdefault("node_sets", {})
+        node_sets = [ids.setdefault(tuple(m), len(ids)) for m in members]
+        return Split(key=key, owner=owner, node_sets=node_sets)
+
+    def chunk(self, split: Split, c: int, spec: StageSpec, micro_batch: int, attention: str,
+              price):
+        """Chunk `c` priced by `price` (the estimator's `_price_chunk`), a copy the caller may
+        change. The price depends on the chunk's nodes, not on where it sits in the pipeline."""
+        key = ("chunk", split.node_sets[c], spec.tp, spec.sequence_parallel, spec.recompute,
+               micro_batch, attention)
+        priced = self._get(key, lambda: price(
+            self.graph, self.layout(spec.tp, spec.sequence_parallel), split.owner,
+            self._get(("blocks",), lambda: block_mask(self.graph)), c,
+            self._members(split, spec)[c], spec, self.mesh, micro_batch, self.efficiencies,
+            attention))
+        return replace(priced)
+
+    def _members(self, split: Split, spec: StageSpec) -> list:
+        """Each chunk's node layouts, in graph order."""
+        def make():
+            layout = self.layout(spec.tp, spec.sequence_parallel)
+            members = [[] for _ in split.node_sets]
+            for node in layout.nodes:
+                members[split.owner[layout.index[node.name]]].append(node)
+            return members
+        return self._get(("members", split.key, spec.tp, spec.sequence_parallel), make)
+
+    def crossing(self, split: Split, stages: list[StageSpec], bytes_of) -> list[float]:
+        """Bytes per sample crossing each chunk boundary, by `bytes_of` (the estimator's)."""
+        degrees = tuple((s.tp, s.sequence_parallel) for s in stages)
+        return self._get(("crossing", split.key, degrees), lambda: bytes_of(
+            self.graph, self.layouts(stages), split.owner, stages))
+
+
+def _hashable(layer):
+    """A module path, or a (start, stop) node range given as a list or tuple."""
+    return layer if isinstance(layer, str) else tuple(layer)

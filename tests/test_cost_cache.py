@@ -1,0 +1,56 @@
+"""The estimator's caller-owned cache: the same answers as without it, refused across graphs."""
+
+import pytest
+
+from autopar.cost.config import Config
+from autopar.cost.estimate import StageSpec, estimate, estimate_stages
+from autopar.cost.mesh import Mesh
+from autopar.errors import AutoparError
+
+CONFIGS = [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, recompute="full"),
+           dict(tp=2, pp=2, dp=2, sequence_parallel=True, recompute="selective"),
+           dict(tp=1, pp=4, dp=2, zero=1), dict(tp=4, pp=2, dp=1, micro_batch=2),
+           dict(tp=1, pp=2, dp=4, virtual=2, schedule="interleaved-1f1b"),
+           dict(tp=2, pp=4, dp=1, schedule="zero-bubble", zero=3), dict(tp=1, pp=1, dp=8, zero=2)]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    from autopar.commands.estimate import capture_training_step
+    return capture_training_step("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1024,dropout=0.1")
+
+
+def _config(fields: dict) -> Config:
+    return Config(**{"global_batch": 32, "micro_batch": 4, **fields})
+
+
+def _stages(tp: int, dp: int, recompute: str) -> list[StageSpec]:
+    return [StageSpec(layers=["model.layers.0"], tp=tp, dp=dp, recompute=recompute),
+            StageSpec(layers=["model.layers.1", "model.layers.2"], tp=tp, dp=dp),
+            StageSpec(layers=["model.layers.3"], tp=tp, dp=dp, recompute=recompute, zero=1)]
+
+
+def test_a_shared_cache_gives_the_same_estimates_as_none(tiny_gpt):
+    mesh = Mesh.parse("8:a100-80g")
+    cache: dict = {}
+    stage_caches: dict = {}     # one per mesh
+    for _ in range(2):      # the second round answers from the caches alone
+        for fields in CONFIGS:
+            fresh = estimate(tiny_gpt, mesh, _config(fields))
+            cached = estimate(tiny_gpt, mesh, _config(fields), cache=cache)
+            assert cached.to_dict() == fresh.to_dict(), fields
+        for tp, dp, recompute in [(1, 2, "full"), (2, 1, "none"), (1, 2, "selective")]:
+            kwargs = dict(global_batch=16, micro_batch=2, schedule="1f1b")
+            stages_mesh = Mesh.parse(f"{3 * tp * dp}:a100-80g")
+            fresh = estimate_stages(tiny_gpt, stages_mesh, _stages(tp, dp, recompute), **kwargs)
+            cached = estimate_stages(tiny_gpt, stages_mesh, _stages(tp, dp, recompute), **kwargs,
+                                     cache=stage_caches.setdefault(tp * dp, {}))
+            assert cached.to_dict() == fresh.to_dict(), (tp, dp, recompute)
+    assert any(key[0] == "chunk" for key in cache if isinstance(key, tuple))
+
+
+def test_a_cache_is_refused_for_another_mesh_or_graph(tiny_gpt):
+    cache: dict = {}
+    estimate(tiny_gpt, Mesh.parse("8:a100-80g"), _config(CONFIGS[0]), cache=cache)
+    with pytest.raises(AutoparError, match="another graph, mesh"):
+        estimate(tiny_gpt, Mesh.parse("8:h100-80g"), _config(CONFIGS[0]), cache=cache)
