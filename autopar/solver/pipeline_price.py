@@ -3,7 +3,8 @@
 A uniform Megatron configuration is priced by `estimate(graph, mesh, config)`, exactly as
 `autopar estimate` and the benchmark's grid price it; any other candidate (uneven cuts, per-stage
 recompute or ZeRO, another schedule) by `estimate_stages`, which prices non-uniform stages with the
-same formulas. Results are cached: the local search proposes the same candidate more than once.
+same formulas. Results are cached: the local search proposes the same candidate more than once;
+and the estimator keeps what candidates share (layouts, priced chunks) in one dict per search.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class Pricer:
     mesh: object                # autopar.cost.mesh.Mesh
     global_batch: int
     memory_limit: float
-    cache: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)       # candidate -> Priced, or None if refused
+    estimates: dict = field(default_factory=dict)   # the estimator's own cache, for this search
     refusals: dict = field(default_factory=dict)    # the estimator's reason -> how many candidates
 
     def price(self, candidate: Candidate, units: list[Unit], uniform: bool = False) -> Priced | None:
@@ -32,8 +34,9 @@ class Pricer:
         if candidate in self.cache:
             return self.cache[candidate]
         try:
-            result = (estimate(self.graph, self.mesh, self.config(candidate)) if uniform
-                      else self.stages_estimate(candidate, units))
+            result = (estimate(self.graph, self.mesh, self.config(candidate),
+                               cache=self.estimates)
+                      if uniform else self.stages_estimate(candidate, units))
         except AutoparError as err:
             reason = str(err).split(";")[0]
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
@@ -61,7 +64,7 @@ class Pricer:
                  for i in range(candidate.chunks)]
         return estimate_stages(self.graph, self.mesh, specs, global_batch=self.global_batch,
                                micro_batch=shape.micro_batch, schedule=shape.schedule,
-                               virtual=shape.virtual)
+                               virtual=shape.virtual, cache=self.estimates)
 
 
 def chunk_layers(units: list[Unit], candidate: Candidate, index: int) -> list[str]:
