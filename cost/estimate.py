@@ -158,6 +158,9 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     split = memo.split(stages)
     chunks = [memo.chunk(split, c, s, micro_batch, attention, _price_chunk)
               for c, s in enumerate(stages)]
+    for c, s in enumerate(stages):
+        params, loss = memo.states(split, s, _chunk_states)
+        chunks[c].params, chunks[c].loss_per_sample = params[c], loss[c]
     _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m)
@@ -231,10 +234,10 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
     return pp, stages[0].dp
 
 
-def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], in_block: list,
-                 chunk: int, nodes: list[NodeLayout], spec: StageSpec, mesh: Mesh, b: int,
-                 eff: Efficiencies, attention: str) -> _Chunk:
-    """Time, flops, parameters and kept activations of chunk `chunk`, whose nodes are `nodes`."""
+def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[NodeLayout],
+                 spec: StageSpec, mesh: Mesh, b: int, eff: Efficiencies, attention: str) -> _Chunk:
+    """Time, flops and kept activations of a chunk whose nodes are `nodes`; its parameters and
+    loss buffers are `_chunk_states`'."""
     device = mesh.device
     tp_group = Group.strided(mesh, spec.tp, 1)
     out = _Chunk()
@@ -271,22 +274,22 @@ def _price_chunk(graph: Graph, layout: GraphLayout, owner: list[int], in_block: 
         whole = sum(layout.storage_bytes.get(k, 0.0) for k in keys)
         out.peak_per_sample = max(out.peak_per_sample, whole)
     out.saved_per_sample = sum(layout.storage_bytes.get(k, 0.0) for k in saved) + score_bytes
-    out.params = _chunk_params(graph, layout, owner, chunk)
-    out.loss_per_sample = _loss_bytes(graph, layout, owner, chunk)
     return out
 
 
-def _chunk_params(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int) -> float:
-    """Parameter elements a device of `chunk` holds. A tied weight (embedding and head) counts
-    once where both uses share a chunk, and on both sides when the pipeline separates them."""
+def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
+                  chunks: int) -> tuple[list[float], list[float]]:
+    """Per chunk: the parameter elements one of its devices holds, and the loss buffers' bytes
+    per sample. A tied weight (embedding and head) counts once where both uses share a chunk,
+    and on both sides when the pipeline separates them."""
     by_fqn = {n.param_fqn: layout.index[n.name] for n in graph.parameters}
-    total = 0.0
+    params = [0.0] * chunks
     for name, count in layout.param_local.items():
         i = layout.index[name]
         tied = graph.nodes[i].tied_to
-        if owner[i] == chunk and (tied is None or owner[by_fqn.get(tied, i)] != chunk):
-            total += count
-    return total
+        if tied is None or owner[by_fqn.get(tied, i)] != owner[i]:
+            params[owner[i]] += count
+    return params, _loss_bytes(graph, layout, owner, chunks)
 
 
 def _kernels(node: NodeLayout, b: int, attention: str) -> tuple[list, list, float]:
@@ -312,13 +315,14 @@ def _block_inputs(graph: Graph, layout: GraphLayout, block: tuple[int, int]) -> 
     return kept
 
 
-def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunk: int) -> float:
-    """The outputs (logits) of the last chunk, and their gradient, in fp32 for the loss."""
-    total = 0.0
+def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[float]:
+    """Per chunk, the outputs (logits) it returns, and their gradient, in fp32 for the loss."""
+    totals = [0.0] * chunks
     for i, node in enumerate(graph.nodes):
-        if node.target == "output" and owner[i] == chunk:
-            total += sum(2 * layout.storage_bytes.get(name, 0.0) * 2 for name in node.inputs)
-    return total
+        if node.target == "output":
+            totals[owner[i]] += sum(2 * layout.storage_bytes.get(name, 0.0) * 2
+                                    for name in node.inputs)
+    return totals
 
 
 def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],

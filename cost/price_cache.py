@@ -76,11 +76,19 @@ class PriceCache:
         key = ("chunk", split.node_sets[c], spec.tp, spec.sequence_parallel, spec.recompute,
                micro_batch, attention)
         priced = self._get(key, lambda: price(
-            self.graph, self.layout(spec.tp, spec.sequence_parallel), split.owner,
-            self._get(("blocks",), lambda: block_mask(self.graph)), c,
+            self.graph, self.layout(spec.tp, spec.sequence_parallel),
+            self._get(("blocks",), lambda: block_mask(self.graph)),
             self._members(split, spec)[c], spec, self.mesh, micro_batch, self.efficiencies,
             attention))
         return replace(priced)
+
+    def states(self, split: Split, spec: StageSpec, states_of) -> tuple[list, list]:
+        """Every chunk's parameters and loss buffers under `spec`'s layout, by `states_of` (the
+        estimator's): a tied weight counts once or twice depending on the whole split."""
+        key = ("states", split.key, spec.tp, spec.sequence_parallel)
+        return self._get(key, lambda: states_of(
+            self.graph, self.layout(spec.tp, spec.sequence_parallel), split.owner,
+            len(split.node_sets)))
 
     def _members(self, split: Split, spec: StageSpec) -> list:
         """Each chunk's node layouts, in graph order."""
