@@ -19,7 +19,7 @@ _LAZY = {
     "Graph": "autopar.graph",
     "Mesh": "autopar.cost.mesh",
     "Config": "autopar.cost.config",
-    "estimate": "autopar.cost.estimate",
+    "estimate": "autopar.cost.estimator",
     "Plan": "autopar.plan",
     "plan": "autopar.api",
     "plan_from_config": "autopar.api",

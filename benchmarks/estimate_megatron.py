@@ -16,7 +16,7 @@ from rich.table import Table
 
 from autopar.commands.estimate import capture_training_step
 from autopar.cost.compute import Efficiencies
-from autopar.cost.estimate import estimate
+from autopar.cost.estimator import estimate
 from autopar.cost.reference import sc21_runs
 
 DEFAULT_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron_sc21_table1.csv"

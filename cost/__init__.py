@@ -6,7 +6,30 @@
     layout.py       what each captured node costs one rank under Megatron-style tensor parallelism
     memory.py       model states under ZeRO, activations in flight per pipeline schedule
     stages.py       which nodes each pipeline chunk holds (StageSpec, uniform splits)
-    estimate.py     the one estimator: `estimate`, `estimate_stages`, `max_batch`
+    estimator.py    the one estimator: `estimate`, `estimate_stages`, `max_batch`
+    price_cache.py  what the estimator's calls share, in a dict the caller passes as `cache=`
     calibrate.py    measured efficiencies of the local device
     reference.py    published training runs as estimator inputs
+
+    autopar.cost.estimate(graph, mesh, config)
+
+The estimator's names are imported on first use, so that `import autopar.cost.mesh` stays light.
 """
+
+from importlib import import_module
+
+_LAZY = {
+    "estimate": "autopar.cost.estimator",
+    "estimate_stages": "autopar.cost.estimator",
+    "max_batch": "autopar.cost.estimator",
+    "Estimate": "autopar.cost.estimator",
+    "StageSpec": "autopar.cost.stages",
+}
+
+__all__ = [*_LAZY]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'autopar.cost' has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name]), name)

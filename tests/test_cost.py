@@ -11,7 +11,7 @@ from autopar.cost.collectives import (Group, all_gather_time, all_reduce_time, a
                                       reduce_scatter_time, send_recv_time)
 from autopar.cost.compute import Efficiencies, compute_time, op_family
 from autopar.cost.config import Config
-from autopar.cost.estimate import StageSpec, estimate, estimate_stages, max_batch, memory_expression
+from autopar.cost.estimator import StageSpec, estimate, estimate_stages, max_batch, memory_expression
 from autopar.cost.memory import in_flight, model_state_bytes
 from autopar.cost.mesh import DEVICES, Mesh
 from autopar.errors import AutoparError, MeshError

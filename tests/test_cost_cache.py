@@ -3,7 +3,7 @@
 import pytest
 
 from autopar.cost.config import Config
-from autopar.cost.estimate import StageSpec, estimate, estimate_stages
+from autopar.cost.estimator import StageSpec, estimate, estimate_stages
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError
 
@@ -54,3 +54,15 @@ def test_a_cache_is_refused_for_another_mesh_or_graph(tiny_gpt):
     estimate(tiny_gpt, Mesh.parse("8:a100-80g"), _config(CONFIGS[0]), cache=cache)
     with pytest.raises(AutoparError, match="another graph, mesh"):
         estimate(tiny_gpt, Mesh.parse("8:h100-80g"), _config(CONFIGS[0]), cache=cache)
+
+
+def test_the_estimator_is_autopar_cost_estimate(tiny_gpt):
+    import autopar.cost
+
+    mesh = Mesh.parse("8:a100-80g")
+    result = autopar.cost.estimate(tiny_gpt, mesh, _config(CONFIGS[0]))
+    assert isinstance(result, autopar.cost.Estimate)
+    assert result.to_dict() == estimate(tiny_gpt, mesh, _config(CONFIGS[0])).to_dict()
+    assert autopar.cost.StageSpec is StageSpec and callable(autopar.cost.max_batch)
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        autopar.cost.nonsense

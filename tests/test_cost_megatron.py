@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from autopar.commands.estimate import capture_training_step
-from autopar.cost.estimate import estimate
+from autopar.cost.estimator import estimate
 from autopar.cost.reference import sc21_runs
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron_sc21_table1.csv"

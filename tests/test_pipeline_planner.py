@@ -143,7 +143,7 @@ def _search(graph, mesh, **kwargs):
 def _least_unpipelined_memory(graph, mesh, global_batch):
     """The least memory of any configuration without a pipeline, by the estimator."""
     from autopar.cost.config import Config
-    from autopar.cost.estimate import estimate
+    from autopar.cost.estimator import estimate
 
     mesh = Mesh.parse(mesh)
     least = float("inf")
@@ -223,7 +223,7 @@ def test_memory_sizes_parse():
 def test_a_forced_configuration_is_a_plan_priced_like_estimate(graph):
     from autopar.api import plan_from_config
     from autopar.cost.config import Config
-    from autopar.cost.estimate import estimate
+    from autopar.cost.estimator import estimate
 
     mesh = Mesh.parse("2x2:a100-80g")
     config = Config(tp=2, pp=2, dp=1, global_batch=8, micro_batch=1, recompute="selective",

@@ -95,7 +95,7 @@ def build_config(args, mesh):
 
 def run(args) -> int:
     from autopar.cost.compute import Efficiencies
-    from autopar.cost.estimate import estimate
+    from autopar.cost.estimator import estimate
 
     mesh = parse_mesh(args.mesh)
     config = build_config(args, mesh)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.cost.config import Config
-from autopar.cost.estimate import StageSpec, estimate, estimate_stages
+from autopar.cost.estimator import StageSpec, estimate, estimate_stages
 from autopar.errors import AutoparError
 from autopar.graph import Graph
 from autopar.solver.pipeline import Candidate, Priced, Unit
