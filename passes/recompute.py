@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
@@ -27,8 +29,26 @@ def wrap_recompute(gm: fx.GraphModule, plan: Plan, layout: StageLayout) -> fx.Gr
     """Checkpoint every block ("full") or every block's attention ("selective")."""
     if layout.recompute == "none" or not layout.blocks:
         return gm
-    region_of = _regions(gm, layout.blocks, selective=layout.recompute == "selective")
-    part_of, recomputed = _partitions(gm, region_of)
+    return checkpoint_regions(gm, layout.blocks, selective=layout.recompute == "selective")
+
+
+def _is_attribute_read(node: fx.Node) -> bool:
+    return node.op == "get_attr"
+
+
+def checkpoint_regions(gm: fx.GraphModule, blocks: tuple[str, ...], *, selective: bool,
+                       reads_tensor: Callable[[fx.Node], bool] = _is_attribute_read) -> fx.GraphModule:
+    """`gm` with each block in `blocks` (module paths), or with `selective` each block's attention,
+    split out and run under a checkpoint. `reads_tensor` tells the nodes that only fetch a
+    parameter or buffer (a `get_attr` in an export; other graphs hold them in modules): they have
+    no module path and go with their first user."""
+    def follows_user(node: fx.Node) -> bool:
+        return reads_tensor(node) or bool(node.meta.get("autopar_inserted"))
+
+    region_of = _regions(gm, blocks, selective, follows_user)
+    part_of, recomputed = _partitions(gm, region_of, follows_user)
+    if not recomputed:
+        return gm
     split = split_module(gm, gm, lambda node: part_of[node.name], keep_original_order=True,
                          keep_original_node_name=True)
     for part in recomputed:
@@ -40,7 +60,8 @@ def wrap_recompute(gm: fx.GraphModule, plan: Plan, layout: StageLayout) -> fx.Gr
     return split
 
 
-def _regions(gm: fx.GraphModule, blocks: tuple[str, ...], selective: bool) -> dict[str, str | None]:
+def _regions(gm: fx.GraphModule, blocks: tuple[str, ...], selective: bool,
+             follows_user: Callable[[fx.Node], bool]) -> dict[str, str | None]:
     """Module path of the recomputed region each node belongs to (None: not recomputed).
     Nodes without a module (parameters, inserted collectives) go with their first user."""
     region_of: dict[str, str | None] = {}
@@ -48,7 +69,7 @@ def _regions(gm: fx.GraphModule, blocks: tuple[str, ...], selective: bool) -> di
         if node.op in ("placeholder", "output"):
             continue
         paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
-        if node.op == "get_attr" or node.meta.get("autopar_inserted") or not paths:
+        if follows_user(node) or not paths:
             users = [region_of.get(u.name) for u in node.users]
             region_of[node.name] = users[0] if users else None
         else:
@@ -66,7 +87,8 @@ def _region(paths: list[str], blocks: tuple[str, ...], selective: bool) -> str |
     return None
 
 
-def _partitions(gm: fx.GraphModule, region_of: dict[str, str | None]) -> tuple[dict[str, int], set[int]]:
+def _partitions(gm: fx.GraphModule, region_of: dict[str, str | None],
+                follows_user: Callable[[fx.Node], bool]) -> tuple[dict[str, int], set[int]]:
     """Partition numbers in graph order: a new one each time the region changes."""
     part_of, recomputed = {}, set()
     current, part = object(), -1
@@ -75,7 +97,7 @@ def _partitions(gm: fx.GraphModule, region_of: dict[str, str | None]) -> tuple[d
         if node.name not in region_of:
             continue
         region = region_of[node.name]
-        if node.op == "get_attr" or node.meta.get("autopar_inserted"):
+        if follows_user(node):
             continue
         if region != current:
             part, current = part + 1, region

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import autopar
 from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
+from autopar.passes.recompute import Recomputed
 from autopar.plan import Plan, Stage
 from autopar.runtime.forced_plan import megatron_plan
 from autopar.runtime.pipeline import build_pipeline, check_batch
@@ -82,7 +83,11 @@ def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec:
         state = runner.full_state_dict()
         held = sorted(ref.fqn for program in runner.programs for ref in program.module.modules()
                       if isinstance(ref, TensorRef) and ref.value.requires_grad)
-        report = {"losses": losses, "held": held}
+        # what each checkpointed region of this rank's stages holds: its parameters' names
+        regions = [sorted(ref.fqn for ref in region.modules() if isinstance(ref, TensorRef))
+                   for program in runner.programs for region in program.module.modules()
+                   if isinstance(region, Recomputed)]
+        report = {"losses": losses, "held": held, "regions": regions}
         if dist.get_rank() == 0:
             report.update(compare_with_one_process(losses, state, data, optimizer, spec))
         reports.append(report)
@@ -130,6 +135,22 @@ def test_two_stages_gpipe_and_1f1b():
         assert results[rank][0]["held"] == sorted(
             name for name, _ in model.named_parameters()
             if any(name.startswith(layer + ".") for layer in layers))
+
+
+def test_selective_recompute_checkpoints_only_attention_in_every_stage():
+    cut = [UNITS[:5], UNITS[5:]]
+    plan = make_plan(cut, pp=2, schedule="1f1b", recompute="selective")
+    for stage in plan.stages:
+        stage.recompute = "selective"
+    results = autopar.launch(train_plans, 2, [plan], adamw, timeout=120)
+    assert_equal_to_one_process(results[0][0])
+    for rank, layers in enumerate(cut):
+        regions = results[rank][0]["regions"]
+        blocks = [layer for layer in layers if layer.startswith("layers.")]
+        # one region per attention block (not per layer), holding that attention's weights alone
+        assert len(regions) == len(blocks) == 2, f"rank {rank}: {regions}"
+        for block, names in zip(blocks, regions, strict=True):
+            assert names and all(name.startswith(f"{block}.attn.") for name in names), names
 
 
 def test_interleaved_and_zero_bubble_with_two_chunks_per_rank():

@@ -6,7 +6,8 @@ module (glue in the model's own forward) follow their inputs, or their first use
 nothing (a position `arange`). Two `split_module` passes follow:
 
 1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint
-   (both "selective" and "full" recompute checkpoint whole layers here);
+   ("full"), or, with the single-stage recompute pass on the unit's graph, only the attention of
+   a layer ("selective");
 2. the units grouped into one GraphModule per stage, which is what a `PipelineStage` runs.
 
 `split_module` turns a parameter read (`get_attr` of a tensor) into an input of the submodule, which
@@ -22,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
-from torch.utils.checkpoint import checkpoint
 
 from autopar.errors import PlanMismatchError
+from autopar.passes.recompute import Recomputed, checkpoint_regions
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +88,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
     recompute = recompute or ["none"] * len(stage_layers)
-    _wrap_recomputed_units(by_unit, unit_stage, recompute)
+    _wrap_recomputed_units(by_unit, units, unit_stage, recompute)
 
     stage_of_call = {f"submod_{u}": unit_stage[u] for u in range(len(units))}
     by_stage = split_module(by_unit, by_unit, lambda node: _stage_of_top_node(node, stage_of_call),
@@ -213,25 +214,23 @@ def _stage_of_top_node(node: fx.Node, stage_of_call: dict[str, int]) -> int:
     return max(producers) if producers else 0
 
 
-def _wrap_recomputed_units(by_unit: fx.GraphModule, unit_stage: list[int], recompute: list[str]):
-    """Recompute per stage: every layer of a recomputing stage runs under a checkpoint, so only
-    layer inputs stay alive between forward and backward."""
+def _wrap_recomputed_units(by_unit: fx.GraphModule, units: list[str], unit_stage: list[int],
+                           recompute: list[str]):
+    """Recompute per stage: with "full" every layer of the stage runs under a checkpoint, so only
+    layer inputs stay alive between forward and backward; with "selective" only each layer's
+    attention does (the intra-op recompute pass, run on the layer's own graph)."""
     for unit, stage in enumerate(unit_stage):
+        name = f"submod_{unit}"
         # a unit without nodes (an identity dropout) has no submodule
-        if recompute[stage] != "none" and hasattr(by_unit, f"submod_{unit}"):
-            name = f"submod_{unit}"
-            setattr(by_unit, name, Recomputed(getattr(by_unit, name)))
-
-
-class Recomputed(nn.Module):
-    """Runs `inner` under torch.utils.checkpoint; parameter names gain the prefix `inner.`."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args):
-        return checkpoint(self.inner, *args, use_reentrant=False)
+        if recompute[stage] == "none" or not hasattr(by_unit, name):
+            continue
+        unit_module = getattr(by_unit, name)
+        if recompute[stage] == "selective":
+            setattr(by_unit, name, checkpoint_regions(
+                unit_module, (units[unit],), selective=True,
+                reads_tensor=lambda node, module=unit_module: _is_ref(module, node)))
+        else:
+            setattr(by_unit, name, Recomputed(unit_module))
 
 
 def _attribute(module: nn.Module, qualname: str):
