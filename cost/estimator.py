@@ -32,7 +32,7 @@ from autopar.graph import Graph, Role
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import BACKWARD, Efficiencies, attention_kernels, compute_time
 from autopar.cost.config import Config
-from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch
+from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, graph_sequence
 from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, model_state_bytes
 from autopar.cost.mesh import Mesh
 from autopar.cost.price_cache import PriceCache
@@ -78,6 +78,11 @@ class _Chunk:
     saved_per_sample: float = 0.0   # activation bytes kept per sample
     peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed layer)
     loss_per_sample: float = 0.0
+    # The same three as polynomials in the sequence length over the captured one, {power: bytes}
+    # (the peak one per recomputed block), for memory at another sequence length.
+    saved_poly: dict = field(default_factory=dict)
+    peak_polys: list = field(default_factory=list)
+    loss_poly: dict = field(default_factory=dict)
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
@@ -160,34 +165,60 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
               for c, s in enumerate(stages)]
     for c, s in enumerate(stages):
         params, loss = memo.states(split, s, _chunk_states)
-        chunks[c].params, chunks[c].loss_per_sample = params[c], loss[c]
+        chunks[c].params, chunks[c].loss_poly = params[c], loss[c]
+        chunks[c].loss_per_sample = _at(loss[c], 1)
     _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m)
 
 
 def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str,
-            virtual: int) -> list[dict]:
-    """Memory breakdown of each pipeline rank; `micro_batch` may be a sympy symbol."""
+            virtual: int, seq_ratio=1) -> list[dict]:
+    """Memory breakdown of each pipeline rank; `micro_batch` and `seq_ratio` (sequence length
+    over the captured one) may be sympy expressions."""
     return [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], micro_batch, schedule,
-                           pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d)
+                           pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
+                           seq_ratio=seq_ratio)
             for d, cs in enumerate(pipe.devices)]
 
 
 def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
-                      batch: sympy.Symbol | None = None) -> sympy.Expr:
+                      batch: sympy.Symbol | None = None, seq: sympy.Symbol | None = None,
+                      attention: str = "flash") -> sympy.Expr:
     """Bytes on the fullest device as an expression in the micro-batch size `batch` (a sympy
-    symbol), for config's number of micro-batches per step."""
+    symbol), for config's number of micro-batches per step; with `seq`, also in the sequence
+    length.
+
+    Sequence scaling comes from the graph (`autopar.cost.memory.sequence_dims`): every saved
+    tensor's bytes are its captured bytes times (seq / captured seq) to the number of its dims
+    that derive from the input ids' dim 1 (2 for unfused attention's score matrices); parameters
+    and optimizer states do not scale (a learned position table is fixed in size). Exact while
+    the model's ops keep their shapes' structure as the sequence changes, as transformers do."""
     _check_world(mesh, config)
     batch = batch if batch is not None else sympy.Symbol("b", positive=True, integer=True)
+    pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
+    ratio = 1 if seq is None else seq / _captured_sequence(graph)
+    totals = [sympy.Add(*part.values()) for part in _memory(pipe, stages, batch, config.schedule,
+                                                             config.virtual, ratio)]
+    return sympy.Max(*totals)
+
+
+def _uniform_pipeline(graph: Graph, mesh: Mesh, config: Config,
+                      attention: str) -> tuple[_Pipeline, list[StageSpec]]:
     stages = uniform_stages(graph, config)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, virtual=config.virtual,
-                           efficiencies=Efficiencies(), attention="flash",
+                           efficiencies=Efficiencies(), attention=attention,
                            memo=PriceCache.of(None, graph, mesh, Efficiencies()))
-    totals = [sympy.Add(*part.values()) for part in _memory(pipe, stages, batch, config.schedule,
-                                                             config.virtual)]
-    return sympy.Max(*totals)
+    return pipe, stages
+
+
+def _captured_sequence(graph: Graph) -> int:
+    seq = graph_sequence(graph)
+    if not seq:
+        raise AutoparError("the graph has no sequence length: its first input is not a "
+                           "[batch, seq] tensor of token ids; capture a language model")
+    return seq
 
 
 def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
@@ -198,11 +229,7 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     _check_world(mesh, config)
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
     b = sympy.Symbol("b", positive=True)
-    stages = uniform_stages(graph, config)
-    pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
-                           micro_batch=config.micro_batch, virtual=config.virtual,
-                           efficiencies=Efficiencies(), attention=attention,
-                           memo=PriceCache.of(None, graph, mesh, Efficiencies()))
+    pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
     best = None
     for part in _memory(pipe, stages, b, config.schedule, config.virtual):
         total = sympy.expand(sympy.Add(*part.values()))
@@ -212,6 +239,31 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
         bound = sympy.floor((limit - fixed) / per_sample) if per_sample else sympy.oo
         best = bound if best is None else sympy.Min(best, bound)
     return int(best)
+
+
+def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
+            attention: str = "flash") -> int:
+    """The longest sequence that fits `memory_limit` bytes per device (the device's memory by
+    default) at config's micro-batch, by `memory_expression` in the sequence length (see there
+    for how it scales). 0 when not even a sequence of 1 fits. The model's own limit (its position
+    table or rotary tables) is not checked."""
+    limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
+    s = sympy.Symbol("s", positive=True)
+    expression = memory_expression(graph, mesh, config, batch=config.micro_batch, seq=s,
+                                   attention=attention)
+    if s not in expression.free_symbols:
+        raise AutoparError("no activation of this graph grows with the sequence length, so no "
+                           "length bounds its memory")
+    memory = sympy.lambdify(s, expression, "math")
+    if memory(1) > limit:
+        return 0
+    low, high = 1, 2                  # memory grows with s: memory(low) fits, memory(high) not
+    while memory(high) <= limit:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if memory(middle) <= limit else (low, middle)
+    return low
 
 
 def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[int, int]:
@@ -243,7 +295,7 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     out = _Chunk()
     saved: set[str] = set()
     block_saved: dict[tuple, set[str]] = {}
-    score_bytes = 0.0
+    scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
         i = layout.index[node.name]
         forward, backward, kept = _kernels(node, b, attention)
@@ -267,18 +319,22 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
             block_saved.setdefault(block, set()).update(node.saved)
         else:
             saved.update(node.saved)
-        if not (recomputed and node.family == "attention"):
-            score_bytes += kept / b
+        if kept and not (recomputed and node.family == "attention"):
+            degree = node.attention["q_seq"] + node.attention["k_seq"]
+            scores[degree] = scores.get(degree, 0.0) + kept / b
     for block, keys in block_saved.items():
         saved.update(_block_inputs(graph, layout, block))
-        whole = sum(layout.storage_bytes.get(k, 0.0) for k in keys)
-        out.peak_per_sample = max(out.peak_per_sample, whole)
-    out.saved_per_sample = sum(layout.storage_bytes.get(k, 0.0) for k in saved) + score_bytes
+        out.peak_polys.append(_poly(keys, layout))
+    out.peak_per_sample = max((_at(p, 1) for p in out.peak_polys), default=0.0)
+    out.saved_poly = _poly(saved, layout)
+    for degree, value in scores.items():
+        out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
+    out.saved_per_sample = _at(out.saved_poly, 1)
     return out
 
 
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
-                  chunks: int) -> tuple[list[float], list[float]]:
+                  chunks: int) -> tuple[list[float], list[dict]]:
     """Per chunk: the parameter elements one of its devices holds, and the loss buffers' bytes
     per sample. A tied weight (embedding and head) counts once where both uses share a chunk,
     and on both sides when the pipeline separates them."""
@@ -315,13 +371,14 @@ def _block_inputs(graph: Graph, layout: GraphLayout, block: tuple[int, int]) -> 
     return kept
 
 
-def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[float]:
-    """Per chunk, the outputs (logits) it returns, and their gradient, in fp32 for the loss."""
-    totals = [0.0] * chunks
+def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
+    """Per chunk, the outputs (logits) it returns, and their gradient, in fp32 for the loss, as
+    {power of the sequence length: bytes per sample}."""
+    totals: list[dict] = [{} for _ in range(chunks)]
     for i, node in enumerate(graph.nodes):
         if node.target == "output":
-            totals[owner[i]] += sum(2 * layout.storage_bytes.get(name, 0.0) * 2
-                                    for name in node.inputs)
+            for degree, value in _poly(node.inputs, layout).items():
+                totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + 4 * value
     return totals
 
 
@@ -382,13 +439,33 @@ def _data_parallel_exposed(params: float, spec: StageSpec, mesh: Mesh, m: int, p
 
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
-                   virtual: int, stage: int) -> dict:
+                   virtual: int, stage: int, seq_ratio=1) -> dict:
     states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
-    per_chunk = sum(c.saved_per_sample for c in chunks) / len(chunks)
-    activations = held * per_chunk * b + max(c.peak_per_sample for c in chunks) * b
+    per_chunk = sum(_at(c.saved_poly, seq_ratio) for c in chunks) / len(chunks)
+    peak = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
+    activations = held * per_chunk * b + peak * b
     return {**states, "activations": activations,
-            "loss_buffers": sum(c.loss_per_sample for c in chunks) * b}
+            "loss_buffers": sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b}
+
+
+def _poly(keys, layout: GraphLayout) -> dict[int, float]:
+    """Bytes per sample of storage `keys` by their power of the sequence length."""
+    poly: dict[int, float] = {}
+    for key in keys:
+        degree = layout.seq_degree.get(key, 0)
+        poly[degree] = poly.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
+    return poly
+
+
+def _at(poly: dict, ratio):
+    """A {power: bytes} polynomial at `ratio` = sequence length / captured sequence length."""
+    return sum(value * ratio ** degree for degree, value in sorted(poly.items()))
+
+
+def _largest(values: list):
+    numbers = all(isinstance(v, (int, float)) for v in values)
+    return max(values) if numbers else sympy.Max(*values)
 
 
 def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, per_mb: list,

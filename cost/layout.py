@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
+from autopar.cost.memory import sequence_dims
 
 # Elementwise ops whose backward needs none of their inputs (gradients pass through or scale by a
 # constant), so autograd saves nothing for them.
@@ -63,6 +64,8 @@ class GraphLayout:
     storage_bytes: dict[str, float]    # storage owner -> bytes per sample on one rank
     param_local: dict[str, float]      # parameter node -> elements on one rank
     batch: int                         # the captured batch size
+    seq_degree: dict[str, int] = field(default_factory=dict)   # storage owner -> power of the
+                                       # sequence length in its size (memory.sequence_dims)
 
 
 def _itemsize(dtype: str, compute_dtype: str) -> int:
@@ -78,6 +81,16 @@ def graph_batch(graph: Graph) -> int:
         if node.role is Role.INPUT and node.shape:
             return node.shape[0]
     return 1
+
+
+def graph_sequence(graph: Graph) -> int:
+    """The sequence length the graph was captured with: dim 1 of its first input when that input
+    holds token ids; 0 for a model without one."""
+    for node in graph.nodes:
+        if node.role is Role.INPUT:
+            integer = node.dtype.startswith(("int", "uint"))
+            return node.shape[1] if integer and len(node.shape) >= 2 else 0
+    return 0
 
 
 def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
@@ -102,6 +115,8 @@ class _LayoutBuilder:
         self.param_local: dict[str, float] = {}
         self.grad_reduced: set[str] = set()        # tensors whose gradient is all-reduced already
         self.weight_of: dict[str, str] = {}        # views and casts of a parameter -> it
+        self.seq_dims = sequence_dims(graph, graph_sequence(graph))
+        self.seq_degree: dict[str, int] = {}
 
     def build(self) -> GraphLayout:
         layouts = []
@@ -114,7 +129,8 @@ class _LayoutBuilder:
             self.param_local.setdefault(node.name, _numel(node.shape))
         return GraphLayout(nodes=layouts, index={n.name: i for i, n in enumerate(self.graph.nodes)},
                            storage=self.storage, storage_bytes=self.storage_bytes,
-                           param_local=self.param_local, batch=self.batch)
+                           param_local=self.param_local, batch=self.batch,
+                           seq_degree=self.seq_degree)
 
     def full_bytes(self, node: Node) -> float:
         """Bytes of this node's whole output for one sample, in the training dtype."""
@@ -133,6 +149,7 @@ class _LayoutBuilder:
         self.from_input[node.name] = node.role is Role.INPUT
         if node.role is Role.INPUT:       # kept when a first op saves it (a matmul's input)
             self.storage_bytes[node.name] = self.local_bytes(node)
+            self.seq_degree[node.name] = sum(self.seq_dims[node.name])
 
     def _node(self, node: Node) -> NodeLayout:
         family, name, by_name = op_family(node.target), op_name(node.target), self.by_name
@@ -159,8 +176,10 @@ class _LayoutBuilder:
         if parallel or layout.sharded or (self.sp and self.tp > 1):
             layout.flops /= self.tp
         _storage_of(node, name, family, self.storage, self.contiguous)
+        degree = sum(self.seq_dims[node.name])
         if self.storage[node.name] == node.name:
             self.storage_bytes[node.name] = self.local_bytes(node)
+            self.seq_degree[node.name] = degree
         layout.out_bytes = self.local_bytes(node)
         if family != "view" and not _is_noop(node, name):
             layout.act_bytes = layout.out_bytes + sum(self.local_bytes(by_name[i]) for i in acts)
@@ -171,10 +190,14 @@ class _LayoutBuilder:
             for key in layout.saved:
                 if key.endswith(":mask"):     # one byte per element
                     self.storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, self.dtype)
+                    self.seq_degree[key] = degree
         if family == "attention":
             layout.attention = _attention_info(node, by_name, self.batch, self.tp if in_sharded else 1)
             info = layout.attention     # the row-wise log-sum-exp, fp32
+            info["q_seq"] = self.seq_dims[node.inputs[0]][-2]
+            info["k_seq"] = self.seq_dims[node.inputs[1] if len(node.inputs) > 1 else node.inputs[0]][-2]
             self.storage_bytes[f"{node.name}:lse"] = info["heads"] * info["q_len"] * 4
+            self.seq_degree[f"{node.name}:lse"] = info["q_seq"]
         return layout
 
     def _tensor_parallel(self, node: Node, family: str, params: list[str], acts: list[str],

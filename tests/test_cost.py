@@ -11,7 +11,8 @@ from autopar.cost.collectives import (Group, all_gather_time, all_reduce_time, a
                                       reduce_scatter_time, send_recv_time)
 from autopar.cost.compute import Efficiencies, compute_time, op_family
 from autopar.cost.config import Config
-from autopar.cost.estimator import StageSpec, estimate, estimate_stages, max_batch, memory_expression
+from autopar.cost.estimator import (StageSpec, estimate, estimate_stages, max_batch, max_seq,
+                                    memory_expression)
 from autopar.cost.memory import in_flight, model_state_bytes
 from autopar.cost.mesh import DEVICES, Mesh
 from autopar.errors import AutoparError, MeshError
@@ -232,6 +233,78 @@ def test_max_batch_agrees_with_the_numeric_memory_model(tiny_gpt):
     expression = memory_expression(tiny_gpt, mesh, config, batch=b)
     assert float(expression.subs(b, best)) == pytest.approx(memory(best))
     assert max_batch(tiny_gpt, mesh, config, 1e6) == 0
+
+
+SEQ_MODELS = ["gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128,dropout=0.1",
+              "llama:layers=2,hidden=64,heads=4,kv_heads=2,seq=64,vocab=128"]
+
+
+def capture_at_length(spec: str, seq: int):
+    """One model (its position tables sized by the spec) captured on ids of length `seq`."""
+    import torch
+    from autopar.capture import capture
+    from autopar.commands.estimate import WithLoss
+    from autopar.models import build_model, lm_loss
+    model, _ = build_model(spec)
+    ids = torch.empty(1, seq, dtype=torch.int64, device="meta")
+    return capture(WithLoss(model, lm_loss), (ids, torch.empty_like(ids)))
+
+
+@pytest.fixture(scope="module", params=SEQ_MODELS, ids=["gpt", "llama"])
+def captured_16_and_32(request):
+    # head_dim = 16 = the short length: dims equal to the sequence by chance must not scale.
+    return capture_at_length(request.param, 16), capture_at_length(request.param, 32)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("attention", ["flash", "unfused"])
+def test_memory_expression_in_batch_and_sequence_matches_captures_at_each_length(
+        captured_16_and_32, recompute, attention):
+    short, long = captured_16_and_32
+    mesh = Mesh.parse("2x2:a100-80g")
+    config = Config(tp=2, pp=2, dp=1, global_batch=8, micro_batch=2, recompute=recompute)
+    b, s = sympy.symbols("b s", positive=True)
+    expression = memory_expression(short, mesh, config, batch=b, seq=s, attention=attention)
+    assert expression.free_symbols == {b, s}
+    for graph, length in ((short, 16), (long, 32)):
+        numeric = estimate(graph, mesh, config, attention=attention).memory_per_gpu_bytes
+        assert float(expression.subs({b: 2, s: length})) == pytest.approx(numeric, rel=1e-12)
+    # Without `seq` the expression is the batch-only one, at the captured length.
+    batch_only = memory_expression(short, mesh, config, batch=b, attention=attention)
+    assert float(batch_only.subs(b, 2)) == pytest.approx(float(expression.subs({b: 2, s: 16})))
+
+
+def test_unfused_attention_scores_grow_with_the_square_of_the_sequence(captured_16_and_32):
+    short, _ = captured_16_and_32
+    mesh = Mesh.parse("1:a100-80g")
+    config = Config(global_batch=1, micro_batch=1)
+    s = sympy.Symbol("s", positive=True)
+    flash, unfused = (sympy.expand(memory_expression(short, mesh, config, batch=1, seq=s,
+                                                      attention=kernel))
+                      for kernel in ("flash", "unfused"))
+    assert sympy.degree(flash, s) == 1 and sympy.degree(unfused, s) == 2
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_max_seq_agrees_with_the_numeric_memory_model(captured_16_and_32, recompute):
+    short, long = captured_16_and_32
+    mesh = Mesh.parse("2x2:a100-80g")
+    config = Config(tp=2, pp=2, dp=1, global_batch=8, micro_batch=2, recompute=recompute)
+    at_32 = estimate(long, mesh, config).memory_per_gpu_bytes
+    assert max_seq(short, mesh, config, at_32) == 32
+    assert max_seq(short, mesh, config, at_32 - 1) == 31
+    s = sympy.Symbol("s", positive=True)
+    expression = memory_expression(short, mesh, config, batch=2, seq=s)
+    best = max_seq(short, mesh, config, 1e8)
+    assert float(expression.subs(s, best)) <= 1e8 < float(expression.subs(s, best + 1))
+    assert max_seq(short, mesh, config, 1e3) == 0
+
+
+def test_max_seq_needs_a_sequence():
+    from autopar.commands.estimate import capture_training_step
+    mlp = capture_training_step("mlp:layers=2,hidden=32")
+    with pytest.raises(AutoparError, match="no sequence length"):
+        max_seq(mlp, Mesh.parse("1:a100-80g"), Config(global_batch=1, micro_batch=1))
 
 
 def test_estimate_stages_prices_non_uniform_stages(tiny_gpt):
