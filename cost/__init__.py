@@ -6,7 +6,7 @@
     layout.py       what each captured node costs one rank under Megatron-style tensor parallelism
     memory.py       model states under ZeRO, activations in flight per pipeline schedule
     stages.py       which nodes each pipeline chunk holds (StageSpec, uniform splits)
-    estimator.py    the one estimator: `estimate`, `estimate_stages`, `max_batch`
+    estimator.py    the one estimator: `estimate`, `estimate_stages`, `max_batch`, `max_seq`
     price_cache.py  what the estimator's calls share, in a dict the caller passes as `cache=`
     calibrate.py    measured efficiencies of the local device
     reference.py    published training runs as estimator inputs
@@ -22,6 +22,7 @@ _LAZY = {
     "estimate": "autopar.cost.estimator",
     "estimate_stages": "autopar.cost.estimator",
     "max_batch": "autopar.cost.estimator",
+    "max_seq": "autopar.cost.estimator",
     "Estimate": "autopar.cost.estimator",
     "StageSpec": "autopar.cost.stages",
 }
