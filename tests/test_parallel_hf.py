@@ -104,22 +104,13 @@ def on_2_ranks(model_name):
     return autopar.launch(train_forms, 2, model_name, FORMS_ON_2, timeout=300)
 
 
-def _check(results_by_rank, form):
-    for rank, results in enumerate(results_by_rank):
-        losses, found, regions = results[form]
-        assert found == [], f"rank {rank}, {form}: {found}"
-        assert losses == results_by_rank[0][form][0], "ranks returned different losses"
-        # one checkpointed region per block (2 blocks), none without recompute
-        assert regions == (0 if form[1] == "none" else 2), f"{regions} recomputed regions"
-
-
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("form", FORMS_ON_4)
-def test_forms_on_4_ranks(on_4_ranks, form, recompute):
-    _check(on_4_ranks, (form, recompute))
+def test_forms_on_4_ranks(on_4_ranks, form, recompute, check_form):
+    check_form(on_4_ranks, (form, recompute))
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("form", FORMS_ON_2)
-def test_forms_on_2_ranks(on_2_ranks, form, recompute):
-    _check(on_2_ranks, (form, recompute))
+def test_forms_on_2_ranks(on_2_ranks, form, recompute, check_form):
+    check_form(on_2_ranks, (form, recompute))

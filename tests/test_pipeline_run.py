@@ -16,6 +16,7 @@ import torch.distributed as dist
 import autopar
 from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
+from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.passes.recompute import Recomputed
 from autopar.plan import Plan, Stage
 from autopar.runtime.forced_plan import megatron_plan
@@ -96,30 +97,12 @@ def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec:
 
 def compare_with_one_process(losses, state, data, optimizer, spec) -> dict:
     reference, _ = build_model(spec, device="cpu")
-    opt = optimizer(reference.parameters())
-    expected = []
-    for inputs, targets in data:
-        loss = lm_loss(reference(inputs), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
-    params = dict(reference.named_parameters())
-    bad = {}
-    for name, ref in params.items():
-        diff = (state[name] - ref.detach()).abs().max().item()
-        bound = 1e-6 + 1e-5 * ref.detach().abs().max().item()
-        if diff > bound:
-            bad[name] = (diff, bound)
-    return {"losses": losses, "expected": expected, "bad_params": bad,
-            "names": sorted(state) == sorted(reference.state_dict())}
+    expected = train_single_process(reference, data, lm_loss, optimizer)
+    return {"mismatches": mismatches(expected, losses, state)}
 
 
 def assert_equal_to_one_process(report: dict) -> None:
-    for step, (got, want) in enumerate(zip(report["losses"], report["expected"], strict=True)):
-        assert abs(got - want) <= 1e-6 + 1e-5 * abs(want), f"step {step}: loss {got} != {want}"
-    assert report["names"], "full_state_dict names differ from the model's parameters"
-    assert not report["bad_params"], f"parameters differ (diff, bound): {report['bad_params']}"
+    assert report["mismatches"] == [], f"differs from one process: {report['mismatches']}"
 
 
 def test_two_stages_gpipe_and_1f1b():

@@ -123,16 +123,10 @@ def train_rank(mesh: str, graph, plan, batches) -> list[float]:
 
 def train_single(batches) -> list[float]:
     from autopar.models import build_model, lm_loss
+    from autopar.runtime.equivalence import train_single_process
 
     model, _ = build_model(MODEL, device="cpu", batch=MICRO_BATCH, seed=SEED)
-    optimizer = make_optimizer(model.parameters())
-    losses = []
-    for inputs, targets in batches:
-        loss = lm_loss(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses, _ = train_single_process(model, batches, lm_loss, make_optimizer)
     return losses
 
 
