@@ -99,7 +99,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     from autopar.capture import capture
     from autopar.cost.config import Config
     from autopar.errors import MeshError
-    from autopar.runtime.compiled import build_compiled
+    from autopar.runtime.pipeline import build_runtime
 
     mesh = _as_mesh(mesh)
     if not dist.is_initialized():
@@ -121,14 +121,9 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
     _check_batch(plan, global_batch)
-    if len(plan.stages) > 1:
-        from autopar.runtime.pipeline import build_pipeline
-
-        return build_pipeline(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                              graph=graph)
-    return build_compiled(model, plan, graph, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                          loss_fn=loss_fn, optimizer=optimizer,
-                          device_type="cpu" if mesh.device.name == "cpu" else "cuda")
+    # One runtime: splitting into stages is the first lowering step; a single-stage plan is one stage.
+    return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
+                         example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer)
 
 
 def _load_plan(plan):

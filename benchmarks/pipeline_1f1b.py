@@ -7,7 +7,7 @@ Two gloo ranks on this machine. The model is cut at the same point both ways (fi
 blocks with the embeddings on rank 0, the rest with the head on rank 1), with the same micro-batches,
 schedule (Schedule1F1B) and optimizer (SGD). The hand-built side is what a person writes: two
 nn.Modules made of the model's own submodules, PipelineStage, Schedule1F1B, optimizer.step. The
-autopar side is `build_pipeline` from a Plan: the exported graph cut into stages.
+autopar side is `build_runtime` from a Plan: the exported graph cut into stages.
 
 Both run in the same processes, alternating in rounds of `--steps` steps after a warm-up; the figure
 is the median over rounds of (autopar round time / hand-built round time). Target: at most 1.10.
@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 import autopar
 from autopar.models import build_model, lm_loss
 from autopar.plan import Plan, Stage
-from autopar.runtime.pipeline import build_pipeline
+from autopar.runtime.pipeline import build_runtime
 
 
 class FirstHalf(nn.Module):
@@ -94,7 +94,7 @@ def measure(spec: str, micro_batches: int, micro_batch: int, rounds: int, steps:
     inputs = torch.randint(0, vocab, (batch, model.config.seq), generator=generator)
     targets = torch.randint(0, vocab, (batch, model.config.seq), generator=generator)
 
-    runner = build_pipeline(model, two_stage_plan(model, micro_batches, micro_batch),
+    runner = build_runtime(model, two_stage_plan(model, micro_batches, micro_batch),
                             example_inputs=(inputs,), loss_fn=lm_loss,
                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     hand, _ = build_model(spec, device="cpu", seed=0)

@@ -8,8 +8,7 @@
    with Megatron's layout (q/k/v and fc1 column-parallel, out-projection and fc2 row-parallel,
    the LM head column-parallel with its logits gathered), the same model and batch.
 Steps of the two contenders alternate after a warm-up, each after a barrier; the figure is the
-ratio of median step times (compiled / torch), target at most 1.10. Last, how much of the
-compiled DP gradient all-reduce is hidden behind backward. The model is a GPT whose
+ratio of median step times (compiled / torch), target at most 1.10. The model is a GPT whose
 attention infers its local head count (`view(batch, seq, -1, head_dim)`), so that torch's
 module-level TP runs it unchanged.
 """
@@ -128,29 +127,6 @@ def compiled(args, config: Config):
     return autopar.compile(model, "2:cpu", example_inputs=(example,), loss_fn=lm_loss, optimizer=sgd, plan=config)
 
 
-def exposed_communication(args, cm) -> dict:
-    """How much of the gradient all-reduce backward hides: the wait left after backward in a
-    compiled step, against the same buckets all-reduced alone, blocking."""
-    finish, waits = cm.reducer.finish, []
-
-    def timed_finish():
-        start = time.perf_counter()
-        finish()
-        waits.append(time.perf_counter() - start)
-    cm.reducer.finish = timed_finish
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
-    for _ in range(args.steps):
-        cm.step(ids, ids)
-    alone = []
-    for bucket in cm.reducer.buckets:
-        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=cm.reducer.group)
-        alone.append(time.perf_counter() - start)
-    return {"wait after backward": statistics.median(waits), "all-reduce alone": sum(alone)}
-
-
 def race(args, ours, theirs, ours_batch: slice, theirs_batch: slice) -> dict:
     """Alternate steps of the two after a warm-up; median seconds of each."""
     generator = torch.Generator().manual_seed(0)
@@ -174,8 +150,7 @@ def run_rank(args) -> dict:
     dp = race(args, dp_model.step, torch_ddp_step(args), slice(None), own_rows)
     tp = race(args, compiled(args, Config(tp=2, global_batch=args.batch, micro_batch=args.batch)).step,
               torch_tp_step(args), slice(None), slice(None))
-    return {"data parallel vs DDP": dp, "tensor parallel vs parallelize_module": tp,
-            "overlap": exposed_communication(args, dp_model)}
+    return {"data parallel vs DDP": dp, "tensor parallel vs parallelize_module": tp}
 
 
 def main() -> None:
@@ -193,15 +168,11 @@ def main() -> None:
                         f"seq {args.seq}, global batch {args.batch}; median of {args.steps} steps")
     for column in ("comparison", "compiled s/step", "torch s/step", "ratio (target <= 1.10)"):
         table.add_column(column)
-    overlap = results.pop("overlap")
     for name, times in results.items():
         table.add_row(name, f"{times['compiled']:.3f}", f"{times['torch']:.3f}",
                       f"{times['compiled'] / times['torch']:.3f}")
     console = Console()
     console.print(table)
-    console.print(f"compiled DP gradient reduction: {overlap['all-reduce alone']:.3f} s when run alone, "
-                  f"{overlap['wait after backward']:.3f} s left to wait after backward (median); "
-                  f"overlap hides {1 - overlap['wait after backward'] / overlap['all-reduce alone']:.0%}")
 
 
 if __name__ == "__main__":

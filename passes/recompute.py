@@ -8,8 +8,6 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-from autopar.plan import Plan
-from autopar.runtime.layout import StageLayout
 
 ATTENTION_NAMES = ("attn", "attention")
 
@@ -23,13 +21,6 @@ class Recomputed(nn.Module):
 
     def forward(self, *args):
         return checkpoint(self.region, *args, use_reentrant=False)
-
-
-def wrap_recompute(gm: fx.GraphModule, plan: Plan, layout: StageLayout) -> fx.GraphModule:
-    """Checkpoint every block ("full") or every block's attention ("selective")."""
-    if layout.recompute == "none" or not layout.blocks:
-        return gm
-    return checkpoint_regions(gm, layout.blocks, selective=layout.recompute == "selective")
 
 
 def _is_attribute_read(node: fx.Node) -> bool:

@@ -67,7 +67,7 @@ def train_forms(forms: dict) -> dict:
                                  plan=replace(config, recompute=recompute))
             losses = [cm.step(ids, targets) for ids, targets in data]
             state = cm.full_state_dict()
-            regions = sum(isinstance(m, Recomputed) for m in cm.program.modules())
+            regions = sum(isinstance(m, Recomputed) for m in cm.stages.modules())
             results[(name, recompute)] = (losses, mismatches(reference, losses, state), regions)
     # The check can fail: a reference with another learning rate disagrees with the last run.
     other = train_single_process(new_model(), data, lm_loss, lambda p: torch.optim.SGD(p, lr=0.21, momentum=0.9))

@@ -84,7 +84,7 @@ def train_forms(model_name: str, forms: dict) -> dict:
                                  example_inputs=example, example_kwargs=kwargs, graph=graphs[config.micro_batch],
                                  plan=replace(config, recompute=recompute))
             losses = [cm.step(ids, targets) for ids, targets in data]
-            regions = sum(isinstance(m, Recomputed) for m in cm.program.modules())
+            regions = sum(isinstance(m, Recomputed) for m in cm.stages.modules())
             results[(name, recompute)] = (losses, mismatches(reference, losses, cm.full_state_dict()), regions)
     return results
 

@@ -1,6 +1,6 @@
-"""The sharding solver's own choice, run on 4 real gloo ranks, trains exactly like one process:
-autopar's GPT, HuggingFace GPT2 and Llama, each on a 1-D and a 2-D mesh. At a batch of 32 the
-solver shards activations (batch or sequence) and, on 2-D meshes, parameters (ZeRO-3-like)."""
+"""The sharding solver's own placements, run on 4 real gloo ranks, train exactly like one process:
+autopar's GPT, HuggingFace GPT2 and Llama, with the ILP choosing every op's placement on a
+tensor-parallel axis of 4 (a 1-D mesh) and of 2 beside a data axis of 2 (a 2-D mesh)."""
 
 import pytest
 import torch
@@ -11,9 +11,9 @@ import autopar
 from autopar.cost.mesh import Mesh
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.plan import Plan, Stage
+from autopar.cost.config import Config
+from autopar.plan import Plan
 from autopar.runtime.equivalence import mismatches, train_single_process
-from autopar.solver.intra_op import solve_intra_op
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess
@@ -62,13 +62,12 @@ def batches(steps=3):
 
 
 def solver_plan(graph, mesh: Mesh) -> Plan:
-    """One stage over the whole mesh with the ILP's placements."""
-    solution = solve_intra_op(graph, mesh, time_limit=20)
-    return Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(), axes=solution.axes,
-                stages=[Stage(index=0, layers=[], ranks=list(range(mesh.world_size)))],
-                global_batch=BATCH, micro_batches=1, micro_batch_size=BATCH,
-                parameters=solution.parameter_placements, nodes=solution.node_placements,
-                solver={"status": solution.status})
+    """One stage over the whole mesh, the inner axis tensor-parallel, placements by the ILP."""
+    from autopar.api import plan_from_config
+
+    tp = mesh.gpus_per_node
+    config = Config(tp=tp, dp=mesh.world_size // tp, global_batch=BATCH, micro_batch=BATCH * tp // mesh.world_size)
+    return plan_from_config(graph, mesh, config, time_limit=20)
 
 
 def train_solver_plans() -> dict:
@@ -86,7 +85,8 @@ def train_solver_plans() -> dict:
                                  plan=Plan.from_dict(plan[0]))
             losses = [cm.step(ids, targets) for ids, targets in data]
             placements = [*cm.plan.parameters.values(), *cm.plan.nodes.values()]
-            sharded = sum(any(p != "R" for p in places) for places in placements)
+            tp_axis = [axis for axis, _ in cm.plan.axes].index("tp")
+            sharded = sum(places[tp_axis] != "R" for places in placements)
             results[(name, spec)] = (losses, mismatches(reference, losses, cm.full_state_dict()), sharded)
     return results
 

@@ -20,7 +20,7 @@ from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.passes.recompute import Recomputed
 from autopar.plan import Plan, Stage
 from autopar.runtime.forced_plan import megatron_plan
-from autopar.runtime.pipeline import build_pipeline, check_batch
+from autopar.runtime.pipeline import build_runtime, check_batch
 from autopar.runtime.pipeline_split import TensorRef
 
 pytestmark = pytest.mark.multiprocess
@@ -70,7 +70,7 @@ def train_plans(plans: list[Plan], optimizer=sgd, mesh: str | None = None, spec:
         model, example_inputs = build_model(spec, device="cpu", batch=2)   # as planned
         data = batches(plan.global_batch)
         if mesh is None:
-            runner = build_pipeline(model, plan, example_inputs=example_inputs, loss_fn=lm_loss,
+            runner = build_runtime(model, plan, example_inputs=example_inputs, loss_fn=lm_loss,
                                     optimizer=optimizer)
         else:
             runner = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=lm_loss,
@@ -236,7 +236,7 @@ def _fail_in_step(how: str):
         return lm_loss(logits, targets)
 
     step = [0]
-    runner = build_pipeline(model, plan, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=sgd)
+    runner = build_runtime(model, plan, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=sgd)
     for step[0], (inputs, targets) in enumerate(data):
         runner.step(inputs, targets)
 
@@ -257,11 +257,11 @@ def _step_with_wrong_batch():
     model, _ = build_model(SPEC, device="cpu")
     plan = make_plan([UNITS[:5], UNITS[5:]], pp=2, schedule="1f1b")
     data = batches(plan.global_batch)
-    runner = build_pipeline(model, plan, example_inputs=(data[0][0],), loss_fn=lm_loss, optimizer=sgd)
+    runner = build_runtime(model, plan, example_inputs=(data[0][0],), loss_fn=lm_loss, optimizer=sgd)
     inputs, targets = data[0]
     runner.step(inputs[:6], targets[:6])
 
 
 def test_wrong_batch_in_step_fails_on_every_rank_before_any_collective():
-    with pytest.raises(autopar.LaunchError, match=r"global batch 6 does not split"):
+    with pytest.raises(autopar.LaunchError, match=r"batch of 6 but the plan.s global batch is 8"):
         autopar.launch(_step_with_wrong_batch, 2, timeout=60, pg_timeout=10)

@@ -5,7 +5,7 @@ and shapes."""
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported before the fork: see test_parallel_gpt.py)
-import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
 import autopar
@@ -57,11 +57,9 @@ def api_checks(plan_path) -> dict:
 
     cm = autopar.compile(new_model(), "2:cpu", example_inputs=example, loss_fn=lm_loss, optimizer=sgd,
                          plan=Config(dp=2, global_batch=4, micro_batch=2))
-    finish, launched = cm.reducer.finish, []
-    cm.reducer.finish = lambda: (launched.append(cm.reducer.next_launch), finish())
-    cm.step(*batches[0])
-    cm.reducer.finish = finish
-    results["launched during backward"] = launched == [len(cm.reducer.buckets)]
+    # one FSDP group per layer with parameters (embeddings, 2 blocks, final norm, head) and the stage
+    groups = [m for m in cm.stages.modules() if isinstance(m, FSDPModule)]
+    results["data-parallel groups"] = len(groups)
     cm = autopar.compile(new_model(), "2:cpu", example_inputs=example, loss_fn=lm_loss, optimizer=sgd,
                          plan=Config(dp=2, global_batch=4, micro_batch=2))
     dataset = TensorDataset(torch.cat([ids for ids, _ in batches]), torch.cat([t for _, t in batches]))
@@ -99,8 +97,12 @@ def test_rank_0_plans_and_every_rank_runs_that_plan(results_by_rank):
     assert results_by_rank[0]["solved"] == []
 
 
-def test_gradient_buckets_are_launched_from_backward_hooks(results_by_rank):
-    assert all(results["launched during backward"] for results in results_by_rank)
+def test_data_parallel_gradients_reduce_per_layer(results_by_rank):
+    """Each layer is its own FSDP group, so its gradients are reduced as soon as its backward is
+    done, while earlier layers still compute."""
+    # tok_emb, pos_emb, layers.0, layers.1, norm_f, lm_head, and the stage itself
+    expected = 7
+    assert all(results["data-parallel groups"] == expected for results in results_by_rank)
 
 
 def test_sampler_splits_the_dataset_over_data_parallel_ranks(results_by_rank):

@@ -46,7 +46,7 @@ def megatron_plan(graph: Graph, mesh: Mesh, config: Config) -> Plan:
         # output's partial sums are reduced there, as in Megatron, instead of flowing on.
         stream = "S(1)" if config.sequence_parallel else "R"
         nodes.update({name: ["S(0)", stream] for name in _norm_inputs(graph, config.tp, stream)})
-    stage = Stage(index=0, layers=_top_modules(graph), ranks=list(range(mesh.world_size)), tp=config.tp,
+    stage = Stage(index=0, layers=_units(graph), ranks=list(range(mesh.world_size)), tp=config.tp,
                   dp=config.dp, recompute=config.recompute, zero=config.zero,
                   sequence_parallel=config.sequence_parallel)
     return Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(), axes=[["dp", config.dp], ["tp", config.tp]],
@@ -108,11 +108,9 @@ def _norm_inputs(graph: Graph, tp: int, stream: str) -> list[str]:
     return result
 
 
-def _top_modules(graph: Graph) -> list[str]:
-    """Top-level module paths in graph order."""
-    seen: list[str] = []
-    for node in graph.nodes:
-        top = node.module_path.split(".")[0] if node.module_path else ""
-        if top and top not in seen:
-            seen.append(top)
-    return seen
+def _units(graph: Graph) -> list[str]:
+    """The planner's pipeline units (embedding, each block, head) as one stage's layers, so that
+    recompute wraps each block as in a pipeline stage."""
+    from autopar.solver.pipeline import pipeline_units
+
+    return [layer for unit in pipeline_units(graph) for layer in unit.layers]

@@ -1,13 +1,18 @@
-"""Run a plan with several pipeline stages: `build_pipeline(...) -> PipelineRunner`.
+"""autopar's runtime: `build_runtime(...) -> CompiledModel` runs any plan, one stage or many.
 
 Every rank runs the same code. From the plan it derives one rank grid (pp, dp, tp) and the process
 groups of each axis (a device mesh over that grid), exports the model for one micro-batch, cuts the
-graph into the plan's stages (pipeline_split.py), and keeps only the stages placed on its pipeline
-rank, with their own copy of only their parameters. Inside a stage, parameters are DTensors over
-tp (pipeline_tensor.py); across pipeline replicas, gradients are averaged with one all-reduce
-(ZeRO-1: torch's ZeroRedundancyOptimizer shards the optimizer state) or, for ZeRO-2/3, the stage
-is FSDP-sharded (`fully_shard`) and reduce-scatters its own gradients. `torch.distributed.pipelining`
-runs the schedule; the optimizer steps on the local stages.
+graph into the plan's stages (pipeline_split.py; a single-stage plan is one stage), and keeps only
+the stages placed on its pipeline rank, with their own copy of only their parameters. One mechanism
+per form:
+- tensor and sequence parallelism: parameters are DTensors over tp with the plan's placements
+  (pipeline_tensor.py);
+- data parallelism and ZeRO: FSDP2 over dp, each layer its own group so that its collectives
+  overlap the neighbouring layers' compute: `replicate` (gradients all-reduced) for plain data
+  parallelism, `fully_shard` for ZeRO (1 and 2 keep parameters gathered from forward to backward,
+  3 frees them between);
+- micro-batches and pipelining: `torch.distributed.pipelining` runs the plan's schedule.
+The optimizer steps on the local shards.
 
 The loss of one step is the mean over micro-batches and replicas, computed on the last stage and
 shared with every rank, so `step` returns the same float everywhere.
@@ -15,24 +20,25 @@ shared with every rank, so `step` returns the same float everywhere.
 
 from __future__ import annotations
 
-import inspect
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_unflatten
 from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.pipeline_split import StageProgram, TensorRef, export_for_pipeline, split_stages
-from autopar.runtime.pipeline_tensor import shard_stage
+from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,8 +111,8 @@ def check_batch(plan: Plan, global_batch: int) -> None:
             f"pass a batch of {expected} sequences, or plan again with global_batch={global_batch}")
 
 
-class PipelineRunner:
-    """This rank's share of a pipelined model: its stages, its schedule and its optimizer."""
+class CompiledModel:
+    """A model trained under a plan on this rank: its stages, its schedule and its optimizer."""
 
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                  programs: list[StageProgram], schedule, optimizer, device: torch.device,
@@ -127,44 +133,45 @@ class PipelineRunner:
     def global_batch(self) -> int:
         return self.plan.global_batch
 
+    @property
+    def stages(self) -> nn.ModuleList:
+        """The modules of this rank's stages, as they run (wrapped for TP, ZeRO, recompute)."""
+        return nn.ModuleList(program.module for program in self.programs)
+
     def step(self, *batch: torch.Tensor, local: bool = False) -> float:
         """One optimizer step on `(*inputs, targets)`: the global batch, or with `local=True` this
         replica's share. Returns the mean loss over micro-batches and replicas on every rank."""
-        if len(batch) < 2:
-            raise AutoparError("step(*inputs, targets): pass the model's inputs and the targets")
-        share = self.global_batch // self.layout.dp
-        for tensor in batch:
-            check_batch(self.plan, tensor.shape[0] * (self.layout.dp if local else 1))
-        if not local:
-            batch = tuple(t[self.dp_rank * share:(self.dp_rank + 1) * share] for t in batch)
+        batch = self._rows_of_this_rank(batch, local)
         *inputs, targets = (t.to(self.device) for t in batch)
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
-        self._reduce_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._shared_loss(losses)
 
+    def _rows_of_this_rank(self, batch: tuple, local: bool) -> tuple:
+        """Check the batch size (before any collective) and keep this data-parallel rank's rows."""
+        if len(batch) < 2:
+            raise AutoparError("step(*inputs, targets): pass the model's inputs and the targets")
+        share = self.global_batch // self.layout.dp
+        expected = share if local else self.global_batch
+        for tensor in batch:
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] != expected:
+                got = f"a batch of {tensor.shape[0]}" if isinstance(tensor, torch.Tensor) and tensor.dim() \
+                    else f"{type(tensor).__name__} {tuple(getattr(tensor, 'shape', ()))}"
+                what = "share per data-parallel rank" if local else "global batch"
+                hint = "" if local else " (or local=True with this rank's share)"
+                raise AutoparError(f"step got {got} but the plan's {what} is {expected}; pass "
+                                   f"{expected} rows{hint}")
+        if local:
+            return batch
+        return tuple(t[self.dp_rank * share:(self.dp_rank + 1) * share] for t in batch)
+
     def sampler(self, dataset, **kwargs) -> DistributedSampler:
         """A DistributedSampler over the data-parallel replicas: feed its batches to step(local=True)."""
         return DistributedSampler(dataset, num_replicas=self.layout.dp, rank=self.dp_rank, **kwargs)
-
-    def _reduce_gradients(self) -> None:
-        """Average gradients over the data-parallel replicas in one flat all-reduce."""
-        # FSDP stages (ZeRO-2/3) reduce-scatter their own gradients during the schedule
-        grads = [_local(p.grad) for program in self.programs if not isinstance(program.module, FSDPModule)
-                 for p in program.module.parameters() if p.grad is not None]
-        if self.layout.dp == 1 or not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
-        flat /= self.layout.dp
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean over micro-batches and replicas, the same on every rank."""
@@ -211,13 +218,18 @@ def state_aliases(model: nn.Module) -> dict[str, list[str]]:
             for key, tensor in model.state_dict(keep_vars=True).items()}
 
 
-def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
-                   device: torch.device | str | None = None, graph=None) -> PipelineRunner:
-    """This rank's PipelineRunner for `plan`. Call on every rank with the default process group up.
+def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
+                  example_kwargs: dict | None = None, device: torch.device | str | None = None,
+                  graph=None) -> CompiledModel:
+    """This rank's CompiledModel for `plan`. Call on every rank with the default process group up.
 
     `optimizer` is a function from a list of parameters to a torch.optim optimizer. `graph` is the
     model's capture for `example_inputs`: its export is reused when it was made for one micro-batch
-    on real tensors (the stage's tensors come from `model` by name either way)."""
+    on real tensors (the stage's tensors come from `model` by name either way). `example_kwargs`
+    are keyword arguments of the model's forward that are not tensors (`use_cache=False`): they are
+    fixed in the exported program."""
+    example_kwargs = dict(example_kwargs or {})
+    _check_kwargs(example_kwargs)
     layout = pipeline_layout(plan)
     if dist.get_world_size() != layout.world_size:
         raise MeshError(f"the plan needs {layout.world_size} ranks (pp={layout.pp} x dp={layout.dp} x "
@@ -232,15 +244,40 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
 
     program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
         else None
-    programs = _stage_programs(model, plan, layout, mesh, own, example_inputs, device, program)
+    if program is None:
+        micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+        program = torch.export.export(model, micro, example_kwargs, strict=False)
+    programs = _stage_programs(export_for_pipeline(model, (), program), model, plan, layout, mesh, own, device)
     stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
               for p in programs]
-    schedule = _schedule(plan, layout, stages, loss_fn)
+    schedule = _schedule(plan, layout, stages, _structured_loss(loss_fn, program.call_spec.out_spec))
     params = [p for program in programs for p in program.module.parameters()]
-    zero = max(plan.stages[s].zero for s in own)
-    return PipelineRunner(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
-                          optimizer=_optimizer(optimizer, params, zero, layout, mesh), device=device,
-                          state_aliases=state_aliases(model))
+    return CompiledModel(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
+                         optimizer=_optimizer(optimizer, params), device=device,
+                         state_aliases=state_aliases(model))
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    tensors = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+    if tensors:
+        raise AutoparError(f"example_kwargs {tensors} are tensors; keyword arguments are fixed in the "
+                           f"compiled program, so pass tensor inputs positionally (in example_inputs "
+                           f"and to step)")
+
+
+def _structured_loss(loss_fn, out_spec):
+    """The user's loss on the model's own output structure (a ModelOutput, a tuple...): a stage
+    hands on a flat tuple of tensors, as the exported graph computes them."""
+    def loss(outputs, target):
+        flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        value = loss_fn(tree_unflatten(flat, out_spec), target)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise AutoparError(f"loss_fn returned {shape}, not a scalar tensor; reduce the loss to "
+                               f"its mean over the batch")
+        # a new tensor, not a view: zero-bubble schedules detach the loss in place
+        return value if value.dim() == 0 else value.sum()
+    return loss
 
 
 def _device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
@@ -253,30 +290,55 @@ def _device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
     return DeviceMesh(device.type, grid, mesh_dim_names=names)
 
 
-def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
-                    own: list[int], example_inputs: tuple, device: torch.device,
-                    program=None) -> list[StageProgram]:
-    """This rank's stages, in order: export for one micro-batch; cut into the plan's stages (with
-    recompute per layer); keep our stages and copy only their tensors; shard parameters over tp
-    (DTensor needs whole tensors to distribute); then over dp for ZeRO-2/3 (FSDP shards what TP
-    left, so it comes last)."""
-    micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
-    graph = export_for_pipeline(model, micro, program)
-    programs = split_stages(graph, [s.layers for s in plan.stages], [s.recompute for s in plan.stages])
+def _stage_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout: PipelineLayout,
+                    mesh: DeviceMesh, own: list[int], device: torch.device) -> list[StageProgram]:
+    """This rank's stages, in order: cut the export into the plan's stages (with recompute per
+    layer); keep our stages and copy only their tensors; shard parameters over tp (DTensor needs
+    whole tensors to distribute); then over dp (FSDP shards what TP left, so it comes last)."""
+    programs = split_stages(exported, [s.layers for s in plan.stages], [s.recompute for s in plan.stages],
+                            blocks=_repeated_layers(model, plan))
     programs = [_materialize(programs[s], model, device) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
         if tp_axis is not None and _sharded_on(program, plan, tp_axis):
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, plan.nodes, tp_axis)
-        zero = plan.stages[program.index].zero
-        if layout.dp > 1 and (zero >= 2 or (zero == 1 and layout.tp > 1)):
-            # ZeRO-2 keeps parameters gathered from forward to backward; ZeRO-3 frees them between.
-            # Under zero-bubble schedules (backward split into input and weight parts) freeing them
-            # gives wrong weight gradients in this torch, so there ZeRO-3 runs as ZeRO-2. ZeRO-1 of
-            # DTensor (TP) parameters runs as ZeRO-2: ZeroRedundancyOptimizer cannot broadcast them.
-            reshard = zero == 3 and plan.schedule != "zero-bubble"
-            program.module = fully_shard(program.module, mesh=mesh["dp"], reshard_after_forward=reshard)
+        if layout.dp > 1:
+            _data_parallel(program.module, plan.stages[program.index].zero, plan.schedule, mesh["dp"])
     return programs
+
+
+def _repeated_layers(model: nn.Module, plan: Plan) -> set[str]:
+    """The plan's layers that are elements of a ModuleList or Sequential: the repeated blocks."""
+    found = set()
+    for layer in (layer for stage in plan.stages for layer in stage.layers):
+        parent, _, index = layer.rpartition(".")
+        if index.isdigit() and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.Sequential)):
+            found.add(layer)
+    return found
+
+
+def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMesh) -> None:
+    """Plain data parallelism or ZeRO over `dp_mesh`, one FSDP group per layer, then the rest.
+
+    ZeRO-1 runs as ZeRO-2: FSDP2 shards gradients with the optimizer state; the numbers are the
+    same and the memory is less. Under zero-bubble schedules (backward split into input and weight
+    parts) freeing parameters between forward and backward gives wrong weight gradients in this
+    torch, so there ZeRO-3 keeps them, as ZeRO-2 does."""
+    if zero == 0:
+        wrap = functools.partial(replicate, mesh=dp_mesh)
+    else:
+        wrap = functools.partial(fully_shard, mesh=dp_mesh,
+                                 reshard_after_forward=zero == 3 and schedule != "zero-bubble")
+    for layer in _layers(module):
+        wrap(layer)
+    wrap(module)
+
+
+def _layers(module: nn.Module) -> list[nn.Module]:
+    """The stage's per-layer submodules that hold parameters (the split's units)."""
+    inner = module.inner if isinstance(module, TensorParallelStage) else module
+    return [child for name, child in inner.named_children()
+            if name.startswith("submod_") and any(True for _ in child.parameters())]
 
 
 def _sharded_on(program: StageProgram, plan: Plan, axis: int) -> bool:
@@ -290,19 +352,13 @@ def _sharded_on(program: StageProgram, plan: Plan, axis: int) -> bool:
     return any(texts is not None and texts[axis] != "R" for texts in placed)
 
 
-def _optimizer(make_optimizer, params: list[nn.Parameter], zero: int, layout: PipelineLayout,
-               mesh: DeviceMesh):
-    """The user's optimizer on this rank's parameters; with ZeRO-1 its state is sharded over the
-    data-parallel replicas (torch's ZeroRedundancyOptimizer, after the gradient all-reduce)."""
-    if zero != 1 or layout.dp == 1 or layout.tp > 1:
-        # FSDP stages (see _stage_programs) hold sharded parameters: a plain optimizer steps on them
-        return make_optimizer(params)
-    # ZeroRedundancyOptimizer builds the optimizer itself from a class and keyword arguments.
-    probe = make_optimizer([nn.Parameter(torch.zeros(1))])
-    accepted = inspect.signature(type(probe)).parameters
-    options = {key: value for key, value in probe.defaults.items() if key in accepted}
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(probe),
-                                   process_group=mesh.get_group("dp"), **options)
+def _optimizer(make_optimizer, params: list[nn.Parameter]):
+    """The user's optimizer on this rank's parameters (FSDP2 shards for ZeRO: the state follows)."""
+    optimizer = make_optimizer(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise AutoparError(f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim "
+                           f"Optimizer; pass a function such as lambda params: torch.optim.AdamW(params)")
+    return optimizer
 
 
 def _default_device() -> torch.device:
@@ -310,10 +366,6 @@ def _default_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def check_layers(model: nn.Module, plan: Plan) -> None:

@@ -78,8 +78,9 @@ def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None) -
 
 
 def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
-                 recompute: list[str] | None = None) -> list[StageProgram]:
-    """One StageProgram per entry of `stage_layers` (module paths in model order)."""
+                 recompute: list[str] | None = None, blocks: set[str] | None = None) -> list[StageProgram]:
+    """One StageProgram per entry of `stage_layers` (module paths in model order). `blocks`: the
+    layers that recompute wraps (the repeated blocks, as Megatron's recompute does); default all."""
     units = [path for layers in stage_layers for path in layers]
     unit_stage = [s for s, layers in enumerate(stage_layers) for _ in layers]
     unit_of_node = _assign_units(module, units)
@@ -88,7 +89,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
     recompute = recompute or ["none"] * len(stage_layers)
-    _wrap_recomputed_units(by_unit, units, unit_stage, recompute)
+    _wrap_recomputed_units(by_unit, units, unit_stage, recompute, set(units) if blocks is None else blocks)
 
     stage_of_call = {f"submod_{u}": unit_stage[u] for u in range(len(units))}
     by_stage = split_module(by_unit, by_unit, lambda node: _stage_of_top_node(node, stage_of_call),
@@ -215,14 +216,14 @@ def _stage_of_top_node(node: fx.Node, stage_of_call: dict[str, int]) -> int:
 
 
 def _wrap_recomputed_units(by_unit: fx.GraphModule, units: list[str], unit_stage: list[int],
-                           recompute: list[str]):
+                           recompute: list[str], blocks: set[str]):
     """Recompute per stage: with "full" every layer of the stage runs under a checkpoint, so only
     layer inputs stay alive between forward and backward; with "selective" only each layer's
     attention does (the intra-op recompute pass, run on the layer's own graph)."""
     for unit, stage in enumerate(unit_stage):
         name = f"submod_{unit}"
         # a unit without nodes (an identity dropout) has no submodule
-        if recompute[stage] == "none" or not hasattr(by_unit, name):
+        if recompute[stage] == "none" or units[unit] not in blocks or not hasattr(by_unit, name):
             continue
         unit_module = getattr(by_unit, name)
         if recompute[stage] == "selective":

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 import autopar.runtime.dtensor_rules  # noqa: F401  (CPU attention has no DTensor rule in torch)
 from autopar.errors import PlanMismatchError
 from autopar.passes.collectives import Redistribute
-from autopar.runtime.layout import parse_placement
+from autopar.cost.strategies.placements import parse_placement
 from autopar.runtime.pipeline_split import TensorRef
 
 
@@ -45,7 +45,9 @@ class TensorParallelStage(nn.Module):
 
     def _to_local(self, value):
         if isinstance(value, DTensor):
-            return value.redistribute(self.mesh, [Replicate()]).to_local()
+            # a copy, not the local view: FSDP's backward hook on a stage output must not be lost
+            # to an in-place op on a view
+            return value.redistribute(self.mesh, [Replicate()]).to_local().clone()
         return value
 
 
