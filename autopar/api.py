@@ -125,7 +125,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         from autopar.runtime.pipeline import build_pipeline
 
         return build_pipeline(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                              graph=graph)
+                              graph=graph, example_kwargs=example_kwargs)
     return build_compiled(model, plan, graph, example_inputs=example_inputs, example_kwargs=example_kwargs,
                           loss_fn=loss_fn, optimizer=optimizer,
                           device_type="cpu" if mesh.device.name == "cpu" else "cuda")

@@ -31,7 +31,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
-from autopar.runtime.pipeline_split import StageProgram, TensorRef, export_for_pipeline, split_stages
+from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
+                                            split_stages)
+from autopar.runtime.tied import TiedWeights
 from autopar.runtime.pipeline_tensor import shard_stage
 
 
@@ -110,8 +112,9 @@ class PipelineRunner:
 
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                  programs: list[StageProgram], schedule, optimizer, device: torch.device,
-                 state_aliases: dict[str, list[str]]):
+                 state_aliases: dict[str, list[str]], tied: TiedWeights | None = None):
         self.plan = plan
+        self.tied = tied
         self.state_aliases = state_aliases
         self.layout = layout
         self.mesh = mesh
@@ -142,6 +145,8 @@ class PipelineRunner:
         args = tuple(inputs) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
+        if self.tied is not None:
+            self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         self._reduce_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,12 +217,14 @@ def state_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
-                   device: torch.device | str | None = None, graph=None) -> PipelineRunner:
+                   device: torch.device | str | None = None, graph=None,
+                   example_kwargs: dict | None = None) -> PipelineRunner:
     """This rank's PipelineRunner for `plan`. Call on every rank with the default process group up.
 
     `optimizer` is a function from a list of parameters to a torch.optim optimizer. `graph` is the
     model's capture for `example_inputs`: its export is reused when it was made for one micro-batch
-    on real tensors (the stage's tensors come from `model` by name either way)."""
+    on real tensors (the stage's tensors come from `model` by name either way). `example_kwargs`:
+    constants the model is called with (`use_cache=False`), baked into the stages."""
     layout = pipeline_layout(plan)
     if dist.get_world_size() != layout.world_size:
         raise MeshError(f"the plan needs {layout.world_size} ranks (pp={layout.pp} x dp={layout.dp} x "
@@ -232,15 +239,19 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
 
     program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
         else None
-    programs = _stage_programs(model, plan, layout, mesh, own, example_inputs, device, program)
+    programs = _stage_programs(model, plan, layout, mesh, own, example_inputs, device, program,
+                               example_kwargs)
+    tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
               for p in programs]
-    schedule = _schedule(plan, layout, stages, loss_fn)
+    out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
+    schedule = _schedule(plan, layout, stages,
+                         lambda outputs, target: loss_fn(model_outputs(outputs, out_spec), target))
     params = [p for program in programs for p in program.module.parameters()]
     zero = max(plan.stages[s].zero for s in own)
     return PipelineRunner(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                           optimizer=_optimizer(optimizer, params, zero, layout, mesh), device=device,
-                          state_aliases=state_aliases(model))
+                          state_aliases=state_aliases(model), tied=tied)
 
 
 def _device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
@@ -255,13 +266,13 @@ def _device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
 
 def _stage_programs(model: nn.Module, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                     own: list[int], example_inputs: tuple, device: torch.device,
-                    program=None) -> list[StageProgram]:
+                    program=None, example_kwargs: dict | None = None) -> list[StageProgram]:
     """This rank's stages, in order: export for one micro-batch; cut into the plan's stages (with
     recompute per layer); keep our stages and copy only their tensors; shard parameters over tp
     (DTensor needs whole tensors to distribute); then over dp for ZeRO-2/3 (FSDP shards what TP
     left, so it comes last)."""
     micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
-    graph = export_for_pipeline(model, micro, program)
+    graph = export_for_pipeline(model, micro, program, example_kwargs)
     programs = split_stages(graph, [s.layers for s in plan.stages], [s.recompute for s in plan.stages])
     programs = [_materialize(programs[s], model, device) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
@@ -318,7 +329,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def check_layers(model: nn.Module, plan: Plan) -> None:
     """Every layer the plan names is a module of `model`."""
-    modules = dict(model.named_modules())
+    # a module reached under two names (T5's shared embedding) is a layer under either
+    modules = dict(model.named_modules(remove_duplicate=False))
     missing = [path for stage in plan.stages for path in stage.layers if path not in modules]
     if missing:
         raise PlanMismatchError(f"the plan's layers {missing} are not modules of this "

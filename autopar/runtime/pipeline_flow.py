@@ -79,7 +79,7 @@ def order_interfaces(by_stage: fx.GraphModule, stages: int, positional: int) -> 
         before, call = calls[f"submod_{index - 1}"], calls[f"submod_{index}"]
         _give_outputs(getattr(by_stage, f"submod_{index - 1}"),
                       [(_output_index(arg, before), None) for arg in call.args],
-                      single=len(call.args) == 1)
+                      single=len(call.args) == 1, contiguous=True)
     last = calls[f"submod_{stages - 1}"]
     output = next(node for node in by_stage.graph.nodes if node.op == "output")
     flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
@@ -116,13 +116,18 @@ def _take_inputs(stage: fx.GraphModule, order: list[int | None]) -> None:
     stage.recompile()
 
 
-def _give_outputs(stage: fx.GraphModule, order: list[tuple[int | None, object]], *, single: bool) -> None:
+def _give_outputs(stage: fx.GraphModule, order: list[tuple[int | None, object]], *, single: bool,
+                  contiguous: bool = False) -> None:
     """The stage returns, for each (index, constant) of `order`, its current output `index`, or
     `constant` where index is None (a None among the model's outputs): alone when `single`, else
-    as a tuple."""
+    as a tuple. With `contiguous`, as contiguous tensors: the next stage receives into buffers
+    laid out like the outputs, and a receive needs a contiguous buffer."""
     output = next(node for node in stage.graph.nodes if node.op == "output")
     current = output.args[0]
     values = list(current) if isinstance(current, (tuple, list)) else [current]
     chosen = [constant if index is None else values[index] for index, constant in order]
+    if contiguous:
+        with stage.graph.inserting_before(output):
+            chosen = [stage.graph.call_method("contiguous", (value,)) for value in chosen]
     output.args = (chosen[0],) if single else (tuple(chosen),)
     stage.recompile()

@@ -57,14 +57,17 @@ class TensorRef(nn.Module):
         return self.value
 
 
-def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None) -> fx.GraphModule:
+def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None,
+                        example_kwargs: dict | None = None) -> fx.GraphModule:
     """The model as one flat ATen GraphModule whose tensors are `TensorRef` modules.
 
     `program` is the model's ExportedProgram when there is one already (a capture); it must be
     for ONE micro-batch, as an export here is: shapes in the graph are static, and a stage only
-    ever sees micro-batches."""
+    ever sees micro-batches. `example_kwargs` are constants the model is always called with
+    (`use_cache=False`): the export bakes them in."""
     if program is None:
-        program = torch.export.export(model, tuple(example_inputs), strict=False)
+        program = torch.export.export(model, tuple(example_inputs), dict(example_kwargs or {}),
+                                      strict=False)
     module = program.module()
     # The guard checks the whole model's input shapes; stages are called with their own inputs.
     for node in list(module.graph.nodes):
