@@ -8,17 +8,21 @@ from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import build_model
 from autopar.plan import Plan, Stage
 from autopar.runtime.pipeline import check_layers, pipeline_layout
-from autopar.runtime.pipeline_split import export_for_pipeline, split_stages
+from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
 
 GPT = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
 GPT_STAGES = [["tok_emb", "pos_emb", "emb_dropout", "layers.0"], ["layers.1", "layers.2"],
               ["layers.3", "norm_f", "lm_head"]]
 
 
-def run_stages(programs, inputs):
+def run_stages(programs, *inputs):
+    """The stages one after another, as a pipeline runs them: each takes the previous one's
+    outputs positionally; the last one's flat outputs rebuilt into the model's output."""
+    values = inputs
     for program in programs:
-        inputs = program.module(inputs)
-    return inputs
+        output = program.module(*values)
+        values = output if isinstance(output, tuple) else (output,)
+    return model_outputs(output, programs[-1].out_spec)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -57,28 +61,43 @@ class TiedHead(nn.Module):
         return self.head(self.mid(self.embed(ids)))
 
 
-def test_weights_tied_across_stages_are_refused():
+def test_weights_tied_across_stages_get_a_copy_in_each_stage():
     model = TiedHead()
     ids = torch.zeros(2, 4, dtype=torch.long)
-    with pytest.raises(PlanMismatchError, match="tied weights"):
-        split_stages(export_for_pipeline(model, (ids,)), [["embed", "mid"], ["head"]])
+    programs = split_stages(export_for_pipeline(model, (ids,)), [["embed", "mid"], ["head"]])
+    (tied,) = programs[0].tied      # the export names the shared weight by one of its names
+    assert tied in ("embed.weight", "head.weight")
+    assert [sorted(p.param_names.values()) for p in programs] == [
+        sorted([tied, "mid.bias", "mid.weight"]), [tied]]
+    assert all(p.tied == {tied: (0, 1)} for p in programs)
+    torch.testing.assert_close(run_stages(programs, ids), model(ids), rtol=0, atol=0)
+
+
+def test_tied_weights_in_one_stage_are_held_once():
+    model = TiedHead()
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    programs = split_stages(export_for_pipeline(model, (ids,)), [["embed", "mid", "head"]])
+    assert len(programs[0].param_names) == 3 and programs[0].tied == {}
 
 
 class InputToTheEnd(nn.Module):
     def __init__(self):
         super().__init__()
         self.first = nn.Linear(4, 4)
+        self.mid = nn.Linear(4, 4)
         self.last = nn.Linear(4, 4)
 
-    def forward(self, x):
-        return self.last(self.first(x)) + x
+    def forward(self, x, y):
+        h = self.first(x)
+        return self.last(self.mid(h)) + h * y, h
 
 
-def test_a_model_input_read_by_a_later_stage_is_refused():
-    x = torch.zeros(2, 4)
-    module = export_for_pipeline(InputToTheEnd(), (x,))
-    with pytest.raises(PlanMismatchError, match="model input x is read by pipeline stage"):
-        split_stages(module, [["first"], ["last"]])
+def test_a_model_input_read_by_a_later_stage_is_passed_along():
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    model = InputToTheEnd()
+    programs = split_stages(export_for_pipeline(model, (x, y)), [["first"], ["mid"], ["last"]])
+    # y and h go through the middle stage, which computes nothing with them
+    torch.testing.assert_close(run_stages(programs, x, y), model(x, y), rtol=0, atol=0)
 
 
 def plan_of(stage_ranks: list[list[int]], dp: int = 1, tp: int = 1) -> Plan:

@@ -32,13 +32,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_unflatten
 from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
-from autopar.runtime.pipeline_split import StageProgram, TensorRef, export_for_pipeline, split_stages
+from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
+                                            split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
+from autopar.runtime.tied import TiedWeights
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,8 +117,9 @@ class CompiledModel:
 
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                  programs: list[StageProgram], schedule, optimizer, device: torch.device,
-                 state_aliases: dict[str, list[str]]):
+                 state_aliases: dict[str, list[str]], tied: TiedWeights | None = None):
         self.plan = plan
+        self.tied = tied
         self.state_aliases = state_aliases
         self.layout = layout
         self.mesh = mesh
@@ -147,6 +149,8 @@ class CompiledModel:
         args = tuple(inputs) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
+        if self.tied is not None:
+            self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._shared_loss(losses)
@@ -244,17 +248,18 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
 
     program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
         else None
-    if program is None:
-        micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
-        program = torch.export.export(model, micro, example_kwargs, strict=False)
-    programs = _stage_programs(export_for_pipeline(model, (), program), model, plan, layout, mesh, own, device)
+    micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+    exported = export_for_pipeline(model, micro, program, example_kwargs)
+    programs = _stage_programs(exported, model, plan, layout, mesh, own, device)
+    tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
               for p in programs]
-    schedule = _schedule(plan, layout, stages, _structured_loss(loss_fn, program.call_spec.out_spec))
+    out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
+    schedule = _schedule(plan, layout, stages, _checked_loss(loss_fn, out_spec))
     params = [p for program in programs for p in program.module.parameters()]
     return CompiledModel(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                          optimizer=_optimizer(optimizer, params), device=device,
-                         state_aliases=state_aliases(model))
+                         state_aliases=state_aliases(model), tied=tied)
 
 
 def _check_kwargs(kwargs: dict) -> None:
@@ -265,12 +270,11 @@ def _check_kwargs(kwargs: dict) -> None:
                            f"and to step)")
 
 
-def _structured_loss(loss_fn, out_spec):
-    """The user's loss on the model's own output structure (a ModelOutput, a tuple...): a stage
-    hands on a flat tuple of tensors, as the exported graph computes them."""
+def _checked_loss(loss_fn, out_spec):
+    """The user's loss on the model's own output structure (a ModelOutput, a tuple...), checked to
+    be a scalar."""
     def loss(outputs, target):
-        flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        value = loss_fn(tree_unflatten(flat, out_spec), target)
+        value = loss_fn(model_outputs(outputs, out_spec), target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise AutoparError(f"loss_fn returned {shape}, not a scalar tensor; reduce the loss to "
@@ -370,7 +374,8 @@ def _default_device() -> torch.device:
 
 def check_layers(model: nn.Module, plan: Plan) -> None:
     """Every layer the plan names is a module of `model`."""
-    modules = dict(model.named_modules())
+    # a module reached under two names (T5's shared embedding) is a layer under either
+    modules = dict(model.named_modules(remove_duplicate=False))
     missing = [path for stage in plan.stages for path in stage.layers if path not in modules]
     if missing:
         raise PlanMismatchError(f"the plan's layers {missing} are not modules of this "

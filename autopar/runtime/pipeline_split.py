@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_unflatten
 
 from autopar.errors import PlanMismatchError
 from autopar.passes.recompute import Recomputed, checkpoint_regions
+from autopar.runtime.pipeline_flow import order_interfaces, pass_along
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,6 +36,10 @@ class StageProgram:
     index: int
     module: nn.Module                 # the stage's GraphModule, or a wrapper around it
     param_names: dict[str, str] = field(default_factory=dict)   # stage-local name -> model fqn
+    out_spec: object = None           # the model's output structure (see model_outputs)
+    # parameters that several stages hold a copy of (tied weights): fqn -> those stages, the same
+    # for every stage of the model
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class TensorRef(nn.Module):
@@ -51,14 +57,17 @@ class TensorRef(nn.Module):
         return self.value
 
 
-def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None) -> fx.GraphModule:
+def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None,
+                        example_kwargs: dict | None = None) -> fx.GraphModule:
     """The model as one flat ATen GraphModule whose tensors are `TensorRef` modules.
 
     `program` is the model's ExportedProgram when there is one already (a capture); it must be
     for ONE micro-batch, as an export here is: shapes in the graph are static, and a stage only
-    ever sees micro-batches."""
+    ever sees micro-batches. `example_kwargs` are constants the model is always called with
+    (`use_cache=False`): the export bakes them in."""
     if program is None:
-        program = torch.export.export(model, tuple(example_inputs), strict=False)
+        program = torch.export.export(model, tuple(example_inputs), dict(example_kwargs or {}),
+                                      strict=False)
     module = program.module()
     # The guard checks the whole model's input shapes; stages are called with their own inputs.
     for node in list(module.graph.nodes):
@@ -80,11 +89,18 @@ def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None) -
 def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
                  recompute: list[str] | None = None, blocks: set[str] | None = None) -> list[StageProgram]:
     """One StageProgram per entry of `stage_layers` (module paths in model order). `blocks`: the
-    layers that recompute wraps (the repeated blocks, as Megatron's recompute does); default all."""
+    layers that recompute wraps (the repeated blocks, as Megatron's recompute does); default all.
+
+    Stage 0 takes the model's positional inputs in order; stage k > 0 takes stage k-1's outputs in
+    order; the last stage returns the model's flat outputs (`model_outputs` rebuilds the model's
+    output structure from them)."""
     units = [path for layers in stage_layers for path in layers]
     unit_stage = [s for s, layers in enumerate(stage_layers) for _ in layers]
-    unit_of_node = _assign_units(module, units)
-    _check_stage_flow(module, unit_of_node, unit_stage)
+    positional, out_spec = _signature(module)
+    _drop_unused(module)
+    unit_of_node = _assign_units(module, units, unit_stage)
+    _check_order(module, unit_of_node, unit_stage)
+    pass_along(module, unit_of_node, unit_stage)
 
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
@@ -94,53 +110,109 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     stage_of_call = {f"submod_{u}": unit_stage[u] for u in range(len(units))}
     by_stage = split_module(by_unit, by_unit, lambda node: _stage_of_top_node(node, stage_of_call),
                             keep_original_node_name=True)
-    programs = []
     for index in range(len(stage_layers)):
         if not hasattr(by_stage, f"submod_{index}"):
             raise PlanMismatchError(f"pipeline stage {index} (layers {stage_layers[index]}) computes "
                                     f"nothing in this model; plan this model again")
+    order_interfaces(by_stage, len(stage_layers), positional)
+    programs = []
+    for index in range(len(stage_layers)):
         stage_module = getattr(by_stage, f"submod_{index}")
         names = {f"{path}.value": ref.fqn for path, ref in stage_module.named_modules()
                  if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter)}
-        programs.append(StageProgram(index=index, module=stage_module, param_names=names))
+        programs.append(StageProgram(index=index, module=stage_module, param_names=names,
+                                     out_spec=out_spec))
+    tied = tied_stages(programs)
+    for program in programs:
+        program.tied = tied
     return programs
 
 
-def _assign_units(module: fx.GraphModule, units: list[str]) -> dict[str, int]:
+def tied_stages(programs: list[StageProgram]) -> dict[str, tuple[int, ...]]:
+    """fqn -> the stages holding a copy, for every parameter that more than one stage holds."""
+    holders: dict[str, list[int]] = {}
+    for program in programs:
+        for fqn in sorted(set(program.param_names.values())):
+            holders.setdefault(fqn, []).append(program.index)
+    return {fqn: tuple(stages) for fqn, stages in holders.items() if len(stages) > 1}
+
+
+def _signature(module: fx.GraphModule) -> tuple[int, object]:
+    """How many of the graph's placeholders are the model's positional inputs (the rest are its
+    keyword arguments, which a stage does not take: constants like use_cache=False are baked into
+    the graph), and the model's output structure."""
+    info = getattr(module.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None:
+        return sum(1 for n in module.graph.nodes if n.op == "placeholder"), None
+    args_spec = info.in_spec.child(0) if info.in_spec.type is tuple else info.in_spec
+    return args_spec.num_leaves, info.out_spec
+
+
+def model_outputs(outputs, out_spec):
+    """The model's own output (a ModelOutput, a tuple, a tensor) from the last stage's flat outputs."""
+    if out_spec is None:
+        return outputs
+    leaves = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    return tree_unflatten(leaves, out_spec)
+
+
+def _drop_unused(module: fx.GraphModule) -> None:
+    """Remove what no output depends on: dead nodes, and checks of constants (the
+    `_assert_tensor_metadata` an export puts on a rotary table checks a value fixed at export
+    time). Checks of activations stay and run with the value they check."""
+    constants = set(_constants(module))
+    for node in reversed(list(module.graph.nodes)):
+        if node.op in ("placeholder", "output") or node.users:
+            continue
+        if node in constants or not node.is_impure():
+            module.graph.erase_node(node)
+    module.recompile()
+
+
+def _assign_units(module: fx.GraphModule, units: list[str], unit_stage: list[int]) -> dict[str, int]:
     """Unit index of every node that is not a graph input or output.
 
-    A node belongs to the layer its module path is in; glue outside any layer follows its latest
-    input. Constants (buffers and what is computed from them alone, e.g. rotary tables or a
-    position `arange`) are copied into every unit that reads them, so no stage waits for another's."""
-    def unit_of_path(path: str) -> int | None:
-        for index, unit in enumerate(units):
-            if path == unit or path.startswith(unit + "."):
-                return index
-        return None
+    A node belongs to the layer its module path is in (the first such layer at or after its
+    inputs' units, for a module that runs in several places). Glue outside every layer (code in
+    the model's own forward, or a parent module's) follows its latest input; glue that reads only
+    the model's inputs or constants (`input_ids.view(...)`, a position `arange`) goes with its first
+    user. Constants (buffers and what is computed from them alone, e.g. rotary tables) are copied
+    into every unit that reads them, and parameters into every stage, so no stage waits for
+    another's; a parameter that several stages read (tied weights) has a copy in each."""
+    def units_of_path(path: str) -> list[int]:
+        return [index for index, unit in enumerate(units) if path == unit or path.startswith(unit + ".")]
 
     constants = _constants(module)
+    shared = set(constants) | {node for node in module.graph.nodes if _is_ref(module, node)}
     assigned: dict[str, int] = {}
+    deferred: list[fx.Node] = []
     for node in module.graph.nodes:
-        if node.op in ("placeholder", "output") or node in constants:
+        if node.op in ("placeholder", "output") or node in shared:
             continue
-        if _is_ref(module, node):
-            unit = unit_of_path(module.get_submodule(node.target).fqn)
+        inputs = [assigned[n.name] for n in node.all_input_nodes if n.name in assigned]
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [path for path, _ in stack.values()]
+        candidates = units_of_path(paths[-1]) if paths else []
+        floor = max(inputs, default=0)
+        if candidates:
+            later = [c for c in candidates if c >= floor]
+            assigned[node.name] = later[0] if later else candidates[-1]
+        elif inputs:
+            assigned[node.name] = floor
         else:
-            stack = node.meta.get("nn_module_stack") or {}
-            paths = [path for path, _ in stack.values()]
-            unit = unit_of_path(paths[-1]) if paths else None
-            if unit is None:
-                inputs = [assigned[n.name] for n in node.all_input_nodes if n.name in assigned]
-                unit = max(inputs) if inputs else None
-        if unit is None:
-            raise PlanMismatchError(
-                f"graph node {node.name} ({node.target}) belongs to none of the plan's layers {units}; "
-                f"the plan was made for another model, plan it again")
-        assigned[node.name] = unit
-    for node in reversed(constants):
-        _copy_per_unit(module, node, assigned)
+            deferred.append(node)
+    for node in reversed(deferred):
+        users = [_user_unit(user, assigned, len(units)) for user in node.users]
+        assigned[node.name] = min(users, default=0)
+    for node in reversed([n for n in module.graph.nodes if n in shared]):
+        _copy_per_unit(module, node, assigned, unit_stage)
     module.recompile()
     return assigned
+
+
+def _user_unit(user: fx.Node, assigned: dict[str, int], count: int) -> int:
+    """The unit that reads a value: the model's outputs are read by the last unit."""
+    return count - 1 if user.op == "output" else assigned[user.name]
 
 
 def _constants(module: fx.GraphModule) -> list[fx.Node]:
@@ -155,20 +227,27 @@ def _constants(module: fx.GraphModule) -> list[fx.Node]:
     return constants
 
 
-def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, int]) -> None:
-    """Give `node` the first unit that reads it and a copy of it to each other unit."""
+def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, int],
+                   unit_stage: list[int]) -> None:
+    """Give `node` the first unit that reads it and a copy of it to each other unit. A parameter
+    copied into another stage reads its own `TensorRef` there (the stage's own copy of the tied
+    weight); inside one stage the copies share one, so the stage holds the parameter once."""
     by_unit: dict[int, list[fx.Node]] = {}
     for user in node.users:
-        if user.op != "output":
-            by_unit.setdefault(assigned[user.name], []).append(user)
-    if not by_unit:
-        raise PlanMismatchError(f"constant {node.name} ({node.target}) feeds none of the plan's "
-                                f"layers; the plan was made for another model, plan it again")
-    first, *others = sorted(by_unit)
+        by_unit.setdefault(_user_unit(user, assigned, len(unit_stage)), []).append(user)
+    first, *others = sorted(by_unit) or [0]
     assigned[node.name] = first
+    refs = {unit_stage[first]: node.target} if _is_ref(module, node) else {}
     for unit in others:
         with module.graph.inserting_after(node):
             copy = module.graph.node_copy(node)
+        if refs:
+            stage = unit_stage[unit]
+            if stage not in refs:
+                ref = module.get_submodule(node.target)
+                refs[stage] = f"{node.target}_stage{stage}"
+                module.add_submodule(refs[stage], TensorRef(ref.fqn, ref.value))
+            copy.target = refs[stage]
         for user in by_unit[unit]:
             user.replace_input_with(node, copy)
         assigned[copy.name] = unit
@@ -178,32 +257,25 @@ def _is_ref(module: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_module" and isinstance(module.get_submodule(node.target), TensorRef)
 
 
-def _check_stage_flow(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]):
-    """A stage may read only its own values, the model inputs, and values of the stage just before
-    it: a pipeline passes activations to the next stage only."""
+def _check_order(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]):
+    """A stage may not read a value of a later stage: a pipeline runs its stages in order."""
     for node in module.graph.nodes:
-        if node.op == "placeholder":
-            later = sorted({unit_stage[unit_of_node[user.name]] for user in node.users
-                            if user.name in unit_of_node} - {0})
-            if later:
-                raise PlanMismatchError(
-                    f"model input {node.name} is read by pipeline stage(s) {later}; a pipeline hands "
-                    f"only activations from stage to stage, so only the first stage may read inputs")
         if node.name not in unit_of_node:
             continue
         stage = unit_stage[unit_of_node[node.name]]
         for source in node.all_input_nodes:
-            if source.op == "placeholder" or source.name not in unit_of_node:
-                continue
-            source_stage = unit_stage[unit_of_node[source.name]]
-            if _is_ref(module, source) and source_stage != stage:
+            source_stage = unit_stage[unit_of_node[source.name]] if source.name in unit_of_node else 0
+            if source_stage > stage:
                 raise PlanMismatchError(
-                    f"parameter {source.target} is used in pipeline stages {source_stage} and {stage} "
-                    f"(tied weights); put the layers that share it in one stage")
-            if source_stage not in (stage, stage - 1):
-                raise PlanMismatchError(
-                    f"{node.name} in pipeline stage {stage} reads {source.name} of stage "
-                    f"{source_stage}; stages must follow the model's data flow in order")
+                    f"{node.name} ({_module_of(node)}) in pipeline stage {stage} reads {source.name} "
+                    f"({_module_of(source)}) of the later stage {source_stage}; stages must follow "
+                    f"the model's data flow: put both modules in one stage, or plan again")
+
+
+def _module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values() if path]
+    return f"module {paths[-1]}" if paths else "the model's own forward"
 
 
 def _stage_of_top_node(node: fx.Node, stage_of_call: dict[str, int]) -> int:

@@ -97,10 +97,14 @@ def pipeline_units(graph: Graph) -> list[Unit]:
     if embedding:
         units.append(Unit(name="embedding", layers=embedding, start=0, stop=first.start))
     for inst, following in zip(instances, instances[1:] + [None]):
-        # nodes between two blocks (a residual add at the top level) run with the block before
+        # nodes between two blocks run with the block before: a residual add at the top level, or
+        # whole modules that are no repeated block (an encoder's final norm, a decoder's first
+        # block that differs from the others, the decoder's embedding): the unit names them all,
+        # so that every module's nodes belong to some unit
         stop = following.start if following is not None else inst.stop
-        units.append(Unit(name=inst.module_path, layers=(inst.module_path,), start=inst.start, stop=stop,
-                          block=True))
+        between = _top_modules(graph, inst.stop, stop, blocks)
+        units.append(Unit(name=inst.module_path, layers=(inst.module_path, *between), start=inst.start,
+                          stop=stop, block=True))
     head = _top_modules(graph, last.stop, len(graph.nodes), blocks)
     if head:
         units.append(Unit(name="head", layers=head, start=last.stop, stop=len(graph.nodes)))

@@ -1,0 +1,133 @@
+"""What crosses from pipeline stage to stage, and in which order.
+
+A pipeline stage receives exactly what the stage before it sends (torch.distributed.pipelining
+sends stage k's outputs, positionally, as stage k+1's inputs), and only the first stage sees the
+model's inputs. A model's data flow is wider: T5's encoder output is read by every decoder block,
+a decoder's input ids by a stage after the encoder's, an attention mask made from the inputs by
+every layer. So:
+
+- `pass_along` gives every value read more than one stage after the stage that makes it a copy
+  in each stage between (Megatron passes the encoder's output along its decoder stages the same
+  way); the model's inputs count as made before stage 0, its outputs as read after the last stage.
+- `order_interfaces`, after the graph is cut into one submodule per stage, makes each stage's
+  outputs the next stage's inputs in the same order, the first stage take the model's positional
+  inputs in order, and the last stage return the model's flat outputs in order.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from autopar.errors import AutoparError
+
+
+def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]) -> None:
+    """Relay (copy) each value through the stages between its producer and its readers; a relay
+    runs in the first unit of its stage, and `unit_of_node` learns it."""
+    first_unit: dict[int, int] = {}
+    for unit, stage in enumerate(unit_stage):
+        first_unit.setdefault(stage, unit)
+    after_outputs = unit_stage[-1] + 1      # the model's outputs are read "after" the last stage
+    nodes = list(module.graph.nodes)
+    last_input = max((n for n in nodes if n.op == "placeholder"), key=nodes.index, default=None)
+    for node in nodes:
+        if node.op == "output":
+            continue
+        made = -1 if node.op == "placeholder" else unit_stage[unit_of_node[node.name]]
+        readers: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            stage = after_outputs if user.op == "output" else unit_stage[unit_of_node[user.name]]
+            readers.setdefault(stage, []).append(user)
+        furthest = max(readers, default=made)
+        if furthest <= made + 1:
+            continue
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            raise AutoparError(f"{node.name} is read {furthest - made} pipeline stages after the one that "
+                               f"makes it, but it is not a tensor, so no stage can send it on; "
+                               f"make it a tensor input of the model, or plan fewer stages")
+        relays = {made: node}
+        anchor = last_input if node.op == "placeholder" else node
+        for stage in range(made + 1, furthest):
+            with module.graph.inserting_after(anchor):
+                relay = module.graph.call_function(torch.ops.aten.clone.default, (relays[stage - 1],))
+            relay.meta["val"] = node.meta["val"]
+            unit_of_node[relay.name] = first_unit[stage]
+            relays[stage] = anchor = relay
+        for stage, users in readers.items():
+            for user in users:
+                user.replace_input_with(node, relays[max(stage - 1, made)])
+    module.graph.lint()
+    module.recompile()
+
+
+def order_interfaces(by_stage: fx.GraphModule, stages: int, positional: int) -> None:
+    """Make the stages of `by_stage` (submodules `submod_0`...) fit one after another: see the
+    module docstring. `positional` is how many of the model's inputs are positional."""
+    calls = {node.target: node for node in by_stage.graph.nodes if node.op == "call_module"}
+    inputs = [node for node in by_stage.graph.nodes if node.op == "placeholder"]
+    first = calls["submod_0"]
+    for arg in first.args:
+        if arg not in inputs[:positional]:
+            raise AutoparError(f"the model's keyword argument {arg.name} is a tensor; the pipeline feeds "
+                               f"the first stage positional inputs only: pass {arg.name} positionally")
+    _take_inputs(getattr(by_stage, "submod_0"), [list(first.args).index(node) if node in first.args
+                                                 else None for node in inputs[:positional]])
+    for index in range(1, stages):
+        before, call = calls[f"submod_{index - 1}"], calls[f"submod_{index}"]
+        _give_outputs(getattr(by_stage, f"submod_{index - 1}"),
+                      [(_output_index(arg, before), None) for arg in call.args],
+                      single=len(call.args) == 1, contiguous=True)
+    last = calls[f"submod_{stages - 1}"]
+    output = next(node for node in by_stage.graph.nodes if node.op == "output")
+    flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    _give_outputs(getattr(by_stage, f"submod_{stages - 1}"),
+                  [(_output_index(value, last), None) if isinstance(value, fx.Node) else (None, value)
+                   for value in flat], single=False)
+
+
+def _output_index(value: fx.Node, call: fx.Node) -> int:
+    """Which output of the submodule `call` the top-level `value` is."""
+    if value is call:
+        return 0
+    if value.op == "call_function" and value.target is operator.getitem and value.args[0] is call:
+        return value.args[1]
+    raise AutoparError(f"{value.name} reaches {call.target}'s successor without passing through "
+                       f"{call.target}; the stages were not cut along the model's data flow")
+
+
+def _take_inputs(stage: fx.GraphModule, order: list[int | None]) -> None:
+    """The stage's placeholders become the model's positional inputs: `order[i]` is the current
+    placeholder that input i is, or None for an input the stage does not read."""
+    graph = stage.graph
+    current = [node for node in graph.nodes if node.op == "placeholder"]
+    anchor = next(node for node in graph.nodes if node.op != "placeholder")
+    wanted = []
+    for i, index in enumerate(order):
+        if index is None:
+            with graph.inserting_before(anchor):
+                wanted.append(graph.placeholder(f"unused_input_{i}"))
+        else:
+            wanted.append(current[index])
+    for node in wanted:
+        anchor.prepend(node)
+    stage.recompile()
+
+
+def _give_outputs(stage: fx.GraphModule, order: list[tuple[int | None, object]], *, single: bool,
+                  contiguous: bool = False) -> None:
+    """The stage returns, for each (index, constant) of `order`, its current output `index`, or
+    `constant` where index is None (a None among the model's outputs): alone when `single`, else
+    as a tuple. With `contiguous`, as contiguous tensors: the next stage receives into buffers
+    laid out like the outputs, and a receive needs a contiguous buffer."""
+    output = next(node for node in stage.graph.nodes if node.op == "output")
+    current = output.args[0]
+    values = list(current) if isinstance(current, (tuple, list)) else [current]
+    chosen = [constant if index is None else values[index] for index, constant in order]
+    if contiguous:
+        with stage.graph.inserting_before(output):
+            chosen = [stage.graph.call_method("contiguous", (value,)) for value in chosen]
+    output.args = (chosen[0],) if single else (tuple(chosen),)
+    stage.recompile()

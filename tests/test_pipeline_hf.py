@@ -1,0 +1,95 @@
+"""HuggingFace models of several kinds train through a pipeline exactly like one process.
+
+Tier 1 (no processes): for many architectures, the stage split of the planner's pipeline plan
+gives every graph node a stage, and the stages run one after another compute the model's output
+exactly. Tier 2: a few architectures, including tied embeddings and an encoder-decoder, train on
+4 gloo ranks under Config(pp=2, dp=2, micro_batch=2, schedule="1f1b"), and two of them with the
+interleaved 1F1B schedule (two stages per pipeline rank), compared step by step with one process
+(autopar.runtime.equivalence, AdamW with eps=1e-3).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+# Imported before the ranks fork, so that they inherit it (each would import it on its own).
+import torch._dynamo  # noqa: F401
+
+import autopar
+from autopar.api import plan_from_config
+from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent))
+import tiny_hf  # noqa: E402
+
+# Resolved before the ranks fork: transformers imports each model's module on first use.
+CLASSES = tiny_hf.model_classes(transformers)
+GLOBAL_BATCH, STEPS = 8, 3
+PIPELINE = autopar.Config(pp=2, dp=2, micro_batch=2, schedule="1f1b", global_batch=GLOBAL_BATCH)
+
+
+def capture(name: str, batch: int = 2):
+    model, kwargs = tiny_hf.build(name, CLASSES)
+    *inputs, _ = tiny_hf.inputs(name, batch)
+    return model, kwargs, tuple(inputs), autopar.capture(model, example_inputs=tuple(inputs),
+                                                         example_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("name", tiny_hf.ARCHITECTURES)
+def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
+    model, kwargs, inputs, graph = capture(name)
+    config = autopar.Config(pp=3, dp=1, micro_batch=2, schedule="1f1b", global_batch=6)
+    plan = plan_from_config(graph, autopar.Mesh.parse("3:cpu"), config)
+    programs = split_stages(export_for_pipeline(model, inputs, graph.program), [s.layers for s in plan.stages])
+    # every parameter is held by some stage, and only tied ones by several
+    held = [fqn for program in programs for fqn in set(program.param_names.values())]
+    assert {n.param_fqn for n in graph.parameters if n.tied_to is None} == set(held)
+    assert sorted(programs[0].tied) == sorted({fqn for fqn in held if held.count(fqn) > 1})
+    values = inputs
+    for program in programs:
+        output = program.module(*values)
+        values = output if isinstance(output, tuple) else (output,)
+    got = model_outputs(output, programs[-1].out_spec)
+    torch.testing.assert_close(got.logits, model(*inputs, **kwargs).logits, rtol=0, atol=0)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
+    """On every rank: each (architecture, config) through autopar.compile; rank 0 also trains one
+    process on the same batches and reports the differences."""
+    reports = []
+    for name, config in cases:
+        data = [tiny_hf.inputs(name, GLOBAL_BATCH, seed=step) for step in range(STEPS)]
+        model, kwargs = tiny_hf.build(name, CLASSES)
+        example = tuple(x[:config.micro_batch] for x in data[0][:-1])
+        cm = autopar.compile(model, f"{config.world_size}:cpu", example_inputs=example,
+                             example_kwargs=kwargs, loss_fn=tiny_hf.loss_fn, optimizer=adamw, plan=config)
+        losses = [cm.step(*batch) for batch in data]
+        state = cm.full_state_dict()
+        report = {"losses": losses, "stages": len(cm.plan.stages)}
+        if torch.distributed.get_rank() == 0:
+            reference, _ = tiny_hf.build(name, CLASSES)
+            expected = train_single_process(reference, data, tiny_hf.loss_fn, adamw,
+                                            call=lambda m, inputs: m(*inputs, **kwargs))
+            report["mismatches"] = mismatches(expected, losses, state)
+        reports.append(report)
+    return reports
+
+
+@pytest.mark.multiprocess
+def test_pipelined_hf_models_train_like_one_process():
+    cases = [("gpt2", PIPELINE), ("t5", PIPELINE), ("llama", PIPELINE),
+             ("bloom", autopar.Config(pp=2, dp=2, virtual=2, micro_batch=2, schedule="interleaved-1f1b",
+                                      global_batch=GLOBAL_BATCH))]
+    results = autopar.launch(train_pipelines, 4, cases, timeout=300)
+    for (name, config), report in zip(cases, results[0]):
+        assert report["stages"] == config.pp * config.virtual
+        assert report["mismatches"] == [], f"{name}, {config.schedule}: {report['mismatches']}"
+    for rank in results[1:]:
+        assert [r["losses"] for r in rank] == [r["losses"] for r in results[0]]
