@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, MeshError
 
 # ---------------------------------------------------------------------------------------------
 # Planning: autopar.plan, autopar.plan_from_config
@@ -98,10 +98,11 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
 
     from autopar.capture import capture
     from autopar.cost.config import Config
-    from autopar.errors import MeshError
     from autopar.runtime.pipeline import build_runtime
 
     mesh = _as_mesh(mesh)
+    if mesh.device.name != "cpu":
+        _use_local_gpu(mesh)
     if not dist.is_initialized():
         dist.init_process_group("gloo" if mesh.device.name == "cpu" else "nccl")
     if mesh.world_size != dist.get_world_size():
@@ -124,6 +125,20 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     # One runtime: splitting into stages is the first lowering step; a single-stage plan is one stage.
     return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer)
+
+
+def _use_local_gpu(mesh) -> None:
+    """Make this rank's GPU the current device (torchrun's LOCAL_RANK; the rank modulo the node's
+    GPUs otherwise) before NCCL starts: the runtime puts the model and batches there."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MeshError(f"mesh {mesh} is a GPU mesh but this process sees no CUDA device; use a CPU "
+                        f"mesh such as \"{mesh.world_size}:cpu\" or run where GPUs are visible")
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
 def _load_plan(plan):

@@ -339,10 +339,17 @@ def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceM
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:
-    """The stage's per-layer submodules that hold parameters (the split's units)."""
+    """The stage's per-layer submodules (the split's units) that hold parameters of their own. A
+    unit sharing a parameter with another (an LM head tied to the embedding in the same stage)
+    stays in the stage's group: FSDP2 gives each parameter to one group."""
     inner = module.inner if isinstance(module, TensorParallelStage) else module
-    return [child for name, child in inner.named_children()
-            if name.startswith("submod_") and any(True for _ in child.parameters())]
+    units = [child for name, child in inner.named_children() if name.startswith("submod_")]
+    owners: dict[int, int] = {}
+    for unit in units:
+        for param in unit.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [unit for unit in units
+            if any(True for _ in unit.parameters()) and all(owners[id(p)] == 1 for p in unit.parameters())]
 
 
 def _sharded_on(program: StageProgram, plan: Plan, axis: int) -> bool:

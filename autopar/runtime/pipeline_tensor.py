@@ -64,6 +64,19 @@ class Replicated(nn.Module):
         return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
 
 
+def drop_metadata_checks(module: nn.Module) -> None:
+    """Remove the export's `_assert_tensor_metadata` checks: they compare a value's dtype and
+    device with what was traced, which a DTensor cannot be asked (DTensor has no rule for them),
+    and they compute nothing."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        checks = [node for node in graph_module.graph.nodes
+                  if node.target is torch.ops.aten._assert_tensor_metadata.default]
+        for node in checks:
+            graph_module.graph.erase_node(node)
+        if checks:
+            graph_module.recompile()
+
+
 def replicate_created_tensors(module: nn.Module, mesh: DeviceMesh) -> None:
     """Ops that create a tensor from nothing (a position `arange`) give plain tensors, which DTensor
     ops refuse next to DTensors; every such value is made a replicated DTensor where it is created,
@@ -121,6 +134,7 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
             ref.value = nn.Parameter(tensor, requires_grad=ref.value.requires_grad)
         else:
             ref.value = tensor
+    drop_metadata_checks(module)
     replicate_created_tensors(module, mesh)
     place_nodes(module, mesh, nodes, tp_axis)
     return TensorParallelStage(module, mesh)
