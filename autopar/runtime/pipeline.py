@@ -242,7 +242,9 @@ def build_pipeline(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_
     programs = _stage_programs(model, plan, layout, mesh, own, example_inputs, device, program,
                                example_kwargs)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
-    stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
+    # the split's record of what each stage takes and returns spares torch a forward to learn it
+    stages = [PipelineStage(p.module, p.index, len(plan.stages), device, input_args=p.example_inputs,
+                            output_args=p.example_outputs, group=mesh.get_group("pp"))
               for p in programs]
     out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
     schedule = _schedule(plan, layout, stages,
