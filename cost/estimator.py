@@ -17,6 +17,8 @@ Per step:
   are equal (the zero-bubble schedule leaves a third of it, ZB-H1 of Qi et al. 2023);
   the gradient reduction over the data-parallel group, overlapped with the backward of the last
   micro-batch and with the drain of the stages after it (bucketed, as DDP and FSDP run it);
+  a weight tied across pipeline ranks (embedding and LM head): its copies' gradients all-reduced
+  over the ranks holding them (Megatron's embedding group), after the backward, not overlapped;
   the optimizer step, memory-bound.
 Hardware FLOP/s count the recomputed forward, as Megatron-LM reports them; model FLOP/s do not.
 """
@@ -29,11 +31,12 @@ import sympy
 
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
-from autopar.cost.collectives import Group, send_recv_time
+from autopar.cost.collectives import Group, Level, send_recv_time
 from autopar.cost.compute import BACKWARD, Efficiencies, attention_kernels, compute_time
 from autopar.cost.config import Config
 from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, graph_sequence
-from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, model_state_bytes
+from autopar.cost.memory import (BYTES_PER_PARAM, OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight,
+                                 model_state_bytes)
 from autopar.cost.mesh import Mesh
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.stages import StageSpec, uniform_stages
@@ -116,9 +119,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     share (layouts, chunk owners, priced chunks), so that a search pricing many configurations
     pays for each part once; results are the same with or without it."""
     eff = efficiencies or Efficiencies()
+    memo = PriceCache.of(cache, graph, mesh, eff)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
-                           virtual=virtual, efficiencies=eff, attention=attention,
-                           memo=PriceCache.of(cache, graph, mesh, eff))
+                           virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
@@ -136,9 +139,11 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
     memory = _memory(pipe, stages, micro_batch, schedule, virtual)
-    step = ideal + bubble + max(data_comm) + max(optimizer)
+    tied = _tied_exposed(graph, memo.layout(stages[0].tp, stages[0].sequence_parallel),
+                         memo.split(stages).owner, stages[0], mesh, pp=len(devices))
+    step = ideal + bubble + max(data_comm) + tied + max(optimizer)
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
-                      bubble=bubble, data_comm=max(data_comm), optimizer=max(optimizer), m=m,
+                      bubble=bubble, data_comm=max(data_comm) + tied, optimizer=max(optimizer), m=m,
                       global_batch=global_batch, memory_limit=memory_limit)
 
 
@@ -336,16 +341,25 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
                   chunks: int) -> tuple[list[float], list[dict]]:
     """Per chunk: the parameter elements one of its devices holds, and the loss buffers' bytes
-    per sample. A tied weight (embedding and head) counts once where both uses share a chunk,
-    and on both sides when the pipeline separates them."""
-    by_fqn = {n.param_fqn: layout.index[n.name] for n in graph.parameters}
+    per sample. A weight that several chunks read (a tied embedding and LM head, one parameter
+    in the graph) counts in each: the pipeline gives every stage that reads it its own copy."""
     params = [0.0] * chunks
+    readers = _parameter_readers(graph, layout, owner)
     for name, count in layout.param_local.items():
-        i = layout.index[name]
-        tied = graph.nodes[i].tied_to
-        if tied is None or owner[by_fqn.get(tied, i)] != owner[i]:
-            params[owner[i]] += count
+        for chunk in readers.get(name) or {owner[layout.index[name]]}:
+            params[chunk] += count
     return params, _loss_bytes(graph, layout, owner, chunks)
+
+
+def _parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
+    """Parameter node -> the chunks of the nodes that read it."""
+    parameters = {n.name for n in graph.parameters}
+    readers: dict[str, set[int]] = {}
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            if name in parameters:
+                readers.setdefault(name, set()).add(owner[i])
+    return readers
 
 
 def _kernels(node: NodeLayout, b: int, attention: str) -> tuple[list, list, float]:
@@ -418,6 +432,23 @@ def _add_sends(crossing: list[float], stages: list[StageSpec], chunks: list[_Chu
 
 def _chunk_time(chunk: _Chunk) -> float:
     return chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s + chunk.send_s
+
+
+def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: StageSpec, mesh: Mesh,
+                  *, pp: int) -> float:
+    """Megatron's embedding-group all-reduce: a weight that chunks on several pipeline ranks read
+    (tied embedding and LM head) has a copy on each, whose gradients are summed over those ranks
+    after the backward, with nothing left to overlap it (copies on one rank are summed in place)."""
+    seconds = 0.0
+    for name, chunks in _parameter_readers(graph, layout, owner).items():
+        ranks = sorted({chunk % pp * spec.tp * spec.dp for chunk in chunks})
+        if len(ranks) < 2:
+            continue
+        nodes = {rank // mesh.gpus_per_node for rank in ranks}
+        link = mesh.device.intra_node if len(nodes) == 1 else mesh.device.inter_node
+        grads = layout.param_local.get(name, 0.0) * BYTES_PER_PARAM["gradients"]
+        seconds += Group((Level(len(ranks), link),)).all_reduce(grads)
+    return seconds
 
 
 def _data_parallel_exposed(params: float, spec: StageSpec, mesh: Mesh, m: int, per_mb: float,

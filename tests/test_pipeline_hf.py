@@ -93,3 +93,17 @@ def test_pipelined_hf_models_train_like_one_process():
         assert report["mismatches"] == [], f"{name}, {config.schedule}: {report['mismatches']}"
     for rank in results[1:]:
         assert [r["losses"] for r in rank] == [r["losses"] for r in results[0]]
+
+
+def test_estimator_prices_the_all_reduce_of_weights_tied_across_pipeline_ranks():
+    """With dp=1 nothing else reduces gradients: the data-parallel communication of a two-stage
+    pipeline is the tied weight's all-reduce, which only a model with tied embeddings pays."""
+    config = autopar.Config(pp=2, dp=1, micro_batch=2, schedule="1f1b", global_batch=4)
+    mesh = autopar.Mesh.parse("2:cpu")
+    comm = {}
+    for name in ("gpt2", "llama"):
+        graph = capture(name)[3]
+        comm[name] = autopar.estimate(graph, mesh, config).comm_breakdown["data"]
+        one_stage = autopar.Config(dp=1, micro_batch=2, global_batch=4)
+        assert autopar.estimate(graph, autopar.Mesh.parse("1:cpu"), one_stage).comm_breakdown["data"] == 0
+    assert comm["gpt2"] > 0 and comm["llama"] == 0

@@ -252,7 +252,9 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     exported = export_for_pipeline(model, micro, program, example_kwargs)
     programs = _stage_programs(exported, model, plan, layout, mesh, own, device)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
-    stages = [PipelineStage(p.module, p.index, len(plan.stages), device, group=mesh.get_group("pp"))
+    # the split's record of what each stage takes and returns spares torch a forward to learn it
+    stages = [PipelineStage(p.module, p.index, len(plan.stages), device, input_args=p.example_inputs,
+                            output_args=p.example_outputs, group=mesh.get_group("pp"))
               for p in programs]
     out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
     schedule = _schedule(plan, layout, stages, _checked_loss(loss_fn, out_spec))

@@ -12,6 +12,10 @@ every layer. So:
 - `order_interfaces`, after the graph is cut into one submodule per stage, makes each stage's
   outputs the next stage's inputs in the same order, the first stage take the model's positional
   inputs in order, and the last stage return the model's flat outputs in order.
+- `interface_examples` runs the stages one after another on fake tensors and records what each
+  one takes and returns (shape, dtype, whether it requires grad). Given to `PipelineStage`, these
+  spare torch the forward it otherwise runs on uninitialized tensors to learn them, which
+  fails in a stage that receives token ids (T5's decoder ids) and looks them up in a table.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import operator
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError
 
@@ -131,3 +136,23 @@ def _give_outputs(stage: fx.GraphModule, order: list[tuple[int | None, object]],
             chosen = [stage.graph.call_method("contiguous", (value,)) for value in chosen]
     output.args = (chosen[0],) if single else (tuple(chosen),)
     stage.recompile()
+
+
+def interface_examples(stages: list[fx.GraphModule], inputs: list) -> list[tuple[tuple, tuple]]:
+    """(inputs, outputs) of each stage as meta-device tensors, from a run on fake tensors of the
+    model's positional inputs `inputs` (fake or meta tensors: only their shapes and dtypes count)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    examples = []
+    with mode:
+        values = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype) for x in inputs)
+        for stage in stages:
+            output = stage(*values)
+            outputs = output if isinstance(output, tuple) else (output,)
+            examples.append((values, tuple(x for x in outputs if isinstance(x, torch.Tensor))))
+            values = outputs
+    return [tuple(tuple(_on_meta(x) for x in side) for side in example) for example in examples]
+
+
+def _on_meta(value: torch.Tensor) -> torch.Tensor:
+    tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return tensor.requires_grad_(value.requires_grad)

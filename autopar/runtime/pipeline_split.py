@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_unflatten
 
 from autopar.errors import PlanMismatchError
 from autopar.passes.recompute import Recomputed, checkpoint_regions
-from autopar.runtime.pipeline_flow import order_interfaces, pass_along
+from autopar.runtime.pipeline_flow import interface_examples, order_interfaces, pass_along
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +40,10 @@ class StageProgram:
     # parameters that several stages hold a copy of (tied weights): fqn -> those stages, the same
     # for every stage of the model
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # what the stage takes and returns for one micro-batch, as meta tensors (PipelineStage's
+    # input_args and output_args)
+    example_inputs: tuple = ()
+    example_outputs: tuple = ()
 
 
 class TensorRef(nn.Module):
@@ -97,6 +101,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     units = [path for layers in stage_layers for path in layers]
     unit_stage = [s for s, layers in enumerate(stage_layers) for _ in layers]
     positional, out_spec = _signature(module)
+    inputs = [node.meta["val"] for node in module.graph.nodes if node.op == "placeholder"][:positional]
     _drop_unused(module)
     unit_of_node = _assign_units(module, units, unit_stage)
     _check_order(module, unit_of_node, unit_stage)
@@ -123,8 +128,10 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
         programs.append(StageProgram(index=index, module=stage_module, param_names=names,
                                      out_spec=out_spec))
     tied = tied_stages(programs)
-    for program in programs:
+    examples = interface_examples([program.module for program in programs], inputs)
+    for program, (example_inputs, example_outputs) in zip(programs, examples):
         program.tied = tied
+        program.example_inputs, program.example_outputs = example_inputs, example_outputs
     return programs
 
 
