@@ -39,7 +39,8 @@ _VIEW = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand
          "unbind", "as_strided", "view_as", "expand_as", "unflatten", "flatten", "narrow",
          "lift_fresh_copy", "_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride",
          "getitem", "_local_scalar_dense", "empty", "empty_like", "scalar_tensor", "arange",
-         "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "empty_strided"}
+         "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "empty_strided",
+         "numpy_T", "mT", "mH", "adjoint", "swapaxes", "swapdims", "movedim"}
 
 # Backward cost relative to forward, per family: (flops factor, bytes factor). A matmul's backward
 # is two matmuls of the forward's size (input and weight gradients). FlashAttention-2's backward

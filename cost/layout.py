@@ -29,7 +29,8 @@ _SAVES_NOTHING = {"add", "sub", "neg", "clone", "_to_copy", "to", "copy", "conti
                   "stack", "type_as", "fill", "zero", "masked_fill", "where", "rsub", "constant_pad_nd",
                   "pad", "repeat", "index", "slice_scatter", "select_scatter", "detach_", "tril", "triu"}
 # Views that leave the tensor non-contiguous; a reshape after them copies.
-_STRIDING = {"transpose", "permute", "t", "expand", "expand_as"}
+_STRIDING = {"transpose", "permute", "t", "expand", "expand_as", "numpy_T", "mT", "mH", "adjoint",
+              "swapaxes", "swapdims", "movedim"}
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
                 "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 

@@ -4,7 +4,8 @@ Used by `compile(plan=Config(...))` when the planner's `plan_from_config` (place
 ILP with pinned axis roles) is not available. Tensor parallelism follows the data flow of each
 block: a linear whose input is whole is column-parallel (output features split over "tp"), a
 linear whose input is split is row-parallel (input features split, partial sums reduced where the
-residual stream enters the next norm).
+residual stream enters the next norm). A weight read through a transpose (`x @ w.T`) counts as read
+directly, its dims swapped.
 So q/k/v, the MLP's up and gate projections and the LM head come out column-parallel, the
 attention output and MLP down projections row-parallel, for any model built from linears,
 whatever its names. Sequence parallelism splits the sequence dim of every norm's input. ZeRO-3
@@ -22,6 +23,9 @@ from autopar.plan import Plan, Stage
 # (weight dims of (output features, input features)) of each linear-like op, by its target.
 LINEAR_WEIGHT_DIMS = {"aten.linear.default": (0, 1), "aten.addmm.default": (1, 0),
                       "aten.mm.default": (1, 0), "aten.matmul.default": (1, 0)}
+# ops that transpose a matrix: a linear may read its weight through one (`x @ w.T`)
+TRANSPOSES = ("aten.t.default", "aten.numpy_T.default", "aten.mT.default", "aten.transpose.int",
+              "aten.permute.default", "aten.swapaxes.default", "aten.swapdims.default")
 # position of the (input, weight, bias) arguments of each
 LINEAR_ARGS = {"aten.linear.default": (0, 1, 2), "aten.addmm.default": (1, 2, 0),
                "aten.mm.default": (0, 1, None), "aten.matmul.default": (0, 1, None)}
@@ -61,16 +65,24 @@ def _tensor_parallel_placements(graph: Graph, tp: int) -> dict[str, str]:
         return {}
     fqn_of = {n.name: n.param_fqn for n in graph.nodes if n.role is Role.PARAMETER}
     shape_of = {n.name: n.shape for n in graph.nodes}
+    # a matrix parameter seen through transposes (`x @ w.T`): node -> (parameter node, swapped)
+    matrix = {name: (name, False) for name in fqn_of}
     split: set[str] = set()           # activations whose features are split over tp
     placements: dict[str, str] = {}
     for node in graph.nodes:
+        if node.target in TRANSPOSES and len(node.shape) == 2 and node.inputs[0] in matrix:
+            source, swapped = matrix[node.inputs[0]]
+            matrix[node.name] = (source, not swapped)
+            continue
         args = LINEAR_ARGS.get(node.target)
-        weight = node.inputs[args[1]] if args and len(node.inputs) > args[1] else None
-        if weight not in fqn_of or fqn_of[weight] in placements:
+        operand = node.inputs[args[1]] if args and len(node.inputs) > args[1] else None
+        weight, swapped = matrix.get(operand, (None, False))
+        if weight is None or fqn_of[weight] in placements:
             if any(i in split for i in node.inputs) and node.role is Role.ACTIVATION:
                 split.add(node.name)
             continue
         out_dim, in_dim = LINEAR_WEIGHT_DIMS[node.target]
+        out_dim, in_dim = (in_dim, out_dim) if swapped else (out_dim, in_dim)
         bias = node.inputs[args[2]] if args[2] is not None and len(node.inputs) > args[2] else None
         if node.inputs[args[0]] in split:             # row-parallel: partial sums, reduced after
             placements[fqn_of[weight]] = f"S({in_dim})"

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
-import autopar.runtime.dtensor_rules  # noqa: F401  (CPU attention has no DTensor rule in torch)
+from autopar.runtime.dtensor_rules import replicate_ops_without_rule
 from autopar.errors import PlanMismatchError
 from autopar.passes.collectives import Redistribute
 from autopar.cost.strategies.placements import parse_placement
@@ -95,6 +95,130 @@ def replicate_created_tensors(module: nn.Module, mesh: DeviceMesh) -> None:
         graph_module.recompile()
 
 
+# Ops that call `view` on their input's local tensor when the DTensor's (global) strides allow it.
+VIEWING_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+               torch.ops.aten.reshape.default, torch.ops.aten.flatten.using_ints,
+               torch.ops.aten.unflatten.int, torch.ops.aten.linear.default,
+               torch.ops.aten.matmul.default}
+
+
+def _laid_out_like_global(value):
+    """`value` with its local tensor's dims in memory in the order of the DTensor's global strides.
+
+    A DTensor's strides are those of the global tensor, computed from its inputs' global strides,
+    but a collective (an implicit redistribute inside an op, e.g. partial sums reduced onto a
+    head-sharded attention input) returns a contiguous local tensor whatever the global layout.
+    Ops whose output layout follows their input (attention) then carry the mismatch on, and a
+    reshape that the global strides allow as a view fails on the local tensor. Only the
+    order of dims matters for which views are valid, so the local tensor is made dense in the
+    global order, which is a copy only when it is not already so."""
+    if not isinstance(value, DTensor) or value.dim() < 2:
+        return value
+    local = value.to_local()
+    order = sorted(range(value.dim()), key=lambda d: (-value.stride(d), d))
+    if local.permute(order).is_contiguous():
+        return value
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    dense = local.permute(order).contiguous().permute(inverse)
+    return DTensor.from_local(dense, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+class _MatchLayout(torch.autograd.Function):
+    """Identity on values; local layouts follow global strides, for the value in forward and for
+    its gradient in backward (the backward of a view reshapes the gradient)."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return _laid_out_like_global(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _laid_out_like_global(grad)
+
+
+def match_layout(value):
+    return _MatchLayout.apply(value) if isinstance(value, DTensor) else value
+
+
+def match_layouts(module: nn.Module) -> None:
+    """Around every op that may view its input's local tensor: the input laid out like its
+    global strides before it (forward), and the output's gradient after it (backward)."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        graph = graph_module.graph
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target in VIEWING_OPS]:
+            source = node.args[0]
+            if isinstance(source, fx.Node):
+                with graph.inserting_before(node):
+                    node.replace_input_with(source, graph.call_function(match_layout, (source,)))
+            with graph.inserting_after(node):
+                matched = graph.call_function(match_layout, (node,))
+            node.replace_all_uses_with(matched, delete_user_cb=lambda user: user is not matched)
+        graph_module.recompile()
+
+
+ATTENTION_OPS = (torch.ops.aten.scaled_dot_product_attention.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+class MaskedAttention(nn.Module):
+    """Attention with a mask tensor, its four tensors placed alike before the call.
+
+    DTensor reshards positional arguments to the strategy it picks but not keyword ones (the CPU
+    kernel's `attn_mask`), so a replicated per-head mask (T5's position bias) reaches a
+    head-sharded kernel whole. Here q, k and v go to the plan's placement of the attention's
+    output (else they keep a batch or head sharding they have, else heads are split when they
+    divide) and the mask to the same split where it has that dim at full size, so no input
+    needs resharding inside the op."""
+
+    def __init__(self, op, mesh: DeviceMesh, placement: Placement | None):
+        super().__init__()
+        self.op, self.mesh, self.placement = op, mesh, placement
+
+    def forward(self, query, key, value, *args, **kwargs):
+        if not isinstance(query, DTensor):
+            return self.op(query, key, value, *args, **kwargs)
+        place = self._placement(query, key)
+        query, key, value = (t.redistribute(self.mesh, (place,)) for t in (query, key, value))
+        if args and isinstance(args[0], torch.Tensor):
+            args = (self._place_mask(args[0], place), *args[1:])
+        if isinstance(kwargs.get("attn_mask"), torch.Tensor):
+            kwargs["attn_mask"] = self._place_mask(kwargs["attn_mask"], place)
+        return self.op(query, key, value, *args, **kwargs)
+
+    def _placement(self, query: DTensor, key: DTensor) -> Placement:
+        size = self.mesh.size()
+        for place in (self.placement, query.placements[0]):
+            if isinstance(place, Shard) and place.dim in (0, 1) and query.shape[place.dim] % size == 0 \
+                    and key.shape[place.dim] % size == 0:
+                return place
+        if query.shape[1] % size == 0 and key.shape[1] % size == 0:
+            return Shard(1)
+        return Shard(0) if query.shape[0] % size == 0 else Replicate()
+
+    def _place_mask(self, mask: torch.Tensor, place: Placement) -> DTensor:
+        if not isinstance(mask, DTensor):
+            mask = DTensor.from_local(mask, self.mesh, [Replicate()], run_check=False)
+        dim = place.dim - (4 - mask.dim()) if isinstance(place, Shard) else -1
+        keep = Shard(dim) if dim >= 0 and mask.shape[dim] > 1 else Replicate()
+        return mask.redistribute(self.mesh, (keep,))
+
+
+def place_attention(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]], tp_axis: int) -> None:
+    """Every attention call with a mask runs as MaskedAttention."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        for node in list(graph_module.graph.nodes):
+            masked = len(node.args) > 3 and node.args[3] is not None or node.kwargs.get("attn_mask") is not None
+            if node.op != "call_function" or node.target not in ATTENTION_OPS or not masked:
+                continue
+            texts = nodes.get(node.name)
+            name = f"masked_{node.name}"
+            graph_module.add_submodule(name, MaskedAttention(
+                node.target, mesh, parse_placement(texts[tp_axis]) if texts else None))
+            node.op, node.target = "call_module", name
+        graph_module.recompile()
+
+
 def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]], tp_axis: int) -> None:
     """After each node the plan places on `tp_axis`, move its value to that placement."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
@@ -136,5 +260,8 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
             ref.value = tensor
     drop_metadata_checks(module)
     replicate_created_tensors(module, mesh)
+    replicate_ops_without_rule(module, mesh)
+    place_attention(module, mesh, nodes, tp_axis)
     place_nodes(module, mesh, nodes, tp_axis)
+    match_layouts(module)
     return TensorParallelStage(module, mesh)

@@ -50,18 +50,36 @@ def permuted(order: list[int]) -> list[OpStrategy]:
     return found
 
 
-@rule("aten.transpose.int")
-def transpose(view: OpView) -> list[OpStrategy]:
-    rank = len(view.input_shapes[0])
+def _swapped(rank: int, a: int, b: int) -> list[int]:
     order = list(range(rank))
-    a, b = view.arg(1) % rank, view.arg(2) % rank
-    order[a], order[b] = order[b], order[a]
-    return permuted(order)
+    order[a % rank], order[b % rank] = order[b % rank], order[a % rank]
+    return order
 
 
-@rule("aten.t.default")
+@rule("aten.transpose.int", "aten.swapaxes.default", "aten.swapdims.default")
+def transpose(view: OpView) -> list[OpStrategy]:
+    return permuted(_swapped(len(view.input_shapes[0]), view.arg(1), view.arg(2)))
+
+
+@rule("aten.t.default", "aten.numpy_T.default")
 def t(view: OpView) -> list[OpStrategy]:
+    """All dims reversed (`x.T`; `t` has at most two)."""
     return permuted(list(range(len(view.input_shapes[0])))[::-1])
+
+
+@rule("aten.mT.default", "aten.mH.default", "aten.adjoint.default")
+def matrix_transpose(view: OpView) -> list[OpStrategy]:
+    """The last two dims swapped (`x.mT`; the conjugate of real tensors is themselves)."""
+    return permuted(_swapped(len(view.input_shapes[0]), -2, -1))
+
+
+@rule("aten.movedim.int")
+def movedim(view: OpView) -> list[OpStrategy]:
+    rank = len(view.input_shapes[0])
+    source, destination = view.arg(1) % rank, view.arg(2) % rank
+    order = [d for d in range(rank) if d != source]
+    order.insert(destination, source)
+    return permuted(order)
 
 
 @rule("aten.permute.default")
