@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from autopar.cost.compute import compute_time, op_family
 from autopar.errors import InfeasibleError
 from autopar.graph import Graph, Role
+from autopar.solver.schedules import runs, schedule_error
 
 RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
 GRID_VIRTUAL = (2, 3, 4, 6, 8)
@@ -81,6 +82,21 @@ class Priced:
     memory_bytes: float
     fits: bool
     estimate: object = field(default=None, repr=False)
+
+
+def layout_error(shape: Shape, global_batch: int) -> str | None:
+    """Why the runtime cannot run a device layout for this global batch (None when it can): the
+    batch must divide into dp replicas of m micro-batches of `micro_batch` sequences, and torch
+    must run the schedule with m micro-batches on pp ranks of `virtual` chunks (one stage per
+    rank when pp == 1, where no schedule is built). Every generator below keeps to it, so the
+    search never prices what the runtime would refuse."""
+    per_step = shape.dp * shape.micro_batch
+    if global_batch % per_step:
+        return (f"global batch {global_batch} is not divisible by dp x micro-batch = "
+                f"{shape.dp} x {shape.micro_batch}")
+    if shape.pp == 1:
+        return None if shape.virtual == 1 else "one pipeline rank holds one stage"
+    return schedule_error(shape.schedule, shape.pp, global_batch // per_step, shape.virtual)
 
 
 def pipeline_units(graph: Graph) -> list[Unit]:
@@ -193,8 +209,9 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
                 if pp == 1:
                     shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
                     continue
-                if m >= pp:
+                if runs("1f1b", pp, m):
                     shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                # Megatron interleaves only when the micro-batches fill whole rounds
                 if m % pp == 0:
                     shapes += [Shape(tp, pp, dp, mbs, "interleaved-1f1b", v, sp) for v in GRID_VIRTUAL
                                if blocks % (pp * v) == 0]
@@ -235,7 +252,14 @@ class Search:
     timed_out: bool = False
 
     def price(self, candidate: Candidate, uniform: bool = False) -> Priced | None:
-        """Price with the estimator; None when the candidate is not a valid plan for it."""
+        """Price with the estimator; None when the candidate is not a valid plan for it. The
+        generators propose only layouts the runtime runs; this guard keeps any other out of
+        `best` and counts it among the refusals."""
+        error = layout_error(candidate.shape, self.pricer.global_batch)
+        if error is not None:
+            reason = f"not runnable: {error}"
+            self.pricer.refusals[reason] = self.pricer.refusals.get(reason, 0) + 1
+            return None
         result = self.pricer.price(candidate, self.units, uniform=uniform)
         if result is None:
             return None
@@ -291,15 +315,15 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
     return results
 
 
-def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int,
-                      try_none_first: bool) -> tuple[list[Priced], Priced | None] | None:
+def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_none_first: bool,
+                      uniform: bool = True) -> tuple[list[Priced], Priced | None] | None:
     """The candidates priced to find the fastest fitting recompute of one uniform configuration,
     and that one (None when none fits); None when the estimator refuses the configuration."""
     chunks = len(cuts) - 1
     priced: list[Priced] = []
     for recompute in ("none", "full", "selective") if try_none_first else ("full", "none", "selective"):
         candidate = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
-                                 uniform=True)
+                                 uniform=uniform)
         if candidate is None:
             if not priced:
                 return None
@@ -312,8 +336,9 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int,
 
 
 def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Priced]:
-    """Shapes outside the grid: balanced cuts, ZeRO-1 where there is data parallelism, the fastest
-    recompute that fits (full first: when it does not fit, nothing does)."""
+    """Shapes outside the grid: balanced cuts, every ZeRO level where there is data parallelism
+    (the most sharding first: when it does not fit, less does not either), and for each the
+    fastest recompute that fits."""
     results = []
     for shape in shapes:
         if search.out_of_time():
@@ -321,19 +346,17 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
         cuts = balanced_cuts(weights_for(shape.tp), shape.pp * shape.virtual)
         if cuts is None:
             continue
-        chunks = len(cuts) - 1
-        zero = (1 if shape.dp > 1 else 0,) * chunks
-        saving = search.price(Candidate(shape, cuts, (RECOMPUTE_ORDER[-1],) * chunks, zero))
-        if saving is None:
-            continue
-        results.append(saving)
-        for recompute in RECOMPUTE_ORDER[:-1] if saving.fits else ():
-            priced = search.price(Candidate(shape, cuts, (recompute,) * chunks, zero))
-            if priced is None:
+        needs_recompute = True
+        for zero in (3, 2, 1) if shape.dp > 1 else (0,):
+            ladder = _recompute_ladder(search, shape, cuts, zero, try_none_first=not needs_recompute,
+                                       uniform=False)
+            if ladder is None:
                 break
-            results.append(priced)
-            if priced.fits:
+            priced, fastest = ladder
+            results.extend(priced)
+            if fastest is None:
                 break
+            needs_recompute = fastest.candidate.recompute[0] != "none"
     return results
 
 
@@ -376,22 +399,22 @@ def _schedule_moves(current: Priced, global_batch: int, weights_for):
     else:
         options = ("zero-bubble", "gpipe", "1f1b") if m >= shape.pp else ("gpipe",)
     for schedule in options:
-        if schedule != shape.schedule:
+        if schedule != shape.schedule and runs(schedule, shape.pp, m, shape.virtual):
             yield replace(candidate, shape=replace(shape, schedule=schedule))
 
 
 def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
     """Every other micro-batch size that divides a replica's batch (the grid tries powers of
-    two), where the schedule can still run with the micro-batches left (m >= p; interleaving
-    also needs m divisible by p)."""
+    two), where torch still runs the schedule with the micro-batches left and, but for GPipe,
+    they fill the pipeline (m >= p, which the estimator's bubble assumes)."""
     candidate, shape = current.candidate, current.candidate.shape
     per_replica = global_batch // shape.dp
     for size in range(1, min(per_replica, MAX_MICRO_BATCH) + 1):
         m = per_replica // size
         if per_replica % size or size == shape.micro_batch:
             continue
-        if shape.pp > 1 and shape.schedule != "gpipe" and (
-                m < shape.pp or (shape.virtual > 1 and m % shape.pp)):
+        if shape.pp > 1 and (not runs(shape.schedule, shape.pp, m, shape.virtual) or
+                             (shape.schedule != "gpipe" and m < shape.pp)):
             continue
         yield replace(candidate, shape=replace(shape, micro_batch=size))
 

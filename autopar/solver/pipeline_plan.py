@@ -20,8 +20,9 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.plan import Plan, Stage
 from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, autopar_shapes, balanced_cuts,
-                                     grid_phase, infeasible, megatron_shapes, pipeline_units, refine,
-                                     short_pipeline_shapes, uneven_phase, uniform_cuts, unit_weights)
+                                     grid_phase, infeasible, layout_error, megatron_shapes,
+                                     pipeline_units, refine, short_pipeline_shapes, uneven_phase,
+                                     uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
 from autopar.timeline import plan_timeline
 
@@ -64,15 +65,16 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     _report(progress, "Megatron grid", 0, 3)
     # ZeRO-1 moves the bytes of ZeRO-0's all-reduce (reduce-scatter, then all-gather) and steps
     # the optimizer on 1/dp of the parameters: never slower, less memory. The grid's ZeRO-0 points
-    # are therefore dominated and skipped here (refinement still tries ZeRO 0, 2 and 3; the
-    # benchmark prices the whole grid and checks autopar against it).
-    grid_phase(search, grid, zero_levels=(1,))
+    # are therefore dominated and skipped here (refinement still tries ZeRO 0). ZeRO-2 and -3 are
+    # candidates wherever there is data parallelism: they fit where less sharding does not, and
+    # the estimator decides whether their extra collectives cost time.
+    grid_phase(search, grid, zero_levels=(1, 2, 3))
     _report(progress, "uneven stages", 1, 3)
     uneven_phase(search, autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch),
                  weights_for)
     if search.best is None:
-        # only ZeRO-2/3 or a short GPipe pipeline might still fit
-        grid_phase(search, grid, zero_levels=(2, 3))
+        # a pipeline with fewer micro-batches than stages (GPipe only) is all bubble: tried
+        # only when nothing else fits
         uneven_phase(search, short_pipeline_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
                                                    global_batch), weights_for)
     _report(progress, "refining", 2, 3)
@@ -104,6 +106,9 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
                   config.virtual, config.sequence_parallel)
+    error = layout_error(shape, config.global_batch)
+    if error is not None:
+        raise AutoparError(f"autopar cannot run {config}: {error}")
     priced = search.price(Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks),
                           uniform=True)
     if priced is None:
