@@ -269,6 +269,11 @@ class Search:
             self.least_memory = result
         return result
 
+    def candidates(self) -> list[Priced]:
+        """Every distinct candidate the estimator priced (and did not refuse), in pricing order:
+        what the plan is checked against (it is the fastest of these that fits)."""
+        return [p for p in self.pricer.cache.values() if p is not None]
+
     @property
     def priced(self) -> int:
         """Distinct candidates the estimator priced (repeats come from the pricer's memo)."""
@@ -364,10 +369,11 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
     """Local search from one priced candidate: each move one estimator call; the first better one
     is taken and the moves are generated again from it (hill climbing; repeated candidates come
     from the pricer's memo). Better means faster and fitting; while the current one does not fit,
-    anything that fits or needs less memory."""
+    anything that fits or needs less memory. Schedules are tried again after the micro-batch
+    size changed: which schedules torch runs, and which is fastest, depends on the count."""
     current = start
-    for move in (_schedule_moves, _micro_batch_moves, _balanced_move, _boundary_moves,
-                 _recompute_moves, _zero_moves, _boundary_moves):
+    for move in (_schedule_moves, _micro_batch_moves, _schedule_moves, _balanced_move,
+                 _boundary_moves, _recompute_moves, _zero_moves, _boundary_moves):
         improved = True
         while improved and not search.out_of_time():
             improved = False
@@ -478,13 +484,45 @@ def _zero_moves(current: Priced, global_batch: int, weights_for):
 
 
 def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
+    """Why nothing was planned: no layout fits the memory (with the least found), or no layout of
+    the mesh runs this global batch at all (with the batch sizes that would)."""
     least = search.least_memory
     if least is None:
-        return InfeasibleError("no configuration of this mesh could be priced for this model; check "
-                               "that the global batch divides into the data-parallel replicas")
+        return _no_layout(search)
     shape = least.candidate.shape
     return InfeasibleError(
-        f"no plan fits {memory_limit / 2**30:.1f} GiB per device; the least memory found is "
-        f"{least.memory_bytes / 2**30:.1f} GiB (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"no plan fits {_size(memory_limit)} per device; the least memory found is "
+        f"{_size(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
         f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
         f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")
+
+
+def _no_layout(search: Search) -> InfeasibleError:
+    mesh, batch = search.pricer.mesh, search.pricer.global_batch
+    # data-parallel degrees of the mesh's layouts, whatever the batch: TP inside a node, at most
+    # one pipeline stage per unit
+    degrees = sorted({mesh.world_size // (tp * pp)
+                      for tp in range(1, min(MAX_TP, mesh.gpus_per_node) + 1) if mesh.gpus_per_node % tp == 0
+                      for pp in range(1, len(search.units) + 1) if (mesh.world_size // tp) % pp == 0})
+    refused = search.pricer.refusals
+    reasons = "; ".join(sorted(refused, key=lambda r: -refused[r])[:3])
+    if not any(batch % dp == 0 for dp in degrees):
+        smallest = degrees[0] if degrees else mesh.world_size
+        below, above = batch // smallest * smallest, (batch // smallest + 1) * smallest
+        return InfeasibleError(
+            f"no layout of {mesh.world_size} devices runs global batch {batch}: its "
+            f"data-parallel degree would be one of {degrees} (at most {MAX_TP}-way tensor "
+            f"parallelism inside a node, one pipeline stage per layer), and none divides "
+            f"{batch}; use a global batch that is a multiple of {smallest}, e.g. "
+            f"{' or '.join(str(b) for b in (below, above) if b > 0)}")
+    return InfeasibleError(
+        f"no configuration of this mesh could be priced for this model with global batch "
+        f"{batch}{f' ({reasons})' if reasons else ''}; try another mesh or global batch")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest unit that keeps the number at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -129,7 +129,7 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
 def _seeds(search: Search) -> list[Priced]:
     """The best candidate of each of the best few device layouts: the fastest that fit, or while
     none fits, those that need the least memory."""
-    priced = [p for p in search.pricer.cache.values() if p is not None]
+    priced = search.candidates()
     fitting = [p for p in priced if p.fits]
     ranked = sorted(fitting, key=lambda p: p.step_time_s) if fitting else \
         sorted(priced, key=lambda p: p.memory_bytes)
