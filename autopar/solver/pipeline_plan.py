@@ -220,7 +220,7 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     nodes = {name: [_data_placement(name in batch and shape.dp > 1, shapes.get(name, ())), *placements]
              for name, placements in tensor["nodes"].items()}
     parameters = _with_zero3({fqn: ["R", *placements] for fqn, placements in tensor["parameters"].items()},
-                             stages)
+                             stages, {n.param_fqn: n.shape for n in graph.parameters})
     predicted = {key: value for key, value in estimate.items() if key != "devices"}
     solver = {**solver, "intra_op": tensor["stats"]}
     solver["seconds"] += tensor["stats"]["seconds"]
@@ -236,12 +236,26 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     return plan
 
 
-def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage]) -> dict[str, list[str]]:
-    """Parameters of ZeRO-3 stages are sharded over the data-parallel axis (gathered before use)."""
+def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage],
+                shapes: dict[str, tuple]) -> dict[str, list[str]]:
+    """Parameters of ZeRO-3 stages are sharded over the data-parallel axis (gathered before use),
+    on the first dim whose size, after any tensor-parallel split, the data-parallel degree divides:
+    OPT's 2050 positions split on the hidden dim over 4 ranks, and a parameter no dim of which
+    divides stays whole (a runtime that accepts uneven shards loses nothing by it, and one that
+    does not can run every plan)."""
     for stage in stages:
         if stage.zero < 3 or stage.dp == 1:
             continue
         for fqn, placements in parameters.items():
             if any(fqn.startswith(layer + ".") for layer in stage.layers) and placements[0] == "R":
-                parameters[fqn] = ["S(0)", *placements[1:]]
+                parameters[fqn] = [_data_shard(shapes[fqn], placements[1:], stage.tp, stage.dp),
+                                   *placements[1:]]
     return parameters
+
+
+def _data_shard(shape: tuple, tensor: list[str], tp: int, dp: int) -> str:
+    for dim, size in enumerate(shape):
+        local = size // tp if f"S({dim})" in tensor else size
+        if local % dp == 0:
+            return f"S({dim})"
+    return "R"
