@@ -1,7 +1,11 @@
 """Does every ordinary global batch plan? Models x meshes x global batches, each case planned by
 autopar and, independently, checked for whether any configuration fits at all.
 
-    python benchmarks/batch_sweep.py [--time-limit 10] [--models ...] [--meshes ...] [--batches ...]
+    python benchmarks/batch_sweep.py [--time-limit 10] [--batches ...]     # the 56 cases below
+    python benchmarks/batch_sweep.py --models gpt3-1.3b llama-7b --meshes 1x8:a100-80g 16x8:a100-80g
+
+By default each model runs on the cluster `autopar bench` trains it on (its A100-80GB rows), at 7
+global batches: 8 x 7 = 56 cases. With --models or --meshes, every model on every mesh.
 
 "Some configuration fits" is decided here, without the planner: the Megatron-style grid (TP
 dividing the node size, at most 8; PP dividing the blocks; DP the rest, dividing the global batch)
@@ -22,6 +26,10 @@ import argparse
 import sys
 import time
 
+# the A100-80GB rows of `autopar bench`: each model on a cluster it is trained on in practice
+PAIRS = (("gpt3-1.3b", "1x8:a100-80g"), ("gpt3-2.7b", "2x8:a100-80g"), ("gpt3-6.7b", "8x8:a100-80g"),
+         ("gpt3-13b", "16x8:a100-80g"), ("gpt3-175b", "128x8:a100-80g"), ("llama-7b", "8x8:a100-80g"),
+         ("llama-13b", "16x8:a100-80g"), ("llama-70b", "64x8:a100-80g"))
 MODELS = ("gpt3-1.3b", "gpt3-6.7b", "llama-7b", "gpt3-175b")
 MESHES = ("1x8:a100-80g", "2x8:a100-80g", "16x8:a100-80g", "128x8:a100-80g")
 BATCHES = (100, 250, 500, 1000, 1024, 1500, 2000)
@@ -75,8 +83,8 @@ def cell(case: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--meshes", nargs="+", default=MESHES)
+    parser.add_argument("--models", nargs="+", help=f"models (with --meshes: {' '.join(MODELS)})")
+    parser.add_argument("--meshes", nargs="+", help=f"meshes (with --models: {' '.join(MESHES)})")
     parser.add_argument("--batches", nargs="+", type=int, default=BATCHES)
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per plan (default 10)")
     args = parser.parse_args()
@@ -85,26 +93,32 @@ def main() -> int:
     from autopar.cost.mesh import Mesh
     from autopar.models import build_model
 
-    total = len(args.models) * len(args.meshes) * len(args.batches)
+    if args.models is None and args.meshes is None:
+        pairs = list(PAIRS)
+    else:
+        pairs = [(model, mesh) for model in args.models or MODELS for mesh in args.meshes or MESHES]
+    total = len(pairs) * len(args.batches)
     results: dict[tuple, dict] = {}
     started = time.monotonic()
-    for model in args.models:
-        graph = capture(*build_model(model))
+    graphs: dict = {}
+    for model, mesh_text in pairs:
+        if model not in graphs:
+            graphs.clear()          # one captured model at a time: gpt3-175b's graph is large
+            graphs[model] = capture(*build_model(model))
+        graph = graphs[model]
         blocks = sum(len(kind.instances) for kind in graph.blocks)
-        for mesh_text in args.meshes:
-            mesh = Mesh.parse(mesh_text)
-            for batch in args.batches:
-                case = sweep_case(graph, mesh, batch, blocks, args.time_limit)
-                results[(model, mesh_text, batch)] = case
-                print(f"[{len(results)}/{total}] {model} {mesh_text} batch {batch}: {cell(case)} "
-                      f"({case['seconds']:.1f} s) {case['detail'][:140]}", file=sys.stderr, flush=True)
+        mesh = Mesh.parse(mesh_text)
+        for batch in args.batches:
+            case = sweep_case(graph, mesh, batch, blocks, args.time_limit)
+            results[(model, mesh_text, batch)] = case
+            print(f"[{len(results)}/{total}] {model} {mesh_text} batch {batch}: {cell(case)} "
+                  f"({case['seconds']:.1f} s) {case['detail'][:140]}", file=sys.stderr, flush=True)
 
-    width = max(len(f"{m} {x}") for m in args.models for x in args.meshes)
+    width = max(len(f"{model} {mesh}") for model, mesh in pairs)
     print(f"{'model mesh':<{width}} " + " ".join(f"{b:>5}" for b in args.batches))
-    for model in args.models:
-        for mesh_text in args.meshes:
-            row = " ".join(f"{cell(results[(model, mesh_text, b)]):>5}" for b in args.batches)
-            print(f"{model + ' ' + mesh_text:<{width}} {row}")
+    for model, mesh_text in pairs:
+        row = " ".join(f"{cell(results[(model, mesh_text, b)]):>5}" for b in args.batches)
+        print(f"{model + ' ' + mesh_text:<{width}} {row}")
     planned = sum(c["planned"] for c in results.values())
     fits = sum(c["fits"] is not None for c in results.values())
     failed = [key for key, c in results.items() if c["fits"] and not c["planned"]]
