@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.errors import AutoparError
+from autopar.solver.schedules import SCHEDULES, check_schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}
 
@@ -82,14 +82,8 @@ def schedule_actions(schedule: str, pp: int, micro_batches: int, virtual: int = 
     """Compute actions per pipeline rank in torch's order for one of autopar's schedule names."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    if schedule not in SCHEDULES:
-        raise AutoparError(f"schedule {schedule!r} is unknown; expected one of {SCHEDULES}")
-    if virtual > 1 and schedule not in ("interleaved-1f1b", "zero-bubble"):
-        raise AutoparError(f"{virtual} chunks per rank need schedule interleaved-1f1b or zero-bubble, "
-                           f"not {schedule}")
-    if schedule == "1f1b" and micro_batches < pp:
-        raise AutoparError(f"1F1B needs at least as many micro-batches as stages ({micro_batches} < {pp}); "
-                           f"use more micro-batches or the gpipe schedule")
+    # the rules of what torch runs live in one place, shared with the planner and the runtime
+    check_schedule(schedule, pp, micro_batches, virtual)
     classes = {"gpipe": torch_schedules.ScheduleGPipe,
                "interleaved-1f1b": torch_schedules.ScheduleInterleaved1F1B,
                "zero-bubble": torch_schedules.ScheduleInterleavedZeroBubble}

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from autopar.cost.compute import compute_time, op_family
 from autopar.errors import InfeasibleError
 from autopar.graph import Graph, Role
+from autopar.solver.schedules import runs, schedule_error
 
 RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
 GRID_VIRTUAL = (2, 3, 4, 6, 8)
@@ -81,6 +82,21 @@ class Priced:
     memory_bytes: float
     fits: bool
     estimate: object = field(default=None, repr=False)
+
+
+def layout_error(shape: Shape, global_batch: int) -> str | None:
+    """Why the runtime cannot run a device layout for this global batch (None when it can): the
+    batch must divide into dp replicas of m micro-batches of `micro_batch` sequences, and torch
+    must run the schedule with m micro-batches on pp ranks of `virtual` chunks (one stage per
+    rank when pp == 1, where no schedule is built). Every generator below keeps to it, so the
+    search never prices what the runtime would refuse."""
+    per_step = shape.dp * shape.micro_batch
+    if global_batch % per_step:
+        return (f"global batch {global_batch} is not divisible by dp x micro-batch = "
+                f"{shape.dp} x {shape.micro_batch}")
+    if shape.pp == 1:
+        return None if shape.virtual == 1 else "one pipeline rank holds one stage"
+    return schedule_error(shape.schedule, shape.pp, global_batch // per_step, shape.virtual)
 
 
 def pipeline_units(graph: Graph) -> list[Unit]:
@@ -197,8 +213,9 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
                 if pp == 1:
                     shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
                     continue
-                if m >= pp:
+                if runs("1f1b", pp, m):
                     shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                # Megatron interleaves only when the micro-batches fill whole rounds
                 if m % pp == 0:
                     shapes += [Shape(tp, pp, dp, mbs, "interleaved-1f1b", v, sp) for v in GRID_VIRTUAL
                                if blocks % (pp * v) == 0]
@@ -239,7 +256,14 @@ class Search:
     timed_out: bool = False
 
     def price(self, candidate: Candidate, uniform: bool = False) -> Priced | None:
-        """Price with the estimator; None when the candidate is not a valid plan for it."""
+        """Price with the estimator; None when the candidate is not a valid plan for it. The
+        generators propose only layouts the runtime runs; this guard keeps any other out of
+        `best` and counts it among the refusals."""
+        error = layout_error(candidate.shape, self.pricer.global_batch)
+        if error is not None:
+            reason = f"not runnable: {error}"
+            self.pricer.refusals[reason] = self.pricer.refusals.get(reason, 0) + 1
+            return None
         result = self.pricer.price(candidate, self.units, uniform=uniform)
         if result is None:
             return None
@@ -248,6 +272,11 @@ class Search:
         if self.least_memory is None or result.memory_bytes < self.least_memory.memory_bytes:
             self.least_memory = result
         return result
+
+    def candidates(self) -> list[Priced]:
+        """Every distinct candidate the estimator priced (and did not refuse), in pricing order:
+        what the plan is checked against (it is the fastest of these that fits)."""
+        return [p for p in self.pricer.cache.values() if p is not None]
 
     @property
     def priced(self) -> int:
@@ -295,15 +324,15 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
     return results
 
 
-def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int,
-                      try_none_first: bool) -> tuple[list[Priced], Priced | None] | None:
+def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_none_first: bool,
+                      uniform: bool = True) -> tuple[list[Priced], Priced | None] | None:
     """The candidates priced to find the fastest fitting recompute of one uniform configuration,
     and that one (None when none fits); None when the estimator refuses the configuration."""
     chunks = len(cuts) - 1
     priced: list[Priced] = []
     for recompute in ("none", "full", "selective") if try_none_first else ("full", "none", "selective"):
         candidate = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
-                                 uniform=True)
+                                 uniform=uniform)
         if candidate is None:
             if not priced:
                 return None
@@ -316,8 +345,9 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int,
 
 
 def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Priced]:
-    """Shapes outside the grid: balanced cuts, ZeRO-1 where there is data parallelism, the fastest
-    recompute that fits (full first: when it does not fit, nothing does)."""
+    """Shapes outside the grid: balanced cuts, every ZeRO level where there is data parallelism
+    (the most sharding first: when it does not fit, less does not either), and for each the
+    fastest recompute that fits."""
     results = []
     for shape in shapes:
         if search.out_of_time():
@@ -325,19 +355,17 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
         cuts = balanced_cuts(weights_for(shape.tp), shape.pp * shape.virtual)
         if cuts is None:
             continue
-        chunks = len(cuts) - 1
-        zero = (1 if shape.dp > 1 else 0,) * chunks
-        saving = search.price(Candidate(shape, cuts, (RECOMPUTE_ORDER[-1],) * chunks, zero))
-        if saving is None:
-            continue
-        results.append(saving)
-        for recompute in RECOMPUTE_ORDER[:-1] if saving.fits else ():
-            priced = search.price(Candidate(shape, cuts, (recompute,) * chunks, zero))
-            if priced is None:
+        needs_recompute = True
+        for zero in (3, 2, 1) if shape.dp > 1 else (0,):
+            ladder = _recompute_ladder(search, shape, cuts, zero, try_none_first=not needs_recompute,
+                                       uniform=False)
+            if ladder is None:
                 break
-            results.append(priced)
-            if priced.fits:
+            priced, fastest = ladder
+            results.extend(priced)
+            if fastest is None:
                 break
+            needs_recompute = fastest.candidate.recompute[0] != "none"
     return results
 
 
@@ -345,10 +373,11 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
     """Local search from one priced candidate: each move one estimator call; the first better one
     is taken and the moves are generated again from it (hill climbing; repeated candidates come
     from the pricer's memo). Better means faster and fitting; while the current one does not fit,
-    anything that fits or needs less memory."""
+    anything that fits or needs less memory. Schedules are tried again after the micro-batch
+    size changed: which schedules torch runs, and which is fastest, depends on the count."""
     current = start
-    for move in (_schedule_moves, _micro_batch_moves, _balanced_move, _boundary_moves,
-                 _recompute_moves, _zero_moves, _boundary_moves):
+    for move in (_schedule_moves, _micro_batch_moves, _schedule_moves, _balanced_move,
+                 _boundary_moves, _recompute_moves, _zero_moves, _boundary_moves):
         improved = True
         while improved and not search.out_of_time():
             improved = False
@@ -380,22 +409,22 @@ def _schedule_moves(current: Priced, global_batch: int, weights_for):
     else:
         options = ("zero-bubble", "gpipe", "1f1b") if m >= shape.pp else ("gpipe",)
     for schedule in options:
-        if schedule != shape.schedule:
+        if schedule != shape.schedule and runs(schedule, shape.pp, m, shape.virtual):
             yield replace(candidate, shape=replace(shape, schedule=schedule))
 
 
 def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
     """Every other micro-batch size that divides a replica's batch (the grid tries powers of
-    two), where the schedule can still run with the micro-batches left (m >= p; interleaving
-    also needs m divisible by p)."""
+    two), where torch still runs the schedule with the micro-batches left and, but for GPipe,
+    they fill the pipeline (m >= p, which the estimator's bubble assumes)."""
     candidate, shape = current.candidate, current.candidate.shape
     per_replica = global_batch // shape.dp
     for size in range(1, min(per_replica, MAX_MICRO_BATCH) + 1):
         m = per_replica // size
         if per_replica % size or size == shape.micro_batch:
             continue
-        if shape.pp > 1 and shape.schedule != "gpipe" and (
-                m < shape.pp or (shape.virtual > 1 and m % shape.pp)):
+        if shape.pp > 1 and (not runs(shape.schedule, shape.pp, m, shape.virtual) or
+                             (shape.schedule != "gpipe" and m < shape.pp)):
             continue
         yield replace(candidate, shape=replace(shape, micro_batch=size))
 
@@ -459,13 +488,45 @@ def _zero_moves(current: Priced, global_batch: int, weights_for):
 
 
 def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
+    """Why nothing was planned: no layout fits the memory (with the least found), or no layout of
+    the mesh runs this global batch at all (with the batch sizes that would)."""
     least = search.least_memory
     if least is None:
-        return InfeasibleError("no configuration of this mesh could be priced for this model; check "
-                               "that the global batch divides into the data-parallel replicas")
+        return _no_layout(search)
     shape = least.candidate.shape
     return InfeasibleError(
-        f"no plan fits {memory_limit / 2**30:.1f} GiB per device; the least memory found is "
-        f"{least.memory_bytes / 2**30:.1f} GiB (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"no plan fits {_size(memory_limit)} per device; the least memory found is "
+        f"{_size(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
         f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
         f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")
+
+
+def _no_layout(search: Search) -> InfeasibleError:
+    mesh, batch = search.pricer.mesh, search.pricer.global_batch
+    # data-parallel degrees of the mesh's layouts, whatever the batch: TP inside a node, at most
+    # one pipeline stage per unit
+    degrees = sorted({mesh.world_size // (tp * pp)
+                      for tp in range(1, min(MAX_TP, mesh.gpus_per_node) + 1) if mesh.gpus_per_node % tp == 0
+                      for pp in range(1, len(search.units) + 1) if (mesh.world_size // tp) % pp == 0})
+    refused = search.pricer.refusals
+    reasons = "; ".join(sorted(refused, key=lambda r: -refused[r])[:3])
+    if not any(batch % dp == 0 for dp in degrees):
+        smallest = degrees[0] if degrees else mesh.world_size
+        below, above = batch // smallest * smallest, (batch // smallest + 1) * smallest
+        return InfeasibleError(
+            f"no layout of {mesh.world_size} devices runs global batch {batch}: its "
+            f"data-parallel degree would be one of {degrees} (at most {MAX_TP}-way tensor "
+            f"parallelism inside a node, one pipeline stage per layer), and none divides "
+            f"{batch}; use a global batch that is a multiple of {smallest}, e.g. "
+            f"{' or '.join(str(b) for b in (below, above) if b > 0)}")
+    return InfeasibleError(
+        f"no configuration of this mesh could be priced for this model with global batch "
+        f"{batch}{f' ({reasons})' if reasons else ''}; try another mesh or global batch")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest unit that keeps the number at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"

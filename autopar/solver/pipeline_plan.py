@@ -20,8 +20,9 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.plan import Plan, Stage
 from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, autopar_shapes, balanced_cuts,
-                                     grid_phase, infeasible, megatron_shapes, pipeline_units, refine,
-                                     short_pipeline_shapes, uneven_phase, uniform_cuts, unit_weights)
+                                     grid_phase, infeasible, layout_error, megatron_shapes,
+                                     pipeline_units, refine, short_pipeline_shapes, uneven_phase,
+                                     uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
 from autopar.timeline import plan_timeline
 
@@ -64,15 +65,16 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     _report(progress, "Megatron grid", 0, 3)
     # ZeRO-1 moves the bytes of ZeRO-0's all-reduce (reduce-scatter, then all-gather) and steps
     # the optimizer on 1/dp of the parameters: never slower, less memory. The grid's ZeRO-0 points
-    # are therefore dominated and skipped here (refinement still tries ZeRO 0, 2 and 3; the
-    # benchmark prices the whole grid and checks autopar against it).
-    grid_phase(search, grid, zero_levels=(1,))
+    # are therefore dominated and skipped here (refinement still tries ZeRO 0). ZeRO-2 and -3 are
+    # candidates wherever there is data parallelism: they fit where less sharding does not, and
+    # the estimator decides whether their extra collectives cost time.
+    grid_phase(search, grid, zero_levels=(1, 2, 3))
     _report(progress, "uneven stages", 1, 3)
     uneven_phase(search, autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch),
                  weights_for)
     if search.best is None:
-        # only ZeRO-2/3 or a short GPipe pipeline might still fit
-        grid_phase(search, grid, zero_levels=(2, 3))
+        # a pipeline with fewer micro-batches than stages (GPipe only) is all bubble: tried
+        # only when nothing else fits
         uneven_phase(search, short_pipeline_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
                                                    global_batch), weights_for)
     _report(progress, "refining", 2, 3)
@@ -104,6 +106,9 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
                   config.virtual, config.sequence_parallel)
+    error = layout_error(shape, config.global_batch)
+    if error is not None:
+        raise AutoparError(f"autopar cannot run {config}: {error}")
     priced = search.price(Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks),
                           uniform=True)
     if priced is None:
@@ -124,7 +129,7 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
 def _seeds(search: Search) -> list[Priced]:
     """The best candidate of each of the best few device layouts: the fastest that fit, or while
     none fits, those that need the least memory."""
-    priced = [p for p in search.pricer.cache.values() if p is not None]
+    priced = search.candidates()
     fitting = [p for p in priced if p.fits]
     ranked = sorted(fitting, key=lambda p: p.step_time_s) if fitting else \
         sorted(priced, key=lambda p: p.memory_bytes)
@@ -215,7 +220,7 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     nodes = {name: [_data_placement(name in batch and shape.dp > 1, shapes.get(name, ())), *placements]
              for name, placements in tensor["nodes"].items()}
     parameters = _with_zero3({fqn: ["R", *placements] for fqn, placements in tensor["parameters"].items()},
-                             stages)
+                             stages, {n.param_fqn: n.shape for n in graph.parameters})
     predicted = {key: value for key, value in estimate.items() if key != "devices"}
     solver = {**solver, "intra_op": tensor["stats"]}
     solver["seconds"] += tensor["stats"]["seconds"]
@@ -231,12 +236,26 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     return plan
 
 
-def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage]) -> dict[str, list[str]]:
-    """Parameters of ZeRO-3 stages are sharded over the data-parallel axis (gathered before use)."""
+def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage],
+                shapes: dict[str, tuple]) -> dict[str, list[str]]:
+    """Parameters of ZeRO-3 stages are sharded over the data-parallel axis (gathered before use),
+    on the first dim whose size, after any tensor-parallel split, the data-parallel degree divides:
+    OPT's 2050 positions split on the hidden dim over 4 ranks, and a parameter no dim of which
+    divides stays whole (a runtime that accepts uneven shards loses nothing by it, and one that
+    does not can run every plan)."""
     for stage in stages:
         if stage.zero < 3 or stage.dp == 1:
             continue
         for fqn, placements in parameters.items():
             if any(fqn.startswith(layer + ".") for layer in stage.layers) and placements[0] == "R":
-                parameters[fqn] = ["S(0)", *placements[1:]]
+                parameters[fqn] = [_data_shard(shapes[fqn], placements[1:], stage.tp, stage.dp),
+                                   *placements[1:]]
     return parameters
+
+
+def _data_shard(shape: tuple, tensor: list[str], tp: int, dp: int) -> str:
+    for dim, size in enumerate(shape):
+        local = size // tp if f"S({dim})" in tensor else size
+        if local % dp == 0:
+            return f"S({dim})"
+    return "R"

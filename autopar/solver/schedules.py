@@ -1,0 +1,96 @@
+"""What torch.distributed.pipelining (torch 2.13) runs: the one place that says which schedule,
+pipeline depth, chunks per rank and micro-batch count make a schedule torch can construct and run.
+
+The planner generates only candidates these rules accept, and the runtime builds the torch
+schedule these rules name, so a plan never names a schedule that fails when the runtime builds it.
+No torch import: the solver stays torch-free.
+
+The rules, read from torch/distributed/pipelining/schedules.py and checked by constructing every
+class for 1-8 ranks, 1-4 chunks per rank and 1-40 micro-batches (tests/test_pipeline_schedules.py):
+
+    ScheduleGPipe                  one stage per rank; any micro-batch count
+    Schedule1F1B                   one stage per rank; micro-batches >= stages ("must be greater
+                                   than or equal to the number of stages")
+    ScheduleInterleaved1F1B        any stages per rank, placed round-robin (stage s on rank s % pp);
+    ScheduleInterleavedZeroBubble  rounds = max(1, m // pp) must divide m (so m % pp == 0, or
+                                   m < 2 pp, or m // pp dividing m as 10 on 4 ranks does)
+    ScheduleZBVZeroBubble          exactly two stages per rank in a V (rank r holds stages r and
+                                   2 pp - 1 - r); any micro-batch count
+
+autopar's names map onto them: "gpipe" and "1f1b" are the single-stage classes, "interleaved-1f1b"
+is ScheduleInterleaved1F1B at any chunk count, and "zero-bubble" is ScheduleZBVZeroBubble when the
+stages form a V and ScheduleInterleavedZeroBubble otherwise (the planner places chunks round-robin).
+"""
+
+from __future__ import annotations
+
+from autopar.errors import AutoparError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def torch_schedule(schedule: str, stages_per_rank: int, v_shape: bool = False) -> str:
+    """The name of the torch.distributed.pipelining class that runs `schedule` with this many
+    stages on each rank (`v_shape`: rank r holds stages r and 2 pp - 1 - r)."""
+    if schedule not in SCHEDULES:
+        raise AutoparError(f"schedule {schedule!r} is unknown; expected one of {', '.join(SCHEDULES)}")
+    if schedule in ("gpipe", "1f1b"):
+        if stages_per_rank != 1:
+            raise AutoparError(f"schedule {schedule!r} runs one stage per rank, but each rank holds "
+                               f"{stages_per_rank}; use 'interleaved-1f1b' or 'zero-bubble'")
+        return "ScheduleGPipe" if schedule == "gpipe" else "Schedule1F1B"
+    if schedule == "interleaved-1f1b":
+        return "ScheduleInterleaved1F1B"
+    if v_shape and stages_per_rank == 2:
+        return "ScheduleZBVZeroBubble"
+    return "ScheduleInterleavedZeroBubble"
+
+
+def schedule_error(schedule: str, pp: int, micro_batches: int, virtual: int = 1,
+                   v_shape: bool = False) -> str | None:
+    """Why torch cannot run `schedule` on `pp` pipeline ranks holding `virtual` stages each with
+    `micro_batches` micro-batches per step; None when it can."""
+    for name, value in (("pipeline ranks", pp), ("micro-batches", micro_batches),
+                        ("stages per rank", virtual)):
+        if value < 1:
+            return f"{value} {name}: at least 1 is needed"
+    try:
+        torch_class = torch_schedule(schedule, virtual, v_shape)
+    except AutoparError as err:
+        return str(err)
+    if torch_class == "Schedule1F1B" and micro_batches < pp:
+        return (f"1F1B needs at least as many micro-batches as stages ({micro_batches} < {pp}); "
+                f"use more micro-batches or the gpipe schedule")
+    if torch_class in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        if not _rounds_divide(pp, micro_batches):
+            rounds = max(1, micro_batches // pp)
+            near = min((m for m in range(1, 2 * micro_batches + pp) if _rounds_divide(pp, m)),
+                       key=lambda m: (abs(m - micro_batches), m))
+            return (f"{schedule} on {pp} ranks runs {micro_batches} micro-batches in "
+                    f"{rounds} rounds of {micro_batches // rounds}, which leaves "
+                    f"{micro_batches % rounds} over (torch's {torch_class} needs the rounds, "
+                    f"max(1, m // {pp}), to divide m); {near} micro-batches would run")
+    return None
+
+
+def _rounds_divide(pp: int, micro_batches: int) -> bool:
+    """The interleaved classes split the micro-batches into max(1, m // pp) equal rounds."""
+    return micro_batches % max(1, micro_batches // pp) == 0
+
+
+def runs(schedule: str, pp: int, micro_batches: int, virtual: int = 1, v_shape: bool = False) -> bool:
+    return schedule_error(schedule, pp, micro_batches, virtual, v_shape) is None
+
+
+def check_schedule(schedule: str, pp: int, micro_batches: int, virtual: int = 1,
+                   v_shape: bool = False) -> None:
+    """Raise AutoparError naming the problem when torch cannot run the schedule."""
+    error = schedule_error(schedule, pp, micro_batches, virtual, v_shape)
+    if error is not None:
+        raise AutoparError(f"{schedule} with {pp} ranks, {virtual} chunks per rank and "
+                           f"{micro_batches} micro-batches is not a valid schedule: {error}")
+
+
+def valid_micro_batch_counts(schedule: str, pp: int, virtual: int = 1, *, upto: int) -> list[int]:
+    """The micro-batch counts 1..upto that torch runs (m % pp == 0 always does)."""
+    return [m for m in range(1, max(upto, pp) + 1) if runs(schedule, pp, m, virtual)]
