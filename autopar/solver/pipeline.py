@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from autopar.cost.compute import compute_time, op_family
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 
 RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
@@ -461,7 +461,7 @@ def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
                                "that the global batch divides into the data-parallel replicas")
     shape = least.candidate.shape
     return InfeasibleError(
-        f"no plan fits {memory_limit / 2**30:.1f} GiB per device; the least memory found is "
-        f"{least.memory_bytes / 2**30:.1f} GiB (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"no plan fits {format_bytes(memory_limit)} per device; the least memory found is "
+        f"{format_bytes(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
         f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
         f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")
