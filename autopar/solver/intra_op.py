@@ -21,8 +21,6 @@ from autopar.solver.build import build_problem
 from autopar.solver.ilp import Assignment, solve
 from autopar.solver.problem import Problem
 
-GIB = 2**30
-
 
 @dataclass(kw_only=True, slots=True)
 class IntraOpSolution:
