@@ -135,7 +135,9 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise PlanMismatchError(f"no plan file at {path}; write one with `autopar plan`") from None
-        except json.JSONDecodeError as err:
+        except OSError as err:   # a folder, no permission
+            raise PlanMismatchError(f"plan file {path} cannot be read: {err.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise PlanMismatchError(f"{path} is not a plan: not valid JSON ({err})") from None
         if not isinstance(data, dict):
             raise PlanMismatchError(f"{path} is not a plan: expected a JSON object")
