@@ -401,3 +401,13 @@ def test_the_base_plan_is_valid():
 def test_bad_input_is_refused_clearly(case, tmp_path):
     outcome, message = classify(case, tmp_path)
     assert outcome == "clear", f"{outcome}: {message}"
+
+
+def test_time_limit_covers_capture():
+    """time_limit bounds all of planning: a limit that capture alone exceeds is refused with the
+    time capture took, not silently extended by the search's own budget."""
+    from autopar.models import build_model
+
+    model, example = build_model(TINY)
+    with pytest.raises(AutoparError, match=r"capturing the model took .* all of the time_limit of 1e-06 s"):
+        autopar.plan(model, "2:cpu", example_inputs=example, global_batch=2, time_limit=1e-6)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported before the fork: see test_parallel_gpt.py)
 import torch.distributed as dist
 
 import autopar
@@ -38,6 +39,34 @@ def _rank_one_never_returns():
     if dist.get_rank() == 1:
         time.sleep(600)
     return dist.get_rank()
+
+
+PG_TIMEOUT = 5
+
+
+def _rank_0_plans_longer_than_pg_timeout():
+    """compile(plan=None): rank 0 searches while rank 1 waits. The search is made to outlast the
+    launcher's process-group timeout (in this forked rank only); rank 1 must wait for it."""
+    import autopar.api as api
+    from autopar.models import build_model, lm_loss
+
+    search = api.plan_graph
+
+    def slow_search(*args, **kwargs):
+        time.sleep(PG_TIMEOUT + 3)
+        return search(*args, **kwargs)
+
+    api.plan_graph = slow_search
+    model, example = build_model("gpt:layers=1,hidden=16,heads=2,seq=8,vocab=32", device="cpu", batch=2)
+    compiled = autopar.compile(model, "2:cpu", example_inputs=example, loss_fn=lm_loss,
+                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                               global_batch=4, time_limit=30)
+    return compiled.plan.to_json()
+
+
+def test_planning_may_outlast_the_launchers_pg_timeout():
+    plans = autopar.launch(_rank_0_plans_longer_than_pg_timeout, 2, timeout=240, pg_timeout=PG_TIMEOUT)
+    assert plans[0] == plans[1]
 
 
 def test_stalled_rank_is_named_not_its_waiting_peer():
