@@ -48,8 +48,8 @@ def parse_bytes(text: str | int | float) -> int:
                            f"'80GiB'")
     nbytes = value * _UNITS[unit]
     if not MIN_MEMORY <= nbytes <= MAX_MEMORY:   # NaN fails both comparisons
-        raise AutoparError(f"memory size {text!r} is {nbytes:g} bytes, outside {MIN_MEMORY} B to "
-                           f"{MAX_MEMORY / 2**60:g} EiB; write it with a unit, e.g. 80GiB")
+        raise AutoparError(f"memory size {text!r} is {nbytes:g} bytes; a device's memory is positive, "
+                           f"from 1 KiB to 1 EiB: write it with a unit, e.g. 80GiB")
     return int(nbytes)
 
 

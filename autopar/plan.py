@@ -285,12 +285,14 @@ def _check_stage(stage: dict, position: int, axes: list, sub: int, world: int) -
     if stage["index"] != position:
         raise PlanMismatchError(f"plan {where} has index {stage['index']!r}; stages must be listed "
                                 f"in order, 0, 1, 2, ...")
-    if (not isinstance(stage["layers"], list) or not stage["layers"]
-            or not all(isinstance(layer, str) for layer in stage["layers"])):
-        raise PlanMismatchError(f"plan {where}.layers must be a non-empty list of module paths")
+    # a single-stage plan may list no layers: it holds the whole model
+    if not isinstance(stage["layers"], list) or not all(isinstance(x, str) for x in stage["layers"]):
+        raise PlanMismatchError(f"plan {where}.layers must be a list of module paths")
     tp, dp = _int(stage["tp"], f"{where}.tp", MAX_WORLD), _int(stage["dp"], f"{where}.dp", MAX_WORLD)
+    # The planner names its axes dp and tp; plans of the intra-op solver alone keep the mesh's
+    # axis names (node, gpu), where the stage's degrees are not read.
     named = dict(axes)
-    if tp * dp != sub or named.get("tp", tp) != tp or named.get("dp", dp) != dp:
+    if {"dp", "tp"} <= set(named) and (tp, dp) != (named["tp"], named["dp"]):
         raise PlanMismatchError(f"plan {where} has tp={tp} x dp={dp}, which is not its sub-mesh "
                                 f"{axes}")
     ranks = stage["ranks"]

@@ -167,7 +167,7 @@ PLAN_CASES = [
     Case("plan-zero-bool", bad_plan(lambda d: d["stages"][0].update(zero=True)), "zero"),
     Case("plan-sequence-parallel-string",
          bad_plan(lambda d: d["stages"][0].update(sequence_parallel="yes")), "sequence_parallel"),
-    Case("plan-layers-empty", bad_plan(lambda d: d["stages"][0].update(layers=[])), "layers"),
+    Case("plan-layers-not-names", bad_plan(lambda d: d["stages"][0].update(layers=[0, 1])), "layers"),
     Case("plan-axes-empty", bad_plan(lambda d: d.update(axes=[])), "axes"),
     Case("plan-axes-malformed", bad_plan(lambda d: d.update(axes=[["dp"]])), "axes"),
     Case("plan-axes-twice", bad_plan(lambda d: d.update(axes=[["dp", 2], ["dp", 2]])), "axis twice"),
