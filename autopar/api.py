@@ -6,7 +6,9 @@ on the mesh's device specs, and the result is a `Plan` that can be saved, read a
 
 from __future__ import annotations
 
+import datetime
 import re
+import time
 from collections.abc import Callable
 
 from autopar.errors import AutoparError, MeshError
@@ -19,25 +21,61 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# A device memory outside these bounds is a mistake of units ("0.5" meant GiB, "1e400" is not
+# a size), not a limit: refused rather than read as "nothing fits" or "no limit".
+MIN_MEMORY = 2**10
+MAX_MEMORY = 2**60
+# Bounds of planning: far beyond any real run, and what keeps a typo from searching for hours.
+MAX_GLOBAL_BATCH = 2**24
+MAX_TIME_LIMIT = 7 * 24 * 3600.0
+# Beyond the search's time limit, what planning on rank 0 may take: the intra-op ILP's own minimum
+# time, building the Plan, pickling it.
+PLAN_BROADCAST_SLACK_S = 120.0
+
+
 def parse_bytes(text: str | int | float) -> int:
     """A memory size: an int of bytes, or "80GiB", "40GB", "512MiB", "1e9"."""
-    if isinstance(text, (int, float)):
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    elif isinstance(text, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
         if not match or match.group(2).lower() not in _UNITS:
             raise AutoparError(f"memory size {text!r} is not understood: write bytes or a number with "
                                f"a unit such as 80GiB, 40GB, 512MiB")
         value, unit = float(match.group(1)), match.group(2).lower()
-    if value <= 0:
-        raise AutoparError(f"memory size {text!r} must be positive")
-    return int(value * _UNITS[unit])
+    else:
+        raise AutoparError(f"memory size {text!r} is not understood: give bytes or a string such as "
+                           f"'80GiB'")
+    nbytes = value * _UNITS[unit]
+    if not MIN_MEMORY <= nbytes <= MAX_MEMORY:   # NaN fails both comparisons
+        raise AutoparError(f"memory size {text!r} is {nbytes:g} bytes; a device's memory is positive, "
+                           f"from 1 KiB to 1 EiB: write it with a unit, e.g. 80GiB")
+    return int(nbytes)
+
+
+def check_planning(global_batch, time_limit, memory_limit) -> int | None:
+    """Planning arguments checked before any work; returns the memory limit in bytes (or None)."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or not (
+            1 <= global_batch <= MAX_GLOBAL_BATCH):
+        raise AutoparError(f"global_batch={global_batch!r} must be an integer from 1 to "
+                           f"{MAX_GLOBAL_BATCH} (sequences per optimizer step over all replicas)")
+    if (not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool)
+            or not 0 < time_limit <= MAX_TIME_LIMIT):
+        raise AutoparError(f"time_limit={time_limit!r} must be a number of seconds above 0 and at most "
+                           f"{MAX_TIME_LIMIT:.0f} (a week)")
+    return None if memory_limit is None else parse_bytes(memory_limit)
 
 
 def _as_mesh(mesh):
     from autopar.cost.mesh import Mesh
+    from autopar.errors import MeshError
 
-    return Mesh.parse(mesh) if isinstance(mesh, str) else mesh
+    if isinstance(mesh, str):
+        return Mesh.parse(mesh)
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh {mesh!r} is neither an autopar.Mesh nor a spec such as '4:cpu' or "
+                        f"'2x8:a100-80g'")
+    return mesh
 
 
 def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=None,
@@ -47,13 +85,25 @@ def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=
 
     `example_inputs` are ONE micro-batch's inputs (meta or fake tensors are fine: nothing runs);
     `global_batch` the sequences per optimizer step over all replicas; `memory_limit` bytes per
-    device or a size such as "80GiB" (default: the device's memory); `time_limit` seconds for the
-    search. `progress(phase, done, total)` is called as the search goes."""
+    device or a size such as "80GiB" (default: the device's memory); `time_limit` seconds for all
+    of planning, capture included. `progress(phase, done, total)` is called as the search goes."""
     from autopar.capture import capture
 
+    check_planning(global_batch, time_limit, memory_limit)
+    mesh = _as_mesh(mesh)
+    started = time.monotonic()
     graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     return plan_graph(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                      time_limit=time_limit, progress=progress)
+                      time_limit=remaining_time(time_limit, started), progress=progress)
+
+
+def remaining_time(time_limit: float, started: float) -> float:
+    """What is left of `time_limit` for the search after the work since `started` (capture)."""
+    left = time_limit - (time.monotonic() - started)
+    if left <= 0:
+        raise AutoparError(f"capturing the model took {time.monotonic() - started:.1f} s, all of the "
+                           f"time_limit of {time_limit:g} s; raise time_limit")
+    return left
 
 
 def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit: float = 60.0,
@@ -61,7 +111,7 @@ def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit:
     """`plan` for an already captured Graph."""
     from autopar.solver.pipeline_plan import plan_graph as search
 
-    limit = None if memory_limit is None else parse_bytes(memory_limit)
+    limit = check_planning(global_batch, time_limit, memory_limit)
     return search(graph, _as_mesh(mesh), global_batch=global_batch, memory_limit=limit,
                   time_limit=time_limit, progress=progress)
 
@@ -101,6 +151,11 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     from autopar.runtime.pipeline import build_runtime
 
     mesh = _as_mesh(mesh)
+    _check_training(model, example_inputs, loss_fn, optimizer)
+    if plan is None:
+        check_planning(global_batch or 1, time_limit, memory_limit)
+    elif global_batch is not None:
+        check_planning(global_batch, time_limit, None)
     if mesh.device.name != "cpu":
         _use_local_gpu(mesh)
     if not dist.is_initialized():
@@ -141,6 +196,28 @@ def _use_local_gpu(mesh) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
+def _check_training(model, example_inputs, loss_fn, optimizer) -> None:
+    """What compile can refuse before building anything: the callables and the example inputs.
+    What only a built model reveals (the optimizer's return value, the loss's shape and
+    reduction, buffers updated in forward) is checked by autopar.runtime.checks."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise AutoparError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise AutoparError(f"optimizer must be a function of the parameters that builds an optimizer, "
+                           f"e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4); got "
+                           f"{type(optimizer).__name__}. An optimizer already built holds the "
+                           f"unsharded parameters, which each rank does not train")
+    if not callable(loss_fn):
+        raise AutoparError(f"loss_fn must be a function loss_fn(outputs, targets) -> scalar tensor; "
+                           f"got {type(loss_fn).__name__}")
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
+        raise AutoparError("example_inputs must start with a tensor whose first dimension is the "
+                           "batch (one micro-batch's inputs), e.g. example_inputs=(ids,)")
+
+
 def _load_plan(plan):
     from autopar.plan import Plan
 
@@ -165,6 +242,9 @@ def _plan_on_rank0(graph, mesh, global_batch, memory_limit, time_limit):
 
     from autopar.plan import Plan
 
+    # The other ranks wait for rank 0's whole search: on a group whose timeout outlasts the time
+    # limit, or a short default timeout (a launcher's, torchrun's) would fail them mid-search.
+    waiting = dist.new_group(timeout=datetime.timedelta(seconds=time_limit + PLAN_BROADCAST_SLACK_S))
     message = [None]
     if dist.get_rank() == 0:
         try:
@@ -172,7 +252,8 @@ def _plan_on_rank0(graph, mesh, global_batch, memory_limit, time_limit):
                                              memory_limit=memory_limit, time_limit=time_limit).to_dict())
         except AutoparError as err:   # sent to the other ranks, then raised here too
             message[0] = ("error", err)
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, src=0, group=waiting)
+    dist.destroy_process_group(waiting)
     kind, payload = message[0]
     if kind == "error":
         raise payload

@@ -19,3 +19,12 @@ class MeshError(AutoparError):
 
 class PlanMismatchError(AutoparError):
     """A plan was made for another model, mesh or batch than the one it is used with."""
+
+
+def format_bytes(nbytes: float) -> str:
+    """A size in the largest binary unit that keeps it at 1 or more (1.50 GiB, 37.20 MiB, 512 B),
+    so that a message never says "0.00 GiB" of something that is not nothing."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -17,14 +17,23 @@ writes the same bytes.
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from autopar.errors import PlanMismatchError
+from autopar.errors import MeshError, PlanMismatchError
 
 SCHEMA_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+# Bounds that no real run comes near; a value past them is a corrupt or crafted file, and would
+# otherwise make explain or the runtime loop over billions of micro-batches or ranks.
+MAX_BATCH = 2**24
+MAX_WORLD = 2**20
+PLACEMENT = re.compile(r"R|P|S\((\d+)\)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,13 +106,20 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanMismatchError("a plan is a JSON object; this is not one")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:
             raise PlanMismatchError(f"plan schema version {version} is not {SCHEMA_VERSION}, the one this "
                                     f"autopar reads; plan the model again with this version")
         _check_fields(cls, data, "plan")
+        if not isinstance(data["stages"], list) or not data["stages"]:
+            raise PlanMismatchError("plan field 'stages' must be a non-empty list of stages")
         for stage in data["stages"]:
+            if not isinstance(stage, dict):
+                raise PlanMismatchError(f"plan stage {stage!r} is not an object")
             _check_fields(Stage, stage, "plan stage")
+        _check_values(data)
         stages = [Stage(**s) for s in data["stages"]]
         return cls(**{**data, "stages": stages})
 
@@ -119,19 +135,49 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise PlanMismatchError(f"no plan file at {path}; write one with `autopar plan`") from None
-        except json.JSONDecodeError as err:
+        except OSError as err:   # a folder, no permission
+            raise PlanMismatchError(f"plan file {path} cannot be read: {err.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise PlanMismatchError(f"{path} is not a plan: not valid JSON ({err})") from None
         if not isinstance(data, dict):
             raise PlanMismatchError(f"{path} is not a plan: expected a JSON object")
         return cls.from_dict(data)
 
-    def check_graph(self, fingerprint) -> None:
-        """Refuse a graph (or its fingerprint) other than the one this plan was made for."""
-        fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.fingerprint()
+    def check_graph(self, graph) -> None:
+        """Refuse a graph (or its fingerprint) other than the one this plan was made for. Given the
+        Graph itself, also check that every parameter placement shards a dimension the parameter
+        has, into equal parts (a hand-edited plan can pass the fingerprint and still do neither)."""
+        fingerprint = graph if isinstance(graph, str) else graph.fingerprint()
         if fingerprint != self.fingerprint:
             raise PlanMismatchError(
                 f"this plan was made for another model or input shape (graph fingerprint "
                 f"{self.fingerprint}, this model's is {fingerprint}); plan this model again")
+        if not isinstance(graph, str):
+            self.check_shapes({n.param_fqn: n.shape for n in graph.parameters if n.param_fqn})
+
+    def check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every placed parameter exists in `shapes` and each S(d) names one of its dimensions,
+        which the axes sharding it divide evenly."""
+        sizes = [size for _, size in self.axes]
+        for fqn, placement in self.parameters.items():
+            if fqn not in shapes:
+                raise PlanMismatchError(f"the plan places parameter {fqn!r}, which this model does "
+                                        f"not have; plan this model again")
+            shape = shapes[fqn]
+            parts = [1] * len(shape)
+            for axis, text in enumerate(placement):
+                dim = _shard_dim(text)
+                if dim is None:
+                    continue
+                if dim >= len(shape):
+                    raise PlanMismatchError(f"the plan shards parameter {fqn!r} of shape {list(shape)} "
+                                            f"on dim {dim}, which it does not have; plan this model again")
+                parts[dim] *= sizes[axis]
+            for dim, count in enumerate(parts):
+                if shape[dim] % count:
+                    raise PlanMismatchError(
+                        f"the plan splits dim {dim} of parameter {fqn!r} (size {shape[dim]}) into "
+                        f"{count} parts, which do not divide it; plan this model again")
 
     def diff(self, other: Plan) -> list[tuple[str, object, object]]:
         """Differences as (path, this value, other value), paths like "stages[2].recompute"."""
@@ -147,6 +193,132 @@ def _check_fields(cls, data: dict, what: str) -> None:
     if unknown or missing:
         raise PlanMismatchError(f"{what} has unknown fields {unknown} and lacks fields {missing}; "
                                 f"it was not written by this autopar version: plan the model again")
+
+
+def _shard_dim(placement: str) -> int | None:
+    match = PLACEMENT.fullmatch(placement)
+    return int(match.group(1)) if match and match.group(1) is not None else None
+
+
+def _check_values(data: dict) -> None:
+    """Values, not only names: types and ranges, a mesh that parses, axes that multiply to each
+    stage's devices, stages in order whose ranks cover the mesh once, a batch that splits into
+    dp x micro-batches x micro-batch size, and placements that parse, one per axis. Every refusal
+    names the field; none of it needs torch."""
+    for key in ("fingerprint", "model_type"):
+        _expect(data[key], str, key)
+    for key in ("predicted", "solver", "parameters", "nodes"):
+        _expect(data[key], dict, key)
+    world = _check_mesh(data["mesh"])
+    axes = _check_axes(data["axes"])
+    sub = math.prod(size for _, size in axes)
+    for key in ("global_batch", "micro_batches", "micro_batch_size", "virtual"):
+        _int(data[key], key, MAX_BATCH)
+    if data["schedule"] not in SCHEDULES:
+        raise PlanMismatchError(f"plan field 'schedule' is {data['schedule']!r}; expected one of "
+                                f"{', '.join(SCHEDULES)}")
+    stages, virtual = data["stages"], data["virtual"]
+    if virtual > 1 and data["schedule"] not in ("interleaved-1f1b", "zero-bubble"):
+        raise PlanMismatchError(f"plan has virtual={virtual} chunks per rank with schedule "
+                                f"{data['schedule']!r}, which runs one; use interleaved-1f1b")
+    if len(stages) % virtual:
+        raise PlanMismatchError(f"plan has {len(stages)} stages, not a multiple of virtual={virtual}")
+    for position, stage in enumerate(stages):
+        _check_stage(stage, position, axes, sub, world)
+    pp = len(stages) // virtual
+    _check_ranks(stages, pp, world)
+    dp = stages[0]["dp"]
+    if data["global_batch"] != dp * data["micro_batches"] * data["micro_batch_size"]:
+        raise PlanMismatchError(
+            f"plan's global_batch {data['global_batch']} is not dp x micro_batches x micro_batch_size "
+            f"= {dp} x {data['micro_batches']} x {data['micro_batch_size']}")
+    for key in ("parameters", "nodes"):
+        for name, placement in data[key].items():
+            if (not isinstance(placement, list) or len(placement) != len(axes)
+                    or not all(isinstance(p, str) and PLACEMENT.fullmatch(p) for p in placement)):
+                raise PlanMismatchError(
+                    f"plan {key}[{name!r}] is {placement!r}; expected one placement per axis "
+                    f"({len(axes)}), each R, P or S(dim)")
+    if not isinstance(data["replicated_ops"], list) or not all(
+            isinstance(op, str) for op in data["replicated_ops"]):
+        raise PlanMismatchError("plan field 'replicated_ops' must be a list of op names")
+
+
+def _expect(value, kind, name: str) -> None:
+    if not isinstance(value, kind):
+        raise PlanMismatchError(f"plan field {name!r} is {value!r}; expected a {kind.__name__}")
+
+
+def _int(value, name: str, largest: int, smallest: int = 1) -> int:
+    # bool is an int to Python, never to a plan
+    if not isinstance(value, int) or isinstance(value, bool) or not smallest <= value <= largest:
+        raise PlanMismatchError(f"plan field {name!r} is {value!r}; expected an integer from "
+                                f"{smallest} to {largest}")
+    return value
+
+
+def _check_mesh(mesh: dict) -> int:
+    from autopar.cost.mesh import Mesh
+
+    try:
+        world = Mesh.from_dict(mesh).world_size
+    except MeshError as err:
+        raise PlanMismatchError(f"plan field 'mesh' is not a mesh: {err}") from None
+    return world
+
+
+def _check_axes(axes) -> list:
+    if (not isinstance(axes, list) or not axes
+            or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) for a in axes)):
+        raise PlanMismatchError(f"plan field 'axes' is {axes!r}; expected [[name, size], ...] such as "
+                                f"[['dp', 2], ['tp', 4]]")
+    for name, size in axes:
+        _int(size, f"axes[{name!r}]", MAX_WORLD)
+    names = [name for name, _ in axes]
+    if len(set(names)) != len(names):
+        raise PlanMismatchError(f"plan field 'axes' names an axis twice: {names}")
+    return axes
+
+
+def _check_stage(stage: dict, position: int, axes: list, sub: int, world: int) -> None:
+    where = f"stages[{position}]"
+    if stage["index"] != position:
+        raise PlanMismatchError(f"plan {where} has index {stage['index']!r}; stages must be listed "
+                                f"in order, 0, 1, 2, ...")
+    # a single-stage plan may list no layers: it holds the whole model
+    if not isinstance(stage["layers"], list) or not all(isinstance(x, str) for x in stage["layers"]):
+        raise PlanMismatchError(f"plan {where}.layers must be a list of module paths")
+    tp, dp = _int(stage["tp"], f"{where}.tp", MAX_WORLD), _int(stage["dp"], f"{where}.dp", MAX_WORLD)
+    # The planner names its axes dp and tp; plans of the intra-op solver alone keep the mesh's
+    # axis names (node, gpu), where the stage's degrees are not read.
+    named = dict(axes)
+    if {"dp", "tp"} <= set(named) and (tp, dp) != (named["tp"], named["dp"]):
+        raise PlanMismatchError(f"plan {where} has tp={tp} x dp={dp}, which is not its sub-mesh "
+                                f"{axes}")
+    ranks = stage["ranks"]
+    if not isinstance(ranks, list) or len(ranks) != sub:
+        raise PlanMismatchError(f"plan {where}.ranks must list the {sub} ranks of the stage's "
+                                f"sub-mesh {axes}")
+    for rank in ranks:
+        _int(rank, f"{where}.ranks", world - 1, smallest=0)
+    if stage["recompute"] not in RECOMPUTE:
+        raise PlanMismatchError(f"plan {where}.recompute is {stage['recompute']!r}; expected one of "
+                                f"{', '.join(RECOMPUTE)}")
+    _int(stage["zero"], f"{where}.zero", 3, smallest=0)
+    _expect(stage["sequence_parallel"], bool, f"{where}.sequence_parallel")
+    _expect(stage["predicted"], dict, f"{where}.predicted")
+
+
+def _check_ranks(stages: list, pp: int, world: int) -> None:
+    """The pp pipeline ranks' sub-meshes cover the mesh once; chunk i runs where stage i % pp does."""
+    covered = sorted(rank for stage in stages[:pp] for rank in stage["ranks"])
+    if covered != list(range(world)):
+        raise PlanMismatchError(f"the plan's {pp} pipeline stages run on ranks {covered}, which do not "
+                                f"cover the mesh's {world} devices exactly once")
+    for i, stage in enumerate(stages[pp:], start=pp):
+        if stage["ranks"] != stages[i % pp]["ranks"]:
+            raise PlanMismatchError(f"plan stages[{i}] runs on ranks {stage['ranks']}, but as chunk "
+                                    f"of pipeline rank {i % pp} it belongs on {stages[i % pp]['ranks']}")
 
 
 def _diff(a, b, path: str) -> list[tuple[str, object, object]]:

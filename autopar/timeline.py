@@ -205,7 +205,8 @@ def save_png(timeline: Timeline, path: str | Path, title: str = "") -> None:
     ax.legend(handles=[Patch(color=COLORS[k], label=names[k]) for k in kinds], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title(title or f"{timeline.schedule}: {timeline.pp} ranks, {timeline.micro_batches} micro-batches"
-                 f", bubble {timeline.bubble_fraction:.1%}", loc="left")
+                 f", bubble {timeline.bubble_fraction:.1%}", loc="left",
+                 parse_math=False)   # a title from a plan file is text, never TeX
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

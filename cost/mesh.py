@@ -8,6 +8,7 @@ A mesh spec reads `NODESxGPUS:DEVICE` ("128x8:a100-80g", "2x2:cpu") or `GPUS:DEV
 from __future__ import annotations
 
 import json
+import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass
@@ -24,8 +25,9 @@ class Link:
     efficiency: float = 1.0  # fraction of `bandwidth` that NCCL's collectives reach (bus bandwidth)
 
     def __post_init__(self):
-        if self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
-            raise MeshError(f"link {self.name!r} needs bandwidth > 0, latency >= 0 and "
+        if not (0 < self.bandwidth < math.inf and 0 <= self.latency < math.inf
+                and 0 < self.efficiency <= 1):
+            raise MeshError(f"link {self.name!r} needs finite bandwidth > 0, latency >= 0 and "
                             f"0 < efficiency <= 1, got {self.bandwidth}, {self.latency}, "
                             f"{self.efficiency}")
 
@@ -49,6 +51,9 @@ class DeviceSpec:
 
 GB = 1e9
 GIB = 1 << 30
+# Larger than any cluster built (about 10^5 GPUs); past it a spec is a typo, and planning would
+# enumerate factorizations of an astronomically large world.
+MAX_DEVICES = 2**20
 
 # Vendors' public data sheets. NVLink figures are per direction (A100: 600 GB/s bidirectional);
 # InfiniBand is per GPU: DGX A100 has 8x HDR 200 Gb/s, DGX H100/H200 8x NDR 400 Gb/s, one per GPU.
@@ -104,6 +109,9 @@ class Mesh:
         """A mesh of `nodes` nodes of `gpus` devices; nodes=None means a single node and a 1-D mesh."""
         if gpus < 1 or (nodes is not None and nodes < 1):
             raise MeshError(f"a mesh needs at least one node and one device, got {nodes}x{gpus}")
+        if gpus * (nodes or 1) > MAX_DEVICES:
+            raise MeshError(f"a mesh of {nodes or 1}x{gpus} = {gpus * (nodes or 1)} devices is more "
+                            f"than autopar plans for ({MAX_DEVICES}); check the mesh spec")
         inner = MeshAxis("gpu", gpus, device.intra_node)
         if nodes is None:
             return cls(device, (inner,))
@@ -112,9 +120,18 @@ class Mesh:
     @classmethod
     def load(cls, path: str | Path) -> Mesh:
         """A mesh from a JSON or TOML file with the fields of `to_dict`, for users' own clusters."""
-        text = Path(path).read_text()
-        data = tomllib.loads(text) if str(path).endswith(".toml") else json.loads(text)
-        return cls.from_dict(data)
+        try:
+            text = Path(path).read_text()
+            data = tomllib.loads(text) if str(path).endswith(".toml") else json.loads(text)
+        except (OSError, UnicodeDecodeError) as err:
+            raise MeshError(f"mesh file {path} cannot be read: {err}") from None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            kind = "TOML" if str(path).endswith(".toml") else "JSON"
+            raise MeshError(f"mesh file {path} is not valid {kind}: {err}") from None
+        try:
+            return cls.from_dict(data)
+        except MeshError as err:
+            raise MeshError(f"mesh file {path}: {err}") from None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -150,16 +167,72 @@ class Mesh:
 
     @classmethod
     def from_dict(cls, data: dict) -> Mesh:
+        """The inverse of `to_dict`; every value is checked, and a bad one is named by its key."""
         try:
             dev = dict(data["device"])
-            device = DeviceSpec(**{**dev, "intra_node": Link(**dev["intra_node"]),
-                                   "inter_node": Link(**dev["inter_node"])})
-            axes = tuple(MeshAxis(a["name"], int(a["size"]), Link(**a["link"])) for a in data["axes"])
-        except (KeyError, TypeError) as err:
-            raise MeshError(f"mesh description is missing or has a wrong field ({err}); expected "
+            device = DeviceSpec(
+                name=_value(dev, "name", str, "device"), peak_flops=_flops(dev),
+                hbm_bandwidth=_positive(dev, "hbm_bandwidth", "device"),
+                memory_bytes=int(_positive(dev, "memory_bytes", "device")),
+                intra_node=_link(dev, "intra_node", "device"), inter_node=_link(dev, "inter_node", "device"))
+            extra = sorted(set(dev) - {"name", "peak_flops", "hbm_bandwidth", "memory_bytes",
+                                       "intra_node", "inter_node"})
+            if extra:
+                raise MeshError(f"device has unknown keys {extra}")
+            if not isinstance(data["axes"], list) or not data["axes"]:
+                raise MeshError("'axes' must be a non-empty list of {name, size, link}")
+            axes = tuple(MeshAxis(_value(a, "name", str, f"axes[{i}]"),
+                                  int(_positive(a, "size", f"axes[{i}]", integer=True)),
+                                  _link(a, "link", f"axes[{i}]"))
+                         for i, a in enumerate(data["axes"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise MeshError(f"mesh description is missing or has a wrong field ({err!r}); expected "
                             f"{{'device': {{name, peak_flops, hbm_bandwidth, memory_bytes, intra_node, "
-                            f"inter_node}}, 'axes': [{{name, size, link}}]}}") from err
+                            f"inter_node}}, 'axes': [{{name, size, link}}]}}") from None
+        if len({a.name for a in axes}) != len(axes):
+            raise MeshError(f"mesh axes must have distinct names, got {[a.name for a in axes]}")
+        world = math.prod(a.size for a in axes)
+        if world > MAX_DEVICES:
+            raise MeshError(f"a mesh of {world} devices is more than autopar plans for ({MAX_DEVICES})")
         return cls(device, axes)
+
+
+def _value(record: dict, key: str, kind, where: str):
+    if not isinstance(record, dict) or key not in record:
+        raise MeshError(f"{where} lacks {key!r}")
+    value = record[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        expected = "a number" if isinstance(kind, tuple) else f"a {kind.__name__}"
+        raise MeshError(f"{where}.{key} is {value!r}; expected {expected}")
+    return value
+
+
+def _positive(record: dict, key: str, where: str, integer: bool = False) -> float:
+    """A finite number > 0 (an integer if asked): bandwidths, sizes and FLOP/s."""
+    value = _value(record, key, int if integer else (int, float), where)
+    if not 0 < value < math.inf:
+        raise MeshError(f"{where}.{key} is {value!r}; it must be a finite number above 0")
+    return value
+
+
+def _flops(dev: dict) -> dict:
+    flops = _value(dev, "peak_flops", dict, "device")
+    if "float32" not in flops:
+        raise MeshError("device.peak_flops needs a 'float32' entry (the fallback for other dtypes)")
+    for dtype in flops:
+        _positive(flops, dtype, "device.peak_flops")
+    return dict(flops)
+
+
+def _link(record: dict, key: str, where: str) -> Link:
+    link = _value(record, key, dict, where)
+    unknown = sorted(set(link) - {"name", "bandwidth", "latency", "efficiency"})
+    if unknown:
+        raise MeshError(f"{where}.{key} has unknown keys {unknown}")
+    where = f"{where}.{key}"
+    efficiency = _value(link, "efficiency", (int, float), where) if "efficiency" in link else 1.0
+    return Link(name=_value(link, "name", str, where), bandwidth=_positive(link, "bandwidth", where),
+                latency=float(_value(link, "latency", (int, float), where)), efficiency=float(efficiency))
 
 
 def device_spec(name: str) -> DeviceSpec:

@@ -67,6 +67,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from autopar.api import check_planning
+    from autopar.commands.output import PLOT_EXTRA, can_plot, check_output, plain
+
+    check_planning(1, args.time_limit, None)
+    out = check_output(args.out, "--out", directory=True)
     console = Console(stderr=True)
     rows = []
     specs = QUICK_ROWS if args.quick else FULL_ROWS
@@ -76,16 +81,20 @@ def run(args) -> int:
             rows.append(bench_row(model, cluster, batch, time_limit=args.time_limit))
             console.print(f"{model} on {cluster}: ratio {rows[-1].ratio:.3f}, solved in "
                           f"{rows[-1].solve_s:.1f} s")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_markdown(rows, out / "bench.md")
-    write_csv(rows, out / "bench.csv")
-    write_plot(rows, out / "bench.png")
+    written = [out / "bench.md", out / "bench.csv"]
+    write_markdown(rows, written[0])
+    write_csv(rows, written[1])
+    if can_plot():
+        written.append(out / "bench.png")
+        write_plot(rows, written[-1])
+    else:
+        console.print(f"bench.png skipped: drawing it needs matplotlib ({PLOT_EXTRA})")
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
     else:
         Console().print(table(rows))
-        Console().print(f"written: {out / 'bench.md'}, {out / 'bench.csv'}, {out / 'bench.png'}")
+        Console().print(plain(f"written: {', '.join(map(str, written))}"))
     return 0
 
 
@@ -159,11 +168,13 @@ def why(plan, config, grid_best, autopar_step: float) -> str:
 
 
 def table(rows: list[Row]) -> Table:
-    result = Table(title="autopar vs the best Megatron-style grid configuration (same estimator)",
-                   title_justify="left")
-    for column in ("model", "cluster", "grid best", "grid TFLOP/s", "autopar plan", "autopar TFLOP/s",
-                   "ratio", "solve s", "why"):
-        result.add_column(column)
+    from autopar.commands.output import table as new_table
+
+    result = new_table("autopar vs the best Megatron-style grid configuration (same estimator)",
+                       ["model", "cluster", "grid best", "grid TFLOP/s", "autopar plan",
+                        "autopar TFLOP/s", "ratio", "solve s", "why"],
+                       right=("grid TFLOP/s", "autopar TFLOP/s", "ratio", "solve s"),
+                       wrap=("model", "cluster", "grid best", "autopar plan", "why"))
     for r in rows:
         result.add_row(r.model, r.cluster, r.grid_config, f"{r.grid_tflops:.1f}", r.autopar_plan,
                        f"{r.autopar_tflops:.1f}", f"{r.ratio:.3f}", f"{r.solve_s:.1f}", r.why)

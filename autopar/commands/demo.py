@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
 MICRO_BATCH = 2
 GLOBAL_BATCH = 16
 SEED = 0
+MAX_STEPS = 10_000
 
 
 def add_arguments(parser):
@@ -37,11 +37,19 @@ def add_arguments(parser):
 
 def run(args) -> int:
     import autopar
+    from autopar.api import check_planning
     from autopar.commands.explain import render
+    from autopar.commands.output import PLOT_EXTRA, can_plot, check_output
 
-    if args.steps < 1:
-        raise autopar.AutoparError(f"--steps {args.steps}: train at least one step")
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise autopar.AutoparError(f"--steps {args.steps}: train from 1 to {MAX_STEPS} steps")
+    check_planning(GLOBAL_BATCH, args.time_limit, args.memory_limit)
     console = Console()
+    # checked before planning and training, so that a bad path costs nothing; without matplotlib
+    # the demo still trains and compares, and says why there is no picture
+    png = check_output(args.png, "--png") if can_plot() else None
+    if png is None:
+        console.print(f"the loss curves will not be drawn: that needs matplotlib ({PLOT_EXTRA})")
     mesh = autopar.Mesh.parse(f"{args.ranks}:cpu")
     graph, plan = make_plan(mesh, args.memory_limit, args.time_limit, console)
     render(plan, console)
@@ -53,7 +61,7 @@ def run(args) -> int:
     parallel = results[0]
     with console.status("the same training in one process"):
         single = train_single(batches)
-    show_curves(console, parallel, single, args.png)
+    show_curves(console, parallel, single, png)
     return 0
 
 
@@ -130,18 +138,21 @@ def train_single(batches) -> list[float]:
     return losses
 
 
-def show_curves(console: Console, parallel: list[float], single: list[float], png: str) -> None:
-    table = Table(title="loss: parallel run against one process", title_justify="left")
-    for column in ("step", "parallel", "one process", "|difference|"):
-        table.add_column(column, justify="right")
+def show_curves(console: Console, parallel: list[float], single: list[float], png) -> None:
+    from autopar.commands.output import plain
+    from autopar.commands.output import table as new_table
+
+    columns = ["step", "parallel", "one process", "|difference|"]
+    table = new_table("loss: parallel run against one process", columns, right=tuple(columns))
     for step, (a, b) in enumerate(zip(parallel, single)):
         table.add_row(str(step + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}")
     console.print(table)
     worst = max(range(len(single)), key=lambda i: abs(parallel[i] - single[i]))
     console.print(f"largest difference {abs(parallel[worst] - single[worst]):.2e} at step {worst + 1} "
                   f"(loss {single[0]:.3f} -> {single[-1]:.3f})")
-    save_curves(parallel, single, png)
-    console.print(f"loss curves drawn in {png}")
+    if png is not None:
+        save_curves(parallel, single, png)
+        console.print(plain(f"loss curves drawn in {png}"))
 
 
 def save_curves(parallel: list[float], single: list[float], path: str) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Table
 
-from autopar.commands.explain import compress_layers
+from autopar.commands.explain import _fmt_gib, compress_layers
+from autopar.commands.output import plain, table
 from autopar.plan import Plan
 
 SHOWN_PLACEMENTS = 20   # parameter and node placements listed one by one; the rest are counted
@@ -25,39 +25,38 @@ def run(args) -> int:
 
 
 def render(a: Plan, b: Plan, console: Console, names=("a", "b")) -> None:
-    summary = Table(title="plans", title_justify="left")
-    summary.add_column("")
-    summary.add_column(names[0])
-    summary.add_column(names[1])
-    summary.add_row("configuration", a.summary(), b.summary())
+    # the file names head the columns: plain text, and any width (the table wraps them)
+    summary = table("plans", ["", plain(names[0]), plain(names[1])])
+    summary.add_row("configuration", plain(a.summary()), plain(b.summary()))
     for key, label in (("step_time_s", "step time (s)"), ("tflops_per_gpu", "TFLOP/s per GPU"),
-                       ("memory_per_gpu_bytes", "memory per GPU (GiB)"), ("bubble_fraction", "bubble")):
-        va, vb = a.predicted.get(key), b.predicted.get(key)
-        scale = 2**30 if key == "memory_per_gpu_bytes" else 1
-        summary.add_row(label, _num(va, scale), _num(vb, scale))
-    if a.predicted.get("step_time_s") and b.predicted.get("step_time_s"):
-        summary.add_row("speed b / a", "", f"{a.predicted['step_time_s'] / b.predicted['step_time_s']:.3f}x")
+                       ("memory_per_gpu_bytes", "memory per GPU"), ("bubble_fraction", "bubble")):
+        show = _fmt_gib if key == "memory_per_gpu_bytes" else _num
+        summary.add_row(label, plain(show(a.predicted.get(key))), plain(show(b.predicted.get(key))))
+    sa, sb = a.predicted.get("step_time_s"), b.predicted.get("step_time_s")
+    if _is_number(sa) and _is_number(sb) and sa and sb:
+        summary.add_row("speed b / a", "", f"{sa / sb:.3f}x")
     console.print(summary)
     if a.fingerprint != b.fingerprint:
         console.print("[yellow]the plans were made for different models or input shapes[/yellow]")
     differences = [d for d in a.diff(b) if not d[0].startswith(IGNORED)]
     placements = [d for d in differences if d[0].startswith(("parameters.", "nodes."))]
     others = [d for d in differences if d not in placements]
-    table = Table(title=f"{len(others)} decisions differ", title_justify="left")
-    table.add_column("field")
-    table.add_column(names[0])
-    table.add_column(names[1])
+    changes = table(f"{len(others)} decisions differ", ["field", plain(names[0]), plain(names[1])])
     for path, va, vb in others + placements[:SHOWN_PLACEMENTS]:
-        table.add_row(path, _value(va), _value(vb))
-    console.print(table)
+        changes.add_row(plain(path), plain(_value(va)), plain(_value(vb)))
+    console.print(changes)
     if len(placements) > SHOWN_PLACEMENTS:
         console.print(f"... and {len(placements) - SHOWN_PLACEMENTS} more placements differ")
     if not differences:
         console.print("the plans make the same decisions")
 
 
-def _num(value, scale=1) -> str:
-    return "-" if value is None else f"{value / scale:.4g}"
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _num(value) -> str:
+    return f"{value:.4g}" if _is_number(value) else "-" if value is None else repr(value)
 
 
 def _value(value) -> str:

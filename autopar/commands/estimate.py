@@ -97,7 +97,12 @@ def run(args) -> int:
     from autopar.cost.compute import Efficiencies
     from autopar.cost.estimator import estimate
 
+    from autopar.api import check_planning
+    from autopar.models import parse_spec
+
     mesh = parse_mesh(args.mesh)
+    check_planning(args.global_batch, 1.0, None)   # the batch's bounds; estimate has no time limit
+    parse_spec(args.model)
     config = build_config(args, mesh)
     efficiencies = Efficiencies.load(args.calibration) if args.calibration else None
     status = Console(stderr=True)

@@ -8,10 +8,11 @@ import re
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from autopar.commands.output import PLOT_EXTRA, can_plot, check_output, plain, table
+from autopar.errors import AutoparError, format_bytes
 from autopar.plan import Plan
-
-GIB = 2**30
 
 
 def add_arguments(parser):
@@ -20,6 +21,10 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    if args.png:
+        check_output(args.png, "--png")
+        if not can_plot():   # asked for explicitly, so an error rather than a note
+            raise AutoparError(f"--png needs matplotlib: {PLOT_EXTRA}")
     plan = Plan.load(args.plan)
     console = Console()
     render(plan, console)
@@ -28,7 +33,8 @@ def run(args) -> int:
 
         timeline = plan_timeline(plan)
         save_png(timeline, args.png, title=f"{plan.model_type or 'model'}: {plan.summary()}")
-        console.print(f"timeline written to {args.png} (simulated bubble {timeline.bubble_fraction:.1%})")
+        console.print(plain(f"timeline written to {args.png} (simulated bubble "
+                            f"{timeline.bubble_fraction:.1%})"))
     return 0
 
 
@@ -42,49 +48,48 @@ def render(plan: Plan, console: Console) -> None:
         placements = (f"intra-op ILP {intra.get('status')} ({intra.get('variables')} variables, gap "
                       f"{_fmt_gap(intra.get('gap'))})" if "variables" in intra
                       else "no tensor axis: every op replicated within a data-parallel replica")
-        console.print(f"solver: {solver.get('status')} in {solver.get('seconds', 0):.2f} s, "
-                      f"{solver.get('candidates', '?')} candidates priced; {placements}; "
-                      f"{len(plan.parameters)} parameters placed, {len(plan.replicated_ops)} ops "
-                      f"without a sharding rule run replicated")
+        console.print(plain(f"solver: {solver.get('status')} in {_fmt_s(solver.get('seconds', 0))}, "
+                            f"{solver.get('candidates', '?')} candidates priced; {placements}; "
+                            f"{len(plan.parameters)} parameters placed, {len(plan.replicated_ops)} "
+                            f"ops without a sharding rule run replicated"))
 
 
-def headline(plan: Plan) -> str:
+def headline(plan: Plan) -> Text:
     mesh = plan.mesh
     device = mesh.get("device", {}).get("name", "?")
     shape = "x".join(str(a["size"]) for a in mesh.get("axes", []))
     p = plan.predicted
-    return (f"[bold]{plan.model_type or 'model'}[/bold] on {shape}:{device} ({plan.world_size} devices)\n"
-            f"{plan.summary()}\n"
-            f"predicted step {_fmt_s(p.get('step_time_s'))}, {_fmt_num(p.get('tflops_per_gpu'))} "
+    return Text.assemble(
+        plain(plan.model_type or "model", "bold"),
+        plain(f" on {shape}:{device} ({plan.world_size} devices)"), "\n", plain(plan.summary()), "\n",
+        plain(f"predicted step {_fmt_s(p.get('step_time_s'))}, {_fmt_num(p.get('tflops_per_gpu'))} "
             f"TFLOP/s per GPU, MFU {_fmt_pct(p.get('mfu'))}, memory "
             f"{_fmt_gib(p.get('memory_per_gpu_bytes'))} on the fullest device, bubble "
             f"{_fmt_pct(p.get('bubble_fraction'))} (simulated with torch's schedule: "
-            f"{_fmt_pct(p.get('simulated_bubble_fraction'))})")
+            f"{_fmt_pct(p.get('simulated_bubble_fraction'))})"))
 
 
 def stage_table(plan: Plan) -> Table:
-    table = Table(title="stages", title_justify="left")
-    for column in ("stage", "ranks", "layers", "tp x dp", "recompute", "ZeRO",
-                   "rank's time / micro-batch", "rank's memory"):
-        table.add_column(column, justify="right" if column in ("stage", "rank's memory") else "left")
+    result = table("stages", ["stage", "ranks", "layers", "tp x dp", "recompute", "ZeRO",
+                              "time per micro-batch", "memory"], right=("stage", "memory"),
+                   wrap=("layers", "time per micro-batch", "memory"))
     for stage in plan.stages:
         predicted = stage.predicted
-        time_text = _stage_time(predicted)
-        table.add_row(str(stage.index), rank_ranges(stage.ranks), compress_layers(stage.layers),
-                      f"{stage.tp} x {stage.dp}", stage.recompute, str(stage.zero), time_text,
-                      _fmt_gib(predicted.get("memory_bytes")))
-    return table
+        result.add_row(*map(plain, (stage.index, rank_ranges(stage.ranks), compress_layers(stage.layers),
+                                    f"{stage.tp} x {stage.dp}", stage.recompute, stage.zero,
+                                    _stage_time(predicted), _fmt_gib(predicted.get("memory_bytes")))))
+    return result
 
 
 def breakdown_table(plan: Plan) -> Table:
-    table = Table(title="predicted step", title_justify="left")
-    table.add_column("part")
-    table.add_column("value", justify="right")
+    result = table("predicted step", ["part", "value"], right=("value",))
     for section in ("breakdown", "memory_breakdown"):
-        for key, value in (plan.predicted.get(section) or {}).items():
+        parts = plan.predicted.get(section)
+        for key, value in (parts.items() if isinstance(parts, dict) else ()):
             text = _fmt_gib(value) if section == "memory_breakdown" else _fmt_s(value)
-            table.add_row(f"{'memory' if section == 'memory_breakdown' else 'time'}: {key}", text)
-    return table
+            result.add_row(plain(f"{'memory' if section == 'memory_breakdown' else 'time'}: {key}"),
+                           plain(text))
+    return result
 
 
 def _stage_time(predicted: dict) -> str:
@@ -117,8 +122,8 @@ def rank_ranges(ranks: list[int]) -> str:
 
 
 def _fmt_s(value) -> str:
-    if value is None:
-        return "-"
+    if not _is_number(value):
+        return "-" if value is None else repr(value)
     if value >= 1:
         return f"{value:.3f} s"
     return f"{value * 1e3:.2f} ms" if value >= 1e-3 else f"{value * 1e6:.1f} us"
@@ -126,21 +131,23 @@ def _fmt_s(value) -> str:
 
 def _fmt_gib(value) -> str:
     """Bytes in the largest binary unit that keeps a leading digit: 1.50 GiB, 37.2 MiB, 512 B."""
-    if value is None:
-        return "-"
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
+    if not _is_number(value):
+        return "-" if value is None else repr(value)
+    return format_bytes(value)
+
+
+def _is_number(value) -> bool:
+    # a plan file may hold anything where a number belongs; it is shown, not formatted
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fmt_pct(value) -> str:
-    return "-" if value is None else f"{value:.1%}"
+    return f"{value:.1%}" if _is_number(value) else "-" if value is None else repr(value)
 
 
 def _fmt_num(value) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    return f"{value:.1f}" if _is_number(value) else "-" if value is None else repr(value)
 
 
 def _fmt_gap(value) -> str:
-    return "-" if value is None else f"{value:.2%}"
+    return f"{value:.2%}" if _is_number(value) else "-" if value is None else repr(value)

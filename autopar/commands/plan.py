@@ -15,18 +15,24 @@ def add_arguments(parser):
     parser.add_argument("--mesh", required=True, help="NODESxGPUS:DEVICE, e.g. 128x8:a100-80g, or GPUS:DEVICE")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--memory-limit", help="bytes per device, e.g. 80GiB or 40GB (default: the device's)")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for the search (default 60)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for all of planning, capture included (default 60)")
     parser.add_argument("--out", help="write the plan here as JSON")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
 
 
 def run(args) -> int:
-    from autopar.api import plan_graph
+    from autopar.api import check_planning, plan_graph, remaining_time
     from autopar.capture import capture
+    from autopar.commands.output import check_output, plain
     from autopar.cost.mesh import Mesh
-    from autopar.models import build_model
+    from autopar.models import build_model, parse_spec
 
+    # every argument checked before the capture and the search, which may take minutes
     mesh = Mesh.parse(args.mesh)
+    check_planning(args.global_batch, args.time_limit, args.memory_limit)
+    parse_spec(args.model)
+    if args.out:
+        check_output(args.out, "--out")
     console = Console(stderr=True)
     started = time.monotonic()
     with console.status(f"capturing {args.model}") as status:
@@ -39,11 +45,11 @@ def run(args) -> int:
             status.update(f"planning {args.model} for {mesh}: {phase} ({done}/{total})")
 
         plan = plan_graph(graph, mesh, global_batch=args.global_batch, memory_limit=args.memory_limit,
-                          time_limit=args.time_limit, progress=progress)
+                          time_limit=remaining_time(args.time_limit, started), progress=progress)
     console.print(f"captured in {captured:.1f} s, planned in {time.monotonic() - started - captured:.1f} s")
     if args.out:
         plan.save(args.out)
-        console.print(f"plan written to {args.out}")
+        console.print(plain(f"plan written to {args.out}"))
     if args.json:
         sys.stdout.write(plan.to_json())
     else:

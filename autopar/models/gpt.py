@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.models.sizes import check_sizes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,9 +34,8 @@ class GPTConfig:
     fused_qkv: bool = False
 
     def __post_init__(self):
-        for name in ("layers", "hidden", "heads", "seq", "vocab"):
-            if getattr(self, name) < 1:
-                raise AutoparError(f"gpt {name}={getattr(self, name)} must be at least 1")
+        check_sizes("gpt", self, required=("layers", "hidden", "heads", "seq", "vocab"),
+                    optional=("ffn",))
         if self.hidden % self.heads:
             raise AutoparError(f"gpt hidden={self.hidden} is not divisible by heads={self.heads}; "
                                f"choose a hidden size that is a multiple of the head count")

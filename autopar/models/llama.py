@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.models.sizes import check_positive, check_sizes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,9 +31,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-        for name in ("layers", "hidden", "heads", "seq", "vocab"):
-            if getattr(self, name) < 1:
-                raise AutoparError(f"llama {name}={getattr(self, name)} must be at least 1")
+        check_sizes("llama", self, required=("layers", "hidden", "heads", "seq", "vocab"),
+                    optional=("kv_heads", "ffn"))
+        check_positive("llama", self, ("rope_theta", "norm_eps"))
         if self.kv_heads == 0:
             self.kv_heads = self.heads
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.models.sizes import check_sizes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -20,9 +21,7 @@ class MLPConfig:
     ffn: int = 0                    # inner width; 0 means 4 * hidden
 
     def __post_init__(self):
-        for name in ("layers", "hidden"):
-            if getattr(self, name) < 1:
-                raise AutoparError(f"mlp {name}={getattr(self, name)} must be at least 1")
+        check_sizes("mlp", self, required=("layers", "hidden"), optional=("ffn",))
         if self.ffn == 0:
             self.ffn = 4 * self.hidden
 

@@ -22,6 +22,7 @@ from autopar.errors import AutoparError
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLP, MLPConfig
+from autopar.models.sizes import MAX_SIZE
 
 FAMILIES = {"gpt": (GPTConfig, GPT), "llama": (LlamaConfig, Llama), "mlp": (MLPConfig, MLP)}
 
@@ -104,8 +105,8 @@ def build_model(spec: str, *, device: str | torch.device = "meta", batch: int = 
     left untouched) and the example inputs are random but deterministic too. Keyword overrides
     replace config keys, e.g. `build_model("gpt3-175b", layers=2)`.
     """
-    if batch < 1:
-        raise AutoparError(f"batch={batch} must be at least 1")
+    if not isinstance(batch, int) or not 1 <= batch <= MAX_SIZE:
+        raise AutoparError(f"batch={batch!r} must be an integer from 1 to {MAX_SIZE}")
     config = parse_spec(spec, **overrides)
     model_cls = next(m for c, m in FAMILIES.values() if isinstance(config, c))
     device = torch.device(device)

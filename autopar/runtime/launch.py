@@ -1,27 +1,48 @@
 """Start gloo ranks on this machine: `autopar.launch(fn, world_size, *args)`.
 
 Ranks are forked, not spawned (0.1 s instead of seconds for 4 ranks), so `fn` may be any callable,
-a closure included. Each rank gets the default process group (gloo, a short timeout), runs
-`fn(*args)` and writes its result to a file; the parent reads results after every rank exits.
-A file and not a queue: a large result put on a queue that nobody reads until join deadlocks.
+a closure included. Each rank gets the default process group (gloo, a timeout of `pg_timeout`
+seconds per collective), runs `fn(*args)` and writes its result to a file; the parent reads
+results after every rank exits. A file and not a queue: a large result put on a queue that nobody
+reads until join deadlocks.
 
-A rank that raises or dies makes the launcher stop the others and raise `LaunchError` naming the
-failed rank and its traceback; nothing hangs past `timeout`.
+Faults are named by the rank that caused them. A rank that raises or dies makes the launcher stop
+the others and raise `LaunchError` with that rank's traceback. A rank that stalls is found by its
+peers' collectives timing out after `pg_timeout` while it neither finished nor failed: the error
+names the stalled rank, not the peer that noticed, and shows where it was stuck (its Python stack,
+dumped by `faulthandler` on SIGUSR1). Nothing runs past `timeout`. SIGINT or SIGTERM to the
+launching process stops every rank and removes the temporary folder before it is re-raised.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import faulthandler
+import math
 import multiprocessing
 import os
 import pickle
+import re
+import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
 from autopar.errors import AutoparError
+
+# More ranks than this on one machine is a typo for a mesh size, and would fork that many
+# processes before any check could run.
+MAX_LOCAL_RANKS = 512
+STACK_WAIT_S = 1.0      # how long a stalled rank gets to dump its stack
+PEER_GRACE_S = 0.5      # after a failure, how long the other ranks get to report theirs
+# gloo says "Timed out waiting 1000ms for recv", NCCL's watchdog "collective operation timeout"
+TIMEOUT_PATTERN = re.compile(r"timed out|timeout", re.IGNORECASE)
+PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(AutoparError):
@@ -35,26 +56,58 @@ def free_port() -> int:
 
 
 def launch(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0) -> list:
-    """Run fn(*args) on `world_size` forked gloo ranks; return the list of their results by rank."""
-    if world_size < 1:
-        raise LaunchError(f"world_size must be at least 1, got {world_size}")
+    """Run fn(*args) on `world_size` forked gloo ranks; return the list of their results by rank.
+
+    `timeout` bounds the whole run; `pg_timeout` how long a collective waits for a peer before the
+    peer is reported as stalled. When `fn` plans (autopar.compile without a plan), the planning
+    ranks wait on a group of their own whose timeout outlasts the time limit, not `pg_timeout`."""
+    _check_arguments(world_size, timeout, pg_timeout)
     port = free_port()
     context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="autopar-launch-") as tmp:
-        outputs = [Path(tmp) / f"rank{rank}.pkl" for rank in range(world_size)]
+    with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="autopar-launch-") as tmp:
+        files = [_RankFiles(Path(tmp), rank) for rank in range(world_size)]
         procs = [context.Process(target=_run_rank, daemon=False,
-                                 args=(fn, args, rank, world_size, port, pg_timeout, outputs[rank]))
+                                 args=(fn, args, rank, world_size, port, pg_timeout, files[rank]))
                  for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        _wait(procs, outputs, timeout)
-        return [_read(path)[1] for path in outputs]
+        try:
+            for proc in procs:
+                proc.start()
+            _wait(procs, files, timeout, pg_timeout)
+        finally:
+            _stop(procs)
+        return [_read(f.result)[1] for f in files]
 
 
-def _run_rank(fn, args, rank, world_size, port, pg_timeout, output: Path):
+def _check_arguments(world_size, timeout, pg_timeout) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not (
+            1 <= world_size <= MAX_LOCAL_RANKS):
+        raise LaunchError(f"world_size must be an integer from 1 to {MAX_LOCAL_RANKS}, got "
+                          f"{world_size!r}")
+    for name, value in (("timeout", timeout), ("pg_timeout", pg_timeout)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            raise LaunchError(f"{name} must be a finite number of seconds above 0, got {value!r}")
+
+
+class _RankFiles:
+    """Where rank `rank` writes its result and, when asked, its stack."""
+
+    def __init__(self, folder: Path, rank: int):
+        self.result = folder / f"rank{rank}.pkl"
+        self.stack = folder / f"rank{rank}.stack"
+
+
+def _run_rank(fn, args, rank, world_size, port, pg_timeout, files: _RankFiles):
     import torch
     import torch.distributed as dist
 
+    # The launcher's handlers were inherited by the fork: a rank is stopped by the launcher, and
+    # dies with its launcher even if that is killed outright (no orphans holding the port).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    stack_file = files.stack.open("w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     # Forked children that inherit a multi-threaded intra-op pool can hang in their first matmul.
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -65,9 +118,10 @@ def _run_rank(fn, args, rank, world_size, port, pg_timeout, output: Path):
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         payload = fn(*args)
     except BaseException as err:  # reported to the parent, which raises it with the rank's name
-        status, payload = "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        status = "timeout" if TIMEOUT_PATTERN.search(str(err)) else "error"
+        payload = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
         failed_at = time.monotonic_ns()   # one clock for all processes of the machine
-    _write(output, status, payload, failed_at)
+    _write(files.result, status, payload, failed_at)
     if status == "ok" and dist.is_initialized():
         dist.destroy_process_group()
     # Skip interpreter teardown: gloo threads of a failed peer can block a normal exit.
@@ -88,38 +142,113 @@ def _read(path: Path):
     return pickle.loads(path.read_bytes())
 
 
-def _wait(procs, outputs, timeout: float) -> None:
+def _wait(procs, files, timeout: float, pg_timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    failed = None
-    while failed is None and any(p.is_alive() for p in procs):
+    while not _failures(procs, files) and any(p.is_alive() for p in procs):
         if time.monotonic() > deadline:
-            _stop(procs)
-            raise LaunchError(f"ranks did not finish within {timeout:.0f} s; stopped them")
+            raise LaunchError(_unfinished(procs, files, timeout))
         time.sleep(0.02)
-        failed = _first_failure(procs, outputs)
-    # The first failure seen is the cause; ranks killed after it are not reported.
-    failed = failed or _first_failure(procs, outputs)
-    _stop(procs)
-    if failed is not None:
-        raise LaunchError(f"rank {failed[0]} failed: {failed[1]}")
+    if not _failures(procs, files):
+        return
+    # A rank's death closes its sockets a moment before the process can be reaped, and its peers
+    # may report the closed connection first; peers that waited on a stalled rank report their
+    # own timeouts one after the other. Both settle within a short grace time.
+    grace = time.monotonic() + PEER_GRACE_S
+    while time.monotonic() < grace and any(_running(p, f) for p, f in zip(procs, files)):
+        time.sleep(0.02)
+    failures = _failures(procs, files)
+    stalled = [rank for rank, (p, f) in enumerate(zip(procs, files)) if _running(p, f)]
+    if stalled and all(kind == "timeout" for kind, _, _ in failures.values()):
+        raise LaunchError(_stalled(stalled, procs, files, failures, pg_timeout))
+    rank, (_, _, message) = min(failures.items(), key=lambda item: (item[1][1], item[0]))
+    raise LaunchError(f"rank {rank} failed: {message}")
 
 
-def _first_failure(procs, outputs):
-    """(rank, message) of a rank that died without writing a result, else of the one that raised
-    first.
+def _running(proc, files: _RankFiles) -> bool:
+    return proc.is_alive() and not files.result.exists()
+
+
+def _failures(procs, files) -> dict[int, tuple[str, int, str]]:
+    """{rank: (kind, when, message)} of the ranks that died without a result or raised.
 
     Peers of a failed rank see the closed connection and raise within milliseconds, often before
-    the next poll, but their errors are the consequence, not the cause."""
-    for rank, (proc, path) in enumerate(zip(procs, outputs)):
-        if not path.exists() and not proc.is_alive() and proc.exitcode is not None:
-            return rank, f"exited with code {proc.exitcode} before returning a result"
-    errors = []
-    for rank, path in enumerate(outputs):
-        if path.exists():
-            status, payload, failed_at = _read(path)
-            if status == "error":
-                errors.append((failed_at, rank, payload))
-    return min(errors)[1:] if errors else None
+    the next poll, but their errors are the consequence, not the cause: a rank that died comes
+    first (when = -1), then the earliest error."""
+    found = {}
+    for rank, (proc, f) in enumerate(zip(procs, files)):
+        if f.result.exists():
+            status, payload, failed_at = _read(f.result)
+            if status != "ok":
+                found[rank] = (status, failed_at, payload)
+        elif not proc.is_alive() and proc.exitcode is not None:
+            found[rank] = ("died", -1, f"{_exit_text(proc.exitcode)} before returning a result")
+    return found
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _ranks(ranks) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _stalled(stalled, procs, files, failures, pg_timeout: float) -> str:
+    it = "it" if len(stalled) == 1 else "them"
+    first = failures[min(failures)][2].splitlines()[0]
+    lines = [f"{_ranks(stalled)} stalled: neither finished nor failed while {_ranks(sorted(failures))} "
+             f"waited {pg_timeout:g} s for {it} in a collective (pg_timeout; rank {min(failures)} saw: "
+             f"{first}); stopped every rank"]
+    lines += _stacks(stalled, procs, files)
+    return "\n".join(lines)
+
+
+def _unfinished(procs, files, timeout: float) -> str:
+    running = [rank for rank, (p, f) in enumerate(zip(procs, files)) if _running(p, f)]
+    done = [rank for rank in range(len(procs)) if rank not in running]
+    lines = [f"{_ranks(running)} did not finish within {timeout:g} s (timeout)"
+             + (f"; {_ranks(done)} did" if done else "") + "; stopped every rank"]
+    lines += _stacks(running, procs, files)
+    return "\n".join(lines)
+
+
+def _stacks(ranks, procs, files) -> list[str]:
+    """Each rank's Python stack, asked for with SIGUSR1 (faulthandler writes it from the signal
+    handler, even while the rank waits inside C code)."""
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    deadline = time.monotonic() + STACK_WAIT_S
+    while time.monotonic() < deadline and not all(
+            files[r].stack.exists() and files[r].stack.stat().st_size for r in ranks):
+        time.sleep(0.02)
+    lines = []
+    for rank in ranks:
+        stack = files[rank].stack.read_text().strip() if files[rank].stack.exists() else ""
+        lines.append(f"rank {rank} was at:\n{stack}" if stack else f"rank {rank}: no stack could be read")
+    return lines
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM raises SystemExit in the launching process, as SIGINT raises KeyboardInterrupt, so
+    that the ranks are stopped and the temporary folder removed on the way out. Only the main
+    thread can set handlers; elsewhere the caller's own handling applies."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _stop(procs) -> None:
@@ -127,4 +256,5 @@ def _stop(procs) -> None:
         if proc.is_alive():
             proc.kill()
     for proc in procs:
-        proc.join(5)
+        if proc.pid is not None:
+            proc.join(5)

@@ -15,13 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from autopar.cost.mesh import Mesh
-from autopar.errors import AutoparError, InfeasibleError
+from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph
 from autopar.solver.build import build_problem
 from autopar.solver.ilp import Assignment, solve
 from autopar.solver.problem import Problem
-
-GIB = 2**30
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,4 +121,4 @@ def _infeasible(problem: Problem, mesh: Mesh, limit: float, time_limit: float,
 
 
 def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+    return format_bytes(nbytes)

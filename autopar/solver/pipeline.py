@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from autopar.cost.compute import compute_time, op_family
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 from autopar.solver.schedules import runs, schedule_error
 
@@ -495,8 +495,8 @@ def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
         return _no_layout(search)
     shape = least.candidate.shape
     return InfeasibleError(
-        f"no plan fits {_size(memory_limit)} per device; the least memory found is "
-        f"{_size(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"no plan fits {format_bytes(memory_limit)} per device; the least memory found is "
+        f"{format_bytes(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
         f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
         f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")
 
@@ -523,10 +523,3 @@ def _no_layout(search: Search) -> InfeasibleError:
         f"no configuration of this mesh could be priced for this model with global batch "
         f"{batch}{f' ({reasons})' if reasons else ''}; try another mesh or global batch")
 
-
-def _size(nbytes: float) -> str:
-    """Bytes in the largest unit that keeps the number at least 1."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
