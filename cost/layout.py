@@ -54,6 +54,7 @@ class NodeLayout:
     reduce_backward: float = 0.0   # bytes all-reduced over TP in the backward (input gradient)
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa
+    gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -166,6 +167,9 @@ class _LayoutBuilder:
                             requires_grad=self.grad[node.name], flops=node.flops / self.batch,
                             act_bytes=0.0, param_bytes=0.0, out_bytes=0.0)
         parallel = self._tensor_parallel(node, family, params, acts, layout)
+        if family == "matmul" and params and len(node.shape) >= 1:
+            columns = node.shape[-1] / (self.tp if layout.sharded else 1)
+            layout.gemm = (_numel(node.shape[:-1]) / self.batch, columns)
         for p in params:
             whole = _numel(by_name[p].shape)
             held = whole / self.tp if parallel else whole

@@ -22,6 +22,9 @@ class Link:
     bandwidth: float        # bytes/s each way, per device (what one GPU can push into the fabric)
     latency: float          # seconds per message (alpha)
     efficiency: float = 1.0  # fraction of `bandwidth` that NCCL's collectives reach (bus bandwidth)
+    # Measured (latency, bus bandwidth) per collective kind ("all_reduce", "all_gather", ...), as
+    # `autopar calibrate --mesh` fits them; kinds not listed use `latency` and `bandwidth`.
+    measured: tuple = ()
 
     def __post_init__(self):
         if self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
@@ -33,6 +36,13 @@ class Link:
     def effective_bandwidth(self) -> float:
         return self.bandwidth * self.efficiency
 
+    def alpha_beta(self, kind: str) -> tuple[float, float]:
+        """(latency per step, bytes/s) of collective `kind` on this link."""
+        for name, latency, bandwidth in self.measured:
+            if name == kind:
+                return latency, bandwidth
+        return self.latency, self.effective_bandwidth
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
@@ -42,6 +52,7 @@ class DeviceSpec:
     memory_bytes: int
     intra_node: Link        # between devices of one node
     inter_node: Link        # between nodes, per device
+    multiprocessors: int = 0  # streaming multiprocessors (GEMM tiles run in waves of them); 0: a CPU
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
@@ -56,7 +67,8 @@ GIB = 1 << 30
 # divided by the line rate: about 230 GB/s of NVLink3's 300 GB/s on a DGX A100 (NVSwitch, 8 GPUs),
 # about 360 GB/s of NVLink4's 450 GB/s on a DGX H100, and about 90% of the InfiniBand line rate
 # across nodes (protocol headers and the NIC's PCIe link take the rest). Latencies: a few
-# microseconds per NCCL step inside a node, about twice that across the network.
+# microseconds per NCCL step inside a node, about twice that across the network. Streaming
+# multiprocessors: 108 on an A100, 132 on an H100/H200 SXM.
 NVLINK3 = Link("nvlink3", 300 * GB, 5e-6, 0.77)
 NVLINK4 = Link("nvlink4", 450 * GB, 5e-6, 0.80)
 IB_HDR = Link("ib-hdr", 25 * GB, 10e-6, 0.90)
@@ -65,13 +77,13 @@ LOOPBACK = Link("loopback", 2 * GB, 50e-6, 1.0)
 
 DEVICES = {
     "a100-40g": DeviceSpec("a100-40g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                           1555 * GB, 40 * GIB, NVLINK3, IB_HDR),
+                           1555 * GB, 40 * GIB, NVLINK3, IB_HDR, 108),
     "a100-80g": DeviceSpec("a100-80g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                           2039 * GB, 80 * GIB, NVLINK3, IB_HDR),
+                           2039 * GB, 80 * GIB, NVLINK3, IB_HDR, 108),
     "h100-80g": DeviceSpec("h100-80g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                           3350 * GB, 80 * GIB, NVLINK4, IB_NDR),
+                           3350 * GB, 80 * GIB, NVLINK4, IB_NDR, 132),
     "h200-141g": DeviceSpec("h200-141g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                            4800 * GB, 141 * GIB, NVLINK4, IB_NDR),
+                            4800 * GB, 141 * GIB, NVLINK4, IB_NDR, 132),
     "cpu": DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12},
                       20 * GB, 16 * GIB, LOOPBACK, LOOPBACK),
 }
@@ -152,14 +164,20 @@ class Mesh:
     def from_dict(cls, data: dict) -> Mesh:
         try:
             dev = dict(data["device"])
-            device = DeviceSpec(**{**dev, "intra_node": Link(**dev["intra_node"]),
-                                   "inter_node": Link(**dev["inter_node"])})
-            axes = tuple(MeshAxis(a["name"], int(a["size"]), Link(**a["link"])) for a in data["axes"])
+            device = DeviceSpec(**{**dev, "intra_node": _link(dev["intra_node"]),
+                                   "inter_node": _link(dev["inter_node"])})
+            axes = tuple(MeshAxis(a["name"], int(a["size"]), _link(a["link"])) for a in data["axes"])
         except (KeyError, TypeError) as err:
             raise MeshError(f"mesh description is missing or has a wrong field ({err}); expected "
                             f"{{'device': {{name, peak_flops, hbm_bandwidth, memory_bytes, intra_node, "
                             f"inter_node}}, 'axes': [{{name, size, link}}]}}") from err
         return cls(device, axes)
+
+
+def _link(data: dict) -> Link:
+    """A Link from its JSON form, where `measured` is a list of lists."""
+    measured = tuple(tuple(entry) for entry in data.get("measured", ()))
+    return Link(**{**data, "measured": measured})
 
 
 def device_spec(name: str) -> DeviceSpec:

@@ -1,0 +1,105 @@
+"""Data-parallel traffic (gradient reduction, ZeRO's gathers) and how much of it the computation
+hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIMES`):
+
+  torch            autopar's own runtime and plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
+                   gradients in 25 MiB buckets while the backward of the LAST micro-batch runs (the
+                   others accumulate locally, `no_sync`), and while the later pipeline stages drain;
+                   FSDP (ZeRO-3) gathers each block's weights before its forward and its backward,
+                   prefetching the next block's during this one's compute, and reduce-scatters each
+                   block's gradients as its backward ends, every micro-batch. A recomputed block
+                   runs under the gather its backward already made (checkpointing inside the unit).
+                   Gradients travel in bf16.
+  megatron-local   Megatron-LM's own DDP of 2021-22 (`--DDP-impl local`): one all-reduce of the
+                   contiguous gradient buffer after the pipeline flush, nothing overlapped.
+  deepspeed-2021   DeepSpeed's ZeRO-3 engine of 2021: every sub-module's parameters gathered in its
+                   forward and backward hooks, and again for the recomputed forward, one collective
+                   per parameter tensor, waited for before the sub-module runs; gradients
+                   reduce-scattered per micro-batch. None of it overlapped.
+
+What ZeRO adds: ZeRO-1/2 all-gather the updated weights after the optimizer step, on the critical
+path; ZeRO-3 moves the weights (bf16) once per gather and the gradients once per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.collectives import Group
+from autopar.errors import AutoparError
+
+# PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
+BUCKET_BYTES = 25 * 2**20
+WEIGHT_BYTES = 2            # bf16 weights gathered by ZeRO-1/2/3
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    name: str
+    overlap: bool               # collectives run beside compute (buckets, prefetch) or wait
+    gather_unit: str            # ZeRO-3's collective per "block" or per parameter "tensor"
+    regather_on_recompute: bool  # ZeRO-3 gathers again for a recomputed forward
+    gradient_bytes: int = 2     # bytes per gradient element reduced
+
+
+RUNTIMES = {
+    "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
+    "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
+                              regather_on_recompute=True),
+    "deepspeed-2021": Runtime("deepspeed-2021", overlap=False, gather_unit="tensor",
+                              regather_on_recompute=True),
+}
+
+
+def runtime_named(name: str | Runtime) -> Runtime:
+    if isinstance(name, Runtime):
+        return name
+    try:
+        return RUNTIMES[name]
+    except KeyError:
+        raise AutoparError(f"runtime {name!r} is unknown; runtimes: {', '.join(RUNTIMES)}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class DeviceWork:
+    """One pipeline rank's share of a step, as the data-parallel traffic sees it."""
+    params: float               # parameter elements on the device (after tensor parallelism)
+    tensors: int                # parameter tensors on it
+    blocks: int                 # repeated blocks on it (FSDP units), plus one for the rest
+    forward_s: float            # per micro-batch, all its chunks
+    backward_s: float           # per micro-batch, recomputed forwards included
+    drain_s: float              # backward of the last micro-batch and of the stages after it
+    recompute: bool             # full recompute of the blocks
+
+
+def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
+                          mesh, runtime: Runtime) -> float:
+    """Seconds of data-parallel communication on the critical path of one step."""
+    if dp == 1:
+        return 0.0
+    group = Group.strided(mesh, dp, tp)
+    if zero == 3:
+        return micro_batches * _zero3_per_micro_batch(work, group, runtime)
+    grads = work.params * runtime.gradient_bytes
+    # ZeRO-1/2 reduce-scatter where DDP all-reduces (half the ring's traffic) and all-gather the
+    # updated weights after the step; the all-gather's ring cost is the other half.
+    reduce = group.reduce_scatter(grads) if zero else group.all_reduce(grads)
+    if runtime.overlap:
+        bucket = min(grads, BUCKET_BYTES)
+        last = group.reduce_scatter(bucket) if zero else group.all_reduce(bucket)
+        reduce = max(reduce - work.drain_s, last)
+    after_step = group.all_gather(work.params * WEIGHT_BYTES) if zero else 0.0
+    return reduce + after_step
+
+
+def _zero3_per_micro_batch(work: DeviceWork, group: Group, runtime: Runtime) -> float:
+    units = max(1, work.tensors if runtime.gather_unit == "tensor" else work.blocks)
+    gather = units * group.all_gather(work.params * WEIGHT_BYTES / units)
+    scatter = units * group.reduce_scatter(work.params * runtime.gradient_bytes / units)
+    backward_gathers = 2 if work.recompute and runtime.regather_on_recompute else 1
+    if not runtime.overlap:
+        return gather * (1 + backward_gathers) + scatter
+    # Prefetching hides each unit's gather behind the previous unit's compute: what exceeds the
+    # pass's compute shows, and the first gather of each pass and the last reduce-scatter wait.
+    forward = max(0.0, gather - work.forward_s)
+    backward = max(0.0, backward_gathers * gather + scatter - work.backward_s)
+    return forward + backward + 2 * gather / units + scatter / units
