@@ -8,8 +8,8 @@ collectives were measured (`--mesh 4:cpu`), a "collectives" section:
      "fits": {"all_reduce": {"latency_s": ..., "bandwidth": ..., "points": [[bytes, s], ...]}, ...}}
 
 A fit is the alpha-beta model of cost/collectives.py solved for one link from the timings of one
-collective at several sizes on `ranks` processes: a least-squares line t = A + B * bytes, then
-alpha and bandwidth from the ring formula of that collective (`link_terms`).
+collective at several sizes on `ranks` processes, alpha and bandwidth through the ring formula of
+that collective (`ring_terms`).
 """
 
 from __future__ import annotations
@@ -37,18 +37,17 @@ def ring_terms(kind: str, ranks: int) -> tuple[float, float]:
 
 
 def fit_link(kind: str, ranks: int, points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(alpha seconds per step, bandwidth bytes/s) of `kind` from (nbytes, seconds) points."""
-    if len(points) < 2 or len({x for x, _ in points}) < 2:
+    """(alpha seconds per step, bandwidth bytes/s) of `kind` from (nbytes, seconds) points: the
+    latency from the smallest size, the bandwidth from the time the largest adds over it. Two
+    points rather than a least-squares line: on a shared machine one slow middle point would tilt
+    a line below zero; when the largest is not slower (noise) its whole time counts as transfer."""
+    points = sorted(points)
+    if len(points) < 2 or points[0][0] == points[-1][0]:
         raise AutoparError(f"fitting {kind} needs timings at two or more sizes, got {points}")
-    count = len(points)
-    mean_x = sum(x for x, _ in points) / count
-    mean_y = sum(y for _, y in points) / count
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    slope = max(slope, 1e-15)                    # time never falls with size
-    intercept = max(mean_y - slope * mean_x, 0.0)
+    (small, t_small), (large, t_large) = points[0], points[-1]
     steps, factor = ring_terms(kind, ranks)
-    return intercept / steps, factor / slope
+    slope = (t_large - t_small) / (large - small) if t_large > t_small else t_large / large
+    return max(t_small - slope * small, 0.0) / steps, factor / slope
 
 
 def load(path: str | Path) -> dict:

@@ -150,10 +150,15 @@ class Efficiencies:
                                f"write one with `autopar calibrate --out {path}`") from err
         return cls.from_dict(data)
 
-    def save(self, path: str | Path, measurements: dict | None = None) -> None:
+    def save(self, path: str | Path, measurements: dict | None = None,
+             collectives: dict | None = None) -> None:
+        """Write a calibration file: these efficiencies, the raw measurements, and the mesh's
+        measured collectives (cost/calibration.py) when given."""
         data = self.to_dict()
         if measurements:
             data["measurements"] = measurements
+        if collectives:
+            data["collectives"] = collectives
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 

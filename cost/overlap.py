@@ -8,7 +8,8 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
                    prefetching the next block's during this one's compute, and reduce-scatters each
                    block's gradients as its backward ends, every micro-batch. A recomputed block
                    runs under the gather its backward already made (checkpointing inside the unit).
-                   Gradients travel in bf16.
+                   Weights and gradients travel in the device's training dtype (bf16 on GPUs,
+                   fp32 on CPUs).
   megatron-local   Megatron-LM's own DDP of 2021-22 (`--DDP-impl local`): one all-reduce of the
                    contiguous gradient buffer after the pipeline flush, nothing overlapped.
   deepspeed-2021   DeepSpeed's ZeRO-3 engine of 2021: every sub-module's parameters gathered in its
@@ -29,7 +30,6 @@ from autopar.errors import AutoparError
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
 BUCKET_BYTES = 25 * 2**20
-WEIGHT_BYTES = 2            # bf16 weights gathered by ZeRO-1/2/3
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,6 @@ class Runtime:
     overlap: bool               # collectives run beside compute (buckets, prefetch) or wait
     gather_unit: str            # ZeRO-3's collective per "block" or per parameter "tensor"
     regather_on_recompute: bool  # ZeRO-3 gathers again for a recomputed forward
-    gradient_bytes: int = 2     # bytes per gradient element reduced
 
 
 RUNTIMES = {
@@ -77,9 +76,10 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
     if dp == 1:
         return 0.0
     group = Group.strided(mesh, dp, tp)
+    element = 4 if mesh.device.training_dtype == "float32" else 2
     if zero == 3:
-        return micro_batches * _zero3_per_micro_batch(work, group, runtime)
-    grads = work.params * runtime.gradient_bytes
+        return micro_batches * _zero3_per_micro_batch(work, group, runtime, element)
+    grads = work.params * element
     # ZeRO-1/2 reduce-scatter where DDP all-reduces (half the ring's traffic) and all-gather the
     # updated weights after the step; the all-gather's ring cost is the other half.
     reduce = group.reduce_scatter(grads) if zero else group.all_reduce(grads)
@@ -87,14 +87,15 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
         bucket = min(grads, BUCKET_BYTES)
         last = group.reduce_scatter(bucket) if zero else group.all_reduce(bucket)
         reduce = max(reduce - work.drain_s, last)
-    after_step = group.all_gather(work.params * WEIGHT_BYTES) if zero else 0.0
+    after_step = group.all_gather(work.params * element) if zero else 0.0
     return reduce + after_step
 
 
-def _zero3_per_micro_batch(work: DeviceWork, group: Group, runtime: Runtime) -> float:
+def _zero3_per_micro_batch(work: DeviceWork, group: Group, runtime: Runtime,
+                           element: int) -> float:
     units = max(1, work.tensors if runtime.gather_unit == "tensor" else work.blocks)
-    gather = units * group.all_gather(work.params * WEIGHT_BYTES / units)
-    scatter = units * group.reduce_scatter(work.params * runtime.gradient_bytes / units)
+    gather = units * group.all_gather(work.params * element / units)
+    scatter = units * group.reduce_scatter(work.params * element / units)
     backward_gathers = 2 if work.recompute and runtime.regather_on_recompute else 1
     if not runtime.overlap:
         return gather * (1 + backward_gathers) + scatter
