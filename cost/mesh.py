@@ -160,7 +160,8 @@ class Mesh:
         return f"{dims}:{self.device.name}"
 
     def to_dict(self) -> dict:
-        return {"device": asdict(self.device), "axes": [asdict(a) for a in self.axes]}
+        """Plain JSON data (lists, not tuples), so that a saved and loaded copy compares equal."""
+        return _plain({"device": asdict(self.device), "axes": [asdict(a) for a in self.axes]})
 
     @classmethod
     def from_dict(cls, data: dict) -> Mesh:
@@ -174,6 +175,14 @@ class Mesh:
                             f"{{'device': {{name, peak_flops, hbm_bandwidth, memory_bytes, intra_node, "
                             f"inter_node}}, 'axes': [{{name, size, link}}]}}") from err
         return cls(device, axes)
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _link(data: dict) -> Link:

@@ -77,7 +77,7 @@ class Pricer:
         self.mesh = mesh
         self.names = [axis.name for axis in mesh.axes]
         self.sizes = [axis.size for axis in mesh.axes]
-        self.efficiencies = efficiencies or Efficiencies()
+        self.efficiencies = efficiencies or Efficiencies.for_device(mesh.device.name)
         self._reshard: dict[tuple, float | None] = {}
 
     def op_time(self, target: str, flops: float, bytes_moved: float, split: int,
