@@ -90,7 +90,7 @@ class _Chunk:
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
              attention: str = "flash", memory_limit: float | None = None,
-             cache: dict | None = None, runtime: str | Runtime = "torch",
+             cache: dict | None = None, runtime: str | Runtime = "autopar",
              calibration=None) -> Estimate:
     """Price a Megatron-style configuration: layers split over pp x virtual chunks (evenly where
     they divide, `autopar.cost.stages.blocks_per_chunk` where not). `cache`: see
@@ -117,7 +117,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                     micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
                     memory_limit: float | None = None, cache: dict | None = None,
-                    runtime: str | Runtime = "torch", calibration=None) -> Estimate:
+                    runtime: str | Runtime = "autopar", calibration=None) -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
     rank c % p of p = len(stages) / v ranks (Megatron's interleaving).
 

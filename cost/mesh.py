@@ -54,6 +54,7 @@ class DeviceSpec:
     inter_node: Link        # between nodes, per device
     multiprocessors: int = 0  # streaming multiprocessors (GEMM tiles run in waves of them); 0: a CPU
     training_dtype: str = "bfloat16"   # what activations, weights and gradients are held in
+    overlaps_communication: bool = True  # collectives run beside compute (a GPU's own engines)
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
@@ -70,7 +71,7 @@ GIB = 1 << 30
 # across nodes (protocol headers and the NIC's PCIe link take the rest). Latencies: a few
 # microseconds per NCCL step inside a node, about twice that across the network. Streaming
 # multiprocessors: 108 on an A100, 132 on an H100/H200 SXM. GPUs train in bf16 (mixed precision);
-# autopar's runtime trains in fp32 on CPUs.
+# autopar's runtime trains in fp32 on CPUs, where gloo's collectives take the cores that compute.
 NVLINK3 = Link("nvlink3", 300 * GB, 5e-6, 0.77)
 NVLINK4 = Link("nvlink4", 450 * GB, 5e-6, 0.80)
 IB_HDR = Link("ib-hdr", 25 * GB, 10e-6, 0.90)
@@ -87,7 +88,8 @@ DEVICES = {
     "h200-141g": DeviceSpec("h200-141g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
                             4800 * GB, 141 * GIB, NVLINK4, IB_NDR, 132),
     "cpu": DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12},
-                      20 * GB, 16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32"),
+                      20 * GB, 16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32",
+                      overlaps_communication=False),
 }
 
 

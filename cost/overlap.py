@@ -1,7 +1,11 @@
 """Data-parallel traffic (gradient reduction, ZeRO's gathers) and how much of it the computation
 hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIMES`):
 
-  torch            autopar's own runtime and plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
+  autopar          autopar's own runtime (the default): gradients reduced in buckets as in
+                   "torch" below; ZeRO-3 parameters are DTensors sharded on the data axis, which
+                   each op that reads one all-gathers where it runs (forward, backward, and the
+                   recomputed forward), one collective per parameter tensor, waited for.
+  torch            plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
                    gradients in 25 MiB buckets while the backward of the LAST micro-batch runs (the
                    others accumulate locally, `no_sync`), and while the later pipeline stages drain;
                    FSDP (ZeRO-3) gathers each block's weights before its forward and its backward,
@@ -17,13 +21,16 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
                    per parameter tensor, waited for before the sub-module runs; gradients
                    reduce-scattered per micro-batch. None of it overlapped.
 
+On a device whose collectives run on the cores that compute (a CPU mesh of gloo ranks), nothing
+overlaps, whatever the runtime.
+
 What ZeRO adds: ZeRO-1/2 all-gather the updated weights after the optimizer step, on the critical
 path; ZeRO-3 moves the weights (bf16) once per gather and the gradients once per micro-batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.cost.collectives import Group
 from autopar.errors import AutoparError
@@ -41,6 +48,7 @@ class Runtime:
 
 
 RUNTIMES = {
+    "autopar": Runtime("autopar", overlap=True, gather_unit="tensor", regather_on_recompute=True),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
                               regather_on_recompute=True),
@@ -77,6 +85,8 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
         return 0.0
     group = Group.strided(mesh, dp, tp)
     element = 4 if mesh.device.training_dtype == "float32" else 2
+    if not mesh.device.overlaps_communication:
+        runtime = replace(runtime, overlap=False)
     if zero == 3:
         return micro_batches * _zero3_per_micro_batch(work, group, runtime, element)
     grads = work.params * element
@@ -97,7 +107,7 @@ def _zero3_per_micro_batch(work: DeviceWork, group: Group, runtime: Runtime,
     gather = units * group.all_gather(work.params * element / units)
     scatter = units * group.reduce_scatter(work.params * element / units)
     backward_gathers = 2 if work.recompute and runtime.regather_on_recompute else 1
-    if not runtime.overlap:
+    if not runtime.overlap or runtime.gather_unit == "tensor":   # gathered where used: waited on
         return gather * (1 + backward_gathers) + scatter
     # Prefetching hides each unit's gather behind the previous unit's compute: what exceeds the
     # pass's compute shows, and the first gather of each pass and the last reduce-scatter wait.

@@ -43,6 +43,14 @@ def test_gradient_reduction_hides_behind_the_last_backward_only_where_the_runtim
     assert partly == pytest.approx(whole / 2)
 
 
+def test_nothing_overlaps_on_a_cpu_mesh_whose_cores_also_communicate():
+    mesh = Mesh.parse("4:cpu")
+    whole = Group.strided(mesh, 4, 1).all_reduce(4e9)      # fp32 gradients on a CPU
+    exposed = exposed_data_parallel(_work(drain_s=1e6), dp=4, tp=1, zero=0, micro_batches=2,
+                                    mesh=mesh, runtime=RUNTIMES["torch"])
+    assert exposed == pytest.approx(whole)
+
+
 def test_zero_1_adds_the_weights_all_gather_after_the_step():
     group = Group.strided(MESH, 32, 1)
     zero0 = exposed_data_parallel(_work(), dp=32, tp=1, zero=0, micro_batches=1, mesh=MESH,
@@ -75,9 +83,12 @@ def test_zero_3_gathers_every_micro_batch_and_shows_what_compute_cannot_hide():
 def test_zero_3_on_many_nodes_is_slower_than_without_communication(tiny_gpt):
     mesh = Mesh.parse("4x8:a100-80g")
     config = Config(dp=32, global_batch=32, zero=3, recompute="full")
-    fsdp = estimate(tiny_gpt, mesh, config)
+    fsdp = estimate(tiny_gpt, mesh, config, runtime="torch")
     deepspeed = estimate(tiny_gpt, mesh, config, runtime="deepspeed-2021")
     assert 0 < fsdp.comm_breakdown["data"] < deepspeed.comm_breakdown["data"]
+    # autopar's runtime gathers each DTensor parameter where it is used, as DeepSpeed did.
+    assert estimate(tiny_gpt, mesh, config).comm_breakdown["data"] == pytest.approx(
+        deepspeed.comm_breakdown["data"])
     with pytest.raises(AutoparError, match="runtime 'nccl' is unknown"):
         estimate(tiny_gpt, mesh, config, runtime="nccl")
 

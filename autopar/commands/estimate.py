@@ -39,10 +39,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--calibration", type=Path, default=None,
                         help="efficiencies and collectives measured by `autopar calibrate` "
                              "(default: published figures)")
-    parser.add_argument("--runtime", choices=("torch", "megatron-local", "deepspeed-2021"),
-                        default="torch", help="whose overlap of communication to assume: "
-                                              "autopar's and PyTorch's (default), Megatron-LM's "
-                                              "local DDP, DeepSpeed's 2021 ZeRO-3")
+    parser.add_argument("--runtime", choices=("autopar", "torch", "megatron-local",
+                                              "deepspeed-2021"),
+                        default="autopar", help="whose overlap of communication to assume: "
+                                                "autopar's (default), PyTorch DDP/FSDP's, "
+                                                "Megatron-LM's local DDP, DeepSpeed's 2021 ZeRO-3")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
