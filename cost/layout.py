@@ -281,6 +281,19 @@ def _storage_of(node: Node, name: str, family: str, storage: dict, contiguous: d
     contiguous[node.name] = True
 
 
+def saves_for_backward(target: str) -> tuple[bool, bool]:
+    """(keeps its activation inputs, keeps its output) for the backward, by op: the rule `_saved`
+    applies to each node, for callers that price an op without its node (the sharding ILP).
+    A dropout's one-byte mask and an op's scaling by a constant depend on the node's arguments
+    and are left to `_saved`."""
+    family, name = op_family(target), op_name(target)
+    if family in ("view", "reduction") or name in _SAVES_NOTHING or "dropout" in name:
+        return False, False
+    if family == "softmax":
+        return False, True
+    return True, family == "attention"
+
+
 def _saved(node: Node, name: str, family: str, acts: list[str], storage: dict) -> tuple[str, ...]:
     """Storage owners that autograd keeps for this node's backward (activations only: parameters
     are counted as model state)."""
