@@ -27,7 +27,8 @@ def graphs():
 @pytest.mark.skipif(not REFERENCE.exists(), reason=f"reference table not found at {REFERENCE}")
 @pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
 def test_predicted_tflops_within_15_percent_and_memory_fits(run, graphs):
-    result = estimate(graphs(run.spec), run.mesh, run.config, attention=run.attention)
+    result = estimate(graphs(run.spec), run.mesh, run.config, attention=run.attention,
+                      runtime=run.runtime)
     error = result.tflops_per_gpu / run.published_tflops - 1
     assert abs(error) <= 0.15, (f"{run.name}: predicted {result.tflops_per_gpu:.1f} TFLOP/s per GPU, "
                                 f"published {run.published_tflops:.0f} ({error:+.1%})")
