@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "plan": "plan a model for a mesh and save the plan as JSON",
     "explain": "show a saved plan: stages, memory and time, and a pipeline timeline picture",
     "diff": "compare two saved plans",
+    "validate": "train forced configurations on gloo ranks and check predicted step times against measured",
     "bench": "solver benchmark: autopar's plans against the best Megatron-style grid configuration",
     "demo": "plan and train a small GPT on a CPU mesh of gloo processes, checked against one process",
 }

@@ -37,8 +37,9 @@ def main() -> None:
         graph = capture_training_step(run.spec)
         seconds = time.perf_counter() - start
         result = estimate(graph, run.mesh, run.config, efficiencies=efficiencies,
-                          attention=run.attention)
-        flash = estimate(graph, run.mesh, run.config, efficiencies=efficiencies, attention="flash")
+                          attention=run.attention, runtime=run.runtime)
+        flash = estimate(graph, run.mesh, run.config, efficiencies=efficiencies, attention="flash",
+                         runtime=run.runtime)
         c = run.config
         table.add_row(run.name, str(run.mesh.world_size), str(c.tp), str(c.pp), str(c.virtual),
                       str(c.global_batch), str(c.micro_batch), f"{run.published_tflops:.0f}",

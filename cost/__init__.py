@@ -5,13 +5,15 @@
     collectives.py  alpha-beta time of all-reduce, all-gather, reduce-scatter, all-to-all, send/recv
     layout.py       what each captured node costs one rank under Megatron-style tensor parallelism
     memory.py       model states under ZeRO, activations in flight per pipeline schedule
-    stages.py       which nodes each pipeline chunk holds (StageSpec, uniform splits)
+    overlap.py      data-parallel traffic (gradients, ZeRO gathers) and what each runtime hides
+    stages.py       which nodes each pipeline chunk holds (StageSpec, even and uneven splits)
     estimator.py    the one estimator: `estimate`, `estimate_stages`, `max_batch`, `max_seq`
     price_cache.py  what the estimator's calls share, in a dict the caller passes as `cache=`
-    calibrate.py    measured efficiencies of the local device
-    reference.py    published training runs as estimator inputs
+    calibrate.py    measured efficiencies of the local device, collectives of a gloo mesh
+    calibration.py  a calibration file applied: efficiencies and measured links
+    reference.py    published training runs as estimator inputs, with what each run assumed
 
-    autopar.cost.estimate(graph, mesh, config)
+    autopar.cost.estimate(graph, mesh, config, runtime="autopar", calibration=None)
 
 The estimator's names are imported on first use, so that `import autopar.cost.mesh` stays light.
 """

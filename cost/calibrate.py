@@ -4,7 +4,13 @@ Each op family is timed on a few shapes; its efficiency is the achieved rate ove
 spec's peak: FLOP/s over peak FLOP/s for matmuls and attention, bytes/s over HBM bandwidth for the
 memory-bound families. The best shape of a family stands for it (the roofline already charges
 small shapes for their low arithmetic intensity). Rates above the spec's peak (a CPU whose spec is
-nominal) are clipped to 1 and the raw figures kept under "measurements".
+nominal) are clipped to 1 and the raw figures kept under "measurements". The cost of launching
+one op (a one-element add) becomes `kernel_latency_s`: on a CPU it is the eager dispatcher's, and
+it dominates a small model's step.
+
+`calibrate_mesh` does the same on every rank of a gloo mesh at once (each rank one thread, as
+`autopar.launch` runs them, so ranks share the cores as a training run's do), then times each
+collective at several sizes and fits the alpha-beta model to it (cost/calibration.py).
 """
 
 from __future__ import annotations
@@ -15,9 +21,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from autopar.cost.calibration import KINDS, fit_link
 from autopar.cost.compute import Efficiencies
-from autopar.cost.mesh import DEVICES, DeviceSpec
+from autopar.cost.mesh import DEVICES, DeviceSpec, Mesh
 from autopar.errors import AutoparError
+
+# Collective sizes timed (bytes of the full tensor): from latency-bound to bandwidth-bound.
+COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**24)
 
 # cuda device names -> autopar device specs.
 _CUDA_NAMES = (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100-SXM4-40GB", "a100-40g"),
@@ -106,6 +116,101 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
                 compute[family] = max(compute.get(family, 0.0), flop_rate)
             else:
                 memory[family] = max(memory.get(family, 0.0), byte_rate)
+    latency = _seconds(lambda: _tiny_chain(device, dtype), device, budget_s) / (2 * _CHAIN)
+    measurements["one-element op, forward and backward"] = {
+        "family": "latency", "seconds": latency, "flops": 1, "bytes": 0, "flops_fraction": 0.0,
+        "bandwidth_fraction": 0.0}
     clip = lambda table: {f: min(1.0, max(v, 1e-6)) for f, v in table.items()}
-    efficiencies = Efficiencies(compute=clip(compute), memory=clip(memory), device=spec.name)
+    efficiencies = Efficiencies(compute=clip(compute), memory=clip(memory), device=spec.name,
+                                kernel_latency_s=latency)
     return efficiencies, measurements
+
+
+_CHAIN = 32
+
+
+def _tiny_chain(device: str, dtype: torch.dtype) -> None:
+    """`_CHAIN` one-element multiplies and their backward: each costs what launching an op in a
+    training step costs (dispatch, autograd's bookkeeping), and nothing else."""
+    x = torch.ones(1, device=device, dtype=dtype, requires_grad=True)
+    y = x
+    for _ in range(_CHAIN):
+        y = y * 1.0001
+    y.backward()
+
+
+def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
+                   sizes: tuple[int, ...] = COLLECTIVE_BYTES) -> tuple[Efficiencies, dict, dict]:
+    """Efficiencies and measurements as `calibrate` gives them, taken on rank 0 while every rank
+    of the gloo mesh computes, and the collectives section of a calibration file."""
+    from autopar.runtime.launch import launch
+
+    if mesh.device.name != "cpu":
+        raise AutoparError(f"--mesh {mesh}: collectives are measured over gloo on this machine's "
+                           f"CPUs; give a CPU mesh such as 4:cpu")
+    ranks = mesh.world_size
+    if ranks < 2:
+        raise AutoparError(f"--mesh {mesh} has one device: no collective to measure; give 2 or more")
+    results = launch(_rank_calibration, ranks, budget_s, sizes, timeout=600.0, pg_timeout=120.0)
+    efficiencies, measurements, timings = results[0]
+    fits = {}
+    for kind in KINDS:
+        points = [(nbytes, max(r[2][kind][i] for r in results)) for i, nbytes in enumerate(sizes)]
+        latency, bandwidth = fit_link(kind, ranks, points)
+        fits[kind] = {"latency_s": latency, "bandwidth": bandwidth, "points": points}
+    collectives = {"device": mesh.device.name, "ranks": ranks, "backend": "gloo", "fits": fits}
+    return efficiencies, measurements, collectives
+
+
+def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
+    efficiencies, measurements = calibrate("cpu", budget_s=budget_s)
+    return efficiencies, measurements, {kind: [_collective_seconds(kind, n, budget_s) for n in sizes]
+                                        for kind in KINDS}
+
+
+def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
+    """Median seconds of one `kind` collective on a tensor of `nbytes` (full size, fp32) over the
+    default process group; every rank runs the same number of repeats."""
+    import torch.distributed as dist
+
+    ranks, rank = dist.get_world_size(), dist.get_rank()
+    full = torch.zeros(max(ranks, nbytes // 4))
+    part = torch.zeros(full.numel() // ranks)
+    run = {"all_reduce": lambda: dist.all_reduce(full),
+           "all_gather": lambda: dist.all_gather_single(full[:part.numel() * ranks], part),
+           "reduce_scatter": lambda: dist.reduce_scatter_single(part, full[:part.numel() * ranks]),
+           "all_to_all": lambda: dist.all_to_all_single(part, part.clone()),
+           "send_recv": lambda: _exchange(full, rank)}[kind]
+    run()
+    repeats = max(3, min(50, int(budget_s / max(_timed(run), 1e-6))))
+    repeats = int(_agreed(repeats, min))
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        times.append(_timed(run))
+    return sorted(times)[len(times) // 2]
+
+
+def _exchange(tensor: torch.Tensor, rank: int) -> None:
+    """Rank 0 sends to rank 1, which receives; the others wait at the next barrier."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(tensor, 1)
+    elif rank == 1:
+        dist.recv(tensor, 0)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _agreed(value: float, pick) -> float:
+    """The same number on every rank (the smallest, with pick=min), so all run equal repeats."""
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return pick(values)

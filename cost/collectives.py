@@ -12,6 +12,9 @@ Ring on n devices with link bandwidth bw (effective, NCCL bus bandwidth) and lat
     all-gather      (n-1) alpha  +  (n-1)/n * nbytes / bw      (reduce-scatter the same)
     all-to-all      (n-1) alpha  +  (n-1)/n * (nbytes/n) / bw  (each device holds nbytes/n)
     tree all-reduce 2 ceil(log2 n) alpha + 2 * nbytes / bw      (double binary tree: latency-bound sizes)
+
+A link calibrated on the machine (`autopar calibrate --mesh`) carries alpha and bw per collective
+kind (`Link.measured`): gloo's all-gather, say, is not its all-reduce's half.
 """
 
 from __future__ import annotations
@@ -89,15 +92,19 @@ class Group:
 
     def all_gather(self, nbytes: float) -> float:
         """Outer levels first gather the node's share (nbytes / inner size), then the inner level."""
+        return self._gather_like(nbytes, "all_gather")
+
+    def reduce_scatter(self, nbytes: float) -> float:
+        return self._gather_like(nbytes, "reduce_scatter")
+
+    def _gather_like(self, nbytes: float, kind: str) -> float:
         total, remaining = 0.0, nbytes
         for level in self.levels:
             n = level.size
-            total += (n - 1) * level.link.latency + (n - 1) / n * remaining / level.link.effective_bandwidth
+            latency, bandwidth = level.link.alpha_beta(kind)
+            total += (n - 1) * latency + (n - 1) / n * remaining / bandwidth
             remaining /= n
         return total
-
-    def reduce_scatter(self, nbytes: float) -> float:
-        return self.all_gather(nbytes)
 
     def all_to_all(self, nbytes: float) -> float:
         """Each device holds nbytes/N and keeps 1/N of it; the rest leaves over the level that first
@@ -110,14 +117,16 @@ class Group:
         for level in self.levels:
             before, reached = reached, reached * level.size
             leaving = local * (reached - before) / devices
-            total += (level.size - 1) * level.link.latency + leaving / level.link.effective_bandwidth
+            latency, bandwidth = level.link.alpha_beta("all_to_all")
+            total += (level.size - 1) * latency + leaving / bandwidth
         return total
 
 
 def _flat_all_reduce(nbytes: float, level: Level, algorithm: str) -> float:
-    n, link = level.size, level.link
-    ring = 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.effective_bandwidth
-    tree = 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / link.effective_bandwidth
+    n = level.size
+    latency, bandwidth = level.link.alpha_beta("all_reduce")
+    ring = 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+    tree = 2 * math.ceil(math.log2(n)) * latency + 2 * nbytes / bandwidth
     return {"ring": ring, "tree": tree, "auto": min(ring, tree)}[algorithm]
 
 
@@ -139,4 +148,5 @@ def all_to_all_time(nbytes: float, mesh: Mesh, axes: Sequence[str]) -> float:
 
 def send_recv_time(nbytes: float, link: Link) -> float:
     """One point-to-point message (a pipeline stage's activations or gradients)."""
-    return link.latency + nbytes / link.effective_bandwidth
+    latency, bandwidth = link.alpha_beta("send_recv")
+    return latency + nbytes / bandwidth

@@ -4,13 +4,21 @@
                bytes_moved / (hbm_bandwidth * memory_eff[family])) + kernel_latency
 
 The default efficiencies come from published measurements on NVIDIA datacenter GPUs (cited next to
-each figure); `autopar calibrate` measures them on the local device and writes a JSON file that
-`Efficiencies.load` reads back, replacing the defaults.
+each figure), per device where they differ (`Efficiencies.for_device`); `autopar calibrate`
+measures them on the local device and writes a JSON file that `Efficiencies.load` reads back,
+replacing the defaults.
+
+A matmul with a weight also pays for how its output tiles fill the GPU (`gemm_utilization`):
+cuBLAS computes an M x N output in tiles, one thread block per tile on each streaming
+multiprocessor, in waves; a GEMM of 1.1 waves takes as long as one of 2. Small and skinny GEMMs
+(a tensor-parallel shard, a small micro-batch) lose most; the memory roofline (operand bytes over
+HBM bandwidth) covers GEMMs too thin to be compute-bound at all.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -78,6 +86,16 @@ def _default_compute() -> dict[str, float]:
             "reduction": 0.5, "embedding": 0.5, "loss": 0.5, "view": 1.0}
 
 
+# Where a device differs from the A100 figures above. H100 SXM: cuBLAS bf16 GEMMs on training shapes
+# sustain about 600-720 TFLOP/s of the data sheet's 989 (the 700 W power limit holds the clocks
+# well under boost), so 0.68; FlashAttention-2, which the H100 runs of 2023 used, has no Hopper
+# kernels and reaches about 330 TFLOP/s forward + backward (Dao 2023, H100 figure): 0.33.
+_DEVICE_COMPUTE = {
+    "h100-80g": {"matmul": 0.68, "attention": 0.33},
+    "h200-141g": {"matmul": 0.68, "attention": 0.33},
+}
+
+
 def _default_memory() -> dict[str, float]:
     # Fraction of HBM bandwidth. Streaming kernels (copy, elementwise) reach about 80-90% of the
     # data-sheet bandwidth on A100/H100 (STREAM-like measurements, e.g. BabelStream); norms,
@@ -110,9 +128,15 @@ class Efficiencies:
         return asdict(self)
 
     @classmethod
+    def for_device(cls, name: str) -> Efficiencies:
+        """The published defaults for device `name` (a DeviceSpec name); the A100's where the
+        device has no figures of its own. `device` stays "": these are not measurements."""
+        return cls(compute={**_default_compute(), **_DEVICE_COMPUTE.get(name, {})})
+
+    @classmethod
     def from_dict(cls, data: dict) -> Efficiencies:
         known = {"compute", "memory", "kernel_latency_s", "device"}
-        unknown = set(data) - known - {"measurements"}
+        unknown = set(data) - known - {"measurements", "collectives"}
         if unknown:
             raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "
                                f"expected {sorted(known)}")
@@ -127,24 +151,52 @@ class Efficiencies:
                                f"write one with `autopar calibrate --out {path}`") from err
         return cls.from_dict(data)
 
-    def save(self, path: str | Path, measurements: dict | None = None) -> None:
+    def save(self, path: str | Path, measurements: dict | None = None,
+             collectives: dict | None = None) -> None:
+        """Write a calibration file: these efficiencies, the raw measurements, and the mesh's
+        measured collectives (cost/calibration.py) when given."""
         data = self.to_dict()
         if measurements:
             data["measurements"] = measurements
+        if collectives:
+            data["collectives"] = collectives
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, family: str,
-                 dtype: str = "bfloat16", efficiencies: Efficiencies | None = None) -> float:
-    """Seconds for one kernel of `family` doing `flops` and moving `bytes_moved` through HBM."""
+                 dtype: str = "bfloat16", efficiencies: Efficiencies | None = None,
+                 utilization: float = 1.0) -> float:
+    """Seconds for one kernel of `family` doing `flops` and moving `bytes_moved` through HBM;
+    `utilization`, the share of the device's compute units the kernel's work fills
+    (`gemm_utilization`)."""
     if family not in FAMILIES:
         raise AutoparError(f"op family {family!r} is unknown; families: {FAMILIES}")
     if family == "view" or (flops == 0 and bytes_moved == 0):
         return 0.0
-    eff = efficiencies or Efficiencies()
-    compute_s = flops / (device.flops(dtype) * eff.compute[family])
+    eff = efficiencies or Efficiencies.for_device(device.name)
+    compute_s = flops / (device.flops(dtype) * eff.compute[family] * utilization)
     memory_s = bytes_moved / (device.hbm_bandwidth * eff.memory[family])
     return max(compute_s, memory_s) + eff.kernel_latency_s
+
+
+# cuBLAS's output tile for large 16-bit GEMMs on A100 and H100, either way round (NVIDIA, "Matrix
+# Multiplication Background User's Guide": tile and wave quantization).
+GEMM_TILES = ((256, 128), (128, 256))
+
+
+def gemm_utilization(rows: float, cols: float, device: DeviceSpec) -> float:
+    """The share of a GPU's streaming multiprocessors that an output of `rows` x `cols` keeps busy
+    over its waves of tiles, with the better of cuBLAS's tile orientations; 1 on a device without
+    multiprocessors (a CPU) or for an empty shape."""
+    if not device.multiprocessors or rows < 1 or cols < 1:
+        return 1.0
+    units = device.multiprocessors
+    best = 0.0
+    for tile_rows, tile_cols in GEMM_TILES:
+        tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
+        waves = math.ceil(tiles / units)
+        best = max(best, rows * cols / (tile_rows * tile_cols) / (waves * units))
+    return best
 
 
 ATTENTION_KERNELS = ("flash", "unfused")

@@ -15,11 +15,13 @@ Per step:
   m x the slowest device's time per micro-batch, plus the pipeline bubble: the fill and drain,
   (sum of the devices' times - the slowest) / v, which is (p-1)/(v m) of the ideal time when stages
   are equal (the zero-bubble schedule leaves a third of it, ZB-H1 of Qi et al. 2023);
-  the gradient reduction over the data-parallel group, overlapped with the backward of the last
-  micro-batch and with the drain of the stages after it (bucketed, as DDP and FSDP run it);
+  the data-parallel traffic the computation does not hide: gradient reduction, ZeRO's gathers,
+  as the runtime that trains overlaps them (cost/overlap.py: `runtime=`);
   a weight tied across pipeline ranks (embedding and LM head): its copies' gradients all-reduced
   over the ranks holding them (Megatron's embedding group), after the backward, not overlapped;
   the optimizer step, memory-bound.
+A calibration file (`autopar calibrate`, `calibration=path`) replaces the efficiencies and, when it
+measured the mesh's collectives, the links' latency and bandwidth.
 Hardware FLOP/s count the recomputed forward, as Megatron-LM reports them; model FLOP/s do not.
 """
 
@@ -31,18 +33,18 @@ import sympy
 
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
+from autopar.cost.calibration import calibrated
 from autopar.cost.collectives import Group, Level, send_recv_time
-from autopar.cost.compute import BACKWARD, Efficiencies, attention_kernels, compute_time
+from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
+                                  gemm_utilization)
 from autopar.cost.config import Config
 from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, graph_sequence
 from autopar.cost.memory import (BYTES_PER_PARAM, OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight,
                                  model_state_bytes)
 from autopar.cost.mesh import Mesh
+from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.stages import StageSpec, uniform_stages
-
-# PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
-BUCKET_BYTES = 25 * 2**20
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
@@ -78,6 +80,7 @@ class _Chunk:
     send_s: float = 0.0
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
+    tensors: int = 0                # parameter tensors on this device
     saved_per_sample: float = 0.0   # activation bytes kept per sample
     peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed layer)
     loss_per_sample: float = 0.0
@@ -90,15 +93,20 @@ class _Chunk:
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
              attention: str = "flash", memory_limit: float | None = None,
-             cache: dict | None = None) -> Estimate:
-    """Price a Megatron-style uniform configuration: layers split evenly over pp x virtual chunks.
-    `cache`: see `estimate_stages`."""
+             cache: dict | None = None, runtime: str | Runtime = "autopar",
+             calibration=None) -> Estimate:
+    """Price a Megatron-style configuration: layers split over pp x virtual chunks (evenly where
+    they divide, `autopar.cost.stages.blocks_per_chunk` where not). `cache`: see
+    `estimate_stages`; `runtime`: the training runtime whose overlap applies (cost/overlap.py);
+    `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
+    collectives replace the defaults and the mesh's links."""
     _check_world(mesh, config)
     stages = uniform_stages(graph, config)
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
-                           memory_limit=memory_limit, cache=cache)
+                           memory_limit=memory_limit, cache=cache, runtime=runtime,
+                           calibration=calibration)
 
 
 def _check_world(mesh: Mesh, config: Config) -> None:
@@ -111,14 +119,16 @@ def _check_world(mesh: Mesh, config: Config) -> None:
 def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
-                    memory_limit: float | None = None, cache: dict | None = None) -> Estimate:
+                    memory_limit: float | None = None, cache: dict | None = None,
+                    runtime: str | Runtime = "autopar", calibration=None) -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
     rank c % p of p = len(stages) / v ranks (Megatron's interleaving).
 
     `cache`, a dict the caller owns, keeps what calls on the same graph, mesh and efficiencies
     share (layouts, chunk owners, priced chunks), so that a search pricing many configurations
     pays for each part once; results are the same with or without it."""
-    eff = efficiencies or Efficiencies()
+    mesh, eff = calibrated(mesh, efficiencies, calibration)
+    runtime = runtime_named(runtime)
     memo = PriceCache.of(cache, graph, mesh, eff)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
@@ -131,11 +141,10 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     data_comm, optimizer = [], []
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
-        params = sum(chunks[c].params for c in cs)
-        backward_last = sum(chunks[c].backward_s + chunks[c].recompute_s for c in cs)
-        data_comm.append(_data_parallel_exposed(params, spec, mesh, m, per_mb[d],
-                                                window=backward_last * (1 + d)))
-        local_params = params / (spec.dp if spec.zero >= 1 else 1)
+        work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs], stage=d)
+        data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
+                                               micro_batches=m, mesh=mesh, runtime=runtime))
+        local_params = work.params / (spec.dp if spec.zero >= 1 else 1)
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
     memory = _memory(pipe, stages, micro_batch, schedule, virtual)
@@ -145,6 +154,17 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
                       bubble=bubble, data_comm=max(data_comm) + tied, optimizer=max(optimizer), m=m,
                       global_batch=global_batch, memory_limit=memory_limit)
+
+
+def _device_work(chunks: list[_Chunk], stages: list[StageSpec], stage: int) -> DeviceWork:
+    """A pipeline rank's chunks as the data-parallel traffic sees them; its last backward runs
+    while the stages after it (`stage` is its place) drain theirs."""
+    backward = sum(c.backward_s + c.recompute_s for c in chunks)
+    return DeviceWork(params=sum(c.params for c in chunks), tensors=sum(c.tensors for c in chunks),
+                      blocks=sum(len(s.layers) for s in stages) + 1,
+                      forward_s=sum(c.forward_s for c in chunks), backward_s=backward,
+                      drain_s=backward * (1 + stage),
+                      recompute=any(s.recompute == "full" for s in stages))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,8 +189,8 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     chunks = [memo.chunk(split, c, s, micro_batch, attention, _price_chunk)
               for c, s in enumerate(stages)]
     for c, s in enumerate(stages):
-        params, loss = memo.states(split, s, _chunk_states)
-        chunks[c].params, chunks[c].loss_poly = params[c], loss[c]
+        params, loss, tensors = memo.states(split, s, _chunk_states)
+        chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
         chunks[c].loss_per_sample = _at(loss[c], 1)
     _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
@@ -304,8 +324,11 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     for node in nodes:
         i = layout.index[node.name]
         forward, backward, kept = _kernels(node, b, attention)
-        fwd = sum(compute_time(f, by, device, fam, efficiencies=eff) for fam, f, by in forward)
-        bwd = sum(compute_time(f, by, device, fam, efficiencies=eff) for fam, f, by in backward)
+        use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device) if node.gemm else 1.0
+        fwd = sum(compute_time(f, by, device, fam, efficiencies=eff, utilization=use)
+                  for fam, f, by in forward)
+        bwd = sum(compute_time(f, by, device, fam, efficiencies=eff, utilization=use)
+                  for fam, f, by in backward)
         comm_fwd = tp_group.all_reduce(node.reduce_forward * b) if node.reduce_forward else 0.0
         comm_bwd = tp_group.all_reduce(node.reduce_backward * b) if node.reduce_backward else 0.0
         out.forward_s += fwd
@@ -339,16 +362,18 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
 
 
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
-                  chunks: int) -> tuple[list[float], list[dict]]:
-    """Per chunk: the parameter elements one of its devices holds, and the loss buffers' bytes
-    per sample. A weight that several chunks read (a tied embedding and LM head, one parameter
-    in the graph) counts in each: the pipeline gives every stage that reads it its own copy."""
-    params = [0.0] * chunks
+                  chunks: int) -> tuple[list[float], list[dict], list[int]]:
+    """Per chunk: the parameter elements one of its devices holds, the loss buffers' bytes per
+    sample, and the number of parameter tensors. A weight that several chunks read (a tied
+    embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
+    stage that reads it its own copy."""
+    params, tensors = [0.0] * chunks, [0] * chunks
     readers = _parameter_readers(graph, layout, owner)
     for name, count in layout.param_local.items():
         for chunk in readers.get(name) or {owner[layout.index[name]]}:
             params[chunk] += count
-    return params, _loss_bytes(graph, layout, owner, chunks)
+            tensors[chunk] += 1
+    return params, _loss_bytes(graph, layout, owner, chunks), tensors
 
 
 def _parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
@@ -449,24 +474,6 @@ def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: Sta
         grads = layout.param_local.get(name, 0.0) * BYTES_PER_PARAM["gradients"]
         seconds += Group((Level(len(ranks), link),)).all_reduce(grads)
     return seconds
-
-
-def _data_parallel_exposed(params: float, spec: StageSpec, mesh: Mesh, m: int, per_mb: float,
-                           window: float) -> float:
-    """Gradient reduction (and ZeRO's gathers) not hidden behind computation. Collectives run in
-    buckets while compute goes on; the last bucket (or, for ZeRO-3, the first gather) waits."""
-    if spec.dp == 1:
-        return 0.0
-    group = Group.strided(mesh, spec.dp, spec.tp)
-    grads = params * 2
-    bucket = min(grads, BUCKET_BYTES)
-    if spec.zero == 3:
-        # FSDP gathers the weights for the forward and again for the backward and reduce-scatters
-        # gradients every micro-batch, prefetching so that only what exceeds compute shows.
-        per_micro = 2 * group.all_gather(grads) + group.reduce_scatter(grads)
-        return m * max(0.0, per_micro - per_mb) + group.all_gather(bucket)
-    # All-reduce, or ZeRO-1/2's reduce-scatter + all-gather of the same ring cost.
-    return max(group.all_reduce(grads) - window, group.all_reduce(bucket))
 
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,

@@ -55,6 +55,7 @@ class NodeLayout:
     reduce_backward: float = 0.0   # bytes all-reduced over TP in the backward (input gradient)
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa
+    gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,6 +168,9 @@ class _LayoutBuilder:
                             requires_grad=self.grad[node.name], flops=node.flops / self.batch,
                             act_bytes=0.0, param_bytes=0.0, out_bytes=0.0)
         parallel = self._tensor_parallel(node, family, params, acts, layout)
+        if family == "matmul" and params and len(node.shape) >= 1:
+            columns = node.shape[-1] / (self.tp if layout.sharded else 1)
+            layout.gemm = (_numel(node.shape[:-1]) / self.batch, columns)
         for p in params:
             whole = _numel(by_name[p].shape)
             held = whole / self.tp if parallel else whole
@@ -276,6 +280,19 @@ def _storage_of(node: Node, name: str, family: str, storage: dict, contiguous: d
             return
     storage[node.name] = node.name
     contiguous[node.name] = True
+
+
+def saves_for_backward(target: str) -> tuple[bool, bool]:
+    """(keeps its activation inputs, keeps its output) for the backward, by op: the rule `_saved`
+    applies to each node, for callers that price an op without its node (the sharding ILP).
+    A dropout's one-byte mask and an op's scaling by a constant depend on the node's arguments
+    and are left to `_saved`."""
+    family, name = op_family(target), op_name(target)
+    if family in ("view", "reduction") or name in _SAVES_NOTHING or "dropout" in name:
+        return False, False
+    if family == "softmax":
+        return False, True
+    return True, family == "attention"
 
 
 def _saved(node: Node, name: str, family: str, acts: list[str], storage: dict) -> tuple[str, ...]:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from autopar.errors import AutoparError
 
-BYTES_PER_PARAM = {"weights": 2, "gradients": 2, "optimizer": 12}
+ADAM_STATE_BYTES = 8       # two fp32 moments per element
+MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
+BYTES_PER_PARAM = {"weights": 2, "gradients": 2, "optimizer": ADAM_STATE_BYTES + MASTER_COPY_BYTES}
 # An Adam step reads master weights, both moments and the gradient, and writes the three states
 # and the bf16 weights: 4+4+4+2 read, 4+4+4+2 written, plus the gradient-norm pass (2).
 OPTIMIZER_STEP_BYTES_PER_PARAM = 30

@@ -23,6 +23,9 @@ class Link:
     bandwidth: float        # bytes/s each way, per device (what one GPU can push into the fabric)
     latency: float          # seconds per message (alpha)
     efficiency: float = 1.0  # fraction of `bandwidth` that NCCL's collectives reach (bus bandwidth)
+    # Measured (latency, bus bandwidth) per collective kind ("all_reduce", "all_gather", ...), as
+    # `autopar calibrate --mesh` fits them; kinds not listed use `latency` and `bandwidth`.
+    measured: tuple = ()
 
     def __post_init__(self):
         if not (0 < self.bandwidth < math.inf and 0 <= self.latency < math.inf
@@ -35,6 +38,13 @@ class Link:
     def effective_bandwidth(self) -> float:
         return self.bandwidth * self.efficiency
 
+    def alpha_beta(self, kind: str) -> tuple[float, float]:
+        """(latency per step, bytes/s) of collective `kind` on this link."""
+        for name, latency, bandwidth in self.measured:
+            if name == kind:
+                return latency, bandwidth
+        return self.latency, self.effective_bandwidth
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
@@ -44,6 +54,9 @@ class DeviceSpec:
     memory_bytes: int
     intra_node: Link        # between devices of one node
     inter_node: Link        # between nodes, per device
+    multiprocessors: int = 0  # streaming multiprocessors (GEMM tiles run in waves of them); 0: a CPU
+    training_dtype: str = "bfloat16"   # what activations, weights and gradients are held in
+    overlaps_communication: bool = True  # collectives run beside compute (a GPU's own engines)
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
@@ -61,7 +74,9 @@ MAX_DEVICES = 2**20
 # divided by the line rate: about 230 GB/s of NVLink3's 300 GB/s on a DGX A100 (NVSwitch, 8 GPUs),
 # about 360 GB/s of NVLink4's 450 GB/s on a DGX H100, and about 90% of the InfiniBand line rate
 # across nodes (protocol headers and the NIC's PCIe link take the rest). Latencies: a few
-# microseconds per NCCL step inside a node, about twice that across the network.
+# microseconds per NCCL step inside a node, about twice that across the network. Streaming
+# multiprocessors: 108 on an A100, 132 on an H100/H200 SXM. GPUs train in bf16 (mixed precision);
+# autopar's runtime trains in fp32 on CPUs, where gloo's collectives take the cores that compute.
 NVLINK3 = Link("nvlink3", 300 * GB, 5e-6, 0.77)
 NVLINK4 = Link("nvlink4", 450 * GB, 5e-6, 0.80)
 IB_HDR = Link("ib-hdr", 25 * GB, 10e-6, 0.90)
@@ -70,15 +85,16 @@ LOOPBACK = Link("loopback", 2 * GB, 50e-6, 1.0)
 
 DEVICES = {
     "a100-40g": DeviceSpec("a100-40g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                           1555 * GB, 40 * GIB, NVLINK3, IB_HDR),
+                           1555 * GB, 40 * GIB, NVLINK3, IB_HDR, 108),
     "a100-80g": DeviceSpec("a100-80g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                           2039 * GB, 80 * GIB, NVLINK3, IB_HDR),
+                           2039 * GB, 80 * GIB, NVLINK3, IB_HDR, 108),
     "h100-80g": DeviceSpec("h100-80g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                           3350 * GB, 80 * GIB, NVLINK4, IB_NDR),
+                           3350 * GB, 80 * GIB, NVLINK4, IB_NDR, 132),
     "h200-141g": DeviceSpec("h200-141g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                            4800 * GB, 141 * GIB, NVLINK4, IB_NDR),
+                            4800 * GB, 141 * GIB, NVLINK4, IB_NDR, 132),
     "cpu": DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12},
-                      20 * GB, 16 * GIB, LOOPBACK, LOOPBACK),
+                      20 * GB, 16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32",
+                      overlaps_communication=False),
 }
 
 
@@ -163,7 +179,8 @@ class Mesh:
         return f"{dims}:{self.device.name}"
 
     def to_dict(self) -> dict:
-        return {"device": asdict(self.device), "axes": [asdict(a) for a in self.axes]}
+        """Plain JSON data (lists, not tuples), so that a saved and loaded copy compares equal."""
+        return _plain({"device": asdict(self.device), "axes": [asdict(a) for a in self.axes]})
 
     @classmethod
     def from_dict(cls, data: dict) -> Mesh:
@@ -226,13 +243,23 @@ def _flops(dev: dict) -> dict:
 
 def _link(record: dict, key: str, where: str) -> Link:
     link = _value(record, key, dict, where)
-    unknown = sorted(set(link) - {"name", "bandwidth", "latency", "efficiency"})
+    unknown = sorted(set(link) - {"name", "bandwidth", "latency", "efficiency", "measured"})
     if unknown:
         raise MeshError(f"{where}.{key} has unknown keys {unknown}")
     where = f"{where}.{key}"
     efficiency = _value(link, "efficiency", (int, float), where) if "efficiency" in link else 1.0
     return Link(name=_value(link, "name", str, where), bandwidth=_positive(link, "bandwidth", where),
-                latency=float(_value(link, "latency", (int, float), where)), efficiency=float(efficiency))
+                latency=float(_value(link, "latency", (int, float), where)), efficiency=float(efficiency),
+                # measured (collective, latency, bandwidth) rows, as `autopar calibrate --mesh` fits them
+                measured=tuple(tuple(entry) for entry in link.get("measured", ())))
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def device_spec(name: str) -> DeviceSpec:

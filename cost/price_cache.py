@@ -51,7 +51,8 @@ class PriceCache:
 
     def layout(self, tp: int, sequence_parallel: bool) -> GraphLayout:
         return self._get(("layout", tp, sequence_parallel),
-                         lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel))
+                         lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
+                                              compute_dtype=self.mesh.device.training_dtype))
 
     def layouts(self, stages: list[StageSpec]) -> dict:
         return {(s.tp, s.sequence_parallel): self.layout(s.tp, s.sequence_parallel) for s in stages}

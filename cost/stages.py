@@ -2,7 +2,8 @@
 
 A stage (`StageSpec`) lists block instances by module path, or node ranges; nodes outside every
 block (embeddings, the head, the loss) join the nearest chunk, parameters their first consumer.
-A Megatron-style configuration splits the blocks evenly over pp x virtual chunks.
+A Megatron-style configuration splits the blocks over pp x virtual chunks, evenly where they
+divide and otherwise by `blocks_per_chunk`.
 """
 
 from __future__ import annotations
@@ -41,16 +42,30 @@ def uniform_stages(graph: Graph, config: Config) -> list[StageSpec]:
     paths = block_refs(graph)
     if chunks == 1:
         groups = [paths or [(0, len(graph.nodes))]]
-    elif not paths or len(paths) % chunks:
-        raise AutoparError(f"{len(paths)} repeated blocks cannot be split evenly into pp x virtual = "
-                           f"{config.pp} x {config.virtual} = {chunks} pipeline chunks; choose pp and "
-                           f"virtual whose product divides {len(paths)}")
+    elif len(paths) < chunks:
+        raise AutoparError(f"{len(paths)} repeated blocks cannot fill pp x virtual = {config.pp} x "
+                           f"{config.virtual} = {chunks} pipeline chunks; choose pp and virtual whose "
+                           f"product is at most {len(paths)}")
     else:
-        per = len(paths) // chunks
-        groups = [paths[i * per:(i + 1) * per] for i in range(chunks)]
+        counts = blocks_per_chunk(len(paths), chunks)
+        starts = [sum(counts[:c]) for c in range(chunks)]
+        groups = [paths[start:start + count] for start, count in zip(starts, counts)]
     return [StageSpec(layers=group, tp=config.tp, dp=config.dp, recompute=config.recompute,
                       zero=config.zero, sequence_parallel=config.sequence_parallel)
             for group in groups]
+
+
+def blocks_per_chunk(blocks: int, chunks: int) -> list[int]:
+    """How many of `blocks` repeated blocks each of `chunks` pipeline chunks holds when they do not
+    divide evenly: the extra blocks go to the middle chunks first, since the first chunk also runs
+    the embedding and the last the head and loss, then to the first chunk (a lookup is lighter
+    than the head). BLOOM-176B's 70 layers on 12 stages come out as Megatron-DeepSpeed ran them:
+    5 on the first and last stages, 6 on the others."""
+    counts = [blocks // chunks] * chunks
+    order = list(range(1, chunks - 1)) + [0, chunks - 1]
+    for c in order[:blocks % chunks]:
+        counts[c] += 1
+    return counts
 
 
 def chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:

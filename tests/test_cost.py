@@ -9,7 +9,8 @@ import sympy
 from autopar.cli import main
 from autopar.cost.collectives import (Group, all_gather_time, all_reduce_time, all_to_all_time,
                                       reduce_scatter_time, send_recv_time)
-from autopar.cost.compute import Efficiencies, compute_time, op_family
+from autopar.cost.stages import blocks_per_chunk, uniform_stages
+from autopar.cost.compute import Efficiencies, compute_time, gemm_utilization, op_family
 from autopar.cost.config import Config
 from autopar.cost.estimator import (StageSpec, estimate, estimate_stages, max_batch, max_seq,
                                     memory_expression)
@@ -143,8 +144,12 @@ def test_estimate_of_a_hand_made_graph_matches_hand_computed_times():
     bf16 = 2
     mm_flops = 2 * batch * hidden * hidden
     mm_bytes = 2 * batch * hidden * bf16 + hidden * hidden * bf16
-    mm = compute_time(mm_flops, mm_bytes, A100, "matmul")
-    mm_bwd = compute_time(2 * mm_flops, 2 * mm_bytes, A100, "matmul")
+    # 8192 x 4096 outputs are 1024 tiles of 256 x 128 on 108 multiprocessors: 10 waves, the
+    # last one 48% full.
+    use = gemm_utilization(batch, hidden, A100)
+    assert use == pytest.approx(1024 / 1080)
+    mm = compute_time(mm_flops, mm_bytes, A100, "matmul", utilization=use)
+    mm_bwd = compute_time(2 * mm_flops, 2 * mm_bytes, A100, "matmul", utilization=use)
     relu_bytes = 2 * batch * hidden * bf16
     relu = compute_time(batch * hidden, relu_bytes, A100, "elementwise")
     relu_bwd = compute_time(batch * hidden, 1.5 * relu_bytes, A100, "elementwise")
@@ -321,8 +326,19 @@ def test_estimate_stages_prices_non_uniform_stages(tiny_gpt):
 def test_estimate_rejects_a_bad_factorization(tiny_gpt):
     with pytest.raises(AutoparError, match="does not match the 8 devices"):
         estimate(tiny_gpt, Mesh.parse("8:a100-80g"), Config(tp=2, dp=2, global_batch=8))
-    with pytest.raises(AutoparError, match="split evenly"):
-        estimate(tiny_gpt, Mesh.parse("3:a100-80g"), Config(pp=3, global_batch=3))
+    with pytest.raises(AutoparError, match="cannot fill"):
+        estimate(tiny_gpt, Mesh.parse("5:a100-80g"), Config(pp=5, global_batch=5))
+
+
+def test_uneven_pipelines_give_the_extra_blocks_to_the_middle_stages(tiny_gpt):
+    # BLOOM-176B: 70 layers on 12 stages, 5 on the stages with the embedding and the head.
+    assert blocks_per_chunk(70, 12) == [5] + [6] * 10 + [5]
+    assert blocks_per_chunk(5, 2) == [3, 2] and blocks_per_chunk(4, 4) == [1] * 4
+    stages = uniform_stages(tiny_gpt, Config(pp=3, global_batch=3))
+    assert [len(s.layers) for s in stages] == [1, 2, 1]
+    result = estimate(tiny_gpt, Mesh.parse("3:a100-80g"), Config(pp=3, global_batch=6))
+    middle = result.devices[1]["time_per_micro_batch_s"]
+    assert len(result.devices) == 3 and middle > result.devices[0]["time_per_micro_batch_s"]
 
 
 def test_cli_estimate_json_schema(capsys):

@@ -15,7 +15,7 @@ from autopar.timeline import schedule_actions, simulate
 SMALL_GPT = "gpt:layers=8,hidden=128,heads=2,seq=256,vocab=4096"
 # Two nodes of one device each: no tensor parallelism across nodes, and a global batch of 2 leaves
 # data parallelism (with any ZeRO) as the only way to use both without a pipeline.
-TWO_NODES, BATCH = "2x1:cpu", 2
+TWO_NODES, BATCH = "2x1:a100-80g", 2
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,9 @@
-"""`autopar calibrate [--out FILE] [--device cpu|cuda]`: time matmuls, attention, elementwise ops,
-norms, softmax and reductions on the local device and write the efficiencies that `autopar
-estimate --calibration FILE` uses in place of the published defaults."""
+"""`autopar calibrate [--out FILE] [--device cpu|cuda] [--mesh 4:cpu]`: time matmuls, attention,
+elementwise ops, norms, softmax, reductions and the cost of one op on the local device, and with
+`--mesh` on every gloo rank of that mesh at once together with the mesh's collectives (latency
+and bandwidth per collective, fitted over several sizes); write the file that `autopar estimate
+--calibration FILE` and `autopar.cost.estimate(..., calibration=FILE)` use in place of the
+published defaults."""
 
 from __future__ import annotations
 
@@ -17,13 +20,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", type=Path, default=Path("calibration.json"),
                         help="where to write the efficiencies (default calibration.json)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--mesh", default=None,
+                        help="a CPU mesh such as 4:cpu: measure on that many gloo ranks at once, "
+                             "collectives included")
     parser.add_argument("--budget", type=float, default=0.3,
                         help="seconds of repeats per measured op (default 0.3)")
 
 
 def run(args) -> int:
     from autopar.commands.output import check_output, plain, table
-    from autopar.cost.calibrate import calibrate
+    from autopar.cost.calibrate import calibrate, calibrate_mesh
+    from autopar.cost.mesh import Mesh
 
     check_output(args.out, "--out")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -31,16 +38,29 @@ def run(args) -> int:
     if not 0 < args.budget <= 600:
         raise AutoparError(f"--budget {args.budget}: give seconds per op above 0 and at most 600")
     console = Console(stderr=True)
-    with console.status("calibrating") as status:
-        efficiencies, measurements = calibrate(
-            args.device, budget_s=args.budget,
-            progress=lambda label: status.update(f"timing {label} on {args.device}"))
-    efficiencies.save(args.out, measurements)
+    collectives = None
+    if args.mesh:
+        mesh = Mesh.parse(args.mesh)
+        with console.status(f"calibrating compute and collectives on {mesh.world_size} gloo ranks"):
+            efficiencies, measurements, collectives = calibrate_mesh(mesh, budget_s=args.budget)
+    else:
+        with console.status("calibrating") as status:
+            efficiencies, measurements = calibrate(
+                args.device, budget_s=args.budget,
+                progress=lambda label: status.update(f"timing {label} on {args.device}"))
+    efficiencies.save(args.out, measurements, collectives)
     result = table(plain(f"{efficiencies.device}: measured efficiencies, written to {args.out}"),
                    ["op", "family", "ms", "of peak FLOP/s", "of HBM bandwidth"],
                    right=("ms", "of peak FLOP/s", "of HBM bandwidth"), wrap=("op",))
     for label, m in measurements.items():
-        result.add_row(plain(label), m["family"], f"{m['seconds'] * 1e3:.2f}", f"{m['flops_fraction']:.2f}",
+        result.add_row(plain(label), m["family"], f"{m['seconds'] * 1e3:.3f}", f"{m['flops_fraction']:.2f}",
                        f"{m['bandwidth_fraction']:.2f}")
     Console().print(result)
+    if collectives:
+        fits = table(plain(f"collectives over gloo on {collectives['ranks']} ranks"),
+                     ["collective", "latency per step us", "bandwidth MB/s"],
+                     right=("latency per step us", "bandwidth MB/s"))
+        for kind, fit in collectives["fits"].items():
+            fits.add_row(kind, f"{fit['latency_s'] * 1e6:.1f}", f"{fit['bandwidth'] / 1e6:.0f}")
+        Console().print(fits)
     return 0

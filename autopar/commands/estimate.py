@@ -37,7 +37,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                         help="attention kernels: FlashAttention, or matmuls around a softmax kernel")
     parser.add_argument("--calibration", type=Path, default=None,
-                        help="efficiencies measured by `autopar calibrate` (default: published figures)")
+                        help="efficiencies and collectives measured by `autopar calibrate` "
+                             "(default: published figures)")
+    parser.add_argument("--runtime", choices=("autopar", "torch", "megatron-local",
+                                              "deepspeed-2021"),
+                        default="autopar", help="whose overlap of communication to assume: "
+                                                "autopar's (default), PyTorch DDP/FSDP's, "
+                                                "Megatron-LM's local DDP, DeepSpeed's 2021 ZeRO-3")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -111,9 +117,10 @@ def run(args) -> int:
                      f"{efficiencies.device}, the mesh has {mesh.device.name}")
     with status.status(f"capturing {args.model} on the meta device"):
         graph = capture_training_step(args.model)
-    result = estimate(graph, mesh, config, efficiencies=efficiencies, attention=args.attention)
+    result = estimate(graph, mesh, config, attention=args.attention, runtime=args.runtime,
+                      calibration=args.calibration)
     report = {"model": args.model, "mesh": str(mesh), "config": config.to_dict(),
-              "attention": args.attention, "calibration": str(args.calibration or ""),
+              "attention": args.attention, "runtime": args.runtime, "calibration": str(args.calibration or ""),
               **result.to_dict()}
     if args.json:
         print(json.dumps(report, indent=2))

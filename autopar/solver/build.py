@@ -21,9 +21,9 @@ Memory (per device, alive at the peak of a training step, no recompute): paramet
 and Adam state (two fp32 moments, plus an fp32 master copy of 16-bit weights) under their storage
 placement, plus the activations autograd keeps for the backward: an op's inputs (matmuls, norms,
 non-linear element-wise ops) and/or its output (softmax, attention), each under the placement the
-op reads or writes it in; sums, views and copies keep nothing. A tensor kept by several consumers
-counts once per consumer (an upper bound: q, k and v projections keep one input three times), so
-that no consumer's choice hides behind another's. Partial sums count at full size. Transient
+op reads or writes it in; sums, views and copies keep nothing. A tensor kept by several ops
+counts once, charged to the first op that keeps it (its producer when that keeps its output), under
+that op's placement: q, k and v projections keep one input, once. Partial sums count at full size. Transient
 buffers (a gathered ZeRO-3 weight, a collective's output) are not counted.
 
 Ties. With `tie_blocks`, the k-th instance of a repeated block (Graph.blocks) has each node tied
@@ -211,13 +211,19 @@ class _Builder:
 
     def _kept_inputs(self) -> dict[str, tuple[list[int], bool]]:
         """Per op: the inputs it keeps for the backward (never parameters: their memory is the
-        parameter's) and whether it keeps its output."""
-        kept = {}
+        parameter's) and whether it keeps its output. A tensor kept by several ops (x read by
+        q, k and v) is one tensor in memory: it is charged to the first op that keeps it."""
+        kept, charged = {}, set()
         for node in self.graph.nodes:
             keeps_inputs, keeps_output = saved_for_backward(node.target)
-            mine = [k for k, name in enumerate(node.inputs)
-                    if keeps_inputs and self.by_name[name].role is not Role.PARAMETER]
+            mine = []
+            for k, name in enumerate(node.inputs):
+                if keeps_inputs and self.by_name[name].role is not Role.PARAMETER and name not in charged:
+                    charged.add(name)
+                    mine.append(k)
             kept[node.name] = (mine, keeps_output)
+            if keeps_output:          # produced here, so no op before charged it
+                charged.add(node.name)
         return kept
 
     def _parameter_strategies(self, node: Node) -> list[Strategy]:

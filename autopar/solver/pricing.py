@@ -25,34 +25,20 @@ import math
 from autopar.cost.collectives import (all_gather_time, all_reduce_time, all_to_all_time,
                                       reduce_scatter_time)
 from autopar.cost.compute import BACKWARD, Efficiencies, compute_time, op_family
+from autopar.cost.layout import saves_for_backward
+from autopar.cost.memory import ADAM_STATE_BYTES, MASTER_COPY_BYTES
 from autopar.cost.mesh import Mesh
 
-# Adam keeps two fp32 moments per element; 16-bit parameters also keep an fp32 master copy.
-ADAM_BYTES = 8
-MASTER_BYTES = 4
 HALF_DTYPES = ("bfloat16", "float16")
 NOT_DIFFERENTIABLE = ("int64", "int32", "int16", "int8", "uint8", "bool", "")
 ZERO2 = "Z"       # a parameter axis choice: weights replicated, gradients and optimizer state sharded
 
 
-# What autograd keeps for the backward, per op family: the inputs, the output, or nothing (sums,
-# views, copies). Element-wise ops keep their inputs unless they are linear in them.
-SAVES_INPUTS = {"matmul", "attention", "norm", "elementwise", "embedding", "loss"}
-SAVES_OUTPUT = {"attention", "softmax"}
-KEEPS_NOTHING = {"aten.add.Tensor", "aten.sub.Tensor", "aten.add.Scalar", "aten.sub.Scalar",
-                 "aten.neg.default", "aten.clone.default", "aten._to_copy.default", "aten.to.dtype",
-                 "aten.to.device", "aten.alias.default", "aten.detach.default", "aten.dropout.default",
-                 "aten.native_dropout.default", "aten.contiguous.default", "aten.zeros_like.default",
-                 "aten.ones_like.default", "aten.full_like.default", "aten.empty_like.default"}
-
-
 def saved_for_backward(target: str) -> tuple[bool, bool]:
-    """(keeps its tensor inputs, keeps its output) for the backward. Dropout's mask (a byte per
-    element) is left out, as is a parameter input (its memory is the parameter's)."""
-    family = op_family(target)
-    if target in KEEPS_NOTHING:
-        return False, False
-    return family in SAVES_INPUTS, family in SAVES_OUTPUT
+    """(keeps its tensor inputs, keeps its output) for the backward: the estimator's rule
+    (autopar.cost.layout.saves_for_backward). A parameter input is left out by the caller (its
+    memory is the parameter's)."""
+    return saves_for_backward(target)
 
 
 def shard_factor(placements: list[str], axis_sizes: list[int]) -> int:
@@ -67,7 +53,7 @@ def local_bytes(nbytes: float, placements: list[str], axis_sizes: list[int]) -> 
 def optimizer_bytes(nbytes: float, dtype: str) -> float:
     element = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
     elements = nbytes / element
-    return elements * (ADAM_BYTES + (MASTER_BYTES if dtype in HALF_DTYPES else 0))
+    return elements * (ADAM_STATE_BYTES + (MASTER_COPY_BYTES if dtype in HALF_DTYPES else 0))
 
 
 class Pricer:
@@ -77,7 +63,7 @@ class Pricer:
         self.mesh = mesh
         self.names = [axis.name for axis in mesh.axes]
         self.sizes = [axis.size for axis in mesh.axes]
-        self.efficiencies = efficiencies or Efficiencies()
+        self.efficiencies = efficiencies or Efficiencies.for_device(mesh.device.name)
         self._reshard: dict[tuple, float | None] = {}
 
     def op_time(self, target: str, flops: float, bytes_moved: float, split: int,

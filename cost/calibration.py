@@ -1,0 +1,97 @@
+"""A calibration file applied to the cost model: measured efficiencies replace the published
+defaults, and measured collectives replace the mesh's links.
+
+The file (`autopar calibrate --out eff.json`) holds the fields of `Efficiencies` and, when
+collectives were measured (`--mesh 4:cpu`), a "collectives" section:
+
+    {"device": "cpu", "ranks": 4, "backend": "gloo",
+     "fits": {"all_reduce": {"latency_s": ..., "bandwidth": ..., "points": [[bytes, s], ...]}, ...}}
+
+A fit is the alpha-beta model of cost/collectives.py solved for one link from the timings of one
+collective at several sizes on `ranks` processes, alpha and bandwidth through the ring formula of
+that collective (`ring_terms`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from autopar.cost.compute import Efficiencies
+from autopar.cost.mesh import Link, Mesh, MeshAxis
+from autopar.errors import AutoparError
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def ring_terms(kind: str, ranks: int) -> tuple[float, float]:
+    """(steps, byte factor) of collective `kind` on a ring of `ranks`: its time is
+    steps * alpha + byte factor * nbytes / bandwidth, nbytes the full tensor's size."""
+    n = ranks
+    return {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+            "all_gather": (n - 1, (n - 1) / n),
+            "reduce_scatter": (n - 1, (n - 1) / n),
+            "all_to_all": (n - 1, (n - 1) / n / n),
+            "send_recv": (1, 1.0)}[kind]
+
+
+def fit_link(kind: str, ranks: int, points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha seconds per step, bandwidth bytes/s) of `kind` from (nbytes, seconds) points: the
+    latency from the smallest size, the bandwidth from the time the largest adds over it. Two
+    points rather than a least-squares line: on a shared machine one slow middle point would tilt
+    a line below zero; when the largest is not slower (noise) its whole time counts as transfer."""
+    points = sorted(points)
+    if len(points) < 2 or points[0][0] == points[-1][0]:
+        raise AutoparError(f"fitting {kind} needs timings at two or more sizes, got {points}")
+    (small, t_small), (large, t_large) = points[0], points[-1]
+    steps, factor = ring_terms(kind, ranks)
+    slope = (t_large - t_small) / (large - small) if t_large > t_small else t_large / large
+    return max(t_small - slope * small, 0.0) / steps, factor / slope
+
+
+def load(path: str | Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise AutoparError(f"cannot read calibration file {path}: {err}; write one with "
+                           f"`autopar calibrate --mesh 4:cpu --out {path}`") from err
+
+
+def calibrated(mesh: Mesh, efficiencies: Efficiencies | None,
+               calibration: str | Path | None) -> tuple[Mesh, Efficiencies]:
+    """The mesh and efficiencies to price with: the calibration file's where one is given
+    (collectives only when it measured them on the mesh's device), else the published defaults."""
+    if calibration is None:
+        return mesh, efficiencies or Efficiencies.for_device(mesh.device.name)
+    if efficiencies is not None:
+        raise AutoparError("give efficiencies or a calibration file, not both: the file's "
+                           "efficiencies would replace the ones passed")
+    data = load(calibration)
+    measured = Efficiencies.from_dict(data)
+    collectives = data.get("collectives")
+    if not collectives:
+        return mesh, measured
+    if collectives.get("device") != mesh.device.name:
+        raise AutoparError(f"{calibration} measured collectives on {collectives.get('device')!r} "
+                           f"devices, but the mesh has {mesh.device.name}; calibrate on this mesh "
+                           f"or pass a file without collectives")
+    return with_measured_links(mesh, collectives["fits"]), measured
+
+
+def with_measured_links(mesh: Mesh, fits: dict) -> Mesh:
+    """`mesh` with every link replaced by one carrying the measured alpha and bandwidth per
+    collective kind (the all-reduce's as its plain figures)."""
+    unknown = set(fits) - set(KINDS)
+    if unknown:
+        raise AutoparError(f"calibration has unknown collectives {sorted(unknown)}; known: {KINDS}")
+    entries = tuple((kind, fit["latency_s"], fit["bandwidth"]) for kind, fit in fits.items())
+    base = fits.get("all_reduce") or next(iter(fits.values()))
+
+    def measured(link: Link) -> Link:
+        return Link(f"{link.name}-measured", base["bandwidth"], base["latency_s"], 1.0, entries)
+
+    device = replace(mesh.device, intra_node=measured(mesh.device.intra_node),
+                     inter_node=measured(mesh.device.inter_node))
+    axes = tuple(MeshAxis(a.name, a.size, measured(a.link)) for a in mesh.axes)
+    return Mesh(device, axes)

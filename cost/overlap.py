@@ -1,0 +1,116 @@
+"""Data-parallel traffic (gradient reduction, ZeRO's gathers) and how much of it the computation
+hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIMES`):
+
+  autopar          autopar's own runtime (the default): gradients reduced in buckets as in
+                   "torch" below; ZeRO-3 parameters are DTensors sharded on the data axis, which
+                   each op that reads one all-gathers where it runs (forward, backward, and the
+                   recomputed forward), one collective per parameter tensor, waited for.
+  torch            plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
+                   gradients in 25 MiB buckets while the backward of the LAST micro-batch runs (the
+                   others accumulate locally, `no_sync`), and while the later pipeline stages drain;
+                   FSDP (ZeRO-3) gathers each block's weights before its forward and its backward,
+                   prefetching the next block's during this one's compute, and reduce-scatters each
+                   block's gradients as its backward ends, every micro-batch. A recomputed block
+                   runs under the gather its backward already made (checkpointing inside the unit).
+                   Weights and gradients travel in the device's training dtype (bf16 on GPUs,
+                   fp32 on CPUs).
+  megatron-local   Megatron-LM's own DDP of 2021-22 (`--DDP-impl local`): one all-reduce of the
+                   contiguous gradient buffer after the pipeline flush, nothing overlapped.
+  deepspeed-2021   DeepSpeed's ZeRO-3 engine of 2021: every sub-module's parameters gathered in its
+                   forward and backward hooks, and again for the recomputed forward, one collective
+                   per parameter tensor, waited for before the sub-module runs; gradients
+                   reduce-scattered per micro-batch. None of it overlapped.
+
+On a device whose collectives run on the cores that compute (a CPU mesh of gloo ranks), nothing
+overlaps, whatever the runtime.
+
+What ZeRO adds: ZeRO-1/2 all-gather the updated weights after the optimizer step, on the critical
+path; ZeRO-3 moves the weights (bf16) once per gather and the gradients once per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.cost.collectives import Group
+from autopar.errors import AutoparError
+
+# PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    name: str
+    overlap: bool               # collectives run beside compute (buckets, prefetch) or wait
+    gather_unit: str            # ZeRO-3's collective per "block" or per parameter "tensor"
+    regather_on_recompute: bool  # ZeRO-3 gathers again for a recomputed forward
+
+
+RUNTIMES = {
+    "autopar": Runtime("autopar", overlap=True, gather_unit="tensor", regather_on_recompute=True),
+    "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
+    "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
+                              regather_on_recompute=True),
+    "deepspeed-2021": Runtime("deepspeed-2021", overlap=False, gather_unit="tensor",
+                              regather_on_recompute=True),
+}
+
+
+def runtime_named(name: str | Runtime) -> Runtime:
+    if isinstance(name, Runtime):
+        return name
+    try:
+        return RUNTIMES[name]
+    except KeyError:
+        raise AutoparError(f"runtime {name!r} is unknown; runtimes: {', '.join(RUNTIMES)}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class DeviceWork:
+    """One pipeline rank's share of a step, as the data-parallel traffic sees it."""
+    params: float               # parameter elements on the device (after tensor parallelism)
+    tensors: int                # parameter tensors on it
+    blocks: int                 # repeated blocks on it (FSDP units), plus one for the rest
+    forward_s: float            # per micro-batch, all its chunks
+    backward_s: float           # per micro-batch, recomputed forwards included
+    drain_s: float              # backward of the last micro-batch and of the stages after it
+    recompute: bool             # full recompute of the blocks
+
+
+def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
+                          mesh, runtime: Runtime) -> float:
+    """Seconds of data-parallel communication on the critical path of one step."""
+    if dp == 1:
+        return 0.0
+    group = Group.strided(mesh, dp, tp)
+    element = 4 if mesh.device.training_dtype == "float32" else 2
+    if not mesh.device.overlaps_communication:
+        runtime = replace(runtime, overlap=False)
+    if zero == 3:
+        return micro_batches * _zero3_per_micro_batch(work, group, runtime, element)
+    grads = work.params * element
+    # ZeRO-1/2 reduce-scatter where DDP all-reduces (half the ring's traffic) and all-gather the
+    # updated weights after the step; the all-gather's ring cost is the other half.
+    reduce = group.reduce_scatter(grads) if zero else group.all_reduce(grads)
+    if runtime.overlap:
+        bucket = min(grads, BUCKET_BYTES)
+        last = group.reduce_scatter(bucket) if zero else group.all_reduce(bucket)
+        reduce = max(reduce - work.drain_s, last)
+    after_step = group.all_gather(work.params * element) if zero else 0.0
+    return reduce + after_step
+
+
+def _zero3_per_micro_batch(work: DeviceWork, group: Group, runtime: Runtime,
+                           element: int) -> float:
+    units = max(1, work.tensors if runtime.gather_unit == "tensor" else work.blocks)
+    gather = units * group.all_gather(work.params * element / units)
+    scatter = units * group.reduce_scatter(work.params * element / units)
+    backward_gathers = 2 if work.recompute and runtime.regather_on_recompute else 1
+    if not runtime.overlap or runtime.gather_unit == "tensor":   # gathered where used: waited on
+        return gather * (1 + backward_gathers) + scatter
+    # Prefetching hides each unit's gather behind the previous unit's compute: what exceeds the
+    # pass's compute shows, and the first gather of each pass and the last reduce-scatter wait.
+    forward = max(0.0, gather - work.forward_s)
+    backward = max(0.0, backward_gathers * gather + scatter - work.backward_s)
+    return forward + backward + 2 * gather / units + scatter / units

@@ -1,0 +1,135 @@
+"""Data-parallel traffic and its overlap per runtime, and calibration files that carry measured
+collectives."""
+
+import json
+
+import pytest
+
+from autopar.cli import main
+from autopar.cost.calibration import KINDS, fit_link, ring_terms, with_measured_links
+from autopar.cost.collectives import Group
+from autopar.cost.config import Config
+from autopar.cost.estimator import estimate
+from autopar.cost.mesh import Mesh
+from autopar.cost.overlap import RUNTIMES, DeviceWork, exposed_data_parallel
+from autopar.errors import AutoparError
+
+MESH = Mesh.parse("4x8:a100-80g")
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    from autopar.commands.estimate import capture_training_step
+    return capture_training_step("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1024")
+
+
+def _work(**overrides):
+    values = dict(params=1e9, tensors=100, blocks=9, forward_s=1.0, backward_s=2.0, drain_s=2.0,
+                  recompute=True)
+    return DeviceWork(**{**values, **overrides})
+
+
+def test_gradient_reduction_hides_behind_the_last_backward_only_where_the_runtime_overlaps():
+    group = Group.strided(MESH, 32, 1)
+    whole = group.all_reduce(2e9)
+    local = exposed_data_parallel(_work(), dp=32, tp=1, zero=0, micro_batches=4, mesh=MESH,
+                                  runtime=RUNTIMES["megatron-local"])
+    assert local == pytest.approx(whole)
+    hidden = exposed_data_parallel(_work(drain_s=10 * whole), dp=32, tp=1, zero=0,
+                                   micro_batches=4, mesh=MESH, runtime=RUNTIMES["torch"])
+    assert hidden < 0.05 * whole        # only the last bucket waits
+    partly = exposed_data_parallel(_work(drain_s=whole / 2), dp=32, tp=1, zero=0,
+                                   micro_batches=4, mesh=MESH, runtime=RUNTIMES["torch"])
+    assert partly == pytest.approx(whole / 2)
+
+
+def test_nothing_overlaps_on_a_cpu_mesh_whose_cores_also_communicate():
+    mesh = Mesh.parse("4:cpu")
+    whole = Group.strided(mesh, 4, 1).all_reduce(4e9)      # fp32 gradients on a CPU
+    exposed = exposed_data_parallel(_work(drain_s=1e6), dp=4, tp=1, zero=0, micro_batches=2,
+                                    mesh=mesh, runtime=RUNTIMES["torch"])
+    assert exposed == pytest.approx(whole)
+
+
+def test_zero_1_adds_the_weights_all_gather_after_the_step():
+    group = Group.strided(MESH, 32, 1)
+    zero0 = exposed_data_parallel(_work(), dp=32, tp=1, zero=0, micro_batches=1, mesh=MESH,
+                                  runtime=RUNTIMES["megatron-local"])
+    zero1 = exposed_data_parallel(_work(), dp=32, tp=1, zero=1, micro_batches=1, mesh=MESH,
+                                  runtime=RUNTIMES["megatron-local"])
+    assert zero1 == pytest.approx(group.reduce_scatter(2e9) + group.all_gather(2e9))
+    assert zero1 == pytest.approx(zero0, rel=0.01)    # a ring all-reduce is the same two halves
+
+
+def test_zero_3_gathers_every_micro_batch_and_shows_what_compute_cannot_hide():
+    group = Group.strided(MESH, 32, 1)
+    per_block = group.all_gather(2e9 / 9)
+    fsdp = RUNTIMES["torch"]
+    slow = exposed_data_parallel(_work(forward_s=0.0, backward_s=0.0), dp=32, tp=1, zero=3,
+                                 micro_batches=3, mesh=MESH, runtime=fsdp)
+    # No compute to hide behind: two gathers and a reduce-scatter of every block, plus the
+    # first gathers and the last reduce-scatter that wait in any case.
+    assert slow == pytest.approx(3 * (9 * per_block * 3 + 3 * per_block))
+    fast = exposed_data_parallel(_work(forward_s=100.0, backward_s=200.0), dp=32, tp=1, zero=3,
+                                 micro_batches=3, mesh=MESH, runtime=fsdp)
+    assert fast == pytest.approx(3 * 3 * per_block)
+    # DeepSpeed's 2021 engine: per tensor, waited on, gathered again for the recomputation.
+    deepspeed = exposed_data_parallel(_work(forward_s=100.0, backward_s=200.0), dp=32, tp=1,
+                                      zero=3, micro_batches=3, mesh=MESH,
+                                      runtime=RUNTIMES["deepspeed-2021"])
+    assert deepspeed == pytest.approx(3 * 100 * 4 * group.all_gather(2e9 / 100))
+
+
+def test_zero_3_on_many_nodes_is_slower_than_without_communication(tiny_gpt):
+    mesh = Mesh.parse("4x8:a100-80g")
+    config = Config(dp=32, global_batch=32, zero=3, recompute="full")
+    fsdp = estimate(tiny_gpt, mesh, config, runtime="torch")
+    deepspeed = estimate(tiny_gpt, mesh, config, runtime="deepspeed-2021")
+    assert 0 < fsdp.comm_breakdown["data"] < deepspeed.comm_breakdown["data"]
+    # autopar's runtime gathers each DTensor parameter where it is used, as DeepSpeed did.
+    assert estimate(tiny_gpt, mesh, config).comm_breakdown["data"] == pytest.approx(
+        deepspeed.comm_breakdown["data"])
+    with pytest.raises(AutoparError, match="runtime 'nccl' is unknown"):
+        estimate(tiny_gpt, mesh, config, runtime="nccl")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_recovers_alpha_and_bandwidth_of_each_collective(kind):
+    alpha, bandwidth, ranks = 50e-6, 2e9, 4
+    steps, factor = ring_terms(kind, ranks)
+    points = [(n, steps * alpha + factor * n / bandwidth) for n in (4096, 2**20, 2**24)]
+    fitted_alpha, fitted_bandwidth = fit_link(kind, ranks, points)
+    assert fitted_alpha == pytest.approx(alpha) and fitted_bandwidth == pytest.approx(bandwidth)
+
+
+def test_measured_links_replace_the_mesh_links_per_collective(tiny_gpt, tmp_path):
+    mesh = Mesh.parse("4:cpu")
+    fits = {"all_reduce": {"latency_s": 1e-3, "bandwidth": 1e8},
+            "all_gather": {"latency_s": 2e-3, "bandwidth": 5e7}}
+    measured = with_measured_links(mesh, fits)
+    group = Group.of_axes(measured, ["gpu"])
+    assert group.all_reduce(1e6) == pytest.approx(6 * 1e-3 + 1.5 * 1e6 / 1e8)
+    assert group.all_gather(1e6) == pytest.approx(3 * 2e-3 + 0.75 * 1e6 / 5e7)
+    path = tmp_path / "eff.json"
+    path.write_text(json.dumps({"device": "cpu", "collectives": {"device": "cpu", "ranks": 4,
+                                                                 "fits": fits}}))
+    config = Config(dp=4, global_batch=8)
+    default = estimate(tiny_gpt, mesh, config)
+    calibrated = estimate(tiny_gpt, mesh, config, calibration=path)
+    assert calibrated.comm_breakdown["data"] > default.comm_breakdown["data"]
+    with pytest.raises(AutoparError, match="measured collectives on 'cpu'"):
+        estimate(tiny_gpt, Mesh.parse("4:a100-80g"), config, calibration=path)
+
+
+def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, capsys):
+    out = tmp_path / "eff.json"
+    assert main(["calibrate", "--mesh", "2:cpu", "--out", str(out), "--budget", "0.01"]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["collectives"]["fits"]) == set(KINDS) and data["collectives"]["ranks"] == 2
+    assert all(fit["bandwidth"] > 0 and fit["latency_s"] >= 0
+               for fit in data["collectives"]["fits"].values())
+    assert data["kernel_latency_s"] > 0
+    capsys.readouterr()
+    assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
+                 "--calibration", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] > 0

@@ -1,0 +1,39 @@
+"""`autopar validate`'s parts: the forced configurations it tries, its rank correlation, and one
+configuration trained on real gloo ranks (no timed assertions)."""
+
+from argparse import Namespace
+
+import pytest
+
+from autopar.commands.validate import candidate_configs, describe, kendall_tau, measure
+from autopar.cost.config import Config
+from autopar.cost.mesh import Mesh
+
+
+def test_candidates_cover_the_parallel_forms_the_model_and_mesh_allow():
+    configs = candidate_configs("gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128", 4, 16, 2)
+    names = [describe(c) for c in configs]
+    assert len(configs) >= 12 and len(set(configs)) == len(configs)
+    for expected in ("dp4", "dp4 zero1", "dp4 zero2", "dp4 zero3", "dp2 tp2 sp", "tp4",
+                     "dp2 pp2 gpipe", "pp4 1f1b", "dp2 pp2 interleaved-1f1b v2"):
+        assert expected in names
+    assert all(c.world_size == 4 and c.global_batch == 16 for c in configs)
+    # Three heads: no tensor parallelism of 2 or 4; two layers: no pipeline of 4.
+    narrow = candidate_configs("gpt:layers=2,hidden=48,heads=3,seq=32,vocab=128", 4, 16, 2)
+    assert all(c.tp == 1 and c.pp * c.virtual <= 2 for c in narrow)
+
+
+def test_kendall_tau():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def test_one_configuration_trains_on_gloo_ranks_and_is_measured():
+    import torch._dynamo  # noqa: F401  (before forking)
+
+    row = {"name": "dp2", "config": Config(dp=2, global_batch=4, micro_batch=1)}
+    args = Namespace(model="gpt-tiny", global_batch=4, micro_batch=1, steps=1)
+    measure(row, args, Mesh.parse("2:cpu"))
+    assert "error" not in row, row.get("error")
+    assert row["measured_s"] > 0 and row["measured_mib"] >= 0
