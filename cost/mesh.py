@@ -11,7 +11,7 @@ import json
 import math
 import re
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from autopar.errors import MeshError
@@ -191,9 +191,11 @@ class Mesh:
                 name=_value(dev, "name", str, "device"), peak_flops=_flops(dev),
                 hbm_bandwidth=_positive(dev, "hbm_bandwidth", "device"),
                 memory_bytes=int(_positive(dev, "memory_bytes", "device")),
-                intra_node=_link(dev, "intra_node", "device"), inter_node=_link(dev, "inter_node", "device"))
-            extra = sorted(set(dev) - {"name", "peak_flops", "hbm_bandwidth", "memory_bytes",
-                                       "intra_node", "inter_node"})
+                intra_node=_link(dev, "intra_node", "device"), inter_node=_link(dev, "inter_node", "device"),
+                multiprocessors=int(_value(dev, "multiprocessors", int, "device")) if "multiprocessors" in dev else 0,
+                training_dtype=_value(dev, "training_dtype", str, "device") if "training_dtype" in dev else "bfloat16",
+                overlaps_communication=_flag(dev, "overlaps_communication", default=True))
+            extra = sorted(set(dev) - {field.name for field in fields(DeviceSpec)})
             if extra:
                 raise MeshError(f"device has unknown keys {extra}")
             if not isinstance(data["axes"], list) or not data["axes"]:
@@ -221,6 +223,13 @@ def _value(record: dict, key: str, kind, where: str):
     if not isinstance(value, kind) or isinstance(value, bool):
         expected = "a number" if isinstance(kind, tuple) else f"a {kind.__name__}"
         raise MeshError(f"{where}.{key} is {value!r}; expected {expected}")
+    return value
+
+
+def _flag(record: dict, key: str, *, default: bool) -> bool:
+    value = record.get(key, default)
+    if not isinstance(value, bool):
+        raise MeshError(f"device.{key} is {value!r}; expected true or false")
     return value
 
 
