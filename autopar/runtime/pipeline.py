@@ -36,6 +36,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
+from autopar.runtime.checks import check_buffers, check_loss, check_loss_reduction, check_optimizer
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
@@ -248,8 +249,11 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
 
     program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
         else None
-    micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
-    exported = export_for_pipeline(model, micro, program, example_kwargs)
+    if program is None:
+        micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+        program = torch.export.export(model, micro, example_kwargs, strict=False)
+    check_buffers(program, layout.dp)
+    exported = export_for_pipeline(model, (), program)
     programs = _stage_programs(exported, model, plan, layout, mesh, own, device)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     # the split's record of what each stage takes and returns spares torch a forward to learn it
@@ -274,13 +278,16 @@ def _check_kwargs(kwargs: dict) -> None:
 
 def _checked_loss(loss_fn, out_spec):
     """The user's loss on the model's own output structure (a ModelOutput, a tuple...), checked to
-    be a scalar."""
+    be a scalar that averages over the batch (on the first micro-batch; autopar averages over
+    micro-batches and replicas, exact only for a mean)."""
+    checked = []
+
     def loss(outputs, target):
-        value = loss_fn(model_outputs(outputs, out_spec), target)
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise AutoparError(f"loss_fn returned {shape}, not a scalar tensor; reduce the loss to "
-                               f"its mean over the batch")
+        outputs = model_outputs(outputs, out_spec)
+        if not checked:
+            check_loss_reduction(loss_fn, outputs, target)
+            checked.append(True)
+        value = check_loss(loss_fn(outputs, target))
         # a new tensor, not a view: zero-bubble schedules detach the loss in place
         return value if value.dim() == 0 else value.sum()
     return loss
@@ -367,11 +374,7 @@ def _sharded_on(program: StageProgram, plan: Plan, axis: int) -> bool:
 
 def _optimizer(make_optimizer, params: list[nn.Parameter]):
     """The user's optimizer on this rank's parameters (FSDP2 shards for ZeRO: the state follows)."""
-    optimizer = make_optimizer(params)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise AutoparError(f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim "
-                           f"Optimizer; pass a function such as lambda params: torch.optim.AdamW(params)")
-    return optimizer
+    return check_optimizer(make_optimizer(params))
 
 
 def _default_device() -> torch.device:
