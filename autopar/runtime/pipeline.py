@@ -26,20 +26,30 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
-from autopar.runtime.checks import check_buffers, check_loss, check_loss_reduction, check_optimizer
-from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
-                                            split_stages)
+from autopar.runtime.checks import (
+    check_buffers,
+    check_loss,
+    check_loss_reduction,
+    check_optimizer,
+)
+from autopar.runtime.pipeline_split import (
+    StageProgram,
+    TensorRef,
+    export_for_pipeline,
+    model_outputs,
+    split_stages,
+)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
+from autopar.runtime.schedule import build_schedule
 from autopar.runtime.tied import TiedWeights
 
 
@@ -257,11 +267,12 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     programs = _stage_programs(exported, model, plan, layout, mesh, own, device)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     # the split's record of what each stage takes and returns spares torch a forward to learn it
-    stages = [PipelineStage(p.module, p.index, len(plan.stages), device, input_args=p.example_inputs,
-                            output_args=p.example_outputs, group=mesh.get_group("pp"))
-              for p in programs]
+    stages = None if len(plan.stages) == 1 else [
+        PipelineStage(p.module, p.index, len(plan.stages), device, input_args=p.example_inputs,
+                      output_args=p.example_outputs, group=mesh.get_group("pp")) for p in programs]
     out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
-    schedule = _schedule(plan, layout, stages, _checked_loss(loss_fn, out_spec))
+    schedule = build_schedule(plan, layout.stage_rank, layout.pp, [p.module for p in programs], stages,
+                              _checked_loss(loss_fn, out_spec))
     params = [p for program in programs for p in program.module.parameters()]
     return CompiledModel(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                          optimizer=_optimizer(optimizer, params), device=device,
@@ -437,30 +448,3 @@ def _reusable(program, example_inputs: tuple, plan: Plan) -> bool:
     if program is None or not tensors or tensors[0].shape[0] != plan.micro_batch_size:
         return False
     return not any(t.is_meta for t in [*tensors, *program.state_dict.values()])
-
-
-def _schedule(plan: Plan, layout: PipelineLayout, stages: list[PipelineStage], loss_fn):
-    """The torch schedule the plan names, for the stages on this rank."""
-    n = plan.micro_batches
-    name = plan.schedule
-    if len(stages) == 1:
-        single = {"gpipe": schedules.ScheduleGPipe, "1f1b": schedules.Schedule1F1B}
-        if name in single:
-            return single[name](stages[0], n, loss_fn=loss_fn)
-    if name == "interleaved-1f1b" or (name in ("gpipe", "1f1b") and len(stages) > 1):
-        if name != "interleaved-1f1b":
-            raise PlanMismatchError(f"schedule {name!r} runs one stage per rank but this rank holds "
-                                    f"{len(stages)}; use 'interleaved-1f1b'")
-        return schedules.ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
-    if name == "zero-bubble":
-        if _is_v_shape(layout):
-            return schedules.ScheduleZBVZeroBubble(stages, n, loss_fn=loss_fn)
-        return schedules.ScheduleInterleavedZeroBubble(stages, n, loss_fn=loss_fn)
-    raise PlanMismatchError(f"unknown pipeline schedule {name!r}")
-
-
-def _is_v_shape(layout: PipelineLayout) -> bool:
-    """Two stages per rank, rank r holding stages r and 2*pp-1-r (what ZBV expects)."""
-    pp = layout.pp
-    return len(layout.stage_rank) == 2 * pp and all(
-        layout.stage_rank[s] == layout.stage_rank[2 * pp - 1 - s] == s for s in range(pp))

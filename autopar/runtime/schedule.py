@@ -1,0 +1,60 @@
+"""The schedule that runs a plan's micro-batches on this rank's stages.
+
+A plan with several stages runs the torch.distributed.pipelining schedule that
+`autopar.solver.schedules` names for it (the one statement of what torch runs, which the planner
+also searches with). A plan with one stage has nothing to pipeline: its schedule is a loop of
+forward and backward per micro-batch, with data-parallel gradient reduction held back until the
+last one, as torch's single-stage schedules do, without their per-chunk bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, schedules
+
+from autopar.errors import PlanMismatchError
+from autopar.plan import Plan
+from autopar.solver.schedules import schedule_error, torch_schedule
+
+
+class MicroBatchLoop:
+    """One stage, `n` micro-batches: forward, loss and backward of each in turn. Its `step` takes
+    the arguments of torch's schedules' `step` and gives the same gradients: the mean over
+    micro-batches (torch's schedules scale the sum by 1/n after the backward)."""
+
+    def __init__(self, module: nn.Module, n: int, loss_fn):
+        self.module, self.n, self.loss_fn = module, n, loss_fn
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list):
+        chunks = [x.tensor_split(self.n) for x in (*inputs, target)]
+        for index in range(self.n):
+            *micro, micro_target = (chunk[index] for chunk in chunks)
+            if isinstance(self.module, FSDPModule):
+                # gradients accumulate locally; the last micro-batch's backward reduces them
+                self.module.set_requires_gradient_sync(index == self.n - 1)
+            loss = self.loss_fn(self.module(*micro), micro_target)
+            (loss / self.n).backward()
+            losses.append(loss.detach())
+
+
+def build_schedule(plan: Plan, stage_rank: list[int], pp: int, modules: list[nn.Module],
+                   stages: list[PipelineStage] | None, loss_fn):
+    """The schedule for this rank's stages (`modules`, and their PipelineStages when pp > 1)."""
+    n = plan.micro_batches
+    if len(plan.stages) == 1:
+        return MicroBatchLoop(modules[0], n, loss_fn)
+    v_shape = _is_v_shape(stage_rank, pp)
+    error = schedule_error(plan.schedule, pp, n, len(stages), v_shape)
+    if error:
+        raise PlanMismatchError(f"the plan's schedule cannot run: {error}; plan again")
+    torch_class = getattr(schedules, torch_schedule(plan.schedule, len(stages), v_shape))
+    multi = issubclass(torch_class, schedules.PipelineScheduleMulti)   # these take a list of stages
+    return torch_class(stages if multi else stages[0], n, loss_fn=loss_fn)
+
+
+def _is_v_shape(stage_rank: list[int], pp: int) -> bool:
+    """Two stages per rank, rank r holding stages r and 2*pp-1-r (what ZBV expects)."""
+    return len(stage_rank) == 2 * pp and all(
+        stage_rank[s] == stage_rank[2 * pp - 1 - s] == s for s in range(pp))
