@@ -139,6 +139,28 @@ def _tiny_chain(device: str, dtype: torch.dtype) -> None:
     y.backward()
 
 
+def _distributed_op_latency(budget_s: float) -> float:
+    """Seconds an op on a sharded DTensor adds over the same op on a plain tensor, forward and
+    backward, on the default process group's ranks (a DTensor op that needs no communication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+    def chain(tensor) -> None:
+        y = tensor
+        for _ in range(_CHAIN):
+            y = y * 1.0001
+        y.sum().backward()
+
+    plain = torch.ones(mesh.size() * 4, 8, requires_grad=True)
+    sharded = distribute_tensor(torch.ones(mesh.size() * 4, 8), mesh, [Shard(0)])
+    sharded.requires_grad_(True)
+    extra = _seconds(lambda: chain(sharded), "cpu", budget_s) - _seconds(lambda: chain(plain),
+                                                                        "cpu", budget_s)
+    return max(extra, 0.0) / (2 * _CHAIN)
+
+
 def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
                    sizes: tuple[int, ...] = COLLECTIVE_BYTES) -> tuple[Efficiencies, dict, dict]:
     """Efficiencies and measurements as `calibrate` gives them, taken on rank 0 while every rank
@@ -164,6 +186,10 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
 
 def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
     efficiencies, measurements = calibrate("cpu", budget_s=budget_s)
+    efficiencies.distributed_op_latency_s = _distributed_op_latency(budget_s)
+    measurements["one-element op on a DTensor, extra"] = {
+        "family": "latency", "seconds": efficiencies.distributed_op_latency_s, "flops": 1,
+        "bytes": 0, "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
     return efficiencies, measurements, {kind: [_collective_seconds(kind, n, budget_s) for n in sizes]
                                         for kind in KINDS}
 
