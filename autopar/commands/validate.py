@@ -286,10 +286,10 @@ def draw(rows: list[dict], path: Path, console: Console) -> None:
     axes.scatter(xs, ys)
     for row, x, y in zip(done, xs, ys):
         axes.annotate(row["name"], (x, y), fontsize=7)
-    top = max(xs + ys) * 1.1
-    axes.plot([0, top], [0, top], color="grey", linewidth=0.8)
-    axes.set(xlabel="measured ms per step", ylabel="predicted ms per step", xlim=(0, top),
-             ylim=(0, top), title="autopar validate")
+    low, top = min(xs + ys) / 1.5, max(xs + ys) * 1.5
+    axes.plot([low, top], [low, top], color="grey", linewidth=0.8)
+    axes.set(xlabel="measured ms per step", ylabel="predicted ms per step", xscale="log",
+             yscale="log", xlim=(low, top), ylim=(low, top), title="autopar validate")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     console.print(f"scatter written to {path}")
 
