@@ -5,7 +5,7 @@ spec's peak: FLOP/s over peak FLOP/s for matmuls and attention, bytes/s over HBM
 memory-bound families. The best shape of a family stands for it (the roofline already charges
 small shapes for their low arithmetic intensity). Rates above the spec's peak (a CPU whose spec is
 nominal) are clipped to 1 and the raw figures kept under "measurements". The cost of launching
-one op (a one-element add) becomes `kernel_latency_s`: on a CPU it is the eager dispatcher's, and
+one op (tiny matmuls, norms and GELUs, forward and backward) becomes `kernel_latency_s`: on a CPU it is the eager dispatcher's, and
 it dominates a small model's step.
 
 `calibrate_mesh` does the same on every rank of a gloo mesh at once (each rank one thread, as
@@ -116,8 +116,9 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
                 compute[family] = max(compute.get(family, 0.0), flop_rate)
             else:
                 memory[family] = max(memory.get(family, 0.0), byte_rate)
-    latency = _seconds(lambda: _tiny_chain(device, dtype), device, budget_s) / (2 * _CHAIN)
-    measurements["one-element op, forward and backward"] = {
+    latency = _seconds(lambda: _tiny_chain(device, dtype), device, budget_s) / (
+        2 * _CHAIN * _CHAIN_OPS)
+    measurements["tiny op, forward and backward"] = {
         "family": "latency", "seconds": latency, "flops": 1, "bytes": 0, "flops_fraction": 0.0,
         "bandwidth_fraction": 0.0}
     clip = lambda table: {f: min(1.0, max(v, 1e-6)) for f, v in table.items()}
@@ -126,17 +127,19 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
     return efficiencies, measurements
 
 
-_CHAIN = 32
+_CHAIN = 16
+_CHAIN_OPS = 3      # per link of the chain: a matmul, a layer norm, a GELU
 
 
 def _tiny_chain(device: str, dtype: torch.dtype) -> None:
-    """`_CHAIN` one-element multiplies and their backward: each costs what launching an op in a
-    training step costs (dispatch, autograd's bookkeeping), and nothing else."""
-    x = torch.ones(1, device=device, dtype=dtype, requires_grad=True)
-    y = x
+    """`_CHAIN` links of tiny matmul, layer norm and GELU (8 x 8) and their backward: each op
+    costs what launching it in a training step costs (dispatch, autograd's bookkeeping), and
+    almost nothing else."""
+    weight = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+    y = torch.ones(8, 8, device=device, dtype=dtype)
     for _ in range(_CHAIN):
-        y = y * 1.0001
-    y.backward()
+        y = F.gelu(F.layer_norm(y @ weight, (8,)))
+    y.sum().backward()
 
 
 def _distributed_op_latency(budget_s: float) -> float:
