@@ -5,7 +5,7 @@ spec's peak: FLOP/s over peak FLOP/s for matmuls and attention, bytes/s over HBM
 memory-bound families. The best shape of a family stands for it (the roofline already charges
 small shapes for their low arithmetic intensity). Rates above the spec's peak (a CPU whose spec is
 nominal) are clipped to 1 and the raw figures kept under "measurements". The cost of launching
-one op (a one-element add) becomes `kernel_latency_s`: on a CPU it is the eager dispatcher's, and
+one op (tiny matmuls, norms and GELUs, forward and backward) becomes `kernel_latency_s`: on a CPU it is the eager dispatcher's, and
 it dominates a small model's step.
 
 `calibrate_mesh` does the same on every rank of a gloo mesh at once (each rank one thread, as
@@ -116,8 +116,9 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
                 compute[family] = max(compute.get(family, 0.0), flop_rate)
             else:
                 memory[family] = max(memory.get(family, 0.0), byte_rate)
-    latency = _seconds(lambda: _tiny_chain(device, dtype), device, budget_s) / (2 * _CHAIN)
-    measurements["one-element op, forward and backward"] = {
+    latency = _seconds(lambda: _tiny_chain(device, dtype), device, budget_s) / (
+        2 * _CHAIN * _CHAIN_OPS)
+    measurements["tiny op, forward and backward"] = {
         "family": "latency", "seconds": latency, "flops": 1, "bytes": 0, "flops_fraction": 0.0,
         "bandwidth_fraction": 0.0}
     clip = lambda table: {f: min(1.0, max(v, 1e-6)) for f, v in table.items()}
@@ -126,17 +127,41 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
     return efficiencies, measurements
 
 
-_CHAIN = 32
+_CHAIN = 16
+_CHAIN_OPS = 3      # per link of the chain: a matmul, a layer norm, a GELU
 
 
 def _tiny_chain(device: str, dtype: torch.dtype) -> None:
-    """`_CHAIN` one-element multiplies and their backward: each costs what launching an op in a
-    training step costs (dispatch, autograd's bookkeeping), and nothing else."""
-    x = torch.ones(1, device=device, dtype=dtype, requires_grad=True)
-    y = x
+    """`_CHAIN` links of tiny matmul, layer norm and GELU (8 x 8) and their backward: each op
+    costs what launching it in a training step costs (dispatch, autograd's bookkeeping), and
+    almost nothing else."""
+    weight = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+    y = torch.ones(8, 8, device=device, dtype=dtype)
     for _ in range(_CHAIN):
-        y = y * 1.0001
-    y.backward()
+        y = F.gelu(F.layer_norm(y @ weight, (8,)))
+    y.sum().backward()
+
+
+def _distributed_op_latency(budget_s: float) -> float:
+    """Seconds an op on a sharded DTensor adds over the same op on a plain tensor, forward and
+    backward, on the default process group's ranks (a DTensor op that needs no communication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+    def chain(tensor) -> None:
+        y = tensor
+        for _ in range(_CHAIN):
+            y = y * 1.0001
+        y.sum().backward()
+
+    plain = torch.ones(mesh.size() * 4, 8, requires_grad=True)
+    sharded = distribute_tensor(torch.ones(mesh.size() * 4, 8), mesh, [Shard(0)])
+    sharded.requires_grad_(True)
+    extra = _seconds(lambda: chain(sharded), "cpu", budget_s) - _seconds(lambda: chain(plain),
+                                                                        "cpu", budget_s)
+    return max(extra, 0.0) / (2 * _CHAIN)
 
 
 def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
@@ -164,6 +189,10 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
 
 def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
     efficiencies, measurements = calibrate("cpu", budget_s=budget_s)
+    efficiencies.distributed_op_latency_s = _distributed_op_latency(budget_s)
+    measurements["one-element op on a DTensor, extra"] = {
+        "family": "latency", "seconds": efficiencies.distributed_op_latency_s, "flops": 1,
+        "bytes": 0, "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
     return efficiencies, measurements, {kind: [_collective_seconds(kind, n, budget_s) for n in sizes]
                                         for kind in KINDS}
 

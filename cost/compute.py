@@ -110,6 +110,11 @@ class Efficiencies:
     compute: dict[str, float] = field(default_factory=_default_compute)
     memory: dict[str, float] = field(default_factory=_default_memory)
     kernel_latency_s: float = 4e-6     # launch and tail of one GPU kernel: a floor for tiny ops
+    # What an op on distributed tensors (DTensor: tensor parallelism, ZeRO-3 parameters) adds on
+    # the host: sharding propagation and dispatch. A GPU's kernels run asynchronously behind the
+    # host, which hides it for models large enough to keep the GPU busy, hence 0; on a CPU the
+    # host is the device, and `autopar calibrate --mesh` measures it.
+    distributed_op_latency_s: float = 0.0
     device: str = ""                   # the device they were measured on; "" for the defaults
 
     def __post_init__(self):
@@ -135,7 +140,7 @@ class Efficiencies:
 
     @classmethod
     def from_dict(cls, data: dict) -> Efficiencies:
-        known = {"compute", "memory", "kernel_latency_s", "device"}
+        known = {"compute", "memory", "kernel_latency_s", "distributed_op_latency_s", "device"}
         unknown = set(data) - known - {"measurements", "collectives"}
         if unknown:
             raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "

@@ -320,6 +320,7 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     out = _Chunk()
     saved: set[str] = set()
     block_saved: dict[tuple, set[str]] = {}
+    distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
         i = layout.index[node.name]
@@ -331,6 +332,9 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
                   for fam, f, by in backward)
         comm_fwd = tp_group.all_reduce(node.reduce_forward * b) if node.reduce_forward else 0.0
         comm_bwd = tp_group.all_reduce(node.reduce_backward * b) if node.reduce_backward else 0.0
+        if distributed:
+            fwd += eff.distributed_op_latency_s
+            bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
         out.forward_s += fwd
         out.tensor_comm_s += comm_fwd
         if node.requires_grad:

@@ -128,8 +128,22 @@ def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, c
     assert set(data["collectives"]["fits"]) == set(KINDS) and data["collectives"]["ranks"] == 2
     assert all(fit["bandwidth"] > 0 and fit["latency_s"] >= 0
                for fit in data["collectives"]["fits"].values())
-    assert data["kernel_latency_s"] > 0
+    assert data["kernel_latency_s"] > 0 and data["distributed_op_latency_s"] >= 0
     capsys.readouterr()
     assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
                  "--calibration", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
+
+
+def test_ops_on_distributed_tensors_pay_the_measured_host_latency(tiny_gpt):
+    from autopar.cost.compute import Efficiencies
+
+    mesh = Mesh.parse("4:cpu")
+    plain = Efficiencies(device="cpu")
+    hosted = Efficiencies(device="cpu", distributed_op_latency_s=1e-3)
+    for config, distributed in ((Config(dp=4, global_batch=8), False),
+                                (Config(tp=2, dp=2, global_batch=8), True),
+                                (Config(dp=4, zero=3, global_batch=8), True)):
+        before = estimate(tiny_gpt, mesh, config, efficiencies=plain).breakdown["compute"]
+        after = estimate(tiny_gpt, mesh, config, efficiencies=hosted).breakdown["compute"]
+        assert (after > before) == distributed, config

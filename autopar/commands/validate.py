@@ -137,7 +137,7 @@ def measure(row: dict, args, mesh) -> None:
     row["measured_mib"] = max(r["peak_mib"] for r in results)
     if row["config"] is None:
         row["name"] = f"planner: {results[0]['plan']}"
-        row["predicted_s"] = results[0]["predicted_s"]
+        row["predicted_s"] = _planned_price(results[0], args, mesh)
 
 
 def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int,
@@ -171,10 +171,46 @@ def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int
         dist.barrier()
         times.append(time.perf_counter() - start)
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    plan = compiled.plan if hasattr(compiled, "plan") else None
-    summary = _plan_summary(plan) if plan is not None and config is None else ""
-    predicted = plan.predicted.get("step_time_s") if summary else None
-    return {"times": times, "peak_mib": peak, "plan": summary, "predicted_s": predicted}
+    plan = compiled.plan if config is None else None
+    return {"times": times, "peak_mib": peak, "plan": _plan_summary(plan) if plan else "",
+            "config": _as_config(plan) if plan else None,
+            "predicted_s": plan.predicted.get("step_time_s") if plan else None}
+
+
+def _as_config(plan):
+    """The planner's plan as a Config when its stages are uniform (the estimator can then price
+    it with the calibration file), else None."""
+    from autopar.cost.config import Config
+    from autopar.errors import AutoparError
+
+    first = plan.stages[0]
+    shape = lambda s: (s.tp, s.dp, s.recompute, s.zero, s.sequence_parallel)
+    if any(shape(s) != shape(first) for s in plan.stages):
+        return None
+    try:
+        return Config(tp=first.tp, dp=first.dp, pp=len(plan.stages) // plan.virtual,
+                      virtual=plan.virtual, global_batch=plan.global_batch,
+                      micro_batch=plan.micro_batch_size, recompute=first.recompute,
+                      zero=first.zero, sequence_parallel=first.sequence_parallel,
+                      schedule=plan.schedule)
+    except AutoparError:
+        return None
+
+
+def _planned_price(result: dict, args, mesh) -> float | None:
+    """The planner's plan priced like the forced rows (the calibration applied) where it is a
+    uniform configuration; else the price the plan records."""
+    from autopar.commands.estimate import capture_training_step
+    from autopar.cost.estimator import estimate
+    from autopar.errors import AutoparError
+
+    if result["config"] is None or args.calibration is None:
+        return result["predicted_s"]
+    graph = capture_training_step(args.model, batch=result["config"].micro_batch)
+    try:
+        return estimate(graph, mesh, result["config"], calibration=args.calibration).step_time_s
+    except AutoparError:
+        return result["predicted_s"]
 
 
 def _plan_summary(plan) -> str:
@@ -250,10 +286,10 @@ def draw(rows: list[dict], path: Path, console: Console) -> None:
     axes.scatter(xs, ys)
     for row, x, y in zip(done, xs, ys):
         axes.annotate(row["name"], (x, y), fontsize=7)
-    top = max(xs + ys) * 1.1
-    axes.plot([0, top], [0, top], color="grey", linewidth=0.8)
-    axes.set(xlabel="measured ms per step", ylabel="predicted ms per step", xlim=(0, top),
-             ylim=(0, top), title="autopar validate")
+    low, top = min(xs + ys) / 1.5, max(xs + ys) * 1.5
+    axes.plot([low, top], [low, top], color="grey", linewidth=0.8)
+    axes.set(xlabel="measured ms per step", ylabel="predicted ms per step", xscale="log",
+             yscale="log", xlim=(low, top), ylim=(low, top), title="autopar validate")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     console.print(f"scatter written to {path}")
 
