@@ -1,10 +1,9 @@
 """Data-parallel traffic (gradient reduction, ZeRO's gathers) and how much of it the computation
 hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIMES`):
 
-  autopar          autopar's own runtime (the default): gradients reduced in buckets as in
-                   "torch" below; ZeRO-3 parameters are DTensors sharded on the data axis, which
-                   each op that reads one all-gathers where it runs (forward, backward, and the
-                   recomputed forward), one collective per parameter tensor, waited for.
+  autopar          autopar's own runtime (the default): torch's FSDP2 with one group per layer
+                   (`replicate` for plain data parallelism, `fully_shard` for ZeRO), gradients
+                   synchronized on the last micro-batch: it overlaps as "torch" below does.
   torch            plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
                    gradients in 25 MiB buckets while the backward of the LAST micro-batch runs (the
                    others accumulate locally, `no_sync`), and while the later pipeline stages drain;
@@ -48,7 +47,7 @@ class Runtime:
 
 
 RUNTIMES = {
-    "autopar": Runtime("autopar", overlap=True, gather_unit="tensor", regather_on_recompute=True),
+    "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
                               regather_on_recompute=True),
