@@ -4,7 +4,6 @@ fitting configuration of the full Megatron grid (every ZeRO stage included), and
 run the error says why."""
 
 import itertools
-import time
 
 import pytest
 

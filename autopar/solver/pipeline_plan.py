@@ -16,11 +16,11 @@ from functools import cache
 
 from autopar.cost.config import Config
 from autopar.cost.mesh import Mesh, MeshAxis
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InfeasibleError
 from autopar.graph import Graph, Role
 from autopar.plan import Plan, Stage
-from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, autopar_shapes, balanced_cuts,
-                                     grid_phase, infeasible, layout_error, megatron_shapes,
+from autopar.solver.pipeline import (MAX_TP, Candidate, Priced, Search, Shape, autopar_shapes,
+                                     balanced_cuts, grid_phase, layout_error, megatron_shapes,
                                      pipeline_units, refine, short_pipeline_shapes, uneven_phase,
                                      uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
@@ -259,3 +259,48 @@ def _data_shard(shape: tuple, tensor: list[str], tp: int, dp: int) -> str:
         if local % dp == 0:
             return f"S({dim})"
     return "R"
+
+
+def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
+    """Why nothing was planned: no layout fits the memory (with the least found), or no layout of
+    the mesh runs this global batch at all (with the batch sizes that would)."""
+    least = search.least_memory
+    if least is None:
+        return _no_layout(search)
+    shape = least.candidate.shape
+    return InfeasibleError(
+        f"no plan fits {_size(memory_limit)} per device; the least memory found is "
+        f"{_size(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
+        f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")
+
+
+def _no_layout(search: Search) -> InfeasibleError:
+    mesh, batch = search.pricer.mesh, search.pricer.global_batch
+    # data-parallel degrees of the mesh's layouts, whatever the batch: TP inside a node, at most
+    # one pipeline stage per unit
+    degrees = sorted({mesh.world_size // (tp * pp)
+                      for tp in range(1, min(MAX_TP, mesh.gpus_per_node) + 1) if mesh.gpus_per_node % tp == 0
+                      for pp in range(1, len(search.units) + 1) if (mesh.world_size // tp) % pp == 0})
+    refused = search.pricer.refusals
+    reasons = "; ".join(sorted(refused, key=lambda r: -refused[r])[:3])
+    if not any(batch % dp == 0 for dp in degrees):
+        smallest = degrees[0] if degrees else mesh.world_size
+        below, above = batch // smallest * smallest, (batch // smallest + 1) * smallest
+        return InfeasibleError(
+            f"no layout of {mesh.world_size} devices runs global batch {batch}: its "
+            f"data-parallel degree would be one of {degrees} (at most {MAX_TP}-way tensor "
+            f"parallelism inside a node, one pipeline stage per layer), and none divides "
+            f"{batch}; use a global batch that is a multiple of {smallest}, e.g. "
+            f"{' or '.join(str(b) for b in (below, above) if b > 0)}")
+    return InfeasibleError(
+        f"no configuration of this mesh could be priced for this model with global batch "
+        f"{batch}{f' ({reasons})' if reasons else ''}; try another mesh or global batch")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest unit that keeps the number at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
