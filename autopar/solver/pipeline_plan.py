@@ -272,7 +272,9 @@ def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
         f"no plan fits {_size(memory_limit)} per device; the least memory found is "
         f"{_size(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
         f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
-        f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")
+        f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model"
+        + ("; the search stopped at its time limit, and a longer one may find a plan"
+           if search.timed_out else ""))
 
 
 def _no_layout(search: Search) -> InfeasibleError:
