@@ -112,8 +112,10 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
     priced = search.price(Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks),
                           uniform=True)
     if priced is None:
-        raise AutoparError(f"the estimator cannot price {config}; check the degrees against the "
-                           f"model's heads and hidden size")
+        # the one candidate priced: its refusal is the only reason recorded
+        reason = next(iter(search.pricer.refusals), "check the degrees against the model's heads "
+                                                     "and hidden size")
+        raise AutoparError(f"the estimator cannot price {config}: {reason}")
     return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
         "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1},
         time_limit=time_limit)
