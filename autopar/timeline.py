@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.errors import AutoparError
-from autopar.solver.schedules import SCHEDULES, check_schedule
+from autopar.solver.schedules import check_schedule
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}

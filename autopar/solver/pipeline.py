@@ -8,14 +8,19 @@ dp x tp sub-mesh, tensor parallelism inside a node, data parallelism next, pipel
 
 The search, in three phases, prices every candidate with the one estimator of autopar.cost:
 1. The Megatron grid: TP in the divisors of the node size up to 8, PP dividing the blocks, DP the
-   rest, micro-batch sizes, recompute, interleaving, ZeRO 0/1; uniform stages with the embedding on
+   rest, micro-batch sizes, recompute, interleaving, ZeRO; uniform stages with the embedding on
    the first and the head on the last. autopar's answer is never worse than this grid's best.
 2. Shapes the grid cannot express: PP that does not divide the blocks, with stages balanced by a
    dynamic program over contiguous cuts (`balanced_cuts`).
 3. Refinement of the best shapes, one estimator call per move, kept when it is faster and fits:
-   other schedules (zero-bubble, GPipe), any micro-batch size that divides the batch, a unit moved off the slowest pipeline rank (the embedding
-   and head are not free, so the outer stages take fewer blocks), recompute and ZeRO changed rank
-   by rank (the first rank keeps p micro-batches in flight, the last one).
+   other schedules (zero-bubble, GPipe), any micro-batch size that divides the batch, a unit moved
+   off the slowest pipeline rank (the embedding and head are not free, so the outer stages take
+   fewer blocks), recompute and ZeRO changed rank by rank (the first rank keeps p micro-batches in
+   flight, the last one).
+ZeRO 1-3 are candidates in phases 1 and 2 wherever there is data parallelism (ZeRO-0 in phase 3).
+What the runtime cannot run is never generated (`layout_error`): the global batch divides into
+dp x micro-batch x count, and torch.distributed.pipelining runs the schedule with that count on
+pp ranks of v chunks (the rules are in autopar.solver.schedules).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import time
 from dataclasses import dataclass, field, replace
 
 from autopar.cost.compute import compute_time, op_family
-from autopar.errors import InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 from autopar.solver.schedules import runs, schedule_error
 
@@ -267,7 +271,7 @@ class Search:
         result = self.pricer.price(candidate, self.units, uniform=uniform)
         if result is None:
             return None
-        if result.fits and (self.best is None or result.step_time_s < self.best.step_time_s):
+        if result.fits and (self.best is None or _preference(result) < _preference(self.best)):
             self.best = result
         if self.least_memory is None or result.memory_bytes < self.least_memory.memory_bytes:
             self.least_memory = result
@@ -286,6 +290,14 @@ class Search:
     def out_of_time(self) -> bool:
         self.timed_out = self.timed_out or time.monotonic() > self.deadline
         return self.timed_out
+
+
+def _preference(priced: Priced) -> tuple:
+    """Faster first; between candidates the estimator prices alike, the one that recomputes and
+    shards less and pipelines less (simpler to run, and what a user expects of a tie)."""
+    candidate = priced.candidate
+    return (priced.step_time_s, sum(RECOMPUTE_ORDER.index(r) for r in candidate.recompute),
+            sum(candidate.zero), candidate.shape.pp, candidate.shape.virtual)
 
 
 def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[Priced]:
@@ -485,41 +497,3 @@ def _zero_moves(current: Priced, global_batch: int, weights_for):
                 levels[chunk] = zero
             if tuple(levels) != candidate.zero:
                 yield replace(candidate, zero=tuple(levels))
-
-
-def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
-    """Why nothing was planned: no layout fits the memory (with the least found), or no layout of
-    the mesh runs this global batch at all (with the batch sizes that would)."""
-    least = search.least_memory
-    if least is None:
-        return _no_layout(search)
-    shape = least.candidate.shape
-    return InfeasibleError(
-        f"no plan fits {format_bytes(memory_limit)} per device; the least memory found is "
-        f"{format_bytes(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
-        f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
-        f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model")
-
-
-def _no_layout(search: Search) -> InfeasibleError:
-    mesh, batch = search.pricer.mesh, search.pricer.global_batch
-    # data-parallel degrees of the mesh's layouts, whatever the batch: TP inside a node, at most
-    # one pipeline stage per unit
-    degrees = sorted({mesh.world_size // (tp * pp)
-                      for tp in range(1, min(MAX_TP, mesh.gpus_per_node) + 1) if mesh.gpus_per_node % tp == 0
-                      for pp in range(1, len(search.units) + 1) if (mesh.world_size // tp) % pp == 0})
-    refused = search.pricer.refusals
-    reasons = "; ".join(sorted(refused, key=lambda r: -refused[r])[:3])
-    if not any(batch % dp == 0 for dp in degrees):
-        smallest = degrees[0] if degrees else mesh.world_size
-        below, above = batch // smallest * smallest, (batch // smallest + 1) * smallest
-        return InfeasibleError(
-            f"no layout of {mesh.world_size} devices runs global batch {batch}: its "
-            f"data-parallel degree would be one of {degrees} (at most {MAX_TP}-way tensor "
-            f"parallelism inside a node, one pipeline stage per layer), and none divides "
-            f"{batch}; use a global batch that is a multiple of {smallest}, e.g. "
-            f"{' or '.join(str(b) for b in (below, above) if b > 0)}")
-    return InfeasibleError(
-        f"no configuration of this mesh could be priced for this model with global batch "
-        f"{batch}{f' ({reasons})' if reasons else ''}; try another mesh or global batch")
-

@@ -16,11 +16,11 @@ from functools import cache
 
 from autopar.cost.config import Config
 from autopar.cost.mesh import Mesh, MeshAxis
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 from autopar.plan import Plan, Stage
-from autopar.solver.pipeline import (Candidate, Priced, Search, Shape, autopar_shapes, balanced_cuts,
-                                     grid_phase, infeasible, layout_error, megatron_shapes,
+from autopar.solver.pipeline import (MAX_TP, Candidate, Priced, Search, Shape, autopar_shapes,
+                                     balanced_cuts, grid_phase, layout_error, megatron_shapes,
                                      pipeline_units, refine, short_pipeline_shapes, uneven_phase,
                                      uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
@@ -112,8 +112,10 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
     priced = search.price(Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks),
                           uniform=True)
     if priced is None:
-        raise AutoparError(f"the estimator cannot price {config}; check the degrees against the "
-                           f"model's heads and hidden size")
+        # the one candidate priced: its refusal is the only reason recorded
+        reason = next(iter(search.pricer.refusals), "check the degrees against the model's heads "
+                                                     "and hidden size")
+        raise AutoparError(f"the estimator cannot price {config}: {reason}")
     return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
         "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1},
         time_limit=time_limit)
@@ -259,3 +261,44 @@ def _data_shard(shape: tuple, tensor: list[str], tp: int, dp: int) -> str:
         if local % dp == 0:
             return f"S({dim})"
     return "R"
+
+
+def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
+    """Why nothing was planned: no layout fits the memory (with the least found), or no layout of
+    the mesh runs this global batch at all (with the batch sizes that would)."""
+    least = search.least_memory
+    if least is None:
+        return _no_layout(search)
+    shape = least.candidate.shape
+    return InfeasibleError(
+        f"no plan fits {format_bytes(memory_limit)} per device; the least memory found is "
+        f"{format_bytes(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
+        f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model"
+        + ("; the search stopped at its time limit, and a longer one may find a plan"
+           if search.timed_out else ""))
+
+
+def _no_layout(search: Search) -> InfeasibleError:
+    mesh, batch = search.pricer.mesh, search.pricer.global_batch
+    # data-parallel degrees of the mesh's layouts, whatever the batch: TP inside a node, at most
+    # one pipeline stage per unit
+    degrees = sorted({mesh.world_size // (tp * pp)
+                      for tp in range(1, min(MAX_TP, mesh.gpus_per_node) + 1) if mesh.gpus_per_node % tp == 0
+                      for pp in range(1, len(search.units) + 1) if (mesh.world_size // tp) % pp == 0})
+    refused = search.pricer.refusals
+    reasons = "; ".join(sorted(refused, key=lambda r: -refused[r])[:3])
+    if not any(batch % dp == 0 for dp in degrees):
+        smallest = degrees[0] if degrees else mesh.world_size
+        below, above = batch // smallest * smallest, (batch // smallest + 1) * smallest
+        return InfeasibleError(
+            f"no layout of {mesh.world_size} devices runs global batch {batch}: its "
+            f"data-parallel degree would be one of {degrees} (at most {MAX_TP}-way tensor "
+            f"parallelism inside a node, one pipeline stage per layer), and none divides "
+            f"{batch}; use a global batch that is a multiple of {smallest}, e.g. "
+            f"{' or '.join(str(b) for b in (below, above) if b > 0)}")
+    return InfeasibleError(
+        f"no configuration of this mesh could be priced for this model with global batch "
+        f"{batch}{f' ({reasons})' if reasons else ''}; try another mesh or global batch")
+
+

@@ -61,15 +61,15 @@ def schedule_error(schedule: str, pp: int, micro_batches: int, virtual: int = 1,
     if torch_class == "Schedule1F1B" and micro_batches < pp:
         return (f"1F1B needs at least as many micro-batches as stages ({micro_batches} < {pp}); "
                 f"use more micro-batches or the gpipe schedule")
-    if torch_class in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
-        if not _rounds_divide(pp, micro_batches):
-            rounds = max(1, micro_batches // pp)
-            near = min((m for m in range(1, 2 * micro_batches + pp) if _rounds_divide(pp, m)),
-                       key=lambda m: (abs(m - micro_batches), m))
-            return (f"{schedule} on {pp} ranks runs {micro_batches} micro-batches in "
-                    f"{rounds} rounds of {micro_batches // rounds}, which leaves "
-                    f"{micro_batches % rounds} over (torch's {torch_class} needs the rounds, "
-                    f"max(1, m // {pp}), to divide m); {near} micro-batches would run")
+    interleaved = torch_class in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+    if interleaved and not _rounds_divide(pp, micro_batches):
+        rounds = max(1, micro_batches // pp)
+        near = min((m for m in range(1, 2 * micro_batches + pp) if _rounds_divide(pp, m)),
+                   key=lambda m: (abs(m - micro_batches), m))
+        return (f"{schedule} on {pp} ranks runs {micro_batches} micro-batches in {rounds} rounds "
+                f"of {micro_batches // rounds}, which leaves {micro_batches % rounds} over (torch's "
+                f"{torch_class} needs the rounds, max(1, m // {pp}), to divide m); {near} "
+                f"micro-batches would run")
     return None
 
 
