@@ -1,9 +1,18 @@
 """Cut a captured model into the plan's pipeline stages.
 
 The plan names each stage's layers by module path ("embed", "layers.0", ..., "head"). Every node of
-the exported graph belongs to the layer whose path prefixes its `nn_module_stack`; nodes outside any
-module (glue in the model's own forward) follow their inputs, or their first user when they read
-nothing (a position `arange`). Two `split_module` passes follow:
+the exported graph gets a stage:
+- a node belongs to the layer whose path prefixes its `nn_module_stack`;
+- glue outside every layer (the model's own forward, or a parent module's, e.g. `input_ids.view`)
+  follows its latest input, or its first user when it reads only the model's inputs;
+- constants (buffers, and what is computed from them alone: rotary tables, a position `arange`)
+  are copied into every layer that reads them, and parameters into every stage that reads them: a
+  weight tied between the embedding and the LM head has a copy in each of their stages, whose
+  gradients `autopar.runtime.tied` keeps equal;
+- nodes no output depends on are dropped, as are checks of constants (`_assert_tensor_metadata`
+  on a rotary table); a check of an activation runs with that activation.
+Values that a later stage reads are passed along the stages between (pipeline_flow.py). Two
+`split_module` passes follow:
 
 1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint
    ("full"), or, with the single-stage recompute pass on the unit's graph, only the attention of
