@@ -8,6 +8,7 @@ interleaved 1F1B schedule (two stages per pipeline rank), compared step by step 
 (autopar.runtime.equivalence, AdamW with eps=1e-3).
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,9 +18,9 @@ import torch
 import torch._dynamo  # noqa: F401
 
 import autopar
-from autopar.api import plan_from_config
 from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
+from autopar.solver.pipeline import pipeline_units
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,13 +41,17 @@ def capture(name: str, batch: int = 2):
 
 @pytest.mark.parametrize("name", tiny_hf.ARCHITECTURES)
 def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
+    """Three stages of the planner's units, cut evenly: the middle stage passes values along."""
     model, kwargs, inputs, graph = capture(name)
-    config = autopar.Config(pp=3, dp=1, micro_batch=2, schedule="1f1b", global_batch=6)
-    plan = plan_from_config(graph, autopar.Mesh.parse("3:cpu"), config)
-    programs = split_stages(export_for_pipeline(model, inputs, graph.program), [s.layers for s in plan.stages])
-    # every parameter is held by some stage, and only tied ones by several
+    units = pipeline_units(graph)
+    cuts = [0, len(units) // 3, 2 * len(units) // 3, len(units)]
+    layers = [[layer for unit in units[a:b] for layer in unit.layers] for a, b in zip(cuts, cuts[1:])]
+    programs = split_stages(export_for_pipeline(model, inputs, graph.program), layers)
+    # every parameter that the model reads is held by some stage, and only tied ones by several
+    # (an export lists a tied weight under each name, and reads it through one)
+    read = {name for node in graph.nodes for name in node.inputs}
     held = [fqn for program in programs for fqn in set(program.param_names.values())]
-    assert {n.param_fqn for n in graph.parameters if n.tied_to is None} == set(held)
+    assert {n.param_fqn for n in graph.parameters if n.name in read} == set(held)
     assert sorted(programs[0].tied) == sorted({fqn for fqn in held if held.count(fqn) > 1})
     values = inputs
     for program in programs:
@@ -107,3 +112,12 @@ def test_estimator_prices_the_all_reduce_of_weights_tied_across_pipeline_ranks()
         one_stage = autopar.Config(dp=1, micro_batch=2, global_batch=4)
         assert autopar.estimate(graph, autopar.Mesh.parse("1:cpu"), one_stage).comm_breakdown["data"] == 0
     assert comm["gpt2"] > 0 and comm["llama"] == 0
+
+
+def test_estimator_counts_a_tied_weight_once_in_one_stage():
+    """An export lists the tied embedding under both names and reads one: held once."""
+    graph = capture("gpt2")[3]
+    one = autopar.estimate(graph, autopar.Mesh.parse("1:cpu"),
+                           autopar.Config(dp=1, micro_batch=2, global_batch=4))
+    elements = sum(math.prod(n.shape) for n in graph.parameters if n.tied_to is None)
+    assert one.memory_breakdown["weights"] == 2 * elements      # bf16 weights
