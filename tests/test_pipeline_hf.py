@@ -89,9 +89,11 @@ def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
 
 @pytest.mark.multiprocess
 def test_pipelined_hf_models_train_like_one_process():
-    cases = [("gpt2", PIPELINE), ("t5", PIPELINE), ("llama", PIPELINE),
-             ("bloom", autopar.Config(pp=2, dp=2, virtual=2, micro_batch=2, schedule="interleaved-1f1b",
-                                      global_batch=GLOBAL_BATCH))]
+    interleaved = autopar.Config(pp=2, dp=2, virtual=2, micro_batch=2, schedule="interleaved-1f1b",
+                                 global_batch=GLOBAL_BATCH)
+    # tied embeddings with learned positions; an encoder-decoder; tied with ALiBi and with RoPE,
+    # two stages per pipeline rank
+    cases = [("gpt2", PIPELINE), ("t5", PIPELINE), ("bloom", interleaved), ("gemma", interleaved)]
     results = autopar.launch(train_pipelines, 4, cases, timeout=300)
     for (name, config), report in zip(cases, results[0]):
         assert report["stages"] == config.pp * config.virtual

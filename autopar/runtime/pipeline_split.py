@@ -172,14 +172,16 @@ def model_outputs(outputs, out_spec):
 
 
 def _drop_unused(module: fx.GraphModule) -> None:
-    """Remove what no output depends on: dead nodes, and checks of constants (the
-    `_assert_tensor_metadata` an export puts on a rotary table checks a value fixed at export
-    time). Checks of activations stay and run with the value they check."""
+    """Remove what no output depends on: dead nodes, checks of constants, and the export's checks
+    of a tensor's dtype, device and layout (`_assert_tensor_metadata`): they restate what the
+    export traced, name the device it traced on (a stage may run on another), and DTensor has no
+    rule for them. Other checks of activations stay and run with the value they check."""
     constants = set(_constants(module))
     for node in reversed(list(module.graph.nodes)):
         if node.op in ("placeholder", "output") or node.users:
             continue
-        if node in constants or not node.is_impure():
+        if (node in constants or not node.is_impure()
+                or node.target is torch.ops.aten._assert_tensor_metadata.default):
             module.graph.erase_node(node)
     module.recompile()
 
