@@ -3,9 +3,10 @@
 Tier 1 (no processes): for many architectures, the stage split of the planner's pipeline plan
 gives every graph node a stage, and the stages run one after another compute the model's output
 exactly. Tier 2: a few architectures, including tied embeddings and an encoder-decoder, train on
-4 gloo ranks under Config(pp=2, dp=2, micro_batch=2, schedule="1f1b"), and two of them with the
-interleaved 1F1B schedule (two stages per pipeline rank), compared step by step with one process
-(autopar.runtime.equivalence, AdamW with eps=1e-3).
+4 gloo ranks under Config(pp=2, dp=2, micro_batch=2, schedule="1f1b") or its interleaved form
+(two stages per pipeline rank), compared step by step with one process
+(autopar.runtime.equivalence, AdamW with eps=1e-3). Tier 1 also checks the estimator's pricing of
+weights tied across pipeline ranks.
 """
 
 import math
@@ -91,9 +92,9 @@ def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
 def test_pipelined_hf_models_train_like_one_process():
     interleaved = autopar.Config(pp=2, dp=2, virtual=2, micro_batch=2, schedule="interleaved-1f1b",
                                  global_batch=GLOBAL_BATCH)
-    # tied embeddings with learned positions; an encoder-decoder; tied with ALiBi and with RoPE,
-    # two stages per pipeline rank
-    cases = [("gpt2", PIPELINE), ("t5", PIPELINE), ("bloom", interleaved), ("gemma", interleaved)]
+    # an encoder-decoder; tied embeddings with learned positions and with RoPE, two stages per
+    # pipeline rank (the tied copies on different ranks)
+    cases = [("t5", PIPELINE), ("gpt2", interleaved), ("gemma", interleaved)]
     results = autopar.launch(train_pipelines, 4, cases, timeout=300)
     for (name, config), report in zip(cases, results[0]):
         assert report["stages"] == config.pp * config.virtual
