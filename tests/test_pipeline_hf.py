@@ -10,6 +10,7 @@ weights tied across pipeline ranks.
 """
 
 import math
+from itertools import pairwise
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
     model, kwargs, inputs, graph = capture(name)
     units = pipeline_units(graph)
     cuts = [0, len(units) // 3, 2 * len(units) // 3, len(units)]
-    layers = [[layer for unit in units[a:b] for layer in unit.layers] for a, b in zip(cuts, cuts[1:])]
+    layers = [[layer for unit in units[a:b] for layer in unit.layers] for a, b in pairwise(cuts)]
     programs = split_stages(export_for_pipeline(model, inputs, graph.program), layers)
     # every parameter that the model reads is held by some stage, and only tied ones by several
     # (an export lists a tied weight under each name, and reads it through one)
@@ -82,7 +83,7 @@ def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
         if torch.distributed.get_rank() == 0:
             reference, _ = tiny_hf.build(name, CLASSES)
             expected = train_single_process(reference, data, tiny_hf.loss_fn, adamw,
-                                            call=lambda m, inputs: m(*inputs, **kwargs))
+                                            call=lambda m, inputs, kwargs=kwargs: m(*inputs, **kwargs))
             report["mismatches"] = mismatches(expected, losses, state)
         reports.append(report)
     return reports

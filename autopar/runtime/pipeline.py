@@ -33,8 +33,8 @@ from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             split_stages)
-from autopar.runtime.tied import TiedWeights
 from autopar.runtime.pipeline_tensor import shard_stage
+from autopar.runtime.tied import TiedWeights
 
 
 @dataclass(kw_only=True, slots=True)

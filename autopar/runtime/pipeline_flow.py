@@ -78,7 +78,7 @@ def order_interfaces(by_stage: fx.GraphModule, stages: int, positional: int) -> 
         if arg not in inputs[:positional]:
             raise AutoparError(f"the model's keyword argument {arg.name} is a tensor; the pipeline feeds "
                                f"the first stage positional inputs only: pass {arg.name} positionally")
-    _take_inputs(getattr(by_stage, "submod_0"), [list(first.args).index(node) if node in first.args
+    _take_inputs(by_stage.submod_0, [list(first.args).index(node) if node in first.args
                                                  else None for node in inputs[:positional]])
     for index in range(1, stages):
         before, call = calls[f"submod_{index - 1}"], calls[f"submod_{index}"]
