@@ -373,7 +373,13 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
     stage that reads it its own copy."""
     params, tensors = [0.0] * chunks, [0] * chunks
     readers = _parameter_readers(graph, layout, owner)
+    # An export lists a tied weight under each of its names and reads it through one of them:
+    # the unread names hold nothing of their own.
+    tied_names = {fqn for n in graph.parameters if n.tied_to for fqn in (n.param_fqn, n.tied_to)}
+    unread_ties = {n.name for n in graph.parameters if n.param_fqn in tied_names and n.name not in readers}
     for name, count in layout.param_local.items():
+        if name in unread_ties:
+            continue
         for chunk in readers.get(name) or {owner[layout.index[name]]}:
             params[chunk] += count
             tensors[chunk] += 1

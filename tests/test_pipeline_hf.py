@@ -3,11 +3,14 @@
 Tier 1 (no processes): for many architectures, the stage split of the planner's pipeline plan
 gives every graph node a stage, and the stages run one after another compute the model's output
 exactly. Tier 2: a few architectures, including tied embeddings and an encoder-decoder, train on
-4 gloo ranks under Config(pp=2, dp=2, micro_batch=2, schedule="1f1b"), and two of them with the
-interleaved 1F1B schedule (two stages per pipeline rank), compared step by step with one process
-(autopar.runtime.equivalence, AdamW with eps=1e-3).
+4 gloo ranks under Config(pp=2, dp=2, micro_batch=2, schedule="1f1b") or its interleaved form
+(two stages per pipeline rank), compared step by step with one process
+(autopar.runtime.equivalence, AdamW with eps=1e-3). Tier 1 also checks the estimator's pricing of
+weights tied across pipeline ranks.
 """
 
+import math
+from itertools import pairwise
 import sys
 from pathlib import Path
 
@@ -17,9 +20,9 @@ import torch
 import torch._dynamo  # noqa: F401
 
 import autopar
-from autopar.api import plan_from_config
 from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
+from autopar.solver.pipeline import pipeline_units
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,13 +43,17 @@ def capture(name: str, batch: int = 2):
 
 @pytest.mark.parametrize("name", tiny_hf.ARCHITECTURES)
 def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
+    """Three stages of the planner's units, cut evenly: the middle stage passes values along."""
     model, kwargs, inputs, graph = capture(name)
-    config = autopar.Config(pp=3, dp=1, micro_batch=2, schedule="1f1b", global_batch=6)
-    plan = plan_from_config(graph, autopar.Mesh.parse("3:cpu"), config)
-    programs = split_stages(export_for_pipeline(model, inputs, graph.program), [s.layers for s in plan.stages])
-    # every parameter is held by some stage, and only tied ones by several
+    units = pipeline_units(graph)
+    cuts = [0, len(units) // 3, 2 * len(units) // 3, len(units)]
+    layers = [[layer for unit in units[a:b] for layer in unit.layers] for a, b in pairwise(cuts)]
+    programs = split_stages(export_for_pipeline(model, inputs, graph.program), layers)
+    # every parameter that the model reads is held by some stage, and only tied ones by several
+    # (an export lists a tied weight under each name, and reads it through one)
+    read = {name for node in graph.nodes for name in node.inputs}
     held = [fqn for program in programs for fqn in set(program.param_names.values())]
-    assert {n.param_fqn for n in graph.parameters if n.tied_to is None} == set(held)
+    assert {n.param_fqn for n in graph.parameters if n.name in read} == set(held)
     assert sorted(programs[0].tied) == sorted({fqn for fqn in held if held.count(fqn) > 1})
     values = inputs
     for program in programs:
@@ -76,7 +83,7 @@ def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
         if torch.distributed.get_rank() == 0:
             reference, _ = tiny_hf.build(name, CLASSES)
             expected = train_single_process(reference, data, tiny_hf.loss_fn, adamw,
-                                            call=lambda m, inputs: m(*inputs, **kwargs))
+                                            call=lambda m, inputs, kwargs=kwargs: m(*inputs, **kwargs))
             report["mismatches"] = mismatches(expected, losses, state)
         reports.append(report)
     return reports
@@ -84,9 +91,11 @@ def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
 
 @pytest.mark.multiprocess
 def test_pipelined_hf_models_train_like_one_process():
-    cases = [("gpt2", PIPELINE), ("t5", PIPELINE), ("llama", PIPELINE),
-             ("bloom", autopar.Config(pp=2, dp=2, virtual=2, micro_batch=2, schedule="interleaved-1f1b",
-                                      global_batch=GLOBAL_BATCH))]
+    interleaved = autopar.Config(pp=2, dp=2, virtual=2, micro_batch=2, schedule="interleaved-1f1b",
+                                 global_batch=GLOBAL_BATCH)
+    # an encoder-decoder; tied embeddings with learned positions and with RoPE, two stages per
+    # pipeline rank (the tied copies on different ranks)
+    cases = [("t5", PIPELINE), ("gpt2", interleaved), ("gemma", interleaved)]
     results = autopar.launch(train_pipelines, 4, cases, timeout=300)
     for (name, config), report in zip(cases, results[0]):
         assert report["stages"] == config.pp * config.virtual
@@ -107,3 +116,12 @@ def test_estimator_prices_the_all_reduce_of_weights_tied_across_pipeline_ranks()
         one_stage = autopar.Config(dp=1, micro_batch=2, global_batch=4)
         assert autopar.estimate(graph, autopar.Mesh.parse("1:cpu"), one_stage).comm_breakdown["data"] == 0
     assert comm["gpt2"] > 0 and comm["llama"] == 0
+
+
+def test_estimator_counts_a_tied_weight_once_in_one_stage():
+    """An export lists the tied embedding under both names and reads one: held once."""
+    graph = capture("gpt2")[3]
+    one = autopar.estimate(graph, autopar.Mesh.parse("1:cpu"),
+                           autopar.Config(dp=1, micro_batch=2, global_batch=4))
+    elements = sum(math.prod(n.shape) for n in graph.parameters if n.tied_to is None)
+    assert one.memory_breakdown["weights"] == 2 * elements      # bf16 weights

@@ -149,7 +149,7 @@ def test_infeasible_errors_name_the_batches_or_memory_that_would_plan(graphs):
         _plan(graphs[SMALL_GPT], "128x8:a100-80g", 3)
     # sizes in the unit that keeps them at least 1 (1e5 bytes is 97.7 KiB, not 0.0 GiB)
     with pytest.raises(InfeasibleError,
-                       match=r"no plan fits 97.7 KiB per device; the least memory found is [1-9]"):
+                       match=r"no plan fits 97.66 KiB per device; the least memory found is [1-9]"):
         _plan(graphs[SMALL_GPT], "4:cpu", 8, 1e5)
 
 

@@ -35,19 +35,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
-from autopar.runtime.checks import (
-    check_buffers,
-    check_loss,
-    check_loss_reduction,
-    check_optimizer,
-)
-from autopar.runtime.pipeline_split import (
-    StageProgram,
-    TensorRef,
-    export_for_pipeline,
-    model_outputs,
-    split_stages,
-)
+from autopar.runtime.checks import check_buffers, check_loss, check_loss_reduction, check_optimizer
+from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
+                                            split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.tied import TiedWeights

@@ -78,7 +78,7 @@ def order_interfaces(by_stage: fx.GraphModule, stages: int, positional: int) -> 
         if arg not in inputs[:positional]:
             raise AutoparError(f"the model's keyword argument {arg.name} is a tensor; the pipeline feeds "
                                f"the first stage positional inputs only: pass {arg.name} positionally")
-    _take_inputs(getattr(by_stage, "submod_0"), [list(first.args).index(node) if node in first.args
+    _take_inputs(by_stage.submod_0, [list(first.args).index(node) if node in first.args
                                                  else None for node in inputs[:positional]])
     for index in range(1, stages):
         before, call = calls[f"submod_{index - 1}"], calls[f"submod_{index}"]
@@ -125,15 +125,18 @@ def _give_outputs(stage: fx.GraphModule, order: list[tuple[int | None, object]],
                   contiguous: bool = False) -> None:
     """The stage returns, for each (index, constant) of `order`, its current output `index`, or
     `constant` where index is None (a None among the model's outputs): alone when `single`, else
-    as a tuple. With `contiguous`, as contiguous tensors: the next stage receives into buffers
-    laid out like the outputs, and a receive needs a contiguous buffer."""
+    as a tuple. With `contiguous`, as fresh contiguous tensors: the next stage receives into
+    buffers laid out like the outputs, and a receive needs a contiguous buffer; and zero-bubble
+    schedules detach a stage's outputs in place after its input backward, which a view refuses."""
     output = next(node for node in stage.graph.nodes if node.op == "output")
     current = output.args[0]
     values = list(current) if isinstance(current, (tuple, list)) else [current]
     chosen = [constant if index is None else values[index] for index, constant in order]
     if contiguous:
         with stage.graph.inserting_before(output):
-            chosen = [stage.graph.call_method("contiguous", (value,)) for value in chosen]
+            chosen = [stage.graph.call_function(torch.ops.aten.clone.default, (value,),
+                                                {"memory_format": torch.contiguous_format})
+                      for value in chosen]
     output.args = (chosen[0],) if single else (tuple(chosen),)
     stage.recompile()
 

@@ -1,9 +1,18 @@
 """Cut a captured model into the plan's pipeline stages.
 
 The plan names each stage's layers by module path ("embed", "layers.0", ..., "head"). Every node of
-the exported graph belongs to the layer whose path prefixes its `nn_module_stack`; nodes outside any
-module (glue in the model's own forward) follow their inputs, or their first user when they read
-nothing (a position `arange`). Two `split_module` passes follow:
+the exported graph gets a stage:
+- a node belongs to the layer whose path prefixes its `nn_module_stack`;
+- glue outside every layer (the model's own forward, or a parent module's, e.g. `input_ids.view`)
+  follows its latest input, or its first user when it reads only the model's inputs;
+- constants (buffers, and what is computed from them alone: rotary tables, a position `arange`)
+  are copied into every layer that reads them, and parameters into every stage that reads them: a
+  weight tied between the embedding and the LM head has a copy in each of their stages, whose
+  gradients `autopar.runtime.tied` keeps equal;
+- nodes no output depends on are dropped, as are checks of constants (`_assert_tensor_metadata`
+  on a rotary table); a check of an activation runs with that activation.
+Values that a later stage reads are passed along the stages between (pipeline_flow.py). Two
+`split_module` passes follow:
 
 1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint
    ("full"), or, with the single-stage recompute pass on the unit's graph, only the attention of
@@ -164,14 +173,16 @@ def model_outputs(outputs, out_spec):
 
 
 def _drop_unused(module: fx.GraphModule) -> None:
-    """Remove what no output depends on: dead nodes, and checks of constants (the
-    `_assert_tensor_metadata` an export puts on a rotary table checks a value fixed at export
-    time). Checks of activations stay and run with the value they check."""
+    """Remove what no output depends on: dead nodes, checks of constants, and the export's checks
+    of a tensor's dtype, device and layout (`_assert_tensor_metadata`): they restate what the
+    export traced, name the device it traced on (a stage may run on another), and DTensor has no
+    rule for them. Other checks of activations stay and run with the value they check."""
     constants = set(_constants(module))
     for node in reversed(list(module.graph.nodes)):
         if node.op in ("placeholder", "output") or node.users:
             continue
-        if node in constants or not node.is_impure():
+        if (node in constants or not node.is_impure()
+                or node.target is torch.ops.aten._assert_tensor_metadata.default):
             module.graph.erase_node(node)
     module.recompile()
 
