@@ -6,16 +6,21 @@ a closure included. Each rank gets the default process group (gloo, a short time
 A file and not a queue: a large result put on a queue that nobody reads until join deadlocks.
 
 A rank that raises or dies makes the launcher stop the others and raise `LaunchError` naming the
-failed rank and its traceback; nothing hangs past `timeout`.
+failed rank and its traceback; nothing hangs past `timeout`. With `max_restarts=N` it starts all
+ranks again instead, up to N times, as torchrun's --max-restarts does: `fn` resumes by itself from
+its last checkpoint (`CompiledModel.load`), and reads the attempt from TORCHELASTIC_RESTART_COUNT
+as under torchrun.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -34,10 +39,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0) -> list:
-    """Run fn(*args) on `world_size` forked gloo ranks; return the list of their results by rank."""
+def launch(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0,
+           max_restarts: int = 0) -> list:
+    """Run fn(*args) on `world_size` forked gloo ranks; return the list of their results by rank.
+    When a rank fails, stop every rank and start them all again, up to `max_restarts` times
+    (`timeout` is per attempt)."""
     if world_size < 1:
         raise LaunchError(f"world_size must be at least 1, got {world_size}")
+    if max_restarts < 0:
+        raise LaunchError(f"max_restarts must be 0 or more, got {max_restarts}")
+    attempt = 0
+    while True:
+        try:
+            return _launch_once(functools.partial(_attempt, attempt, fn), world_size, args, timeout,
+                                pg_timeout)
+        except LaunchError as err:
+            if attempt == max_restarts:
+                raise
+            attempt += 1
+            print(f"autopar.launch: {str(err).splitlines()[0]}; restart {attempt} of {max_restarts}",
+                  file=sys.stderr)
+
+
+def _attempt(attempt: int, fn, *args):
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    return fn(*args)
+
+
+def _launch_once(fn, world_size: int, args: tuple, timeout: float, pg_timeout: float) -> list:
     port = free_port()
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="autopar-launch-") as tmp:
