@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "explain": "show a saved plan: stages, memory and time, and a pipeline timeline picture",
     "diff": "compare two saved plans",
     "bench": "solver benchmark: autopar's plans against the best Megatron-style grid configuration",
+    "checkpoint": "export a checkpoint written by CompiledModel.save as one safetensors state dict",
     "demo": "plan and train a small GPT on a CPU mesh of gloo processes, checked against one process",
 }
 

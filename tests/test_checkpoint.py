@@ -8,6 +8,7 @@ step's loss and the final parameters within |d| <= 1e-6 + 1e-5 * scale (autopar.
 AdamW with eps=1e-3 so that a lost or wrong optimizer state shows.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -68,14 +69,22 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1)
 
 
-def compiled(plan: Plan):
-    model, example_inputs = build_model(SPEC, device="cpu", batch=2)
+def gpt(tied: bool = False, spec: str = SPEC):
+    """The tiny GPT; `tied`: its LM head reuses the token embedding (one tensor, two names)."""
+    model, example_inputs = build_model(spec, device="cpu", batch=2)
+    if tied:
+        model.lm_head.weight = model.tok_emb.weight
+    return model, example_inputs
+
+
+def compiled(plan: Plan, tied: bool = False, spec: str = SPEC):
+    model, example_inputs = gpt(tied, spec)
     return build_runtime(model, plan, example_inputs=example_inputs, loss_fn=lm_loss, optimizer=adamw)
 
 
-def uninterrupted() -> tuple[list[float], dict]:
-    model, _ = build_model(SPEC, device="cpu")
-    return train_single_process(model, batches(), lm_loss, adamw)
+def uninterrupted(tied: bool = False, steps: int = STEPS) -> tuple[list[float], dict]:
+    model, _ = gpt(tied)
+    return train_single_process(model, batches()[:steps], lm_loss, adamw)
 
 
 def differences(reference, losses: list[float], state: dict) -> dict:
@@ -86,25 +95,36 @@ def differences(reference, losses: list[float], state: dict) -> dict:
             "parameter": max((state[k] - v).abs().max().item() for k, v in ref_state.items())}
 
 
-def save_then_resume(cases: list[tuple[Plan | None, Plan, str]], directory: str, stop: int) -> list:
-    """For each (saving plan, resuming plan, checkpoint): train the first `stop` steps under the
-    saving plan and save (none: the checkpoint is already there), then build the resuming plan
-    from the same fresh model, load, and train to the end. On rank 0, the differences of the
-    whole run from one uninterrupted process."""
+def save_then_resume(cases: list[tuple], directory: str, stop: int) -> list:
+    """For each (saving plan, resuming plan, checkpoint name, tied): train the first `stop` steps
+    under the saving plan and save (no saving plan: the checkpoint is there already), then build
+    the resuming plan from a fresh model, load, and train to the end. On rank 0, the differences
+    of the whole run from one uninterrupted process."""
     data = batches()
     reports = []
-    for saving, resuming, name in cases:
-        losses = []
+    for saving, resuming, name, tied in cases:
         if saving is not None:
-            cm = compiled(saving)
+            cm = compiled(saving, tied)
             losses = [cm.step(*batch) for batch in data[:stop]]
             cm.save(Path(directory) / name, extra={"losses": losses, "next": stop})
-        cm = compiled(resuming)
+        cm = compiled(resuming, tied)
         extra = cm.load(Path(directory) / name)
         assert cm.steps == extra["next"] == stop
         losses = extra["losses"] + [cm.step(*batch) for batch in data[stop:]]
         state = cm.full_state_dict()
-        reports.append(differences(uninterrupted(), losses, state) if dist.get_rank() == 0 else None)
+        reports.append(differences(uninterrupted(tied), losses, state) if dist.get_rank() == 0 else None)
+    return reports
+
+
+def resume_and_refuse_another_model(cases: list[tuple], directory: str, stop: int) -> list:
+    """save_then_resume, then a checkpoint of the tiny GPT loaded into a wider one: refused on
+    every rank with the reason, before any rank waits in a collective."""
+    reports = save_then_resume(cases, directory, stop)
+    cm = compiled(make_plan(CUT, pp=2), spec=SPEC.replace("vocab=64", "vocab=128"))
+    with pytest.raises(CheckpointError, match=r"tok_emb.weight has shape \(64, 32\) in .* but \(128, 32\)"):
+        cm.load(Path(directory) / cases[0][2])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        cm.load(Path(directory) / "missing")
     return reports
 
 
@@ -113,14 +133,42 @@ def test_resume_under_the_same_and_other_plans_and_fewer_ranks(tmp_path):
     tp2_pp2 = make_plan(CUT, pp=2, tp=2, layout=megatron_layout(1))
     pp2_dp2_zero3 = make_plan(CUT, pp=2, dp=2, zero=3)
     dp2_tp2 = make_plan([UNITS], pp=1, dp=2, tp=2, layout=megatron_layout(2))
-    four = [(dp4_zero1, dp4_zero1, "dp4-zero1"), (None, tp2_pp2, "dp4-zero1"),
-            (pp2_dp2_zero3, dp2_tp2, "pp2-dp2-zero3")]
-    two = [(None, make_plan(CUT, pp=2), "dp4-zero1"),
-           (None, make_plan([UNITS], pp=1, tp=2, layout=megatron_layout(1)), "pp2-dp2-zero3")]
+    four = [(dp4_zero1, dp4_zero1, "dp4-zero1", False), (None, tp2_pp2, "dp4-zero1", False),
+            (pp2_dp2_zero3, dp2_tp2, "pp2-dp2-zero3", False)]
+    two = [(None, make_plan(CUT, pp=2), "dp4-zero1", False),
+           (None, make_plan([UNITS], pp=1, tp=2, layout=megatron_layout(1)), "pp2-dp2-zero3", False),
+           (make_plan(CUT, pp=2), make_plan([UNITS], pp=1, dp=2, zero=1), "tied-pp2", True)]
     reports = autopar.launch(save_then_resume, 4, four, str(tmp_path), 3, timeout=120)[0]
-    reports += autopar.launch(save_then_resume, 2, two, str(tmp_path), 3, timeout=120)[0]
+    reports += autopar.launch(resume_and_refuse_another_model, 2, two, str(tmp_path), 3, timeout=120)[0]
     names = ["dp4 zero-1 -> same", "dp4 zero-1 -> tp2 x pp2", "pp2 x dp2 zero-3 -> dp2 x tp2",
-             "4 ranks dp4 zero-1 -> 2 ranks pp2", "4 ranks pp2 x dp2 zero-3 -> 2 ranks tp2"]
+             "4 ranks dp4 zero-1 -> 2 ranks pp2", "4 ranks pp2 x dp2 zero-3 -> 2 ranks tp2",
+             "tied embedding, pp2 -> dp2 zero-1"]
     for name, report in zip(names, reports, strict=True):
         print(f"{name}: largest loss difference {report['loss']:.2e}, parameter {report['parameter']:.2e}")
         assert report["mismatches"] == [], f"{name}: {report['mismatches']}"
+    check_export(tmp_path)
+
+
+def check_export(directory: Path) -> None:
+    """`autopar checkpoint export` of checkpoints saved on 4 and on 2 ranks: one plain state dict
+    equal to one process's after the same steps, tied names included; a sharded directory too."""
+    from safetensors.torch import load_file
+
+    for name, tied in (("dp4-zero1", False), ("tied-pp2", True)):
+        out = directory / f"{name}.safetensors"
+        assert cli(["checkpoint", "export", str(directory / name), "--out", str(out)]) == 0
+        exported = load_file(out)
+        reference = uninterrupted(tied, steps=3)
+        assert mismatches(reference, reference[0], exported) == []
+        model, _ = gpt(tied)
+        model.load_state_dict(exported)     # strict: every name of model.state_dict()
+    shards = directory / "hf"
+    assert cli(["checkpoint", "export", str(directory / "dp4-zero1"), "--out", str(shards),
+                "--max-shard-size", "40KB"]) == 0
+    index = json.loads((shards / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and sorted(p.name for p in shards.glob("*.safetensors")) == files
+    joined = {k: v for f in files for k, v in load_file(shards / f).items()}
+    plain = load_file(directory / "dp4-zero1.safetensors")
+    assert joined.keys() == plain.keys() and all(torch.equal(joined[k], t) for k, t in plain.items())
+    assert cli(["checkpoint", "export", str(directory / "dp4-zero1"), "--out", str(shards)]) == 1

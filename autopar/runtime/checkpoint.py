@@ -31,6 +31,7 @@ import pickle
 import random
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -259,3 +260,77 @@ def _agree(problem: str | None) -> None:
     if found is not None:
         raise CheckpointError(found)
 
+
+
+# Export: one plain state dict from a checkpoint of any plan, read by one process.
+
+def export(directory: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write the checkpoint's model as one safetensors file (`out` ending in .safetensors) or as a
+    HuggingFace-style directory (`model-0000i-of-0000n.safetensors` and
+    `model.safetensors.index.json`) under model.state_dict()'s names, tied names included as
+    copies. Needs no process group: DCP reads every rank's shards and joins them. A directory is
+    written shard by shard, so only one shard is in memory at a time. Returns the files written."""
+    from safetensors.torch import save_file
+
+    directory, out = readable(directory), Path(out)
+    single = out.suffix == ".safetensors"
+    _check_output(out, single)
+    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    if "autopar.tied" not in metadata:
+        raise CheckpointError(f"{directory} is a DCP checkpoint but not one of CompiledModel.save")
+    tied = json.loads(_load_plain(directory, {"autopar": {"tied": ""}})["autopar"]["tied"])
+    sizes = {key[len("model."):]: entry for key, entry in metadata.items() if key.startswith("model.")}
+    shards = [list(sizes)] if single else _shards(sizes, max_shard_bytes)
+    files = [out] if single else [out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                  for i in range(len(shards))]
+    weight_map = {}
+    for names, path in zip(shards, files):
+        empty = {name: torch.empty(tuple(sizes[name].size), dtype=sizes[name].properties.dtype)
+                 for name in names}
+        state = _load_plain(directory, {"model": empty})["model"]
+        state.update({alias: state[name].clone() for alias, name in tied.items() if name in state})
+        save_file(state, str(path), metadata={"format": "pt"})
+        weight_map.update({name: path.name for name in state})
+    if not single:
+        total = sum(entry.size.numel() * entry.properties.dtype.itemsize for entry in sizes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        files.append(out / "model.safetensors.index.json")
+    return files
+
+
+def _check_output(out: Path, single: bool) -> None:
+    """Refuse an output that cannot be written before reading anything."""
+    if single:
+        if not out.parent.is_dir():
+            raise CheckpointError(f"cannot write {out}: directory {out.parent} does not exist")
+        if out.is_dir():
+            raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors")
+        return
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} exists and is not an empty directory; pass a new directory, "
+                              f"or a file name ending in .safetensors")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _shards(sizes: dict, max_bytes: int) -> list[list[str]]:
+    """Names in checkpoint order, cut into runs of at most `max_bytes` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, entry in sizes.items():
+        nbytes = entry.size.numel() * entry.properties.dtype.itemsize
+        if shards[-1] and used + nbytes > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return shards
+
+
+def _load_plain(directory: Path, state: dict) -> dict:
+    """`state` filled from the checkpoint in this process alone (no process group needed)."""
+    with warnings.catch_warnings():
+        # DCP warns that it reads in one process, which is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
+    return state
