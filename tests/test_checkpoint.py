@@ -172,3 +172,75 @@ def check_export(directory: Path) -> None:
     plain = load_file(directory / "dp4-zero1.safetensors")
     assert joined.keys() == plain.keys() and all(torch.equal(joined[k], t) for k, t in plain.items())
     assert cli(["checkpoint", "export", str(directory / "dp4-zero1"), "--out", str(shards)]) == 1
+
+
+def train_resuming(directory: str) -> dict:
+    """A training script that survives restarts: it resumes from `last` when there is one, saves
+    every 2 steps, and logs each step it takes. Faults, by attempt: the first kills rank 1 after
+    step 5 (a checkpoint of step 4 exists); the second kills rank 1 in the save after step 6, once
+    its shard is written and before the checkpoint is finished (a crash mid-save)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    last = Path(directory) / "last"
+    cm = compiled(make_plan(CUT, pp=2))
+    losses = cm.load(last)["losses"] if last.exists() else []
+    start = cm.steps
+    if attempt == 1 and dist.get_rank() == 1:
+        write = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            write(self, plan, planner).wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        FileSystemWriter.write_data = write_then_die
+    for inputs, targets in batches()[start:]:
+        losses.append(cm.step(inputs, targets))
+        with open(Path(directory) / f"steps-rank{dist.get_rank()}.log", "a") as log:
+            log.write(f"{attempt} {cm.steps}\n")
+        if attempt == 0 and cm.steps == 5 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cm.steps % 2 == 0:
+            cm.save(last, extra={"losses": losses})
+    state = cm.full_state_dict()
+    return {"start": start, "losses": losses, "state": state if dist.get_rank() == 0 else None}
+
+
+def test_killed_ranks_restart_from_the_last_checkpoint(tmp_path):
+    results = autopar.launch(train_resuming, 2, str(tmp_path), max_restarts=2, timeout=120, pg_timeout=20)
+    reference = uninterrupted()
+    final = results[0]
+    assert final["start"] == 4       # the second attempt's save never finished: step 4's stood
+    found = mismatches(reference, final["losses"], final["state"])
+    assert found == [], found
+    # each attempt took the steps after the checkpoint it found, and stopped where it was killed
+    for rank in range(2):
+        log = (tmp_path / f"steps-rank{rank}.log").read_text().split("\n")
+        assert log[:-1] == ["0 1", "0 2", "0 3", "0 4", "0 5", "1 5", "1 6", "2 5", "2 6"], log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "steps-rank0.log", "steps-rank1.log"]
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_the_example(tmp_path):
+    """examples/resume_gpt.py under torchrun --max-restarts 1: rank 1 killed after step 3 (the last
+    checkpoint is of step 2); the restarted run's losses and final checkpoint equal one process's."""
+    script = Path(__file__).parents[1] / "examples" / "resume_gpt.py"
+    losses = tmp_path / "losses.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", str(script), "--checkpoint", str(tmp_path / "last"),
+               "--fail-at-step", "3", "--losses", str(losses)]
+    # a session of its own: on a timeout the workers go too, not only torchrun's agent
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        _, stderr = run.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        raise
+    assert run.returncode == 0, stderr[-4000:]
+    assert "will restart worker group" in stderr, "rank 1 was not killed: nothing restarted"
+    out = tmp_path / "model.safetensors"
+    assert cli(["checkpoint", "export", str(tmp_path / "last"), "--out", str(out)]) == 0
+    from safetensors.torch import load_file
+
+    found = mismatches(uninterrupted(), json.loads(losses.read_text()), load_file(out))
+    assert found == [], found
