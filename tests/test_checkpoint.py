@@ -66,7 +66,7 @@ def batches():
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)     # as examples/resume_gpt.py
 
 
 def gpt(tied: bool = False, spec: str = SPEC):
@@ -237,7 +237,8 @@ def test_torchrun_max_restarts_resumes_the_example(tmp_path):
         os.killpg(run.pid, signal.SIGKILL)
         raise
     assert run.returncode == 0, stderr[-4000:]
-    assert "will restart worker group" in stderr, "rank 1 was not killed: nothing restarted"
+    # torchrun saw rank 1 killed, and the job still succeeded: a restart finished it
+    assert "failed (exitcode: -9) local_rank: 1" in stderr, stderr[-4000:]
     out = tmp_path / "model.safetensors"
     assert cli(["checkpoint", "export", str(tmp_path / "last"), "--out", str(out)]) == 0
     from safetensors.torch import load_file
