@@ -245,3 +245,31 @@ def test_torchrun_max_restarts_resumes_the_example(tmp_path):
 
     found = mismatches(uninterrupted(), json.loads(losses.read_text()), load_file(out))
     assert found == [], found
+
+
+def test_an_unfinished_checkpoint_is_refused_and_an_interrupted_replace_is_read(tmp_path):
+    from autopar.runtime.checkpoint import readable
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        readable(tmp_path / "last")
+    (tmp_path / "last").mkdir()       # a directory a crashed save or a user left, without metadata
+    with pytest.raises(CheckpointError, match=r"not a finished checkpoint \(no .metadata\)"):
+        readable(tmp_path / "last")
+    (tmp_path / "last").rmdir()
+    # a save killed between its two renames: the previous checkpoint is beside the path
+    previous = tmp_path / "last.old-0123abcd"
+    previous.mkdir()
+    (previous / ".metadata").write_bytes(b"")
+    assert readable(tmp_path / "last") == previous
+
+
+def test_export_refuses_bad_arguments_before_reading(tmp_path, capsys):
+    from autopar.commands.checkpoint import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("40KiB") == 40 * 2**10 and parse_size("1000") == 1000
+    assert cli(["checkpoint", "export", str(tmp_path / "none"), "--out", str(tmp_path / "m.safetensors")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    for size in ("0", "-5GB", "lots"):
+        assert cli(["checkpoint", "export", str(tmp_path), "--out", str(tmp_path / "o"),
+                    f"--max-shard-size={size}"]) == 1
+        assert "is not a size" in capsys.readouterr().err

@@ -200,8 +200,10 @@ def load(cm, path: str | Path) -> dict | None:
     _agree(_problem(path, metadata, model, optim))
     rank = str(dist.get_rank())
     rng_rank = rank if f"rng.{rank}.torch" in metadata else "0"
-    state = {"model": model, "autopar": {"step": 0, "extra": b""},
-             "rng": {rng_rank: {"torch": torch.get_rng_state(), "python": b""}}}
+    rng = {"torch": torch.get_rng_state(), "python": b""}
+    if f"rng.{rng_rank}.cuda" in metadata and torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    state = {"model": model, "autopar": {"step": 0, "extra": b""}, "rng": {rng_rank: rng}}
     if optim:
         state["optim"] = optim
     dcp.load(state, checkpoint_id=path)
@@ -213,9 +215,10 @@ def load(cm, path: str | Path) -> dict | None:
     else:
         set_model_state_dict(names.modules, local_model, options=OPTIONS)
         cm.optimizer.state.clear()      # the saving run had not stepped: nor has this one now
-    rng = state["rng"][rng_rank]
     torch.set_rng_state(rng["torch"])
     random.setstate(pickle.loads(rng["python"]))
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
     cm.steps = state["autopar"]["step"]
     return pickle.loads(state["autopar"]["extra"])
 
