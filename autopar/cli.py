@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "diff": "compare two saved plans",
     "validate": "train forced configurations on gloo ranks and check predicted step times against measured",
     "bench": "solver benchmark: autopar's plans against the best Megatron-style grid configuration",
+    "checkpoint": "export a checkpoint written by CompiledModel.save as one safetensors state dict",
     "demo": "plan and train a small GPT on a CPU mesh of gloo processes, checked against one process",
 }
 

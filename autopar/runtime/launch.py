@@ -12,6 +12,9 @@ peers' collectives timing out after `pg_timeout` while it neither finished nor f
 names the stalled rank, not the peer that noticed, and shows where it was stuck (its Python stack,
 dumped by `faulthandler` on SIGUSR1). Nothing runs past `timeout`. SIGINT or SIGTERM to the
 launching process stops every rank and removes the temporary folder before it is re-raised.
+With `max_restarts=N` a failed run starts all ranks again instead, up to N times, as torchrun's
+--max-restarts does: `fn` resumes by itself from its last checkpoint (`CompiledModel.load`), and
+reads the attempt from TORCHELASTIC_RESTART_COUNT as under torchrun.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import ctypes
 import datetime
 import faulthandler
 import math
+import functools
 import multiprocessing
 import os
 import pickle
 import re
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -55,13 +60,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0) -> list:
+def launch(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0,
+           max_restarts: int = 0) -> list:
     """Run fn(*args) on `world_size` forked gloo ranks; return the list of their results by rank.
 
-    `timeout` bounds the whole run; `pg_timeout` how long a collective waits for a peer before the
+    `timeout` bounds each attempt; `pg_timeout` how long a collective waits for a peer before the
     peer is reported as stalled. When `fn` plans (autopar.compile without a plan), the planning
-    ranks wait on a group of their own whose timeout outlasts the time limit, not `pg_timeout`."""
+    ranks wait on a group of their own whose timeout outlasts the time limit, not `pg_timeout`.
+    When a rank fails, every rank is stopped and all start again, up to `max_restarts` times."""
     _check_arguments(world_size, timeout, pg_timeout)
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LaunchError(f"max_restarts must be 0 or more, got {max_restarts!r}")
+    attempt = 0
+    while True:
+        try:
+            return _launch_once(functools.partial(_attempt, attempt, fn), world_size, args, timeout,
+                                pg_timeout)
+        except LaunchError as err:
+            if attempt == max_restarts:
+                raise
+            attempt += 1
+            print(f"autopar.launch: {str(err).splitlines()[0]}; restart {attempt} of {max_restarts}",
+                  file=sys.stderr)
+
+
+def _attempt(attempt: int, fn, *args):
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    return fn(*args)
+
+
+def _launch_once(fn, world_size: int, args: tuple, timeout: float, pg_timeout: float) -> list:
     port = free_port()
     context = multiprocessing.get_context("fork")
     with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="autopar-launch-") as tmp:

@@ -35,6 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plan import Plan
+from autopar.runtime import checkpoint
 from autopar.runtime.checks import check_buffers, check_loss, check_loss_reduction, check_optimizer
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             split_stages)
@@ -131,6 +132,7 @@ class CompiledModel:
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coordinates(dist.get_rank())
         self.is_first = any(p.index == 0 for p in programs)
         self.is_last = any(p.index == len(plan.stages) - 1 for p in programs)
+        self.steps = 0                      # optimizer steps taken; saved and restored by checkpoints
 
     @property
     def global_batch(self) -> int:
@@ -154,6 +156,7 @@ class CompiledModel:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
         return self._shared_loss(losses)
 
     def _rows_of_this_rank(self, batch: tuple, local: bool) -> tuple:
@@ -210,6 +213,17 @@ class CompiledModel:
                                    f"it, so no rank holds it; read it from the model itself")
             state[key] = found[present[0]]
         return state
+
+    # Checkpoints (checkpoint.py): DCP directories under the model's own names, any plan to any plan.
+    def save(self, path, extra: dict | None = None):
+        """Write a checkpoint (model, optimizer, step count, RNG states, plan, `extra`) to directory
+        `path`, atomically. A collective: every rank calls it."""
+        return checkpoint.save(self, path, extra)
+
+    def load(self, path) -> dict | None:
+        """Restore a checkpoint saved under any plan; returns the `extra` saved with it. A
+        collective: every rank calls it."""
+        return checkpoint.load(self, path)
 
 
 def state_aliases(model: nn.Module) -> dict[str, list[str]]:

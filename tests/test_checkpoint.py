@@ -1,0 +1,282 @@
+"""Checkpoints: training saved under one plan and resumed under the same or another plan (or another
+number of ranks) continues exactly as an uninterrupted run; a rank killed mid-training or mid-save
+brings the job back from the last checkpoint with no lost or repeated steps; `autopar checkpoint
+export` writes one plain state dict.
+
+Every comparison is with one process trained on the same batches without interruption: each
+step's loss and the final parameters within |d| <= 1e-6 + 1e-5 * scale (autopar.runtime.equivalence),
+AdamW with eps=1e-3 so that a lost or wrong optimizer state shows.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before forking: each rank would pay for it)
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import autopar
+from autopar.cli import main as cli
+from autopar.models import build_model, lm_loss
+from autopar.plan import Plan, Stage
+from autopar.runtime.checkpoint import CheckpointError
+from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.runtime.forced_plan import megatron_plan
+from autopar.runtime.pipeline import build_runtime
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
+UNITS = ["tok_emb", "pos_emb", "emb_dropout", "layers.0", "layers.1", "norm_f", "lm_head"]
+CUT = [UNITS[:4], UNITS[4:]]
+STEPS = 6
+GLOBAL_BATCH = 8
+
+
+def make_plan(chunks: list[list[str]], *, pp: int, dp: int = 1, tp: int = 1, zero: int = 0,
+              layout: tuple[dict, dict] = ({}, {})) -> Plan:
+    """Stage i on pipeline rank i, each on a dp x tp block of ranks; a global batch of 8 sequences
+    in micro-batches of 2."""
+    group = dp * tp
+    stages = [Stage(index=i, layers=layers, ranks=list(range(i * group, (i + 1) * group)), dp=dp, tp=tp,
+                    zero=zero) for i, layers in enumerate(chunks)]
+    return Plan(fingerprint="", mesh={}, axes=[["dp", dp], ["tp", tp]], stages=stages,
+                global_batch=GLOBAL_BATCH, micro_batches=GLOBAL_BATCH // (2 * dp), micro_batch_size=2,
+                schedule="1f1b", parameters=layout[0], nodes=layout[1])
+
+
+def megatron_layout(dp: int) -> tuple[dict, dict]:
+    """Column-parallel q, k, v and fc1, row-parallel wo and fc2 over tp=2 (autopar's Megatron layout)."""
+    model, example_inputs = build_model(SPEC, batch=2)
+    graph = autopar.capture(model, example_inputs=example_inputs)
+    config = autopar.Config(tp=2, dp=dp, global_batch=2 * dp, micro_batch=2)
+    plan = megatron_plan(graph, autopar.Mesh.parse(f"{2 * dp}:cpu"), config)
+    return plan.parameters, plan.nodes
+
+
+def batches():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=generator),
+             torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=generator)) for _ in range(STEPS)]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)     # as examples/resume_gpt.py
+
+
+def gpt(tied: bool = False, spec: str = SPEC):
+    """The tiny GPT; `tied`: its LM head reuses the token embedding (one tensor, two names)."""
+    model, example_inputs = build_model(spec, device="cpu", batch=2)
+    if tied:
+        model.lm_head.weight = model.tok_emb.weight
+    return model, example_inputs
+
+
+def compiled(plan: Plan, tied: bool = False, spec: str = SPEC):
+    model, example_inputs = gpt(tied, spec)
+    return build_runtime(model, plan, example_inputs=example_inputs, loss_fn=lm_loss, optimizer=adamw)
+
+
+def uninterrupted(tied: bool = False, steps: int = STEPS) -> tuple[list[float], dict]:
+    model, _ = gpt(tied)
+    return train_single_process(model, batches()[:steps], lm_loss, adamw)
+
+
+def differences(reference, losses: list[float], state: dict) -> dict:
+    """The mismatches beyond tolerance, and the largest differences (for the report)."""
+    ref_losses, ref_state = reference
+    return {"mismatches": mismatches(reference, losses, state),
+            "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "parameter": max((state[k] - v).abs().max().item() for k, v in ref_state.items())}
+
+
+def save_then_resume(cases: list[tuple], directory: str, stop: int) -> list:
+    """For each (saving plan, resuming plan, checkpoint name, tied): train the first `stop` steps
+    under the saving plan and save (no saving plan: the checkpoint is there already), then build
+    the resuming plan from a fresh model, load, and train to the end. On rank 0, the differences
+    of the whole run from one uninterrupted process."""
+    data = batches()
+    reports = []
+    for saving, resuming, name, tied in cases:
+        if saving is not None:
+            cm = compiled(saving, tied)
+            losses = [cm.step(*batch) for batch in data[:stop]]
+            cm.save(Path(directory) / name, extra={"losses": losses, "next": stop})
+        cm = compiled(resuming, tied)
+        extra = cm.load(Path(directory) / name)
+        assert cm.steps == extra["next"] == stop
+        losses = extra["losses"] + [cm.step(*batch) for batch in data[stop:]]
+        state = cm.full_state_dict()
+        reports.append(differences(uninterrupted(tied), losses, state) if dist.get_rank() == 0 else None)
+    return reports
+
+
+def resume_and_refuse_another_model(cases: list[tuple], directory: str, stop: int) -> list:
+    """save_then_resume, then a checkpoint of the tiny GPT loaded into a wider one: refused on
+    every rank with the reason, before any rank waits in a collective."""
+    reports = save_then_resume(cases, directory, stop)
+    cm = compiled(make_plan(CUT, pp=2), spec=SPEC.replace("vocab=64", "vocab=128"))
+    with pytest.raises(CheckpointError, match=r"tok_emb.weight has shape \(64, 32\) in .* but \(128, 32\)"):
+        cm.load(Path(directory) / cases[0][2])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        cm.load(Path(directory) / "missing")
+    return reports
+
+
+def test_resume_under_the_same_and_other_plans_and_fewer_ranks(tmp_path):
+    dp4_zero1 = make_plan([UNITS], pp=1, dp=4, zero=1)
+    tp2_pp2 = make_plan(CUT, pp=2, tp=2, layout=megatron_layout(1))
+    pp2_dp2_zero3 = make_plan(CUT, pp=2, dp=2, zero=3)
+    dp2_tp2 = make_plan([UNITS], pp=1, dp=2, tp=2, layout=megatron_layout(2))
+    four = [(dp4_zero1, dp4_zero1, "dp4-zero1", False), (None, tp2_pp2, "dp4-zero1", False),
+            (pp2_dp2_zero3, dp2_tp2, "pp2-dp2-zero3", False)]
+    two = [(None, make_plan(CUT, pp=2), "dp4-zero1", False),
+           (None, make_plan([UNITS], pp=1, tp=2, layout=megatron_layout(1)), "pp2-dp2-zero3", False),
+           (make_plan(CUT, pp=2), make_plan([UNITS], pp=1, dp=2, zero=1), "tied-pp2", True)]
+    reports = autopar.launch(save_then_resume, 4, four, str(tmp_path), 3, timeout=120)[0]
+    reports += autopar.launch(resume_and_refuse_another_model, 2, two, str(tmp_path), 3, timeout=120)[0]
+    names = ["dp4 zero-1 -> same", "dp4 zero-1 -> tp2 x pp2", "pp2 x dp2 zero-3 -> dp2 x tp2",
+             "4 ranks dp4 zero-1 -> 2 ranks pp2", "4 ranks pp2 x dp2 zero-3 -> 2 ranks tp2",
+             "tied embedding, pp2 -> dp2 zero-1"]
+    for name, report in zip(names, reports, strict=True):
+        print(f"{name}: largest loss difference {report['loss']:.2e}, parameter {report['parameter']:.2e}")
+        assert report["mismatches"] == [], f"{name}: {report['mismatches']}"
+    check_export(tmp_path)
+
+
+def check_export(directory: Path) -> None:
+    """`autopar checkpoint export` of checkpoints saved on 4 and on 2 ranks: one plain state dict
+    equal to one process's after the same steps, tied names included; a sharded directory too."""
+    from safetensors.torch import load_file
+
+    saved = dcp.FileSystemReader(directory / "tied-pp2").read_metadata().state_dict_metadata
+    assert "model.tok_emb.weight" in saved and "model.lm_head.weight" not in saved   # tied: stored once
+    for name, tied in (("dp4-zero1", False), ("tied-pp2", True)):
+        out = directory / f"{name}.safetensors"
+        assert cli(["checkpoint", "export", str(directory / name), "--out", str(out)]) == 0
+        exported = load_file(out)
+        reference = uninterrupted(tied, steps=3)
+        assert mismatches(reference, reference[0], exported) == []
+        model, _ = gpt(tied)
+        model.load_state_dict(exported)     # strict: every name of model.state_dict()
+    shards = directory / "hf"
+    assert cli(["checkpoint", "export", str(directory / "dp4-zero1"), "--out", str(shards),
+                "--max-shard-size", "40KB"]) == 0
+    index = json.loads((shards / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and sorted(p.name for p in shards.glob("*.safetensors")) == files
+    joined = {k: v for f in files for k, v in load_file(shards / f).items()}
+    plain = load_file(directory / "dp4-zero1.safetensors")
+    assert joined.keys() == plain.keys() and all(torch.equal(joined[k], t) for k, t in plain.items())
+    assert cli(["checkpoint", "export", str(directory / "dp4-zero1"), "--out", str(shards)]) == 1
+
+
+def train_resuming(directory: str) -> dict:
+    """A training script that survives restarts: it resumes from `last` when there is one, saves
+    every 2 steps, and logs each step it takes. Faults, by attempt: the first kills rank 1 after
+    step 5 (a checkpoint of step 4 exists); the second kills rank 1 in the save after step 6, once
+    its shard is written and before the checkpoint is finished (a crash mid-save)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    last = Path(directory) / "last"
+    cm = compiled(make_plan(CUT, pp=2))
+    losses = cm.load(last)["losses"] if last.exists() else []
+    start = cm.steps
+    if attempt == 1 and dist.get_rank() == 1:
+        write = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            write(self, plan, planner).wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        FileSystemWriter.write_data = write_then_die
+    for inputs, targets in batches()[start:]:
+        losses.append(cm.step(inputs, targets))
+        with open(Path(directory) / f"steps-rank{dist.get_rank()}.log", "a") as log:
+            log.write(f"{attempt} {cm.steps}\n")
+        if attempt == 0 and cm.steps == 5 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cm.steps % 2 == 0:
+            cm.save(last, extra={"losses": losses})
+    state = cm.full_state_dict()
+    return {"start": start, "losses": losses, "state": state if dist.get_rank() == 0 else None}
+
+
+def test_killed_ranks_restart_from_the_last_checkpoint(tmp_path):
+    results = autopar.launch(train_resuming, 2, str(tmp_path), max_restarts=2, timeout=120, pg_timeout=20)
+    reference = uninterrupted()
+    final = results[0]
+    assert final["start"] == 4       # the second attempt's save never finished: step 4's stood
+    report = differences(reference, final["losses"], final["state"])
+    print(f"killed and restarted twice: largest loss difference {report['loss']:.2e}, "
+          f"parameter {report['parameter']:.2e}")
+    assert report["mismatches"] == [], report["mismatches"]
+    # each attempt took the steps after the checkpoint it found, and stopped where it was killed
+    for rank in range(2):
+        log = (tmp_path / f"steps-rank{rank}.log").read_text().split("\n")
+        assert log[:-1] == ["0 1", "0 2", "0 3", "0 4", "0 5", "1 5", "1 6", "2 5", "2 6"], log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "steps-rank0.log", "steps-rank1.log"]
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_the_example(tmp_path):
+    """examples/resume_gpt.py under torchrun --max-restarts 1: rank 1 killed after step 3 (the last
+    checkpoint is of step 2); the restarted run's losses and final checkpoint equal one process's."""
+    script = Path(__file__).parents[1] / "examples" / "resume_gpt.py"
+    losses = tmp_path / "losses.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", str(script), "--checkpoint", str(tmp_path / "last"),
+               "--fail-at-step", "3", "--losses", str(losses)]
+    # a session of its own: on a timeout the workers go too, not only torchrun's agent
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        _, stderr = run.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        raise
+    assert run.returncode == 0, stderr[-4000:]
+    # torchrun saw rank 1 killed, and the job still succeeded: a restart finished it
+    assert "failed (exitcode: -9) local_rank: 1" in stderr, stderr[-4000:]
+    out = tmp_path / "model.safetensors"
+    assert cli(["checkpoint", "export", str(tmp_path / "last"), "--out", str(out)]) == 0
+    from safetensors.torch import load_file
+
+    report = differences(uninterrupted(), json.loads(losses.read_text()), load_file(out))
+    print(f"torchrun, killed and restarted: largest loss difference {report['loss']:.2e}, "
+          f"parameter {report['parameter']:.2e}")
+    assert report["mismatches"] == [], report["mismatches"]
+
+
+def test_an_unfinished_checkpoint_is_refused_and_an_interrupted_replace_is_read(tmp_path):
+    from autopar.runtime.checkpoint import readable
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        readable(tmp_path / "last")
+    (tmp_path / "last").mkdir()       # a directory a crashed save or a user left, without metadata
+    with pytest.raises(CheckpointError, match=r"not a finished checkpoint \(no .metadata\)"):
+        readable(tmp_path / "last")
+    (tmp_path / "last").rmdir()
+    # a save killed between its two renames: the previous checkpoint is beside the path
+    previous = tmp_path / "last.old-0123abcd"
+    previous.mkdir()
+    (previous / ".metadata").write_bytes(b"")
+    assert readable(tmp_path / "last") == previous
+
+
+def test_export_refuses_bad_arguments_before_reading(tmp_path, capsys):
+    from autopar.commands.checkpoint import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("40KiB") == 40 * 2**10 and parse_size("1000") == 1000
+    assert cli(["checkpoint", "export", str(tmp_path / "none"), "--out", str(tmp_path / "m.safetensors")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    for size in ("0", "-5GB", "lots"):
+        assert cli(["checkpoint", "export", str(tmp_path), "--out", str(tmp_path / "o"),
+                    f"--max-shard-size={size}"]) == 1
+        assert "is not a size" in capsys.readouterr().err
