@@ -15,12 +15,12 @@ from autopar.errors import AutoparError, CaptureError, InfeasibleError, MeshErro
 __version__ = "0.1.0"
 
 _LAZY = {
-    "capture": "autopar.capture",
+    "capture": "autopar.tracer",
     "Graph": "autopar.graph",
     "Mesh": "autopar.cost.mesh",
     "Config": "autopar.cost.config",
     "estimate": "autopar.cost.estimator",
-    "Plan": "autopar.plan",
+    "Plan": "autopar.plans",
     "plan": "autopar.api",
     "plan_from_config": "autopar.api",
     "compile": "autopar.api",

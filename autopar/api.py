@@ -87,7 +87,7 @@ def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=
     `global_batch` the sequences per optimizer step over all replicas; `memory_limit` bytes per
     device or a size such as "80GiB" (default: the device's memory); `time_limit` seconds for all
     of planning, capture included. `progress(phase, done, total)` is called as the search goes."""
-    from autopar.capture import capture
+    from autopar.tracer import capture
 
     check_planning(global_batch, time_limit, memory_limit)
     mesh = _as_mesh(mesh)
@@ -146,7 +146,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     it again (after planning, or to compile one model several ways)."""
     import torch.distributed as dist
 
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.cost.config import Config
     from autopar.runtime.pipeline import build_runtime
 
@@ -219,7 +219,7 @@ def _check_training(model, example_inputs, loss_fn, optimizer) -> None:
 
 
 def _load_plan(plan):
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     if isinstance(plan, Plan):
         return plan
@@ -240,7 +240,7 @@ def _plan_on_rank0(graph, mesh, global_batch, memory_limit, time_limit):
     may answer differently on different ranks). A planning error is raised on every rank."""
     import torch.distributed as dist
 
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     # The other ranks wait for rank 0's whole search: on a group whose timeout outlasts the time
     # limit, or a short default timeout (a launcher's, torchrun's) would fail them mid-search.

@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per plan (default 10)")
     args = parser.parse_args()
 
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.cost.mesh import Mesh
     from autopar.models import build_model
 

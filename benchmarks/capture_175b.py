@@ -22,7 +22,7 @@ import tracemalloc
 
 import torch
 
-from autopar.capture import _nodes, _tied_parameters, capture, find_blocks
+from autopar.tracer import _nodes, _tied_parameters, capture, find_blocks
 from autopar.models import build_model
 
 

@@ -11,7 +11,7 @@ import time
 import torch
 
 from autopar.api import plan_graph
-from autopar.capture import capture
+from autopar.tracer import capture
 from autopar.models import build_model
 
 

@@ -31,7 +31,7 @@ from autopar.cli import main
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError
 from autopar.models import parse_spec
-from autopar.plan import Plan, Stage
+from autopar.plans import Plan, Stage
 
 HANG_S = 60      # a case that takes longer than this counts as a hang
 

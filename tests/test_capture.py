@@ -8,7 +8,7 @@ from torch import nn
 
 import autopar
 from autopar import CaptureError
-from autopar.capture import capture
+from autopar.tracer import capture
 from autopar.cli import main
 from autopar.graph import Role
 from autopar.models import PRESETS, build_model
@@ -336,7 +336,7 @@ def test_flops_of_convolution_bmm_and_matmul():
     ("LLLL", "LLLL"), ("xLLLLy", ".LLLL."), ("ABABAB", "ABABAB"), ("ABABCCC", "ABABCCC"),
     ("aXbY", "...."), ("L", "."), ("AABAAB", "AABAAB"), ("xLLyLL", ".LL.LL")])
 def test_periodic_runs_of_block_signatures(kinds, covered):
-    from autopar.capture import _periodic_cover
+    from autopar.tracer import _periodic_cover
     positions = _periodic_cover(list(kinds))
     assert "".join(k if i in positions else "." for i, k in enumerate(kinds)) == covered
 

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 import autopar
 from autopar.cli import main as cli
 from autopar.models import build_model, lm_loss
-from autopar.plan import Plan, Stage
+from autopar.plans import Plan, Stage
 from autopar.runtime.checkpoint import CheckpointError
 from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.runtime.forced_plan import megatron_plan

@@ -247,7 +247,7 @@ SEQ_MODELS = ["gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128,dropout=0.1",
 def capture_at_length(spec: str, seq: int):
     """One model (its position tables sized by the spec) captured on ids of length `seq`."""
     import torch
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.commands.estimate import WithLoss
     from autopar.models import build_model, lm_loss
     model, _ = build_model(spec)

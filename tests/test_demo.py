@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 pytestmark = pytest.mark.multiprocess
 

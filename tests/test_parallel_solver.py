@@ -12,7 +12,7 @@ from autopar.cost.mesh import Mesh
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
 from autopar.cost.config import Config
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime.equivalence import mismatches, train_single_process
 
 transformers = pytest.importorskip("transformers")

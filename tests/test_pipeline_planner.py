@@ -20,7 +20,7 @@ TWO_NODES, BATCH = "2x1:a100-80g", 2
 
 @pytest.fixture(scope="module")
 def graph():
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model
 
     model, inputs = build_model(SMALL_GPT)
@@ -171,7 +171,7 @@ def test_memory_limit_that_forbids_the_unpipelined_plan_forces_stages(graph):
 def test_uniform_blocks_give_balanced_stages():
     """From a lopsided 4-stage cut, the search ends with two blocks per stage (the embedding and
     head of this model are light), and every rank's time within one block of the others."""
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model
     from autopar.solver.pipeline import Candidate, Shape, refine
     from autopar.solver.pipeline_plan import new_search

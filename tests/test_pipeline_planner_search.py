@@ -20,7 +20,7 @@ BLOCKS = 8
 
 @pytest.fixture(scope="module")
 def graphs():
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model
 
     return {name: capture(*build_model(name)) for name in (SMALL_GPT, "llama-tiny")}

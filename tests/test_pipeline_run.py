@@ -18,7 +18,7 @@ from autopar.errors import AutoparError
 from autopar.models import build_model, lm_loss
 from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.passes.recompute import Recomputed
-from autopar.plan import Plan, Stage
+from autopar.plans import Plan, Stage
 from autopar.runtime.forced_plan import megatron_plan
 from autopar.runtime.pipeline import build_runtime, check_batch
 from autopar.runtime.pipeline_split import TensorRef

@@ -6,7 +6,7 @@ from torch import nn
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import build_model
-from autopar.plan import Plan, Stage
+from autopar.plans import Plan, Stage
 from autopar.runtime.pipeline import check_layers, pipeline_layout
 from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
 

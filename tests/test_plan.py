@@ -7,7 +7,7 @@ import pytest
 from autopar.cli import main
 from autopar.cost.mesh import Mesh
 from autopar.errors import PlanMismatchError
-from autopar.plan import SCHEMA_VERSION, Plan, Stage
+from autopar.plans import SCHEMA_VERSION, Plan, Stage
 
 
 def make_plan(recompute_last="none", fingerprint="0123456789abcdef") -> Plan:
@@ -93,7 +93,7 @@ def test_fingerprint_mismatch_is_refused():
 
 
 def test_fingerprint_of_a_captured_graph():
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model
 
     graph = capture(*_model("gpt-tiny"))
@@ -155,7 +155,7 @@ def test_planned_gpt_round_trips_and_explains(tmp_path, capsys, monkeypatch):
     """`autopar plan` end to end on a small GPT: a plan file that loads equal, fits the graph it
     was made for, and explains; every parameter has a placement per axis."""
     monkeypatch.setenv("COLUMNS", "200")
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model
 
     out = tmp_path / "plan.json"

@@ -99,7 +99,7 @@ def run(args) -> int:
 
 
 def bench_row(model: str, cluster: str, global_batch: int, *, time_limit: float) -> Row:
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.cost.mesh import Mesh
     from autopar.models import build_model
     from autopar.solver.pipeline import Search, grid_phase, megatron_shapes

@@ -71,7 +71,7 @@ def make_plan(mesh, memory_limit, time_limit: float, console: Console):
     less)."""
     import autopar
     from autopar.api import plan_graph
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model
 
     model, example_inputs = build_model(MODEL, batch=MICRO_BATCH)

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from autopar.commands.explain import _fmt_gib, compress_layers
 from autopar.commands.output import plain, table
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 SHOWN_PLACEMENTS = 20   # parameter and node placements listed one by one; the rest are counted
 # Solver statistics differ between any two runs; they are not a difference of the plans.

@@ -61,7 +61,7 @@ class WithLoss(torch.nn.Module):
 
 def capture_training_step(spec: str, *, batch: int = 1, **overrides):
     """Capture `spec` on meta as one training step: a language model's forward plus its loss."""
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model, lm_loss
 
     model, inputs = build_model(spec, device="meta", batch=batch, **overrides)

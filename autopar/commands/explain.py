@@ -12,7 +12,7 @@ from rich.text import Text
 
 from autopar.commands.output import PLOT_EXTRA, can_plot, check_output, plain, table
 from autopar.errors import AutoparError, format_bytes
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 
 def add_arguments(parser):

@@ -25,7 +25,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.models import build_model
 
     model, inputs = build_model(args.model, device="meta", batch=args.batch)

@@ -22,7 +22,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from autopar.api import check_planning, plan_graph, remaining_time
-    from autopar.capture import capture
+    from autopar.tracer import capture
     from autopar.commands.output import check_output, plain
     from autopar.cost.mesh import Mesh
     from autopar.models import build_model, parse_spec

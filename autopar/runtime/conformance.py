@@ -150,7 +150,7 @@ def _free_plan(model, form: Form, example: tuple):
 
     import autopar
     from autopar.api import plan_graph
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     message = [None]
     if dist.get_rank() == 0:

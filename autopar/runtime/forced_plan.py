@@ -18,7 +18,7 @@ from autopar.cost.config import Config
 from autopar.cost.mesh import Mesh
 from autopar.errors import MeshError
 from autopar.graph import Graph, Role
-from autopar.plan import Plan, Stage
+from autopar.plans import Plan, Stage
 
 # (weight dims of (output features, input features)) of each linear-like op, by its target.
 LINEAR_WEIGHT_DIMS = {"aten.linear.default": (0, 1), "aten.addmm.default": (1, 0),

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime import checkpoint
 from autopar.runtime.checks import check_buffers, check_loss, check_loss_reduction, check_optimizer
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from autopar.errors import PlanMismatchError
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.solver.schedules import schedule_error, torch_schedule
 
 

@@ -18,7 +18,7 @@ from autopar.cost.config import Config
 from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
-from autopar.plan import Plan, Stage
+from autopar.plans import Plan, Stage
 from autopar.solver.pipeline import (MAX_TP, Candidate, Priced, Search, Shape, autopar_shapes,
                                      balanced_cuts, grid_phase, layout_error, megatron_shapes,
                                      pipeline_units, refine, short_pipeline_shapes, uneven_phase,

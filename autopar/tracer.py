@@ -29,10 +29,8 @@ from __future__ import annotations
 import hashlib
 import linecache
 import os
-import sys
 import sysconfig
 import traceback
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -365,16 +363,3 @@ def _periodic_cover(signatures: list[str]) -> set[int]:
         if covered.isdisjoint(positions):
             covered.update(positions)
     return covered
-
-
-class _CallableModule(types.ModuleType):
-    """`autopar.capture` names both this module and its `capture` function. Importing the module
-    (`from autopar.capture import find_blocks`) makes Python bind the package attribute to the
-    module, so the module itself must be callable for `autopar.capture(model, ...)` to keep working
-    in every import order."""
-
-    def __call__(self, *args, **kwargs) -> Graph:
-        return capture(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

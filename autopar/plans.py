@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
-import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -337,17 +335,3 @@ def _diff(a, b, path: str) -> list[tuple[str, object, object]]:
                 for d in _diff(a[i] if i < len(a) else None, b[i] if i < len(b) else None,
                                f"{path}[{i}]")]
     return [] if a == b else [(path, a, b)]
-
-
-class _CallableModule(types.ModuleType):
-    """`autopar.plan` names both this module and the planning function of autopar.api. Importing
-    the module binds the package attribute to it, so the module forwards calls to the function:
-    `autopar.plan(model, mesh, ...)` works in every import order (as autopar.capture does)."""
-
-    def __call__(self, *args, **kwargs) -> Plan:
-        from autopar.api import plan
-
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
