@@ -43,6 +43,8 @@ BUCKET_BYTES = 25 * 2**20
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
+# The dtype activations are held in under each precision.
+_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +89,7 @@ class _Chunk:
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
              attention: str = "flash", memory_limit: float | None = None,
-             cache: dict | None = None) -> Estimate:
+             cache: dict | None = None, precision: str = "bf16") -> Estimate:
     """Price a Megatron-style uniform configuration: layers split evenly over pp x virtual chunks.
     `cache`: see `estimate_stages`."""
     _check_world(mesh, config)
@@ -95,7 +97,7 @@ def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficien
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
-                           memory_limit=memory_limit, cache=cache)
+                           memory_limit=memory_limit, cache=cache, precision=precision)
 
 
 def _check_world(mesh: Mesh, config: Config) -> None:
@@ -108,17 +110,19 @@ def _check_world(mesh: Mesh, config: Config) -> None:
 def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
-                    memory_limit: float | None = None, cache: dict | None = None) -> Estimate:
+                    memory_limit: float | None = None, cache: dict | None = None,
+                    precision: str = "bf16") -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
     rank c % p of p = len(stages) / v ranks (Megatron's interleaving).
 
     `cache`, a dict the caller owns, keeps what calls on the same graph, mesh and efficiencies
     share (layouts, chunk owners, priced chunks), so that a search pricing many configurations
-    pays for each part once; results are the same with or without it."""
+    pays for each part once; results are the same with or without it. `precision` "bf16" (mixed
+    precision, the default) or "fp32": the bytes of activations and model states."""
     eff = efficiencies or Efficiencies()
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention,
-                           memo=PriceCache.of(cache, graph, mesh, eff))
+                           memo=PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision]))
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
@@ -135,7 +139,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         local_params = params / (spec.dp if spec.zero >= 1 else 1)
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
-    memory = _memory(pipe, stages, micro_batch, schedule, virtual)
+    memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
     step = ideal + bubble + max(data_comm) + max(optimizer)
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
                       bubble=bubble, data_comm=max(data_comm), optimizer=max(optimizer), m=m,
@@ -173,12 +177,12 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
 
 def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str,
-            virtual: int, seq_ratio=1) -> list[dict]:
+            virtual: int, seq_ratio=1, precision: str = "bf16") -> list[dict]:
     """Memory breakdown of each pipeline rank; `micro_batch` and `seq_ratio` (sequence length
     over the captured one) may be sympy expressions."""
     return [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], micro_batch, schedule,
                            pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
-                           seq_ratio=seq_ratio)
+                           seq_ratio=seq_ratio, precision=precision)
             for d, cs in enumerate(pipe.devices)]
 
 
@@ -439,8 +443,9 @@ def _data_parallel_exposed(params: float, spec: StageSpec, mesh: Mesh, m: int, p
 
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
-                   virtual: int, stage: int, seq_ratio=1) -> dict:
-    states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp)
+                   virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
+    states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp,
+                               precision=precision)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     per_chunk = sum(_at(c.saved_poly, seq_ratio) for c in chunks) / len(chunks)
     peak = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
