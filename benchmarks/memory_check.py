@@ -6,7 +6,7 @@ On 4 CPU gloo ranks, a small GPT under each form: one AdamW step to create the o
 then a second step under torch's MemTracker (`torch.distributed._tools.mem_tracker`), whose peak
 counts every tensor alive on the rank: parameters, gradients, optimizer state, activations,
 FSDP's gathered parameters and the batch. The prediction is the estimator's memory of the rank's
-pipeline stage (`autopar.cost.estimate(..., precision="fp32")`, the precision these runs train
+pipeline stage (`autopar.estimate(..., precision="fp32")`, the precision these runs train
 in). The table gives both and the error (predicted / measured - 1; negative is under-predicted);
 the target is within 10%, never under by more than 5%.
 """
@@ -65,12 +65,14 @@ def measure(spec: str, forms: list[str]) -> list[dict]:
             tracker.track_external(*cm.stages, cm.optimizer)
             with tracker:
                 cm.step(ids, targets)
-            measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-            estimate = autopar.cost.estimate(graph, autopar.Mesh.parse("4:cpu"), config, precision="fp32")
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            measured = peak["Total"]
+            estimate = autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), config, precision="fp32")
             device = estimate.devices[cm.pp_rank]
             rows.append({"form": name, "recompute": recompute, "pp_rank": cm.pp_rank,
                          "predicted": device["memory_bytes"], "measured": measured,
-                         "breakdown": estimate.memory_breakdown if cm.pp_rank == 0 else None})
+                         "predicted_parts": estimate.memory_breakdown if cm.pp_rank == 0 else None,
+                         "measured_parts": {k: v for k, v in peak.items() if k != "Total" and v}})
             del cm, tracker
     return rows
 
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--forms", default=",".join(FORMS))
+    parser.add_argument("--detail", action="store_true", help="each side's breakdown")
     args = parser.parse_args()
     forms = args.forms.split(",")
     unknown = sorted(set(forms) - set(FORMS))
@@ -100,6 +103,10 @@ def main() -> None:
             if rank == 0 or mine["pp_rank"] != ranks[0][index]["pp_rank"]:
                 print(f"{mine['form']:<9}{mine['recompute']:<11}{rank:>5}{mine['predicted'] / 2**20:>11.2f}"
                       f"{mine['measured'] / 2**20:>10.2f}{error:>+8.1%}")
+                if args.detail:
+                    parts = lambda d: ", ".join(f"{k} {v / 2**20:.2f}" for k, v in (d or {}).items())
+                    print(f"    predicted: {parts(mine['predicted_parts'])}\n    measured at peak: "
+                          f"{parts(mine['measured_parts'])}")
     print(f"error over all ranks: from {min(errors):+.1%} to {max(errors):+.1%}; "
           f"{sum(abs(e) <= 0.10 for e in errors)}/{len(errors)} within 10%, "
           f"{sum(e < -0.05 for e in errors)} under-predicted by more than 5%")
