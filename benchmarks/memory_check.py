@@ -24,8 +24,7 @@ import weakref
 import torch
 import torch._dynamo  # noqa: F401  (imported before the ranks fork, which would each import it)
 
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
 import autopar
@@ -60,8 +59,10 @@ class LiveBytes(TorchDispatchMode):
             self._add(tensor)
 
     def _add(self, tensor) -> None:
-        if isinstance(tensor, DTensor):
-            tensor = tensor._local_tensor
+        if is_traceable_wrapper_subclass(tensor):   # DTensor, a collective's async result
+            for name in tensor.__tensor_flatten__()[0]:
+                self._add(getattr(tensor, name))
+            return
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return
         storage = tensor.untyped_storage()
