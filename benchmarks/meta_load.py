@@ -11,8 +11,9 @@ each in its own process so that each peak is its own:
    dp=2 x tp=2 with ZeRO-3 (`--form dp-tp`); every rank compares its shards with the file's
    slices (each element of the model is held by exactly one rank under dp=4: the check covers
    the whole state), takes the same steps, and reports its peak resident memory.
-Resident memory includes torch's own (~0.3-0.5 GB after import), so the table shows the resident
-size after import too.
+Resident memory includes torch's own (~0.2-0.3 GB after import) and heap the allocator keeps after
+freeing, so the table shows the resident size after import, and the peak of live tensors during
+the steps (`autopar.runtime.memory.LiveBytes`) beside it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
+from autopar.runtime.memory import LiveBytes, rank_tensors
 
 FORMS = {"zero3": Config(dp=4, zero=3, global_batch=4, micro_batch=1),
          "dp-tp": Config(dp=2, tp=2, zero=3, global_batch=4, micro_batch=2)}
@@ -75,11 +77,12 @@ def one_process(args, path: str) -> dict:
     model.load_state_dict(load_file(path), assign=True)
     optimizer = adamw(list(model.parameters()))
     ids, targets = batch(args, FORMS[args.form].global_batch)
-    for _ in range(args.steps):
-        lm_loss(model(ids), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return {"baseline_kib": baseline, "peak_kib": status_kib("VmHWM")}
+    with LiveBytes(list(model.parameters())) as tensors:
+        for _ in range(args.steps):
+            lm_loss(model(ids), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {"baseline_kib": baseline, "peak_kib": status_kib("VmHWM"), "tensor_peak": tensors.peak}
 
 
 def on_rank(args, path: str) -> dict:
@@ -104,8 +107,10 @@ def on_rank(args, path: str) -> dict:
             held += local.numel() if isinstance(ref.value, torch.nn.Parameter) else 0
             if not torch.equal(local, handle.get_slice(ref.fqn)[local_region(ref.value)]):
                 mismatched.append(ref.fqn)
-    losses = [cm.step(ids, targets) for _ in range(args.steps)]
+    with LiveBytes(rank_tensors(cm)) as tensors:
+        losses = [cm.step(ids, targets) for _ in range(args.steps)]
     return {"baseline_kib": baseline, "after_load_kib": after_load, "peak_kib": status_kib("VmHWM"),
+            "tensor_peak": tensors.peak,
             "mismatched": mismatched, "elements_held": held, "losses": losses}
 
 
@@ -136,11 +141,14 @@ def main() -> None:
     gib = 2**20
     print(f"model {spec(args)}: {params / 1e6:.1f}M parameters, fp32 weights + Adam "
           f"{params * 12 / 1e9:.2f} GB; form {args.form} {FORMS[args.form]}")
-    print(f"{'process':<12}{'after import':>14}{'peak after load':>17}{'peak after steps':>18}")
-    print(f"{'one process':<12}{single['baseline_kib'] / gib:>12.2f}G{'':>17}{single['peak_kib'] / gib:>17.2f}G")
+    print(f"{'process':<12}{'after import':>14}{'peak after load':>17}{'peak after steps':>18}"
+          f"{'tensor peak in steps':>22}")
+    print(f"{'one process':<12}{single['baseline_kib'] / gib:>12.2f}G{'':>17}{single['peak_kib'] / gib:>17.2f}G"
+          f"{single['tensor_peak'] / 2**30:>21.2f}G")
     for rank, result in enumerate(ranks):
         print(f"{'rank ' + str(rank):<12}{result['baseline_kib'] / gib:>12.2f}G"
-              f"{result['after_load_kib'] / gib:>16.2f}G{result['peak_kib'] / gib:>17.2f}G")
+              f"{result['after_load_kib'] / gib:>16.2f}G{result['peak_kib'] / gib:>17.2f}G"
+              f"{result['tensor_peak'] / 2**30:>21.2f}G")
     mismatched = sorted({name for r in ranks for name in r["mismatched"]})
     held = sum(r["elements_held"] for r in ranks)
     print(f"loaded shards equal to the file: {not mismatched} {mismatched[:4]}; elements held over "
