@@ -64,6 +64,7 @@ class Plan:
     solver: dict = field(default_factory=dict)      # seconds, status, gap, variables, constraints
     replicated_ops: list[str] = field(default_factory=list)  # ops with no sharding rule, run replicated
     model_type: str = ""
+    precision: str = "fp32"           # fp32 | bf16 (compute dtype; master weights stay fp32)
     schema_version: int = SCHEMA_VERSION
 
     @property

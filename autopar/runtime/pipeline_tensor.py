@@ -253,7 +253,10 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
                 raise PlanMismatchError(
                     f"parameter {ref.fqn} of shape {tuple(ref.value.shape)} cannot be split in "
                     f"{mesh.size()} equal shards on dim {dim}; plan it replicated or change tp")
-        tensor = distribute_tensor(ref.value.detach(), mesh, [placement])
+        # a meta tensor (a model too big for one process) is only split, no values move: the
+        # local shards get storage and values after the sharding (materialize.py)
+        tensor = distribute_tensor(ref.value.detach(), mesh, [placement],
+                                   src_data_rank=None if ref.value.is_meta else 0)
         if isinstance(ref.value, nn.Parameter):
             ref.value = nn.Parameter(tensor, requires_grad=ref.value.requires_grad)
         else:
