@@ -25,6 +25,7 @@ from pathlib import Path
 from autopar.errors import MeshError, PlanMismatchError
 
 SCHEMA_VERSION = 1
+PRECISIONS = ("fp32", "bf16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 # Bounds that no real run comes near; a value past them is a corrupt or crafted file, and would
@@ -213,6 +214,9 @@ def _check_values(data: dict) -> None:
     sub = math.prod(size for _, size in axes)
     for key in ("global_batch", "micro_batches", "micro_batch_size", "virtual"):
         _int(data[key], key, MAX_BATCH)
+    if data.get("precision", "fp32") not in PRECISIONS:
+        raise PlanMismatchError(f"plan field 'precision' is {data['precision']!r}; expected one of "
+                                f"{', '.join(PRECISIONS)}")
     if data["schedule"] not in SCHEDULES:
         raise PlanMismatchError(f"plan field 'schedule' is {data['schedule']!r}; expected one of "
                                 f"{', '.join(SCHEDULES)}")

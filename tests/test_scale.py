@@ -12,11 +12,13 @@ from torch import nn
 
 import autopar
 from autopar.cost.config import Config
-from autopar.errors import AutoparError
+from autopar.cost.mesh import Mesh
+from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime import materialize
+from autopar.runtime.forced_plan import megatron_plan
 from autopar.runtime.equivalence import mismatches, train_single_process
 
 SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
@@ -115,12 +117,15 @@ def test_meta_model_without_values_is_refused():
 
 
 def test_old_plan_json_has_fp32_precision():
-    plan = Plan(fingerprint="f", mesh={}, axes=[["dp", 1]], stages=[], global_batch=1, micro_batches=1,
-                micro_batch_size=1)
+    model, (ids,) = build_model("gpt:layers=1,hidden=16,heads=2,seq=8,vocab=32", device="cpu", batch=2)
+    plan = megatron_plan(autopar.capture(model, (ids,)), Mesh.parse("1:cpu"),
+                         Config(dp=1, global_batch=2, micro_batch=2))
     data = plan.to_dict()
     del data["precision"]
     assert Plan.from_dict(data).precision == "fp32"
     assert Plan.from_dict(replace(plan, precision="bf16").to_dict()).precision == "bf16"
+    with pytest.raises(PlanMismatchError, match="precision"):
+        Plan.from_dict({**data, "precision": "fp8"})
 
 
 def adamw(params):
