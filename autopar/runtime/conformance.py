@@ -27,7 +27,7 @@ from autopar.runtime.equivalence import mismatches, train_single_process
 
 GLOBAL_BATCH, STEPS = 8, 3
 # of the unconstrained plan's predicted memory per device: tried in turn until the plan pipelines
-MEMORY_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+MEMORY_FRACTIONS = tuple(round(1.0 - 0.05 * k, 2) for k in range(16))      # 1.0 down to 0.25
 
 
 @dataclass(frozen=True, slots=True)
