@@ -5,7 +5,8 @@ compared with the model itself."""
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (imported before the ranks fork, which would each import it)
+# Imported here, before the ranks fork, so that they inherit it (each would import it on its own).
+import torch._dynamo  # noqa: F401
 
 import autopar
 from autopar.cost.config import Config
@@ -41,7 +42,11 @@ def _stage_against_model(names: list[str]) -> dict:
     from autopar.api import plan_from_config
     from autopar.runtime.equivalence import ATOL, RTOL
     from autopar.runtime.pipeline import _materialize
-    from autopar.runtime.pipeline_split import StageProgram, TensorRef, export_for_pipeline
+    from autopar.runtime.pipeline_split import (
+        StageProgram,
+        TensorRef,
+        export_for_pipeline,
+    )
     from autopar.runtime.pipeline_tensor import shard_stage
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
