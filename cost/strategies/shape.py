@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost.strategies.registry import OpStrategy, OpView, rule
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.cost.strategies.registry import OpStrategy, OpView, rule
 
 VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
          "aten.flatten.using_ints", "aten.unflatten.int", "aten.unsqueeze.default",
