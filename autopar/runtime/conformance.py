@@ -98,7 +98,10 @@ def run_case(arch_name: str, form_name: str, timeout: float = 600.0) -> CaseResu
 def _classify(message: str) -> tuple[str, str]:
     """A rank's failure: refused when compile raised an AutoparError, failed otherwise."""
     body = message.split(": ", 1)[1] if message.startswith("rank ") else message
-    first = body.strip().splitlines()[0] if body.strip() else message
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    first = lines[0] if lines else message
+    if first.endswith(":") and len(lines) > 1:      # "RuntimeError:" with its message below
+        first = f"{first} {lines[1]}"
     if first.startswith("Refused: "):
         return "refused", first.removeprefix("Refused: ")
     return "fail", first

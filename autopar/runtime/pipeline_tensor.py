@@ -168,6 +168,7 @@ class MaskedAttention(nn.Module):
         return self.op(query, key, value, *args, **kwargs)
 
     def _placement(self, query: DTensor, key: DTensor) -> Placement:
+        """On the stage's one-dimensional tensor-parallel mesh."""
         size = self.mesh.size()
         for place in (self.placement, query.placements[0]):
             if isinstance(place, Shard) and place.dim in (0, 1) and query.shape[place.dim] % size == 0 \
