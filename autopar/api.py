@@ -177,9 +177,9 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     batch = global_batch or example_inputs[0].shape[0]
     if isinstance(plan, Config):
-        plan = _plan_for_config(graph, mesh, plan)
+        plan = _plan_for_config(graph, mesh, plan, time_limit)
     elif plan is None:
-        plan = _plan_on_rank0(graph, mesh, batch, memory_limit, time_limit)
+        plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit)
     else:
         plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
@@ -236,16 +236,18 @@ def _load_plan(plan):
     return Plan.load(plan)
 
 
-def _plan_for_config(graph, mesh, config):
-    """A forced configuration: the Megatron layout for one stage, the planner's for pipelines."""
-    from autopar.runtime.forced_plan import megatron_plan
-
-    if config.pp > 1:
-        return plan_from_config(graph, mesh, config)
-    return megatron_plan(graph, mesh, config)
+def _plan_for_config(graph, mesh, config, time_limit):
+    """A forced configuration as the planner places it (the ILP with the config's axis roles, the
+    same placements a free plan of that shape gets), made on rank 0."""
+    return _plan_on_rank0(lambda: plan_from_config(graph, mesh, config, time_limit=time_limit), time_limit)
 
 
-def _plan_on_rank0(graph, mesh, global_batch, memory_limit, time_limit):
+def _plan_freely(graph, mesh, global_batch, memory_limit, time_limit):
+    return _plan_on_rank0(lambda: plan_graph(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
+                                             time_limit=time_limit), time_limit)
+
+
+def _plan_on_rank0(make_plan, time_limit):
     """Rank 0 plans and broadcasts: every rank runs the identical plan (a solver with a time limit
     may answer differently on different ranks). A planning error is raised on every rank."""
     import torch.distributed as dist
@@ -258,8 +260,7 @@ def _plan_on_rank0(graph, mesh, global_batch, memory_limit, time_limit):
     message = [None]
     if dist.get_rank() == 0:
         try:
-            message[0] = ("plan", plan_graph(graph, mesh, global_batch=global_batch,
-                                             memory_limit=memory_limit, time_limit=time_limit).to_dict())
+            message[0] = ("plan", make_plan().to_dict())
         except AutoparError as err:   # sent to the other ranks, then raised here too
             message[0] = ("error", err)
     dist.broadcast_object_list(message, src=0, group=waiting)

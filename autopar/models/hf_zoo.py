@@ -98,7 +98,9 @@ _ARCHS = [
                       intermediate_size=FFN, max_position_embeddings=SEQ)),
     Architecture("t5", "T5ForConditionalGeneration", "T5Config",
                  "encoder-decoder, relative position bias",
-                 dict(num_layers=LAYERS // 2, num_decoder_layers=LAYERS // 2, d_model=HIDDEN,
+                 # 4 layers a stack: T5's first block (which holds the position bias) differs from
+                 # the rest, and blocks are found by repetition
+                 dict(num_layers=LAYERS, num_decoder_layers=LAYERS, d_model=HIDDEN,
                       d_kv=HIDDEN // HEADS, d_ff=FFN, num_heads=HEADS, decoder_start_token_id=0),
                  encoder_decoder=True),
     Architecture("mixtral", "MixtralForCausalLM", "MixtralConfig", "MoE (4 experts, top 2), GQA",
