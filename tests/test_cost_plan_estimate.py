@@ -45,8 +45,12 @@ PLANNED = [
     (SMALL_GPT, "2x4:a100-80g", 64, None),
     (ODD_GPT, "4:a100-80g", 16, None),
     (LLAMA, "2x2:h100-80g", 32, None),
-    # a tight memory limit: ZeRO, recompute or a pipeline
+    # tight memory limits: ZeRO, recompute, uneven pipelines (7 blocks on 3 stages, 8 blocks on
+    # 2 ranks x 2 virtual chunks)
     (SMALL_GPT, "4:a100-80g", 32, 20 * 2**20),
+    (ODD_GPT, "3:a100-80g", 6, 14 * 2**20),
+    (ODD_GPT, "4:a100-80g", 8, 10 * 2**20),
+    (SMALL_GPT, "4:a100-80g", 8, 14 * 2**20),
 ]
 
 

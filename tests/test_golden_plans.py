@@ -21,6 +21,27 @@ def test_plan_equals_its_golden_json(name):
                                  f"`python tests/golden/regenerate.py {name}` and explain it")
 
 
+@pytest.mark.parametrize("name", sorted(golden.PROBLEMS))
+def test_golden_plans_record_their_own_price(name):
+    """A saved plan priced again by `estimate_plan` gives the figures it records."""
+    import json
+
+    from autopar.cost import estimate_plan
+    from autopar.models import build_model
+    from autopar.plans import Plan
+    from autopar.tracer import capture
+
+    spec = golden.PROBLEMS[name][0]
+    model, inputs = build_model(spec)
+    graph = capture(model, example_inputs=inputs)
+    plan = Plan.from_dict(json.loads(golden.path_of(name).read_text()))
+    priced = estimate_plan(graph, plan).to_dict()
+    devices = priced.pop("devices")
+    assert priced == {k: v for k, v in plan.predicted.items() if k != "simulated_bubble_fraction"}
+    assert [{k: v for k, v in s.predicted.items() if k != "chunk_time_per_micro_batch_s"}
+            for s in plan.stages] == [devices[s.index % plan.pp] for s in plan.stages]
+
+
 def test_planning_twice_gives_the_same_json():
     name = "gpt-tiny-4cpu"
     assert golden.golden_json(name) == golden.golden_json(name)
