@@ -113,3 +113,21 @@ def test_a_plan_of_another_graph_is_refused(graphs):
                             Config(tp=1, pp=1, dp=2, global_batch=4))
     with pytest.raises(AutoparError, match="another graph"):
         estimate_plan(graphs[LLAMA], plan)
+
+
+def test_autopar_estimate_prices_a_saved_plan(tmp_path, capsys):
+    import json
+
+    from autopar.cli import main
+
+    spec, out = "gpt:layers=2,hidden=32,heads=2,seq=8,vocab=64", tmp_path / "plan.json"
+    assert main(["plan", spec, "--mesh", "2:cpu", "--global-batch", "4", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["estimate", spec, "--plan", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    recorded = json.loads(out.read_text())["predicted"]
+    assert report["step_time_s"] == recorded["step_time_s"]
+    assert report["memory_per_gpu_bytes"] == recorded["memory_per_gpu_bytes"]
+    # another model's capture is refused by its fingerprint
+    assert main(["estimate", "gpt:layers=3,hidden=32,heads=2,seq=8,vocab=64", "--plan", str(out)]) == 1
+    assert "another graph" in capsys.readouterr().err
