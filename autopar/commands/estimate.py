@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from autopar.cost.vocabulary import RECOMPUTE, SCHEDULES
 from autopar.errors import AutoparError, MeshError
 
 
@@ -34,10 +35,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--global-batch", type=int,
                         help="sequences per step (required unless --plan)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+    parser.add_argument("--schedule", choices=SCHEDULES,
                         default=None, help="default 1f1b, or interleaved-1f1b when --virtual > 1")
     parser.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                         help="attention kernels: FlashAttention, or matmuls around a softmax kernel")

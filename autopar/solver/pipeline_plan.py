@@ -17,6 +17,7 @@ from functools import cache
 from autopar.cost.config import Config
 from autopar.cost.plan_estimate import estimate_plan
 from autopar.cost.stages import blocks_per_chunk
+from autopar.cost.vocabulary import AxisRole
 from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
@@ -174,7 +175,7 @@ def _tensor_placements(graph: Graph, mesh: Mesh, tp: int, time_limit: float) -> 
     from autopar.solver import solve_intra_op
 
     axis = Mesh(mesh.device, (MeshAxis("tp", tp, mesh.device.intra_node),))
-    intra = solve_intra_op(graph, axis, roles={"tp": "tensor"}, memory_limit=float("inf"),
+    intra = solve_intra_op(graph, axis, roles={"tp": AxisRole.TENSOR}, memory_limit=float("inf"),
                            time_limit=time_limit)
     return {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
             "replicated_ops": list(intra.replicated_ops),
