@@ -25,11 +25,12 @@ def graphs():
 
 
 def _check_reproduces(graph, plan):
-    import autopar
+    import json
+
     from autopar.cost import estimate_plan
     from autopar.plans import Plan
 
-    for copy in (plan, Plan.from_dict(autopar.plans.Plan.to_dict(plan))):
+    for copy in (plan, Plan.from_dict(json.loads(plan.to_json()))):
         priced = estimate_plan(graph, copy).to_dict()
         devices = priced.pop("devices")
         recorded = {k: v for k, v in copy.predicted.items() if k != "simulated_bubble_fraction"}
