@@ -6,6 +6,7 @@ on the mesh's device specs, and the result is a `Plan` that can be saved, read a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import re
 import time
@@ -132,7 +133,7 @@ def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: floa
 
 def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_kwargs: dict | None = None,
             global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = 60.0,
-            graph=None):
+            graph=None, precision: str | None = None, load_from=None, init=None, seed: int = 0):
     """Train `model` on this process's rank of `mesh` under a plan; returns a `CompiledModel`.
 
     `plan` is a Plan, a path to a saved one, a forced `Config`, or None: then rank 0 plans (for
@@ -143,7 +144,13 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     and trains its own shards of them; `full_state_dict()` gathers them. Every rank calls it; mistakes (a mesh that is not the process group, a plan for another
     model, a batch the data-parallel degree does not divide) raise on every rank before any
     collective. `graph`: this model's `autopar.capture` for these example inputs, to skip capturing
-    it again (after planning, or to compile one model several ways)."""
+    it again (after planning, or to compile one model several ways).
+    `precision`: "bf16" computes in bf16 with fp32 master weights (default: the plan's, "fp32").
+    A model built under `torch.device("meta")` is never materialized whole: each rank allocates its
+    own shards and fills them from `load_from` (a safetensors file, a directory of safetensors
+    shards or a DCP checkpoint; names as in model.state_dict()) or `init(module)` (applied like
+    model.apply, seeded per module name from `seed`: the same values under every plan).
+    `load_from`/`init` also overwrite a real model's values."""
     import torch.distributed as dist
 
     from autopar.tracer import capture
@@ -177,9 +184,12 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
     _check_batch(plan, global_batch)
+    if precision is not None:
+        plan = dataclasses.replace(plan, precision=precision)
     # One runtime: splitting into stages is the first lowering step; a single-stage plan is one stage.
     return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
-                         example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer)
+                         example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
+                         load_from=load_from, init=init, seed=seed)
 
 
 def _use_local_gpu(mesh) -> None:

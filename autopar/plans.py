@@ -26,6 +26,7 @@ from autopar.cost.vocabulary import MULTI_CHUNK_SCHEDULES, RECOMPUTE, SCHEDULES
 from autopar.errors import MeshError, PlanMismatchError
 
 SCHEMA_VERSION = 1
+PRECISIONS = ("fp32", "bf16")
 # Bounds that no real run comes near; a value past them is a corrupt or crafted file, and would
 # otherwise make explain or the runtime loop over billions of micro-batches or ranks.
 MAX_BATCH = 2**24
@@ -63,6 +64,7 @@ class Plan:
     solver: dict = field(default_factory=dict)      # seconds, status, gap, variables, constraints
     replicated_ops: list[str] = field(default_factory=list)  # ops with no sharding rule, run replicated
     model_type: str = ""
+    precision: str = "fp32"           # fp32 | bf16 (compute dtype; master weights stay fp32)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -211,6 +213,9 @@ def _check_values(data: dict) -> None:
     sub = math.prod(size for _, size in axes)
     for key in ("global_batch", "micro_batches", "micro_batch_size", "virtual"):
         _int(data[key], key, MAX_BATCH)
+    if data.get("precision", "fp32") not in PRECISIONS:
+        raise PlanMismatchError(f"plan field 'precision' is {data['precision']!r}; expected one of "
+                                f"{', '.join(PRECISIONS)}")
     if data["schedule"] not in SCHEDULES:
         raise PlanMismatchError(f"plan field 'schedule' is {data['schedule']!r}; expected one of "
                                 f"{', '.join(SCHEDULES)}")

@@ -67,12 +67,12 @@ def render(results: list[CaseResult], archs: list[str], forms: list[str]) -> str
     by_case = {(r.arch, r.form): r for r in results}
     counts = {status: sum(r.status == status for r in results) for status in MARK}
     lines = ["# Conformance: HuggingFace architectures x parallel forms", "",
-             "Written by `python benchmarks/conformance.py`. Each case trains a tiny model (4 layers, "
-             "hidden 64, 4 heads, vocab 128, seq 16, global batch 8, fp32, eval mode) for 3 AdamW steps "
-             "on gloo ranks and compares the loss at every step and the final parameters with one "
-             "process (rtol 1e-5). *refused*: autopar declined at plan or compile time and said why.", "",
-             f"{counts['pass']} pass, {counts['fail']} fail, {counts['refused']} refused, "
-             f"of {len(results)} cases.", "",
+             ("Written by `python benchmarks/conformance.py`. Each case trains a tiny model (4 layers, "
+              "hidden 64, 4 heads, vocab 128, seq 16, global batch 8, fp32, eval mode) for 3 AdamW steps "
+              "on gloo ranks and compares the loss at every step and the final parameters with one "
+              "process (rtol 1e-5). *refused*: autopar declined at plan or compile time and said why."), "",
+             (f"{counts['pass']} pass, {counts['fail']} fail, {counts['refused']} refused, "
+              f"of {len(results)} cases."), "",
              "| architecture | kind | " + " | ".join(forms) + " |",
              "|---|---|" + "---|" * len(forms)]
     notes = []

@@ -48,6 +48,9 @@ from autopar.cost.stages import StageSpec, uniform_stages
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
+# The dtype activations are held in under each precision.
+_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+_PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in _ACTIVATION_DTYPE.items()}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,19 +97,19 @@ class _Chunk:
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
              attention: str = "flash", memory_limit: float | None = None,
              cache: dict | None = None, runtime: str | Runtime = "autopar",
-             calibration=None) -> Estimate:
+             calibration=None, precision: str | None = None) -> Estimate:
     """Price a Megatron-style configuration: layers split over pp x virtual chunks (evenly where
     they divide, `autopar.cost.stages.blocks_per_chunk` where not). `cache`: see
     `estimate_stages`; `runtime`: the training runtime whose overlap applies (cost/overlap.py);
     `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
-    collectives replace the defaults and the mesh's links."""
+    collectives replace the defaults and the mesh's links; `precision`: see `estimate_stages`."""
     _check_world(mesh, config)
     stages = uniform_stages(graph, config)
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
                            memory_limit=memory_limit, cache=cache, runtime=runtime,
-                           calibration=calibration)
+                           calibration=calibration, precision=precision)
 
 
 def _check_world(mesh: Mesh, config: Config) -> None:
@@ -120,16 +123,20 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                     micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
                     memory_limit: float | None = None, cache: dict | None = None,
-                    runtime: str | Runtime = "autopar", calibration=None) -> Estimate:
+                    runtime: str | Runtime = "autopar", calibration=None,
+                    precision: str | None = None) -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
     rank c % p of p = len(stages) / v ranks (Megatron's interleaving).
 
     `cache`, a dict the caller owns, keeps what calls on the same graph, mesh and efficiencies
     share (layouts, chunk owners, priced chunks), so that a search pricing many configurations
-    pays for each part once; results are the same with or without it."""
+    pays for each part once; results are the same with or without it. `precision` "bf16" (mixed
+    precision) or "fp32": the bytes of activations and model states; by default what the device
+    trains in (bf16 on GPUs, fp32 on CPUs)."""
     mesh, eff = calibrated(mesh, efficiencies, calibration)
     runtime = runtime_named(runtime)
-    memo = PriceCache.of(cache, graph, mesh, eff)
+    precision = precision or _PRECISION_OF_DTYPE.get(mesh.device.training_dtype, "bf16")
+    memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision])
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
@@ -149,7 +156,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         local_params = work.params / (spec.dp if spec.zero >= 1 else 1)
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
-    memory = _memory(pipe, stages, micro_batch, schedule, virtual)
+    memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
     tied = _tied_exposed(graph, memo.layout(stages[0].tp, stages[0].sequence_parallel),
                          split.owner, stages[0], mesh, pp=len(devices))
     step = ideal + bubble + max(data_comm) + tied + max(optimizer)
@@ -201,12 +208,12 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
 
 def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str,
-            virtual: int, seq_ratio=1) -> list[dict]:
+            virtual: int, seq_ratio=1, precision: str = "bf16") -> list[dict]:
     """Memory breakdown of each pipeline rank; `micro_batch` and `seq_ratio` (sequence length
     over the captured one) may be sympy expressions."""
     return [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], micro_batch, schedule,
                            pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
-                           seq_ratio=seq_ratio)
+                           seq_ratio=seq_ratio, precision=precision)
             for d, cs in enumerate(pipe.devices)]
 
 
@@ -490,8 +497,9 @@ def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: Sta
 
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
-                   virtual: int, stage: int, seq_ratio=1) -> dict:
-    states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp)
+                   virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
+    states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp,
+                               precision=precision)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     per_chunk = sum(_at(c.saved_poly, seq_ratio) for c in chunks) / len(chunks)
     peak = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])

@@ -175,8 +175,12 @@ class _LayoutBuilder:
             whole = _numel(by_name[p].shape)
             held = whole / self.tp if parallel else whole
             self.param_local[p] = min(self.param_local.get(p, whole), held)
-        if family == "view" and in_sharded and name in ("view", "reshape", "_unsafe_view", "unflatten"):
-            _check_split_heads(self.tp, by_name[acts[0]].shape, node)
+        if family == "view" and in_sharded and name in ("view", "reshape", "_unsafe_view", "unflatten") \
+                and not _splits_heads_evenly(self.tp, by_name[acts[0]].shape, node):
+            # fewer key/value heads than tp (multi-query attention): as in Megatron, every rank
+            # keeps them whole, gathered from the column-parallel projection
+            layout.sharded = False
+            layout.reduce_forward = self.full_bytes(node)
         self.sharded[node.name] = layout.sharded
         if parallel or layout.sharded or (self.sp and self.tp > 1):
             layout.flops /= self.tp
@@ -216,8 +220,9 @@ class _LayoutBuilder:
                 return True
             # Column-parallel: the input's gradient is all-reduced in the backward, once however
             # many matmuls read that input (q, k and v).
+            if (node.shape[-1] if node.shape else 1) % tp:
+                return False          # too few output features to split (a router's gate): whole
             layout.sharded = True
-            _check_divides(tp, node.shape[-1] if node.shape else 1, "output features", node)
             if acts and self.storage[acts[0]] not in self.grad_reduced:
                 self.grad_reduced.add(self.storage[acts[0]])
                 layout.reduce_backward = self.full_bytes(self.by_name[acts[0]])
@@ -225,10 +230,10 @@ class _LayoutBuilder:
         if family == "embedding" and params and tp > 1 and acts and all(self.from_input[i] for i in acts):
             layout.reduce_forward = self.full_bytes(node)      # vocab-parallel lookup of token ids
             return True
-        if family == "attention" and layout.sharded:
-            for i in acts[:3]:
-                shape = self.by_name[i].shape
-                _check_divides(tp, shape[-3] if len(shape) >= 3 else 1, "attention heads", node)
+        if family == "attention" and tp > 1 and acts:
+            # query heads are split over tp; key/value heads may be fewer (kept whole, above)
+            shape = self.by_name[acts[0]].shape
+            _check_divides(tp, shape[-3] if len(shape) >= 3 else 1, "heads", node)
         return family in ("matmul", "attention") and layout.sharded
 
 
@@ -239,19 +244,19 @@ def _check_divides(tp: int, size: int, what: str, node: Node) -> None:
                            f"choose a tensor-parallel degree that divides {size}")
 
 
-def _check_split_heads(tp: int, source: tuple, node: Node) -> None:
-    """A sharded feature dim reshaped into (heads, head_dim) shards the heads: tp must divide them
-    (grouped-query attention's key/value heads included)."""
+def _splits_heads_evenly(tp: int, source: tuple, node: Node) -> bool:
+    """A sharded feature dim reshaped into (heads, head_dim) shards the heads: whether tp divides
+    them (grouped-query attention's key/value heads included)."""
     if not source or len(node.shape) < 2:
-        return
+        return True
     features, product = source[-1], 1
     for k in range(len(node.shape) - 1, -1, -1):
         product *= node.shape[k]
         if product == features and k < len(node.shape) - 1:
-            _check_divides(tp, node.shape[k], "heads", node)
-            return
+            return node.shape[k] % tp == 0
         if product > features:
-            return
+            return True
+    return True
 
 
 def _numel(shape) -> int:

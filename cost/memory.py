@@ -20,19 +20,21 @@ from autopar.errors import AutoparError
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
 MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
 BYTES_PER_PARAM = {"weights": 2, "gradients": 2, "optimizer": ADAM_STATE_BYTES + MASTER_COPY_BYTES}
+# Training in fp32 (a plan's precision "fp32"): fp32 weights and gradients, Adam's two moments.
+BYTES_PER_PARAM_FP32 = {"weights": 4, "gradients": 4, "optimizer": ADAM_STATE_BYTES}
 # An Adam step reads master weights, both moments and the gradient, and writes the three states
 # and the bf16 weights: 4+4+4+2 read, 4+4+4+2 written, plus the gradient-norm pass (2).
 OPTIMIZER_STEP_BYTES_PER_PARAM = 30
 
 
-def model_state_bytes(params: float, *, zero: int, dp: int) -> dict[str, float]:
+def model_state_bytes(params: float, *, zero: int, dp: int, precision: str = "bf16") -> dict[str, float]:
     """Weights, gradients and optimizer state on one device holding `params` parameters
     (its pipeline stage's share after tensor parallelism), before ZeRO's split over `dp`."""
     if zero not in (0, 1, 2, 3):
         raise AutoparError(f"zero={zero}: ZeRO stages are 0, 1, 2 and 3")
     split = {"optimizer": zero >= 1, "gradients": zero >= 2, "weights": zero >= 3}
     return {part: params * size / (dp if split[part] else 1)
-            for part, size in BYTES_PER_PARAM.items()}
+            for part, size in (BYTES_PER_PARAM_FP32 if precision == "fp32" else BYTES_PER_PARAM).items()}
 
 
 def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, stage: int = 0) -> int:

@@ -30,20 +30,25 @@ class Split:
 class PriceCache:
     """The estimator's memo over `store` (a caller's dict, or a fresh one for a single call)."""
 
-    __slots__ = ("store", "graph", "mesh", "efficiencies")
+    __slots__ = ("store", "graph", "mesh", "efficiencies", "dtype")
 
-    def __init__(self, store: dict, graph: Graph, mesh: Mesh, efficiencies) -> None:
+    def __init__(self, store: dict, graph: Graph, mesh: Mesh, efficiencies,
+                 dtype: str | None = None) -> None:
         self.store, self.graph, self.mesh, self.efficiencies = store, graph, mesh, efficiencies
+        # the dtype activations are held in: the plan's precision, else what the device trains in
+        self.dtype = dtype or mesh.device.training_dtype
 
     @classmethod
-    def of(cls, store: dict | None, graph: Graph, mesh: Mesh, efficiencies) -> PriceCache:
+    def of(cls, store: dict | None, graph: Graph, mesh: Mesh, efficiencies,
+           dtype: str | None = None) -> PriceCache:
+        dtype = dtype or mesh.device.training_dtype
         if store is None:
-            return cls({}, graph, mesh, efficiencies)
-        context = store.setdefault("context", (graph, mesh, efficiencies))
-        if context[0] is not graph or context[1] != mesh or context[2] != efficiencies:
-            raise AutoparError("this estimator cache holds prices of another graph, mesh or "
-                               "efficiencies; pass a fresh dict (or none) for each of them")
-        return cls(store, graph, mesh, efficiencies)
+            return cls({}, graph, mesh, efficiencies, dtype)
+        context = store.setdefault("context", (graph, mesh, efficiencies, dtype))
+        if context[0] is not graph or context[1:] != (mesh, efficiencies, dtype):
+            raise AutoparError("this estimator cache holds prices of another graph, mesh, "
+                               "efficiencies or precision; pass a fresh dict (or none) for each of them")
+        return cls(store, graph, mesh, efficiencies, dtype)
 
     def _get(self, key: tuple, make):
         if key not in self.store:
@@ -53,7 +58,7 @@ class PriceCache:
     def layout(self, tp: int, sequence_parallel: bool) -> GraphLayout:
         return self._get(("layout", tp, sequence_parallel),
                          lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
-                                              compute_dtype=self.mesh.device.training_dtype))
+                                              compute_dtype=self.dtype))
 
     def layouts(self, stages: list[StageSpec]) -> dict:
         return {(s.tp, s.sequence_parallel): self.layout(s.tp, s.sequence_parallel) for s in stages}

@@ -115,6 +115,18 @@ def test_transpose_permute():
     assert ("S(0)", ("S(2)",)) in found and ("S(2)", ("S(1)",)) in found
 
 
+def test_transposes_of_every_spelling():
+    """x.T, x.mT, swapaxes and movedim move a sharding like transpose and permute (a linear written
+    x @ w.T reads its weight through numpy_T)."""
+    assert ("S(1)", ("S(0)",)) in strategies("aten.numpy_T.default", [(96, 64)], (64, 96))
+    mt = strategies("aten.mT.default", [(2, 4, 8)], (2, 8, 4))
+    assert ("S(2)", ("S(1)",)) in mt and ("S(0)", ("S(0)",)) in mt
+    assert ("S(0)", ("S(2)",)) in strategies("aten.swapaxes.default", [(2, 4, 8)], (8, 4, 2),
+                                             args=(None, 0, 2))
+    moved = strategies("aten.movedim.int", [(2, 4, 8)], (4, 8, 2), args=(None, 0, 2))
+    assert ("S(2)", ("S(0)",)) in moved and ("S(0)", ("S(1)",)) in moved
+
+
 def test_split_cat_getitem():
     split = strategies("aten.split.Tensor", [(2, 8, 48)], (), args=(None, 16, 2))
     assert ("S(2)", ("S(2)",)) not in split and ("S(1)", ("S(1)",)) in split

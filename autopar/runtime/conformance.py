@@ -27,7 +27,7 @@ from autopar.runtime.equivalence import mismatches, train_single_process
 
 GLOBAL_BATCH, STEPS = 8, 3
 # of the unconstrained plan's predicted memory per device: tried in turn until the plan pipelines
-MEMORY_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+MEMORY_FRACTIONS = tuple(round(1.0 - 0.05 * k, 2) for k in range(16))      # 1.0 down to 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,10 @@ def run_case(arch_name: str, form_name: str, timeout: float = 600.0) -> CaseResu
 def _classify(message: str) -> tuple[str, str]:
     """A rank's failure: refused when compile raised an AutoparError, failed otherwise."""
     body = message.split(": ", 1)[1] if message.startswith("rank ") else message
-    first = body.strip().splitlines()[0] if body.strip() else message
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    first = lines[0] if lines else message
+    if first.endswith(":") and len(lines) > 1:      # "RuntimeError:" with its message below
+        first = f"{first} {lines[1]}"
     if first.startswith("Refused: "):
         return "refused", first.removeprefix("Refused: ")
     return "fail", first

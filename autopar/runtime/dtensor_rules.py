@@ -93,6 +93,16 @@ class RunReplicated(nn.Module):
         return f"op={self.op}"
 
 
+class CheckLocal(nn.Module):
+    """`_assert_tensor_metadata` (which export puts before dtype casts) on a DTensor: its dtype,
+    device and layout are its local tensor's; its size and stride are global, so those are left to
+    DTensor, and nothing is gathered for a check."""
+
+    def forward(self, value, size=None, stride=None, dtype=None, **checks):
+        local = value.to_local() if isinstance(value, DTensor) else value
+        return aten._assert_tensor_metadata.default(local, dtype=dtype, **checks)
+
+
 def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]:
     """Every op of `module`'s graphs that DTensor has no rule for runs replicated (RunReplicated)
     instead of failing at its first call; returns the ops, by name."""
@@ -102,9 +112,13 @@ def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]
             # ops that create a tensor from nothing see no DTensor (replicate_created_tensors)
             if node.op != "call_function" or not node.all_input_nodes or has_dtensor_rule(node.target):
                 continue
-            name = f"replicated_{node.name}"
-            graph_module.add_submodule(name, RunReplicated(node.target, mesh))
+            if node.target == aten._assert_tensor_metadata.default:
+                name = f"check_{node.name}"
+                graph_module.add_submodule(name, CheckLocal())
+            else:
+                name = f"replicated_{node.name}"
+                graph_module.add_submodule(name, RunReplicated(node.target, mesh))
+                replaced.append(str(node.target))
             node.op, node.target = "call_module", name
-            replaced.append(str(graph_module.get_submodule(name).op))
         graph_module.recompile()
     return sorted(set(replaced))

@@ -35,7 +35,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plans import Plan
-from autopar.runtime import checkpoint
+from autopar.runtime import checkpoint, materialize
+from autopar.runtime import precision as mixed
 from autopar.runtime.checks import check_buffers, check_loss, check_loss_reduction, check_optimizer
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             split_stages)
@@ -239,16 +240,19 @@ def state_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
                   example_kwargs: dict | None = None, device: torch.device | str | None = None,
-                  graph=None) -> CompiledModel:
+                  graph=None, load_from=None, init=None, seed: int = 0) -> CompiledModel:
     """This rank's CompiledModel for `plan`. Call on every rank with the default process group up.
 
     `optimizer` is a function from a list of parameters to a torch.optim optimizer. `graph` is the
     model's capture for `example_inputs`: its export is reused when it was made for one micro-batch
     on real tensors (the stage's tensors come from `model` by name either way). `example_kwargs`
     are keyword arguments of the model's forward that are not tensors (`use_cache=False`): they are
-    fixed in the exported program."""
+    fixed in the exported program. A model on the meta device, or `load_from`/`init`, fill each
+    rank's shards only (materialize.py); the plan's precision runs mixed precision (precision.py)."""
     example_kwargs = dict(example_kwargs or {})
     _check_kwargs(example_kwargs)
+    materialize.check_sources(model, load_from, init)
+    mixed.check_precision(plan.precision)
     layout = pipeline_layout(plan)
     if dist.get_world_size() != layout.world_size:
         raise MeshError(f"the plan needs {layout.world_size} ranks (pp={layout.pp} x dp={layout.dp} x "
@@ -263,12 +267,25 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
 
     program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
         else None
+    micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+    # --- meta models: exported on meta, sharded on meta, then only local shards get storage ---
+    meta = materialize.is_meta_model(model)
+    if meta:
+        program, micro = None, materialize.meta_inputs(micro)
     if program is None:
-        micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
         program = torch.export.export(model, micro, example_kwargs, strict=False)
     check_buffers(program, layout.dp)
     exported = export_for_pipeline(model, (), program)
-    programs = _stage_programs(exported, model, plan, layout, mesh, own, device)
+    if meta:
+        materialize.retarget_devices(exported, device)
+    programs = _stage_programs(exported, model, plan, layout, mesh, own, device, meta)
+    if meta or load_from is not None or init is not None:
+        materialize.fill_stages([p.module for p in programs], model, device, load_from=load_from,
+                                init=init, seed=seed)
+    # --- mixed precision: compute under autocast (FSDP2 casts the parameters it gathers) ---
+    for p in programs:
+        mixed.autocast_stage(p.module, device, plan.precision)
+    loss_fn = mixed.autocast_loss(loss_fn, device, plan.precision)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     # the split's record of what each stage takes and returns spares torch a forward to learn it
     stages = None if len(plan.stages) == 1 else [
@@ -319,19 +336,21 @@ def _device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
 
 
 def _stage_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout: PipelineLayout,
-                    mesh: DeviceMesh, own: list[int], device: torch.device) -> list[StageProgram]:
+                    mesh: DeviceMesh, own: list[int], device: torch.device,
+                    meta: bool = False) -> list[StageProgram]:
     """This rank's stages, in order: cut the export into the plan's stages (with recompute per
     layer); keep our stages and copy only their tensors; shard parameters over tp (DTensor needs
     whole tensors to distribute); then over dp (FSDP shards what TP left, so it comes last)."""
     programs = split_stages(exported, [s.layers for s in plan.stages], [s.recompute for s in plan.stages],
                             blocks=_repeated_layers(model, plan))
-    programs = [_materialize(programs[s], model, device) for s in own]
+    programs = [_materialize(programs[s], model, device, meta) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
         if tp_axis is not None and _sharded_on(program, plan, tp_axis):
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, plan.nodes, tp_axis)
         if layout.dp > 1:
-            _data_parallel(program.module, plan.stages[program.index].zero, plan.schedule, mesh["dp"])
+            _data_parallel(program.module, plan.stages[program.index].zero, plan.schedule, mesh["dp"],
+                           mixed.mp_policy(plan.precision))
     return programs
 
 
@@ -345,17 +364,19 @@ def _repeated_layers(model: nn.Module, plan: Plan) -> set[str]:
     return found
 
 
-def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMesh) -> None:
+def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMesh,
+                   mp_policy=None) -> None:
     """Plain data parallelism or ZeRO over `dp_mesh`, one FSDP group per layer, then the rest.
 
     ZeRO-1 runs as ZeRO-2: FSDP2 shards gradients with the optimizer state; the numbers are the
     same and the memory is less. Under zero-bubble schedules (backward split into input and weight
     parts) freeing parameters between forward and backward gives wrong weight gradients in this
     torch, so there ZeRO-3 keeps them, as ZeRO-2 does."""
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     if zero == 0:
-        wrap = functools.partial(replicate, mesh=dp_mesh)
+        wrap = functools.partial(replicate, mesh=dp_mesh, **policy)
     else:
-        wrap = functools.partial(fully_shard, mesh=dp_mesh,
+        wrap = functools.partial(fully_shard, mesh=dp_mesh, **policy,
                                  reshard_after_forward=zero == 3 and schedule != "zero-bubble")
     for layer in _layers(module):
         wrap(layer)
@@ -416,19 +437,24 @@ def _micro_batch(tensor: torch.Tensor, size: int) -> torch.Tensor:
     return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:size]
 
 
-def _materialize(program: StageProgram, model: nn.Module, device: torch.device) -> StageProgram:
+def _materialize(program: StageProgram, model: nn.Module, device: torch.device,
+                 meta: bool = False) -> StageProgram:
     """The stage's own copy of its tensors, from the model by name, on its device: nothing is shared
-    with the caller's model, and nothing of other stages is kept."""
+    with the caller's model, and nothing of other stages is kept. For a meta model the copies stay
+    on meta (shapes only) until the sharding is done (materialize.fill_stages)."""
     for ref in program.module.modules():
         if isinstance(ref, TensorRef):
             source = _model_tensor(model, ref.fqn)
             # constants the export lifted out of the forward are not the model's attributes
             source = ref.value if source is None else source
-            if source.is_meta:
+            if meta:
+                copy = torch.empty_like(source.detach(), device="meta")
+            elif source.is_meta:
                 raise AutoparError(
                     f"{ref.fqn} is on the meta device; build the model with real weights "
                     f"(every rank the same, e.g. from one seed) before compiling a pipeline")
-            copy = source.detach().to(device, copy=True)
+            else:
+                copy = source.detach().to(device, copy=True)
             if isinstance(ref.value, nn.Parameter):
                 ref.value = nn.Parameter(copy, requires_grad=ref.value.requires_grad)
             else:

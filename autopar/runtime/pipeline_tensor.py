@@ -124,21 +124,17 @@ def _laid_out_like_global(value):
                               shape=value.shape, stride=value.stride())
 
 
-class _MatchLayout(torch.autograd.Function):
-    """Identity on values; local layouts follow global strides, for the value in forward and for
-    its gradient in backward (the backward of a view reshapes the gradient)."""
-
-    @staticmethod
-    def forward(ctx, value):
-        return _laid_out_like_global(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _laid_out_like_global(grad)
-
-
 def match_layout(value):
-    return _MatchLayout.apply(value) if isinstance(value, DTensor) else value
+    """`value` laid out like its global strides, by differentiable ops (forward)."""
+    return _laid_out_like_global(value)
+
+
+def match_grad_layout(value):
+    """`value` itself; its gradient is laid out like its global strides (backward: the backward of
+    a view reshapes the gradient). A hook, not an op, so in-place updates of `value` stay valid."""
+    if isinstance(value, DTensor) and value.requires_grad:
+        value.register_hook(_laid_out_like_global)
+    return value
 
 
 def match_layouts(module: nn.Module) -> None:
@@ -152,7 +148,7 @@ def match_layouts(module: nn.Module) -> None:
                 with graph.inserting_before(node):
                     node.replace_input_with(source, graph.call_function(match_layout, (source,)))
             with graph.inserting_after(node):
-                matched = graph.call_function(match_layout, (node,))
+                matched = graph.call_function(match_grad_layout, (node,))
             node.replace_all_uses_with(matched, delete_user_cb=lambda user: user is not matched)
         graph_module.recompile()
 
@@ -187,6 +183,7 @@ class MaskedAttention(nn.Module):
         return self.op(query, key, value, *args, **kwargs)
 
     def _placement(self, query: DTensor, key: DTensor) -> Placement:
+        """On the stage's one-dimensional tensor-parallel mesh."""
         size = self.mesh.size()
         for place in (self.placement, query.placements[0]):
             if isinstance(place, Shard) and place.dim in (0, 1) and query.shape[place.dim] % size == 0 \
@@ -253,7 +250,10 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
                 raise PlanMismatchError(
                     f"parameter {ref.fqn} of shape {tuple(ref.value.shape)} cannot be split in "
                     f"{mesh.size()} equal shards on dim {dim}; plan it replicated or change tp")
-        tensor = distribute_tensor(ref.value.detach(), mesh, [placement])
+        # a meta tensor (a model too big for one process) is only split, no values move: the
+        # local shards get storage and values after the sharding (materialize.py)
+        tensor = distribute_tensor(ref.value.detach(), mesh, [placement],
+                                   src_data_rank=None if ref.value.is_meta else 0)
         if isinstance(ref.value, nn.Parameter):
             ref.value = nn.Parameter(tensor, requires_grad=ref.value.requires_grad)
         else:

@@ -1,0 +1,250 @@
+"""Models too big for one process: built on the meta device, each rank allocates only its shards.
+
+A model built under `torch.device("meta")` has shapes and no storage. The runtime exports it on
+meta inputs, cuts the stages and keeps its stages' tensors on meta through the sharding: DTensor's
+`distribute_tensor` of a meta tensor and FSDP2's `fully_shard` of meta parameters only compute
+shapes. `fill_stages` then gives each rank storage for its local shards alone (`to_empty`) and
+fills them, from one of:
+
+- `load_from`: a safetensors file, a directory of safetensors shards (HuggingFace's layout, with or
+  without `model.safetensors.index.json`), or a DCP checkpoint directory. Names are those of
+  `model.state_dict()` (a tied weight under any of its names). Each rank reads only the slices it
+  holds: safetensors through `safe_open(...).get_slice(name)[region]`, which reads those bytes of
+  the file; DCP through `dcp.load`, which reads the stored chunks that overlap the local shards.
+- `init(module)`: called like `model.apply(init)`, on each module that owns tensors of this rank's
+  stages, materialized on the CPU with its own tensors whole (its children stay on meta), the
+  random generator seeded from `seed` and the module's name. Each rank then keeps the slices it
+  holds. Values depend on the seed and the names only, so they are the same under every plan. The
+  cost: every rank computes each whole tensor it holds a slice of, one module at a time, so the
+  extra memory is the largest module's own tensors and the time is that of initializing the
+  stage's whole tensors on every rank that shares them.
+
+`init` runs first and `load_from` overwrites what it holds, so a checkpoint without the model's
+non-persistent buffers (rotary tables) can come with an `init` that computes them. Tensors of a
+meta model that neither fills are refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from autopar.errors import AutoparError
+from autopar.runtime.pipeline_split import TensorRef
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def check_sources(model: nn.Module, load_from, init) -> None:
+    """A meta model needs values from somewhere; a path must exist (checked on every rank before
+    any collective)."""
+    if is_meta_model(model) and load_from is None and init is None:
+        raise AutoparError(
+            f"{type(model).__name__} has tensors on the meta device and no values: pass "
+            f"load_from= (a safetensors file, a directory of safetensors shards or a DCP checkpoint) "
+            f"or init= (a function initializing one module in place, as model.apply takes)")
+    if load_from is not None and not Path(load_from).exists():
+        raise AutoparError(f"load_from={str(load_from)!r} does not exist; pass a safetensors file, a "
+                           f"directory of safetensors shards or a DCP checkpoint directory")
+    if init is not None and not callable(init):
+        raise AutoparError(f"init={init!r} is not callable; pass a function of one module, such as "
+                           f"the model's _init_weights")
+
+
+def meta_inputs(inputs: tuple) -> tuple:
+    """Example inputs on meta, for exporting a meta model (real inputs beside meta weights mix
+    devices)."""
+    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def retarget_devices(module: fx.GraphModule, device: torch.device) -> None:
+    """An export on meta records device='meta' in ops that create tensors (a position `arange`)
+    and in its metadata checks: point them at this rank's device."""
+    changed = False
+    for node in module.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "meta":
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        module.recompile()
+
+
+def fill_stages(modules: list[nn.Module], model: nn.Module, device: torch.device, *, load_from=None,
+                init=None, seed: int = 0) -> None:
+    """Give the stages' meta tensors storage for this rank's shards only and fill them: from the
+    model where it holds real values, then `init`, then `load_from`. A collective when loading a
+    DCP checkpoint: call on every rank."""
+    for module in modules:
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            module.to_empty(device=device)
+    refs = [ref for module in modules for ref in module.modules() if isinstance(ref, TensorRef)]
+    unfilled = {ref.fqn for ref in refs}
+    with torch.no_grad():
+        for ref in refs:
+            source = _model_tensor(model, ref.fqn)
+            if source is not None and not source.is_meta:
+                _copy_local(ref.value, source)
+                unfilled.discard(ref.fqn)
+        if init is not None:
+            unfilled -= _initialize(refs, model, init, seed)
+        if load_from is not None:
+            unfilled -= _load(refs, model, Path(load_from))
+    if unfilled:
+        raise AutoparError(f"no values for {sorted(unfilled)[:6]} ({len(unfilled)} tensors): they are on "
+                           f"the meta device and {'not in ' + str(load_from) if load_from else 'init left them'}; "
+                           f"save them in the checkpoint, or pass an init= that sets them")
+
+
+def local_region(value: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the whole tensor this rank holds: all of a plain tensor, a box of a DTensor
+    (TP and FSDP placements alike, torch.chunk's split as FSDP2 and DTensor use)."""
+    if not isinstance(value, DTensor):
+        return tuple(slice(0, size) for size in value.shape)
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _copy_local(target: torch.Tensor, whole: torch.Tensor) -> None:
+    _local(target).copy_(whole[local_region(target)])
+
+
+def _initialize(refs: list[TensorRef], model: nn.Module, init, seed: int) -> set[str]:
+    """Run `init` on each owning module with its own tensors whole, seeded by its name; keep the
+    local slices."""
+    by_owner: dict[str, list[TensorRef]] = {}
+    for ref in refs:
+        by_owner.setdefault(ref.fqn.rpartition(".")[0], []).append(ref)
+    done = set()
+    for owner, owned in sorted(by_owner.items()):
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            continue                      # a constant the export lifted: no module to initialize
+        whole = _materialized(module)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(owner.encode()))
+            init(whole)
+        for ref in owned:
+            name = ref.fqn.rpartition(".")[2]
+            tensor = getattr(whole, name, None)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                _copy_local(ref.value, tensor.detach())
+                done.add(ref.fqn)
+    return done
+
+
+def _materialized(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` (same type, for init's isinstance checks) whose own tensors are
+    new, whole and on the CPU; its children are the model's, still on meta."""
+    whole = copy.copy(module)
+    whole._parameters = {name: None if p is None else nn.Parameter(torch.empty_like(p, device="cpu"),
+                                                                  requires_grad=p.requires_grad)
+                         for name, p in module._parameters.items()}
+    whole._buffers = {name: None if b is None else torch.empty_like(b, device="cpu")
+                      for name, b in module._buffers.items()}
+    return whole
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each tensor (a tied weight has several; a file may keep any one of them)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
+    return {name: group for group in names.values() for name in group}
+
+
+def _load(refs: list[TensorRef], model: nn.Module, path: Path) -> set[str]:
+    aliases = _aliases(model)
+    if path.is_dir() and (path / ".metadata").exists():
+        return _load_dcp(refs, aliases, path)
+    files = _safetensors_files(path)
+    done = set()
+    for ref in refs:
+        name = next((a for a in aliases.get(ref.fqn, [ref.fqn]) if a in files), None)
+        if name is None and ref.fqn in files:
+            name = ref.fqn
+        if name is None:
+            continue
+        _read_slice(ref, files[name], name)
+        done.add(ref.fqn)
+    return done
+
+
+def _safetensors_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (only the headers are read)."""
+    from safetensors import safe_open
+
+    if path.is_file():
+        candidates = [path]
+    elif (path / INDEX_FILE).exists():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    else:
+        candidates = sorted(path.glob("*.safetensors"))
+        if not candidates:
+            raise AutoparError(f"{path} holds no safetensors files and no DCP checkpoint (.metadata); "
+                               f"pass a safetensors file, a directory of them or a DCP checkpoint")
+    files = {}
+    for file in candidates:
+        with safe_open(file, framework="pt") as handle:
+            files.update({name: file for name in handle.keys()})
+    return files
+
+
+def _read_slice(ref: TensorRef, file: Path, name: str) -> None:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as handle:
+        stored = handle.get_slice(name)
+        if tuple(stored.get_shape()) != tuple(ref.value.shape):
+            raise AutoparError(f"{name} in {file} has shape {tuple(stored.get_shape())} but the model's "
+                               f"is {tuple(ref.value.shape)}; the checkpoint is of another model")
+        region = local_region(ref.value)
+        if any(part.stop == part.start for part in region):
+            return                        # a dimension smaller than the ranks splitting it
+        _local(ref.value).copy_(stored[region] if region else stored[:])
+
+
+def _load_dcp(refs: list[TensorRef], aliases: dict[str, list[str]], path: Path) -> set[str]:
+    """DCP reads into DTensors and plain tensors alike, each rank the chunks overlapping its own.
+    Keys are the model's names, or those names under "model." (a checkpoint of model and
+    optimizer)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    by_key: dict[str, list[TensorRef]] = {}
+    for ref in refs:
+        names = [k for alias in aliases.get(ref.fqn, [ref.fqn]) for k in (alias, f"model.{alias}")]
+        key = next((k for k in names if k in stored), None)
+        if key is not None:
+            by_key.setdefault(key, []).append(ref)
+    dcp.load({key: held[0].value for key, held in by_key.items()}, checkpoint_id=str(path))
+    for held in by_key.values():          # copies of a tied weight in two stages of this rank
+        for ref in held[1:]:
+            _local(ref.value).copy_(_local(held[0].value))
+    return {ref.fqn for held in by_key.values() for ref in held}
+
+
+def _model_tensor(model: nn.Module, fqn: str) -> torch.Tensor | None:
+    owner, _, name = fqn.rpartition(".")
+    try:
+        value = getattr(model.get_submodule(owner), name)
+    except AttributeError:
+        return None
+    return value if isinstance(value, torch.Tensor) else None

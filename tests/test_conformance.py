@@ -1,0 +1,124 @@
+"""A slice of the conformance matrix (benchmarks/conformance.py) that CI can afford: HuggingFace
+architectures of different kinds trained under parallel forms on gloo ranks, compared with one
+process; and tensor-parallel stages (DTensor) of the architectures whose ops once broke them,
+compared with the model itself."""
+
+import pytest
+import torch
+# Imported here, before the ranks fork, so that they inherit it (each would import it on its own).
+import torch._dynamo  # noqa: F401
+
+import autopar
+from autopar.cost.config import Config
+from autopar.runtime.conformance import FORMS, run_case
+
+transformers = pytest.importorskip("transformers")
+from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+# (architecture, form): learned positions and tied embeddings under the planner's own plan; rotary
+# GQA under data x tensor parallelism; an encoder-only masked LM under tensor parallelism + ZeRO-3.
+SLICE = [("gpt2", "plan 4:cpu"), ("llama", "dp2 x tp2"), ("bert-mlm", "tp2 x zero3 x dp2")]
+# Each once failed inside a tensor-parallel stage: a Shard kept through views that the local tensor
+# could not take (llama), an op DTensor has no rule for (mixtral's grouped expert matmul), a per-head
+# float mask passed to attention as a keyword (t5), linears computed as x @ w.T (falcon).
+STAGE_ARCHS = ["llama", "mixtral", "t5", "falcon"]
+CLASSES = resolve(sorted({arch for arch, _ in SLICE} | set(STAGE_ARCHS)))
+
+
+@pytest.mark.parametrize(("arch", "form"), SLICE)
+def test_architecture_trains_like_one_process(arch, form):
+    result = run_case(arch, form, timeout=300)
+    assert result.status == "pass", f"{arch}, {form}: {result.status}: {result.detail}"
+
+
+def _stage_against_model(names: list[str]) -> dict:
+    """On every rank of a 2-rank tp mesh: each model's whole graph as one tensor-parallel stage with
+    the planner's placements for Config(tp=2); its loss and every gradient against the model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from autopar.api import plan_from_config
+    from autopar.runtime.equivalence import ATOL, RTOL
+    from autopar.runtime.pipeline import _materialize
+    from autopar.runtime.pipeline_split import (
+        StageProgram,
+        TensorRef,
+        export_for_pipeline,
+    )
+    from autopar.runtime.pipeline_tensor import shard_stage
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    found = {}
+    for name in names:
+        arch = ARCHITECTURES[name]
+        *inputs, targets = arch.batch(4, torch.Generator().manual_seed(1))
+        model = arch.build(CLASSES[name])
+        plan = plan_from_config(autopar.capture(model, tuple(inputs)), "2:cpu",
+                                Config(tp=2, global_batch=4, micro_batch=4), time_limit=20)
+        program = _materialize(StageProgram(index=0, module=export_for_pipeline(model, tuple(inputs))),
+                               model, torch.device("cpu"))
+        stage = shard_stage(program.module, mesh, plan.parameters, plan.nodes, tp_axis=1)
+        loss = loss_fn(stage(*inputs), targets)
+        loss.backward()
+        reference = arch.build(CLASSES[name])
+        expected = loss_fn(reference(*inputs), targets)
+        expected.backward()
+        wanted = dict(reference.named_parameters(remove_duplicate=False))
+        problems = [] if abs(loss.item() - expected.item()) <= ATOL + RTOL * abs(expected.item()) \
+            else [f"loss {loss.item()} vs {expected.item()}"]
+        # a stage may hold tied weights as one copy per name: their gradients add up
+        sharded, grads = 0, {}
+        for ref in stage.modules():
+            if not isinstance(ref, TensorRef) or not isinstance(ref.value, torch.nn.Parameter):
+                continue
+            sharded += isinstance(ref.value, DTensor) and not ref.value.placements[0].is_replicate()
+            if ref.value.grad is not None:
+                grad = ref.value.grad
+                grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                key = id(wanted[ref.fqn])
+                grads[key] = grads[key] + grad if key in grads else grad
+        for fqn, parameter in reference.named_parameters():
+            want, got = parameter.grad, grads.get(id(parameter))
+            if want is None or got is None:
+                if (want is None) != (got is None):
+                    problems.append(f"gradient of {fqn} is missing on one side")
+            elif (got - want).abs().max() > ATOL + RTOL * want.abs().max():
+                problems.append(f"gradient of {fqn}")
+        found[name] = (problems, sharded)
+    return found
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return autopar.launch(_stage_against_model, 2, STAGE_ARCHS, timeout=400)[0]
+
+
+@pytest.mark.parametrize("arch", STAGE_ARCHS)
+def test_tensor_parallel_stage_computes_what_the_model_computes(stages, arch):
+    problems, sharded = stages[arch]
+    assert problems == []
+    assert sharded >= 8, f"only {sharded} parameters sharded over tp"
+
+
+def test_megatron_layout_sees_linears_through_transposed_weights():
+    """Falcon computes its linears as x @ w.T: every block's four matrices are split, column- then
+    row-parallel, not only the LM head."""
+    from autopar.runtime.forced_plan import megatron_plan
+
+    arch = ARCHITECTURES["falcon"]
+    model = arch.build(CLASSES["falcon"])
+    ids, _ = arch.batch(4, torch.Generator().manual_seed(1))
+    plan = megatron_plan(autopar.capture(model, (ids,)), autopar.Mesh.parse("2:cpu"),
+                         Config(tp=2, global_batch=4, micro_batch=4))
+    block = {fqn.split("h.0.")[1]: texts[1] for fqn, texts in plan.parameters.items() if ".h.0." in fqn}
+    assert block["self_attention.query_key_value.weight"] == "S(0)"
+    assert block["self_attention.dense.weight"] == "S(1)"
+    assert block["mlp.dense_h_to_4h.weight"] == "S(0)"
+    assert block["mlp.dense_4h_to_h.weight"] == "S(1)"
+
+
+def test_every_form_of_the_matrix_names_a_mesh_of_its_world_size():
+    for name, form in FORMS.items():
+        assert form.config is None or form.config.world_size == form.world_size, name
