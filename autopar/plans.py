@@ -22,12 +22,11 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from autopar.cost.vocabulary import MULTI_CHUNK_SCHEDULES, RECOMPUTE, SCHEDULES
 from autopar.errors import MeshError, PlanMismatchError
 
 SCHEMA_VERSION = 1
 PRECISIONS = ("fp32", "bf16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-RECOMPUTE = ("none", "selective", "full")
 # Bounds that no real run comes near; a value past them is a corrupt or crafted file, and would
 # otherwise make explain or the runtime loop over billions of micro-batches or ranks.
 MAX_BATCH = 2**24
@@ -221,7 +220,7 @@ def _check_values(data: dict) -> None:
         raise PlanMismatchError(f"plan field 'schedule' is {data['schedule']!r}; expected one of "
                                 f"{', '.join(SCHEDULES)}")
     stages, virtual = data["stages"], data["virtual"]
-    if virtual > 1 and data["schedule"] not in ("interleaved-1f1b", "zero-bubble"):
+    if virtual > 1 and data["schedule"] not in MULTI_CHUNK_SCHEDULES:
         raise PlanMismatchError(f"plan has virtual={virtual} chunks per rank with schedule "
                                 f"{data['schedule']!r}, which runs one; use interleaved-1f1b")
     if len(stages) % virtual:

@@ -8,12 +8,15 @@
     overlap.py      data-parallel traffic (gradients, ZeRO gathers) and what each runtime hides
     stages.py       which nodes each pipeline chunk holds (StageSpec, even and uneven splits)
     estimator.py    the one estimator: `estimate`, `estimate_stages`, `max_batch`, `max_seq`
+    plan_estimate.py  `estimate_plan`: a Plan priced from its own stages (what it records)
     price_cache.py  what the estimator's calls share, in a dict the caller passes as `cache=`
     calibrate.py    measured efficiencies of the local device, collectives of a gloo mesh
     calibration.py  a calibration file applied: efficiencies and measured links
     reference.py    published training runs as estimator inputs, with what each run assumed
+    vocabulary.py   schedules, recompute levels, axis roles: str enums that write plain JSON
 
     autopar.cost.estimate(graph, mesh, config, runtime="autopar", calibration=None)
+    autopar.cost.estimate_plan(graph, plan)
 
 The estimator's names are imported on first use, so that `import autopar.cost.mesh` stays light.
 """
@@ -23,6 +26,7 @@ from importlib import import_module
 _LAZY = {
     "estimate": "autopar.cost.estimator",
     "estimate_stages": "autopar.cost.estimator",
+    "estimate_plan": "autopar.cost.plan_estimate",
     "max_batch": "autopar.cost.estimator",
     "max_seq": "autopar.cost.estimator",
     "Estimate": "autopar.cost.estimator",

@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass
 
 from autopar.errors import AutoparError
 
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+from autopar.cost.vocabulary import RECOMPUTE, SCHEDULES, Schedule
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -34,7 +33,7 @@ class Config:
             raise AutoparError(f"schedule={self.schedule!r}: expected one of {SCHEDULES}")
         if self.zero not in (0, 1, 2, 3):
             raise AutoparError(f"zero={self.zero}: ZeRO stages are 0, 1, 2 and 3")
-        if self.virtual > 1 and self.schedule != "interleaved-1f1b":
+        if self.virtual > 1 and self.schedule != Schedule.INTERLEAVED_1F1B:
             raise AutoparError(f"virtual={self.virtual} chunks need schedule='interleaved-1f1b', "
                                f"not {self.schedule!r}")
         per_step = self.dp * self.micro_batch

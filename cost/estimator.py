@@ -140,6 +140,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
+    split = memo.split(stages)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
@@ -148,7 +149,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     data_comm, optimizer = [], []
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
-        work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs], stage=d)
+        work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
+                            [split.groups[c] for c in cs], stage=d)
         data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
                                                micro_batches=m, mesh=mesh, runtime=runtime))
         local_params = work.params / (spec.dp if spec.zero >= 1 else 1)
@@ -156,19 +158,20 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                                       mesh.device, "elementwise", efficiencies=eff))
     memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
     tied = _tied_exposed(graph, memo.layout(stages[0].tp, stages[0].sequence_parallel),
-                         memo.split(stages).owner, stages[0], mesh, pp=len(devices))
+                         split.owner, stages[0], mesh, pp=len(devices))
     step = ideal + bubble + max(data_comm) + tied + max(optimizer)
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
                       bubble=bubble, data_comm=max(data_comm) + tied, optimizer=max(optimizer), m=m,
                       global_batch=global_batch, memory_limit=memory_limit)
 
 
-def _device_work(chunks: list[_Chunk], stages: list[StageSpec], stage: int) -> DeviceWork:
+def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int],
+                 stage: int) -> DeviceWork:
     """A pipeline rank's chunks as the data-parallel traffic sees them; its last backward runs
     while the stages after it (`stage` is its place) drain theirs."""
     backward = sum(c.backward_s + c.recompute_s for c in chunks)
     return DeviceWork(params=sum(c.params for c in chunks), tensors=sum(c.tensors for c in chunks),
-                      blocks=sum(len(s.layers) for s in stages) + 1,
+                      blocks=sum(groups),
                       forward_s=sum(c.forward_s for c in chunks), backward_s=backward,
                       drain_s=backward * (1 + stage),
                       recompute=any(s.recompute == "full" for s in stages))

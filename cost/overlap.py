@@ -70,7 +70,7 @@ class DeviceWork:
     """One pipeline rank's share of a step, as the data-parallel traffic sees it."""
     params: float               # parameter elements on the device (after tensor parallelism)
     tensors: int                # parameter tensors on it
-    blocks: int                 # repeated blocks on it (FSDP units), plus one for the rest
+    blocks: int                 # FSDP groups on it: its modules with parameters, one per chunk for the rest
     forward_s: float            # per micro-batch, all its chunks
     backward_s: float           # per micro-batch, recomputed forwards included
     drain_s: float              # backward of the last micro-batch and of the stages after it

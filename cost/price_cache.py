@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from autopar.cost.layout import GraphLayout, infer_layout
 from autopar.cost.mesh import Mesh
-from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes
+from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_groups
 from autopar.errors import AutoparError
 from autopar.graph import Graph
 
@@ -24,6 +24,7 @@ class Split:
     key: tuple                  # the stages' layers, hashable
     owner: list                 # graph node index -> chunk
     node_sets: list             # chunk -> id of its set of nodes (equal sets, equal ids)
+    groups: list                # chunk -> FSDP groups its parameters fall into (stages.sharding_groups)
 
 
 class PriceCache:
@@ -73,7 +74,8 @@ class PriceCache:
             members[c].append(i)
         ids = self.store.setdefault("node_sets", {})
         node_sets = [ids.setdefault(tuple(m), len(ids)) for m in members]
-        return Split(key=key, owner=owner, node_sets=node_sets)
+        return Split(key=key, owner=owner, node_sets=node_sets,
+                     groups=sharding_groups(self.graph, owner, len(stages)))
 
     def chunk(self, split: Split, c: int, spec: StageSpec, micro_batch: int, attention: str,
               price):

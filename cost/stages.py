@@ -114,6 +114,27 @@ def _fill_owners(graph: Graph, owner: list[int]) -> list[int]:
     return owner
 
 
+def sharding_groups(graph: Graph, owner: list[int], chunks: int) -> list[int]:
+    """How many FSDP groups each chunk's parameters fall into as the runtime wraps a stage: one
+    per module of the stage that holds parameters (a block instance, or an outermost module that
+    holds no block: the embedding, a final norm, the head), plus the stage's own group for the
+    rest. A property of the chunk's nodes, not of how a stage names its layers."""
+    blocks = {inst.module_path for kind in graph.blocks for inst in kind.instances}
+    ancestors = {".".join(path.split(".")[:depth]) for path in blocks
+                 for depth in range(1, path.count(".") + 1)}
+    modules: list[set[str]] = [set() for _ in range(chunks)]
+    for i, node in enumerate(graph.nodes):
+        if node.role is not Role.PARAMETER:
+            continue
+        parts = node.param_fqn.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            path = ".".join(parts[:depth])
+            if path in blocks or path not in ancestors:
+                modules[owner[i]].add(path)
+                break
+    return [len(m) + 1 for m in modules]
+
+
 def block_mask(graph: Graph) -> list:
     """For each node, the (start, stop) node range of the block instance it is in, or None."""
     mask = [None] * len(graph.nodes)

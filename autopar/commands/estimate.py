@@ -1,5 +1,6 @@
 """`autopar estimate MODEL --mesh NxG:DEVICE --tp T --pp P ...`: predict a Megatron-style
-configuration's step time, throughput and memory per device without running it.
+configuration's step time, throughput and memory per device without running it;
+`autopar estimate MODEL --plan plan.json` prices a saved plan from its own stages.
 
 The model is captured on the meta device as one training step: for language models the forward
 and the next-token loss. dp is the world size over tp x pp.
@@ -14,25 +15,30 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from autopar.cost.vocabulary import RECOMPUTE, SCHEDULES
 from autopar.errors import AutoparError, MeshError
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="a preset (gpt3-175b, llama-7b, ...) or a spec such as "
                                       "gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200")
-    parser.add_argument("--mesh", required=True,
+    parser.add_argument("--mesh",
                         help="NODESxGPUS:DEVICE (128x8:a100-80g), GPUS:DEVICE (8:h100-80g), "
-                             "or a mesh JSON/TOML file")
+                             "or a mesh JSON/TOML file (required unless --plan)")
+    parser.add_argument("--plan", type=Path, default=None,
+                        help="price this plan (written by `autopar plan --out`) of MODEL instead "
+                             "of a configuration: its mesh, stages and batch are the plan's")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--virtual", type=int, default=1,
                         help="model chunks per pipeline rank; >1 means interleaved 1F1B (default 1)")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    parser.add_argument("--global-batch", type=int,
+                        help="sequences per step (required unless --plan)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+    parser.add_argument("--schedule", choices=SCHEDULES,
                         default=None, help="default 1f1b, or interleaved-1f1b when --virtual > 1")
     parser.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                         help="attention kernels: FlashAttention, or matmuls around a softmax kernel")
@@ -106,6 +112,10 @@ def run(args) -> int:
     from autopar.api import check_planning
     from autopar.models import parse_spec
 
+    if args.plan is not None:
+        return _run_plan(args)
+    if args.mesh is None or args.global_batch is None:
+        raise AutoparError("autopar estimate needs --mesh and --global-batch (or --plan plan.json)")
     mesh = parse_mesh(args.mesh)
     check_planning(args.global_batch, 1.0, None)   # the batch's bounds; estimate has no time limit
     parse_spec(args.model)
@@ -122,18 +132,49 @@ def run(args) -> int:
     report = {"model": args.model, "mesh": str(mesh), "config": config.to_dict(),
               "attention": args.attention, "runtime": args.runtime, "calibration": str(args.calibration or ""),
               **result.to_dict()}
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(Console(), report)
-    return 0
-
-
-def _print(console: Console, report: dict) -> None:
     config = report["config"]
     title = (f"{report['model']} on {report['mesh']}: tp={config['tp']} pp={config['pp']} "
              f"dp={config['dp']} v={config['virtual']} b={config['micro_batch']} "
              f"B={config['global_batch']} recompute={config['recompute']} zero={config['zero']}")
+    _output(args, report, title)
+    return 0
+
+
+def _run_plan(args) -> int:
+    """A saved plan priced from its own stages: `autopar.cost.estimate_plan`, the figures the
+    plan records as `predicted` when the calibration and runtime are the planner's."""
+    from autopar.cost.mesh import Mesh
+    from autopar.cost.plan_estimate import estimate_plan
+    from autopar.models import build_model
+    from autopar.plans import Plan
+    from autopar.tracer import capture
+
+    if args.mesh is not None or args.global_batch is not None:
+        raise AutoparError("--plan takes its mesh and global batch from the plan; drop --mesh "
+                           "and --global-batch")
+    plan = Plan.load(args.plan)
+    with Console(stderr=True).status(f"capturing {args.model} on the meta device"):
+        # captured as `autopar plan` captures it, so that the fingerprints can match
+        model, inputs = build_model(args.model)
+        graph = capture(model, example_inputs=inputs)
+    result = estimate_plan(graph, plan, runtime=args.runtime, attention=args.attention,
+                           calibration=args.calibration)
+    mesh = Mesh.from_dict(plan.mesh)
+    report = {"model": args.model, "mesh": str(mesh), "plan": str(args.plan),
+              "summary": plan.summary(), "attention": args.attention, "runtime": args.runtime,
+              "calibration": str(args.calibration or ""), **result.to_dict()}
+    _output(args, report, f"{args.model} on {mesh}: {plan.summary()}")
+    return 0
+
+
+def _output(args, report: dict, title: str) -> None:
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(Console(), report, title)
+
+
+def _print(console: Console, report: dict, title: str) -> None:
     summary = Table(title=title, show_header=False)
     summary.add_column("quantity")
     summary.add_column("value", justify="right")

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from autopar.cost.mesh import Mesh
+from autopar.cost.vocabulary import AXIS_ROLES, AxisRole
 from autopar.cost.strategies import (R, S, OpStrategy, OpView, axis_strategies, combine,
                                       placement_str)
 from autopar.errors import AutoparError
@@ -43,7 +44,7 @@ from autopar.solver.pricing import (NOT_DIFFERENTIABLE, ZERO2, Pricer, local_byt
                                     optimizer_bytes, saved_for_backward)
 from autopar.solver.problem import Edge, Problem, ProblemNode, Strategy
 
-ROLES = ("data", "tensor")
+ROLES = AXIS_ROLES
 SKIPPED = ("output",)
 
 
@@ -134,9 +135,9 @@ class _Builder:
     def _input_axis(self, node: Node, role: str | None) -> list[OpStrategy]:
         dims = range(len(node.shape))
         batch = self.batch.get(node.name)
-        if role == "data":
+        if role == AxisRole.DATA:
             return [OpStrategy(S(batch), ())] if batch is not None else [OpStrategy(R, ())]
-        if role == "tensor":
+        if role == AxisRole.TENSOR:
             dims = [d for d in dims if d != batch]
         return [OpStrategy(R, ())] + [OpStrategy(S(d), ()) for d in dims]
 
@@ -144,7 +145,7 @@ class _Builder:
         replicated = OpStrategy(R, tuple(R for _ in node.inputs))
         if role is None:
             return one_axis or [replicated]
-        if role == "tensor":
+        if role == AxisRole.TENSOR:
             allowed = [replicated] + [s for s in one_axis[1:] if not any(self._on_batch(node, s))]
             # matrices are used where they are stored, split (see _parameter_strategies)
             split = [s for s in allowed if not self._uses_whole_matrix(node, s)]
@@ -231,9 +232,9 @@ class _Builder:
         for role in self.roles:
             sharded = [f"S({d})" for d in range(len(node.shape)) if node.shape[d] % self.sizes[len(per_axis)] == 0]
             choices = ["R"] + sharded
-            if role != "tensor" and node.shape:
+            if role != AxisRole.TENSOR and node.shape:
                 choices.insert(1, ZERO2)
-            elif role == "tensor" and len(node.shape) >= 2 and sharded:
+            elif role == AxisRole.TENSOR and len(node.shape) >= 2 and sharded:
                 # A tensor axis exists to split the model's matrices: the estimator prices a
                 # tensor-parallel degree as weights stored 1/tp per device, so the ILP may not
                 # buy back its communication by replicating them.

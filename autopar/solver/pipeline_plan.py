@@ -15,12 +15,15 @@ from collections.abc import Callable
 from functools import cache
 
 from autopar.cost.config import Config
+from autopar.cost.plan_estimate import estimate_plan
+from autopar.cost.stages import blocks_per_chunk
+from autopar.cost.vocabulary import AxisRole
 from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 from autopar.plans import Plan, Stage
 from autopar.solver.pipeline import (MAX_TP, Candidate, Priced, Search, Shape, autopar_shapes,
-                                     balanced_cuts, grid_phase, layout_error, megatron_shapes,
+                                     grid_phase, layout_error, megatron_shapes,
                                      pipeline_units, refine, short_pipeline_shapes, uneven_phase,
                                      uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
@@ -50,7 +53,7 @@ def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
         "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced,
         "refused": sum(refused.values()),
         "refusal_reasons": dict(sorted(refused.items(), key=lambda kv: -kv[1])[:5])},
-        time_limit=max(1.0, started + time_limit - time.monotonic()))
+        time_limit=max(1.0, started + time_limit - time.monotonic()), cache=search.pricer.estimates)
     return plan, search
 
 
@@ -97,12 +100,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
                            f"tensor parallelism stays inside a node")
     limit = memory_limit or mesh.device.memory_bytes
     search = new_search(graph, mesh, config.global_batch, limit, started + time_limit)
-    cuts = uniform_cuts(search.units, config.pp * config.virtual)
-    if cuts is None:
-        cuts = balanced_cuts(unit_weights(graph, search.units, mesh, config.tp), config.pp * config.virtual)
-    if cuts is None:
-        raise AutoparError(f"{len(search.units)} units (embedding, blocks, head) cannot fill "
-                           f"{config.pp * config.virtual} pipeline chunks; use fewer stages")
+    cuts = _megatron_cuts(search.units, config.pp * config.virtual)
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
                   config.virtual, config.sequence_parallel)
@@ -118,7 +116,24 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         raise AutoparError(f"the estimator cannot price {config}: {reason}")
     return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
         "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1},
-        time_limit=time_limit)
+        time_limit=time_limit, cache=search.pricer.estimates)
+
+
+def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
+    """The cuts `estimate` prices a Config with (cost.stages.blocks_per_chunk: even where the
+    blocks divide, the extra blocks in the middle chunks where not), the embedding with the first
+    chunk and the head with the last, so that the forced plan's stages are the ones priced."""
+    cuts = uniform_cuts(units, chunks)
+    if cuts is not None:
+        return cuts
+    head = 1 if units[0].name == "embedding" else 0
+    blocks = sum(1 for unit in units if unit.block)
+    if blocks < chunks:
+        raise AutoparError(f"{len(units)} units (embedding, blocks, head) cannot fill {chunks} "
+                           f"pipeline chunks; use fewer stages")
+    counts = blocks_per_chunk(blocks, chunks)
+    inner = [head + sum(counts[:c]) for c in range(1, chunks)]
+    return (0, *inner, len(units))
 
 
 def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float) -> Search:
@@ -160,7 +175,7 @@ def _tensor_placements(graph: Graph, mesh: Mesh, tp: int, time_limit: float) -> 
     from autopar.solver import solve_intra_op
 
     axis = Mesh(mesh.device, (MeshAxis("tp", tp, mesh.device.intra_node),))
-    intra = solve_intra_op(graph, axis, roles={"tp": "tensor"}, memory_limit=float("inf"),
+    intra = solve_intra_op(graph, axis, roles={"tp": AxisRole.TENSOR}, memory_limit=float("inf"),
                            time_limit=time_limit)
     return {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
             "replicated_ops": list(intra.replicated_ops),
@@ -169,12 +184,11 @@ def _tensor_placements(graph: Graph, mesh: Mesh, tp: int, time_limit: float) -> 
                       "objective_s": intra.objective_s}}
 
 
-def _stage_predictions(graph: Graph, mesh: Mesh, priced: Priced, units) -> list[dict]:
+def _stage_predictions(graph: Graph, mesh: Mesh, priced: Priced, units, devices: list) -> list[dict]:
     """Each chunk's pipeline rank's predicted time and memory (the estimator prices ranks), and
     the chunk's own time per micro-batch: its rank's time shared among the rank's chunks in
     proportion to their roofline weights (what the timeline picture draws)."""
     candidate, pp = priced.candidate, priced.candidate.shape.pp
-    devices = priced.estimate.devices
     weights = unit_weights(graph, units, mesh, candidate.shape.tp)
     chunk_weight = [sum(weights[candidate.cuts[c]:candidate.cuts[c + 1]]) for c in range(candidate.chunks)]
     predictions = []
@@ -206,16 +220,14 @@ def _batch_nodes(graph: Graph) -> set[str]:
 
 
 def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: int, solver: dict,
-              time_limit: float) -> Plan:
+              time_limit: float, cache: dict | None = None) -> Plan:
     candidate, shape = priced.candidate, priced.candidate.shape
     tensor = _tensor_placements(graph, mesh, shape.tp, time_limit)
-    estimate = priced.estimate.to_dict()
     group = shape.dp * shape.tp
-    predicted_stages = _stage_predictions(graph, mesh, priced, units)
     stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
                     ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
                     tp=shape.tp, dp=shape.dp, recompute=candidate.recompute[i], zero=candidate.zero[i],
-                    sequence_parallel=shape.sequence_parallel, predicted=predicted_stages[i])
+                    sequence_parallel=shape.sequence_parallel)
               for i in range(candidate.chunks)]
     batch = _batch_nodes(graph)
     shapes = {n.name: n.shape for n in graph.nodes}
@@ -223,15 +235,21 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
              for name, placements in tensor["nodes"].items()}
     parameters = _with_zero3({fqn: ["R", *placements] for fqn, placements in tensor["parameters"].items()},
                              stages, {n.param_fqn: n.shape for n in graph.parameters})
-    predicted = {key: value for key, value in estimate.items() if key != "devices"}
     solver = {**solver, "intra_op": tensor["stats"]}
     solver["seconds"] += tensor["stats"]["seconds"]
     plan = Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
                 axes=[["dp", shape.dp], ["tp", shape.tp]], stages=stages,
                 global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
                 micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
-                parameters=parameters, nodes=nodes, predicted=predicted, solver=solver,
+                parameters=parameters, nodes=nodes, solver=solver,
                 replicated_ops=tensor["replicated_ops"], model_type=graph.model_type)
+    # What the plan records is the plan's own price, from its stages as written (the search's
+    # price of the candidate is the same call, shared through `cache`).
+    estimate = estimate_plan(graph, plan, cache=cache).to_dict()
+    plan.predicted = {key: value for key, value in estimate.items() if key != "devices"}
+    for stage, predicted in zip(stages, _stage_predictions(graph, mesh, priced, units,
+                                                           estimate["devices"])):
+        stage.predicted = predicted
     # A check on the estimator's bubble formula: torch's own action order, simulated with the
     # stages' predicted times.
     plan.predicted["simulated_bubble_fraction"] = plan_timeline(plan).bubble_fraction

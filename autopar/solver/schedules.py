@@ -24,9 +24,8 @@ stages form a V and ScheduleInterleavedZeroBubble otherwise (the planner places 
 
 from __future__ import annotations
 
+from autopar.cost.vocabulary import SCHEDULES
 from autopar.errors import AutoparError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 def torch_schedule(schedule: str, stages_per_rank: int, v_shape: bool = False) -> str:
