@@ -31,7 +31,7 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
     return estimate_stages(graph, Mesh.from_dict(plan.mesh), specs, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch_size, schedule=plan.schedule,
                            virtual=plan.virtual, cache=cache, runtime=runtime,
-                           attention=attention, calibration=calibration)
+                           attention=attention, calibration=calibration, precision=plan.precision)
 
 
 def stage_ranges(graph: Graph, layers: list[str], index: int) -> list[tuple[int, int]]:

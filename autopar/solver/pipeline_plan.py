@@ -242,7 +242,9 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
                 global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
                 micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
                 parameters=parameters, nodes=nodes, solver=solver,
-                replicated_ops=tensor["replicated_ops"], model_type=graph.model_type)
+                replicated_ops=tensor["replicated_ops"], model_type=graph.model_type,
+                # what the estimator priced and the runtime will run: the device's training dtype
+                precision="fp32" if mesh.device.training_dtype == "float32" else "bf16")
     # What the plan records is the plan's own price, from its stages as written (the search's
     # price of the candidate is the same call, shared through `cache`).
     estimate = estimate_plan(graph, plan, cache=cache).to_dict()
