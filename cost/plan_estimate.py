@@ -24,9 +24,9 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
     if plan.fingerprint != graph.fingerprint():
         raise PlanMismatchError("the plan was made for another graph (fingerprints differ); "
                                 "capture the model the plan was made for, or plan this one")
-    specs = [StageSpec(layers=stage_ranges(graph, stage.layers, stage.index), tp=stage.tp,
-                       dp=stage.dp, recompute=stage.recompute, zero=stage.zero,
-                       sequence_parallel=stage.sequence_parallel)
+    ranges = plan_stage_ranges(graph, [stage.layers for stage in plan.stages])
+    specs = [StageSpec(layers=ranges[stage.index], tp=stage.tp, dp=stage.dp, recompute=stage.recompute,
+                       zero=stage.zero, sequence_parallel=stage.sequence_parallel)
              for stage in plan.stages]
     return estimate_stages(graph, Mesh.from_dict(plan.mesh), specs, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch_size, schedule=plan.schedule,
@@ -34,19 +34,40 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
                            attention=attention, calibration=calibration, precision=plan.precision)
 
 
-def stage_ranges(graph: Graph, layers: list[str], index: int) -> list[tuple[int, int]]:
-    """The contiguous node ranges of the ops of modules `layers` (a path and everything under
-    it). Ops at the top level of the model (residual adds between blocks, the loss) belong to
-    no listed module: the estimator gives them to the chunk of the ops before them, as the
-    pipeline split does."""
+def plan_stage_ranges(graph: Graph, stage_layers: list[list[str]]) -> list[list[tuple[int, int]]]:
+    """Each stage's node ranges. A module listed by several stages (T5's stack dropout, called
+    after the embedding and again after the last block) has its ops split among them: each op
+    goes to the last of those stages whose own modules start at or before it, as the pipeline
+    split assigns them."""
+    listed: dict[str, list[int]] = {}
+    for index, layers in enumerate(stage_layers):
+        for layer in layers:
+            listed.setdefault(layer, []).append(index)
+    owned = [_module_indices(graph, [l for l in layers if len(listed[l]) == 1])
+             for layers in stage_layers]
+    starts = [min(indices) if indices else None for indices in owned]
+    for layer, stages in listed.items():
+        if len(stages) < 2:
+            continue
+        for i in _module_indices(graph, [layer]):
+            before = [s for s in stages if starts[s] is not None and starts[s] <= i]
+            owned[before[-1] if before else stages[0]].append(i)
+    for index, indices in enumerate(owned):
+        if not indices:
+            raise PlanMismatchError(f"plan stage {index} lists modules {stage_layers[index][:4]} that "
+                                    f"run no op of the graph; plan this model again")
+    return [_contiguous(sorted(indices)) for indices in owned]
+
+
+def _module_indices(graph: Graph, layers: list[str]) -> list[int]:
     prefixes = tuple(layer + "." for layer in layers)
     wanted = set(layers)
-    indices = [i for i, node in enumerate(graph.nodes)
-               if node.role is Role.ACTIVATION and node.module_path
-               and (node.module_path in wanted or node.module_path.startswith(prefixes))]
-    if not indices:
-        raise PlanMismatchError(f"plan stage {index} lists modules {layers[:4]} that run no op of "
-                                f"the graph; plan this model again")
+    return [i for i, node in enumerate(graph.nodes)
+            if node.role is Role.ACTIVATION and node.module_path
+            and (node.module_path in wanted or node.module_path.startswith(prefixes))]
+
+
+def _contiguous(indices: list[int]) -> list[tuple[int, int]]:
     ranges, start = [], indices[0]
     for previous, current in zip(indices, indices[1:] + [None]):
         if current != previous + 1:
