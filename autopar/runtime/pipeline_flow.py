@@ -29,9 +29,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopar.errors import AutoparError
 
 
-def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]) -> None:
+def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]) -> list[str]:
     """Relay (copy) each value through the stages between its producer and its readers; a relay
-    runs in the first unit of its stage, and `unit_of_node` learns it."""
+    runs in the first unit of its stage, and `unit_of_node` learns it. Returns the relayed values
+    that a stage computed (not model inputs): gradients flow back through their relays."""
+    relayed: list[str] = []
     first_unit: dict[int, int] = {}
     for unit, stage in enumerate(unit_stage):
         first_unit.setdefault(stage, unit)
@@ -54,6 +56,8 @@ def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage:
                                f"makes it, but it is not a tensor, so no stage can send it on; "
                                f"make it a tensor input of the model, or plan fewer stages")
         relays = {made: node}
+        if node.op != "placeholder":
+            relayed.append(node.name)
         anchor = last_input if node.op == "placeholder" else node
         for stage in range(made + 1, furthest):
             with module.graph.inserting_after(anchor):
@@ -66,6 +70,7 @@ def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage:
                 user.replace_input_with(node, relays[max(stage - 1, made)])
     module.graph.lint()
     module.recompile()
+    return relayed
 
 
 def order_interfaces(by_stage: fx.GraphModule, stages: int, positional: int) -> None:

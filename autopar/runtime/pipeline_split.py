@@ -53,6 +53,9 @@ class StageProgram:
     # input_args and output_args)
     example_inputs: tuple = ()
     example_outputs: tuple = ()
+    # activations some stage reads more than one stage after the one that computes them, relayed
+    # through the stages between (the same for every stage of the model)
+    relayed: tuple[str, ...] = ()
 
 
 class TensorRef(nn.Module):
@@ -114,7 +117,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     _drop_unused(module)
     unit_of_node = _assign_units(module, units, unit_stage)
     _check_order(module, unit_of_node, unit_stage)
-    pass_along(module, unit_of_node, unit_stage)
+    relayed = tuple(pass_along(module, unit_of_node, unit_stage))
 
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
@@ -135,7 +138,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
         names = {f"{path}.value": ref.fqn for path, ref in stage_module.named_modules()
                  if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter)}
         programs.append(StageProgram(index=index, module=stage_module, param_names=names,
-                                     out_spec=out_spec))
+                                     out_spec=out_spec, relayed=relayed))
     tied = tied_stages(programs)
     examples = interface_examples([program.module for program in programs], inputs)
     for program, (example_inputs, example_outputs) in zip(programs, examples):
