@@ -264,7 +264,8 @@ def _plan_on_rank0(make_plan, time_limit):
         except AutoparError as err:   # sent to the other ranks, then raised here too
             message[0] = ("error", err)
     dist.broadcast_object_list(message, src=0, group=waiting)
-    dist.destroy_process_group(waiting)
+    # The group is left to the default group's teardown: destroying it here, while a peer's gloo
+    # threads may still be finishing the broadcast, can abort a process at exit.
     kind, payload = message[0]
     if kind == "error":
         raise payload
