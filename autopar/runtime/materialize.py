@@ -92,7 +92,7 @@ def fill_stages(modules: list[nn.Module], model: nn.Module, device: torch.device
     unfilled = {ref.fqn for ref in refs}
     with torch.no_grad():
         for ref in refs:
-            source = _model_tensor(model, ref.fqn)
+            source = model_tensor(model, ref.fqn)
             if source is not None and not source.is_meta:
                 _copy_local(ref.value, source)
                 unfilled.discard(ref.fqn)
@@ -241,7 +241,9 @@ def _load_dcp(refs: list[TensorRef], aliases: dict[str, list[str]], path: Path) 
     return {ref.fqn for held in by_key.values() for ref in held}
 
 
-def _model_tensor(model: nn.Module, fqn: str) -> torch.Tensor | None:
+def model_tensor(model: nn.Module, fqn: str) -> torch.Tensor | None:
+    """The model's tensor at `fqn`, or None when the name is not one of its attributes (a constant
+    the export lifted out of the forward)."""
     owner, _, name = fqn.rpartition(".")
     try:
         value = getattr(model.get_submodule(owner), name)

@@ -452,7 +452,7 @@ def _materialize(program: StageProgram, model: nn.Module, device: torch.device,
     on meta (shapes only) until the sharding is done (materialize.fill_stages)."""
     for ref in program.module.modules():
         if isinstance(ref, TensorRef):
-            source = _model_tensor(model, ref.fqn)
+            source = materialize.model_tensor(model, ref.fqn)
             # constants the export lifted out of the forward are not the model's attributes
             source = ref.value if source is None else source
             if meta:
@@ -470,13 +470,6 @@ def _materialize(program: StageProgram, model: nn.Module, device: torch.device,
     return program
 
 
-def _model_tensor(model: nn.Module, fqn: str) -> torch.Tensor | None:
-    owner, _, name = fqn.rpartition(".")
-    try:
-        value = getattr(model.get_submodule(owner), name)
-    except AttributeError:
-        return None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _reusable(program, example_inputs: tuple, plan: Plan) -> bool:
