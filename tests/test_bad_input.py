@@ -139,6 +139,8 @@ PLAN_CASES = [
     Case("plan-batch-float", bad_plan(lambda d: d.update(global_batch=64.0)), "global_batch.*integer"),
     Case("plan-micro-batches-zero", bad_plan(lambda d: d.update(micro_batches=0)), "micro_batches"),
     Case("plan-micro-batches-1e12", bad_plan(lambda d: d.update(micro_batches=10**12)), "micro_batches"),
+    Case("plan-micro-batches-1e6", bad_plan(lambda d: d.update(micro_batches=10**6, global_batch=8 * 10**6)),
+         r"micro_batches.*integer from 1 to 65536"),
     Case("plan-micro-batch-size-negative", bad_plan(lambda d: d.update(micro_batch_size=-1)),
          "micro_batch_size"),
     Case("plan-batch-does-not-split", bad_plan(lambda d: d.update(global_batch=65)),
