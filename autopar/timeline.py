@@ -206,9 +206,9 @@ def save_png(timeline: Timeline, path: str | Path, title: str = "") -> None:
             ax.text(event.start * scale + width / 2, event.rank, str(event.action.micro_batch),
                     ha="center", va="center", fontsize=7, color="white")
     for (rank, kind, chunk), spans in boxes.items():
+        fade = 0.35 * chunk / (timeline.virtual - 1) if timeline.virtual > 1 else 0.0
         ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="white",
-                       linewidth=0.5 if len(spans) < 500 else 0,
-                       alpha=1.0 - 0.35 * chunk / max(1, timeline.virtual - 1) if timeline.virtual > 1 else 1.0)
+                       linewidth=0.5 if len(spans) < 500 else 0, alpha=1.0 - fade)
     ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")
