@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.api import check_planning, parse_bytes
+import autopar.api as api
 from autopar.cli import main
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError
@@ -281,17 +281,17 @@ MODEL_CASES = [
 ]
 
 SIZE_CASES = [
-    Case("memory-half-byte", lambda s: parse_bytes("0.5"), "memory size '0.5'"),
-    Case("memory-1e400", lambda s: parse_bytes("1e400"), "memory size '1e400'"),
-    Case("memory-unknown-unit", lambda s: parse_bytes("80 parsecs"), "not understood"),
-    Case("memory-negative", lambda s: parse_bytes(-1), "memory size -1"),
-    Case("memory-nan", lambda s: parse_bytes(math.nan), "memory size nan"),
-    Case("memory-list", lambda s: parse_bytes([80]), "not understood"),
-    Case("batch-1e12", lambda s: check_planning(10**12, 60, None), "global_batch=1000000000000"),
-    Case("batch-float", lambda s: check_planning(8.5, 60, None), "global_batch=8.5"),
-    Case("time-limit-zero", lambda s: check_planning(8, 0, None), "time_limit=0"),
-    Case("time-limit-inf", lambda s: check_planning(8, math.inf, None), "time_limit=inf"),
-    Case("time-limit-nan", lambda s: check_planning(8, math.nan, None), "time_limit=nan"),
+    Case("memory-half-byte", lambda s: api.parse_bytes("0.5"), "memory size '0.5'"),
+    Case("memory-1e400", lambda s: api.parse_bytes("1e400"), "memory size '1e400'"),
+    Case("memory-unknown-unit", lambda s: api.parse_bytes("80 parsecs"), "not understood"),
+    Case("memory-negative", lambda s: api.parse_bytes(-1), "memory size -1"),
+    Case("memory-nan", lambda s: api.parse_bytes(math.nan), "memory size nan"),
+    Case("memory-list", lambda s: api.parse_bytes([80]), "not understood"),
+    Case("batch-1e12", lambda s: api.check_planning(10**12, 60, None), "global_batch=1000000000000"),
+    Case("batch-float", lambda s: api.check_planning(8.5, 60, None), "global_batch=8.5"),
+    Case("time-limit-zero", lambda s: api.check_planning(8, 0, None), "time_limit=0"),
+    Case("time-limit-inf", lambda s: api.check_planning(8, math.inf, None), "time_limit=inf"),
+    Case("time-limit-nan", lambda s: api.check_planning(8, math.nan, None), "time_limit=nan"),
     Case("plan-mesh-not-a-mesh",
          lambda s: autopar.plan(nn.Linear(2, 2), 42, example_inputs=(torch.ones(1, 2),), global_batch=8),
          "neither an autopar.Mesh nor a spec"),
