@@ -67,7 +67,7 @@ def classify(case: Case, scratch: Path) -> tuple[str, str]:
         raise TimeoutError(f"no answer within {HANG_S} s")
 
     previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(HANG_S)
+    pending = signal.alarm(HANG_S)    # an outer alarm (pytest-timeout's) is re-armed afterwards
     try:
         result = case.run(scratch)
     except TimeoutError as err:
@@ -83,8 +83,8 @@ def classify(case: Case, scratch: Path) -> tuple[str, str]:
             return "traceback", result.stderr
         message = result.stderr
     finally:
-        signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        signal.alarm(pending)
     return ("clear" if re.search(case.words, message, re.IGNORECASE | re.DOTALL) else "unclear"), message
 
 
