@@ -30,6 +30,7 @@ PRECISIONS = ("fp32", "bf16")
 # Bounds that no real run comes near; a value past them is a corrupt or crafted file, and would
 # otherwise make explain or the runtime loop over billions of micro-batches or ranks.
 MAX_BATCH = 2**24
+MAX_MICRO_BATCHES = 2**16     # the timeline of a plan is simulated and drawn per micro-batch
 MAX_WORLD = 2**20
 PLACEMENT = re.compile(r"R|P|S\((\d+)\)")
 
@@ -211,8 +212,9 @@ def _check_values(data: dict) -> None:
     world = _check_mesh(data["mesh"])
     axes = _check_axes(data["axes"])
     sub = math.prod(size for _, size in axes)
-    for key in ("global_batch", "micro_batches", "micro_batch_size", "virtual"):
+    for key in ("global_batch", "micro_batch_size", "virtual"):
         _int(data[key], key, MAX_BATCH)
+    _int(data["micro_batches"], "micro_batches", MAX_MICRO_BATCHES)
     if data.get("precision", "fp32") not in PRECISIONS:
         raise PlanMismatchError(f"plan field 'precision' is {data['precision']!r}; expected one of "
                                 f"{', '.join(PRECISIONS)}")

@@ -52,7 +52,7 @@ def main() -> int:
             if args.verbose:
                 print(f"{outcome:9} {case.id}", file=sys.stderr)
             if outcome != "clear":
-                unclear.append((case.id, outcome, message.strip().splitlines()[:3]))
+                unclear.append((case.id, outcome, [line[:160] for line in message.strip().splitlines()[:3]]))
     total = sum(counts.values(), Counter())
     if args.json:
         print(json.dumps({"groups": {g: dict(c) for g, c in counts.items()}, "total": dict(total),

@@ -15,7 +15,8 @@ def add_arguments(parser):
     parser.add_argument("--mesh", required=True, help="NODESxGPUS:DEVICE, e.g. 128x8:a100-80g, or GPUS:DEVICE")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--memory-limit", help="bytes per device, e.g. 80GiB or 40GB (default: the device's)")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for all of planning, capture included (default 60)")
+    parser.add_argument("--time-limit", type=float, default=60.0,
+                        help="seconds for all of planning, capture included (default 60)")
     parser.add_argument("--out", help="write the plan here as JSON")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
 

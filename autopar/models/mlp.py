@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autopar.errors import AutoparError
 from autopar.models.sizes import check_sizes
 
 
