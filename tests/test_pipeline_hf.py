@@ -11,9 +11,6 @@ weights tied across pipeline ranks.
 
 import math
 from itertools import pairwise
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 # Imported before the ranks fork, so that they inherit it (each would import it on its own).
@@ -24,27 +21,34 @@ from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
 from autopar.solver.pipeline import pipeline_units
 
-transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).parent))
-import tiny_hf  # noqa: E402
+pytest.importorskip("transformers")
+from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve  # noqa: E402
 
 # Resolved before the ranks fork: transformers imports each model's module on first use.
-CLASSES = tiny_hf.model_classes(transformers)
+CLASSES = resolve(ARCHITECTURES)
 GLOBAL_BATCH, STEPS = 8, 3
 PIPELINE = autopar.Config(pp=2, dp=2, micro_batch=2, schedule="1f1b", global_batch=GLOBAL_BATCH)
 
 
+def build(name: str):
+    return ARCHITECTURES[name].build(CLASSES[name])
+
+
+def batches(name: str, batch: int, steps: int) -> list[tuple[torch.Tensor, ...]]:
+    """(*inputs, targets) for each step, the same on every rank."""
+    return [ARCHITECTURES[name].batch(batch, torch.Generator().manual_seed(step)) for step in range(steps)]
+
+
 def capture(name: str, batch: int = 2):
-    model, kwargs = tiny_hf.build(name, CLASSES)
-    *inputs, _ = tiny_hf.inputs(name, batch)
-    return model, kwargs, tuple(inputs), autopar.capture(model, example_inputs=tuple(inputs),
-                                                         example_kwargs=kwargs)
+    model = build(name)
+    *inputs, _ = batches(name, batch, 1)[0]
+    return model, tuple(inputs), autopar.capture(model, example_inputs=tuple(inputs))
 
 
-@pytest.mark.parametrize("name", tiny_hf.ARCHITECTURES)
+@pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
     """Three stages of the planner's units, cut evenly: the middle stage passes values along."""
-    model, kwargs, inputs, graph = capture(name)
+    model, inputs, graph = capture(name)
     units = pipeline_units(graph)
     cuts = [0, len(units) // 3, 2 * len(units) // 3, len(units)]
     layers = [[layer for unit in units[a:b] for layer in unit.layers] for a, b in pairwise(cuts)]
@@ -60,7 +64,7 @@ def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
         output = program.module(*values)
         values = output if isinstance(output, tuple) else (output,)
     got = model_outputs(output, programs[-1].out_spec)
-    torch.testing.assert_close(got.logits, model(*inputs, **kwargs).logits, rtol=0, atol=0)
+    torch.testing.assert_close(got.logits, model(*inputs).logits, rtol=0, atol=0)
 
 
 def adamw(params):
@@ -72,18 +76,16 @@ def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
     process on the same batches and reports the differences."""
     reports = []
     for name, config in cases:
-        data = [tiny_hf.inputs(name, GLOBAL_BATCH, seed=step) for step in range(STEPS)]
-        model, kwargs = tiny_hf.build(name, CLASSES)
+        data = batches(name, GLOBAL_BATCH, STEPS)
+        model = build(name)
         example = tuple(x[:config.micro_batch] for x in data[0][:-1])
         cm = autopar.compile(model, f"{config.world_size}:cpu", example_inputs=example,
-                             example_kwargs=kwargs, loss_fn=tiny_hf.loss_fn, optimizer=adamw, plan=config)
+                             loss_fn=loss_fn, optimizer=adamw, plan=config)
         losses = [cm.step(*batch) for batch in data]
         state = cm.full_state_dict()
         report = {"losses": losses, "stages": len(cm.plan.stages)}
         if torch.distributed.get_rank() == 0:
-            reference, _ = tiny_hf.build(name, CLASSES)
-            expected = train_single_process(reference, data, tiny_hf.loss_fn, adamw,
-                                            call=lambda m, inputs, kwargs=kwargs: m(*inputs, **kwargs))
+            expected = train_single_process(build(name), data, loss_fn, adamw)
             report["mismatches"] = mismatches(expected, losses, state)
         reports.append(report)
     return reports
@@ -111,7 +113,7 @@ def test_estimator_prices_the_all_reduce_of_weights_tied_across_pipeline_ranks()
     mesh = autopar.Mesh.parse("2:cpu")
     comm = {}
     for name in ("gpt2", "llama"):
-        graph = capture(name)[3]
+        graph = capture(name)[2]
         comm[name] = autopar.estimate(graph, mesh, config).comm_breakdown["data"]
         one_stage = autopar.Config(dp=1, micro_batch=2, global_batch=4)
         assert autopar.estimate(graph, autopar.Mesh.parse("1:cpu"), one_stage).comm_breakdown["data"] == 0
@@ -120,7 +122,7 @@ def test_estimator_prices_the_all_reduce_of_weights_tied_across_pipeline_ranks()
 
 def test_estimator_counts_a_tied_weight_once_in_one_stage():
     """An export lists the tied embedding under both names and reads one: held once."""
-    graph = capture("gpt2")[3]
+    graph = capture("gpt2")[2]
     one = autopar.estimate(graph, autopar.Mesh.parse("1:cpu"),
                            autopar.Config(dp=1, micro_batch=2, global_batch=4))
     elements = sum(math.prod(n.shape) for n in graph.parameters if n.tied_to is None)
