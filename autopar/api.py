@@ -158,7 +158,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     from autopar.runtime.pipeline import build_runtime
 
     mesh = _as_mesh(mesh)
-    _check_training(model, example_inputs, loss_fn, optimizer)
+    _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs)
     if plan is None:
         check_planning(global_batch or 1, time_limit, memory_limit)
     elif global_batch is not None:
@@ -206,11 +206,13 @@ def _use_local_gpu(mesh) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
-def _check_training(model, example_inputs, loss_fn, optimizer) -> None:
+def _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs) -> None:
     """What compile can refuse before building anything: the callables and the example inputs.
     What only a built model reveals (the optimizer's return value, the loss's shape and
     reduction, buffers updated in forward) is checked by autopar.runtime.checks."""
     import torch
+
+    from autopar.runtime.checks import check_example_kwargs
 
     if not isinstance(model, torch.nn.Module):
         raise AutoparError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -226,6 +228,10 @@ def _check_training(model, example_inputs, loss_fn, optimizer) -> None:
     if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
         raise AutoparError("example_inputs must start with a tensor whose first dimension is the "
                            "batch (one micro-batch's inputs), e.g. example_inputs=(ids,)")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise AutoparError(f"example_kwargs must be a dict of the forward's keyword arguments, got "
+                           f"{type(example_kwargs).__name__}")
+    check_example_kwargs(dict(example_kwargs or {}), inputs)
 
 
 def _load_plan(plan):

@@ -1,0 +1,130 @@
+"""Keyword inputs that change from step to step (`cm.step(ids, targets, attention_mask=mask)`):
+HuggingFace GPT2 and Llama with a padding mask that differs at every step train exactly like one
+process under data, tensor and pipeline (1F1B, 2 stages) parallelism on 2 gloo ranks; a keyword
+that was not captured, a missing one, or one of the wrong batch size, shape or dtype is refused on
+every rank before any collective (training goes on afterwards, so no rank was left inside one)."""
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: see test_parallel_hf.py)
+
+import autopar
+from autopar.cost.config import Config
+from autopar.errors import AutoparError
+from autopar.runtime.equivalence import mismatches, train_single_process
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.multiprocess
+GPT2, LLAMA = transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM
+
+VOCAB, SEQ, GLOBAL_BATCH = 64, 8, 8
+FORMS = {
+    "dp": Config(dp=2, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "tp": Config(tp=2, global_batch=GLOBAL_BATCH, micro_batch=4),
+    "pp 1f1b": Config(pp=2, global_batch=GLOBAL_BATCH, micro_batch=2, schedule="1f1b"),
+}
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    return GPT2(config).eval()
+
+
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                                      max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
+    return LLAMA(config).eval()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def loss_fn(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def batches(steps=3):
+    """(ids, attention_mask, targets) per step; every row is right-padded to its own length, drawn
+    again at each step, so the mask differs between steps, rows, replicas and micro-batches."""
+    generator = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)
+        lengths = torch.randint(2, SEQ + 1, (GLOBAL_BATCH, 1), generator=generator)
+        mask = (torch.arange(SEQ) < lengths).long()
+        data.append((ids, mask, torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)))
+    return data
+
+
+def refusals(cm, ids, mask, targets) -> list[str]:
+    """The messages of steps that must be refused; each must name the keyword."""
+    cases = {"unknown": dict(attention_mask=mask, token_type_ids=mask), "missing": {},
+             "batch": dict(attention_mask=mask[:6]), "shape": dict(attention_mask=mask[:, :5]),
+             "dtype": dict(attention_mask=mask.bool()), "constant": dict(attention_mask=mask, use_cache=True)}
+    messages = []
+    for case, kwargs in cases.items():
+        try:
+            cm.step(ids, targets, **kwargs)
+            messages.append(f"{case}: accepted")
+        except AutoparError as err:
+            messages.append(f"{case}: {err}")
+    return messages
+
+
+def train_forms(model_name: str) -> dict:
+    """On every rank: each form against one process's training with the same masks."""
+    make, data = MODELS[model_name], batches()
+    reference = train_single_process(
+        make(), data, loss_fn, adamw,
+        call=lambda model, inputs: model(inputs[0], attention_mask=inputs[1], use_cache=False))
+    results = {}
+    for name, config in FORMS.items():
+        example = (data[0][0][:config.micro_batch],)
+        kwargs = {"attention_mask": data[0][1][:config.micro_batch], "use_cache": False}
+        cm = autopar.compile(make(), f"{config.world_size}:cpu", loss_fn=loss_fn, optimizer=adamw,
+                             example_inputs=example, example_kwargs=kwargs, plan=config)
+        refused = refusals(cm, *data[0]) if name == "dp" else []
+        losses = [cm.step(ids, targets, attention_mask=mask) for ids, mask, targets in data]
+        results[name] = (losses, mismatches(reference, losses, cm.full_state_dict()), refused)
+    return results
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def on_2_ranks(request):
+    return autopar.launch(train_forms, 2, request.param, timeout=600)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_mask_changing_every_step_trains_like_one_process(on_2_ranks, form):
+    for rank, results in enumerate(on_2_ranks):
+        losses, found, _ = results[form]
+        assert found == [], f"rank {rank}, {form}: {found}"
+        assert losses == on_2_ranks[0][form][0], "ranks returned different losses"
+
+
+def test_bad_step_keywords_are_refused_by_name(on_2_ranks):
+    for results in on_2_ranks:
+        unknown, missing, batch, shape, dtype, constant = results["dp"][2]
+        assert "token_type_ids" in unknown and "not captured" in unknown
+        assert "missing" in missing and "attention_mask" in missing and "pass them to every step" in missing
+        assert "'attention_mask' has a batch dimension of 6" in batch and "8 rows" in batch
+        assert "'attention_mask' has shape [8, 5]" in shape
+        assert "'attention_mask' is torch.bool" in dtype and "torch.int64" in dtype
+        assert "'use_cache' is True" in constant
+
+
+def test_example_keyword_of_another_batch_is_refused_before_any_process_group():
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    with pytest.raises(AutoparError, match=r"example_kwargs\['attention_mask'\] has shape \[3, 8\]"):
+        autopar.compile(torch.nn.Linear(8, 8), "2:cpu", example_inputs=(ids,), loss_fn=loss_fn,
+                        optimizer=adamw, example_kwargs={"attention_mask": torch.ones(3, SEQ)},
+                        plan=FORMS["dp"])
