@@ -1,6 +1,8 @@
 """Keyword inputs that change from step to step (`cm.step(ids, targets, attention_mask=mask)`):
-HuggingFace GPT2 and Llama with a padding mask that differs at every step train exactly like one
-process under data, tensor and pipeline (1F1B, 2 stages) parallelism on 2 gloo ranks; a keyword
+HuggingFace GPT2, Llama, BERT and T5 with a padding mask that differs at every step (T5 also
+takes its decoder ids as a keyword, read only by the decoder: in a later pipeline stage) train
+exactly like one process under data, tensor and pipeline (1F1B, 2 stages) parallelism on 2 gloo
+ranks; a keyword
 that was not captured, a missing one, or one of the wrong batch size, shape or dtype is refused on
 every rank before any collective (training goes on afterwards, so no rank was left inside one)."""
 
@@ -11,11 +13,14 @@ import torch._dynamo  # noqa: F401  (imported before the ranks fork: see test_pa
 import autopar
 from autopar.cost.config import Config
 from autopar.errors import AutoparError
+from autopar.models.hf_zoo import ARCHITECTURES, resolve
 from autopar.runtime.equivalence import mismatches, train_single_process
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess
+# resolved before the ranks fork
 GPT2, LLAMA = transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM
+ZOO = resolve(["bert-mlm", "t5"])
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 8, 8
 FORMS = {
@@ -41,7 +46,10 @@ def llama():
     return LLAMA(config).eval()
 
 
-MODELS = {"gpt2": gpt2, "llama": llama}
+# name -> (build, the constant keywords it is called with)
+MODELS = {"gpt2": (gpt2, {"use_cache": False}), "llama": (llama, {"use_cache": False}),
+          "bert": (lambda: ARCHITECTURES["bert-mlm"].build(ZOO["bert-mlm"]), {}),
+          "t5": (lambda: ARCHITECTURES["t5"].build(ZOO["t5"]), {})}
 
 
 def loss_fn(outputs, targets):
@@ -52,24 +60,27 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def batches(steps=3):
-    """(ids, attention_mask, targets) per step; every row is right-padded to its own length, drawn
-    again at each step, so the mask differs between steps, rows, replicas and micro-batches."""
+def batches(model_name: str, steps=3):
+    """(ids, tensor keywords, targets) per step; every row is right-padded to its own length,
+    drawn again at each step, so the mask differs between steps, rows, replicas and micro-batches."""
     generator = torch.Generator().manual_seed(1)
     data = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)
+        ids = torch.randint(3, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)
         lengths = torch.randint(2, SEQ + 1, (GLOBAL_BATCH, 1), generator=generator)
-        mask = (torch.arange(SEQ) < lengths).long()
-        data.append((ids, mask, torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)))
+        keywords = {"attention_mask": (torch.arange(SEQ) < lengths).long()}
+        if model_name == "t5":
+            keywords["decoder_input_ids"] = torch.randint(3, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)
+        data.append((ids, keywords, torch.randint(3, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)))
     return data
 
 
-def refusals(cm, ids, mask, targets) -> list[str]:
+def refusals(cm, ids, keywords, targets) -> list[str]:
     """The messages of steps that must be refused; each must name the keyword."""
-    cases = {"unknown": dict(attention_mask=mask, token_type_ids=mask), "missing": {},
-             "batch": dict(attention_mask=mask[:6]), "shape": dict(attention_mask=mask[:, :5]),
-             "dtype": dict(attention_mask=mask.bool()), "constant": dict(attention_mask=mask, use_cache=True)}
+    mask, others = keywords["attention_mask"], {k: v for k, v in keywords.items() if k != "attention_mask"}
+    cases = {"unknown": dict(keywords, token_type_ids=mask), "missing": others,
+             "batch": dict(others, attention_mask=mask[:6]), "shape": dict(others, attention_mask=mask[:, :5]),
+             "dtype": dict(others, attention_mask=mask.bool()), "constant": dict(keywords, use_cache=True)}
     messages = []
     for case, kwargs in cases.items():
         try:
@@ -82,18 +93,17 @@ def refusals(cm, ids, mask, targets) -> list[str]:
 
 def train_forms(model_name: str) -> dict:
     """On every rank: each form against one process's training with the same masks."""
-    make, data = MODELS[model_name], batches()
-    reference = train_single_process(
-        make(), data, loss_fn, adamw,
-        call=lambda model, inputs: model(inputs[0], attention_mask=inputs[1], use_cache=False))
+    (make, constants), data = MODELS[model_name], batches(model_name)
+    reference = train_single_process(make(), data, loss_fn, adamw,
+                                     call=lambda model, inputs: model(inputs[0], **inputs[1], **constants))
     results = {}
     for name, config in FORMS.items():
         example = (data[0][0][:config.micro_batch],)
-        kwargs = {"attention_mask": data[0][1][:config.micro_batch], "use_cache": False}
+        kwargs = {**{key: value[:config.micro_batch] for key, value in data[0][1].items()}, **constants}
         cm = autopar.compile(make(), f"{config.world_size}:cpu", loss_fn=loss_fn, optimizer=adamw,
                              example_inputs=example, example_kwargs=kwargs, plan=config)
         refused = refusals(cm, *data[0]) if name == "dp" else []
-        losses = [cm.step(ids, targets, attention_mask=mask) for ids, mask, targets in data]
+        losses = [cm.step(ids, targets, **keywords) for ids, keywords, targets in data]
         results[name] = (losses, mismatches(reference, losses, cm.full_state_dict()), refused)
     return results
 
@@ -119,7 +129,7 @@ def test_bad_step_keywords_are_refused_by_name(on_2_ranks):
         assert "'attention_mask' has a batch dimension of 6" in batch and "8 rows" in batch
         assert "'attention_mask' has shape [8, 5]" in shape
         assert "'attention_mask' is torch.bool" in dtype and "torch.int64" in dtype
-        assert "'use_cache' is True" in constant
+        assert "use_cache" in constant and "accepted" not in constant
 
 
 def test_example_keyword_of_another_batch_is_refused_before_any_process_group():
