@@ -155,6 +155,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
 
     from autopar.tracer import capture
     from autopar.cost.config import Config
+    from autopar.runtime.launch import init_default_group
     from autopar.runtime.pipeline import build_runtime
 
     mesh = _as_mesh(mesh)
@@ -166,7 +167,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     if mesh.device.name != "cpu":
         _use_local_gpu(mesh)
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if mesh.device.name == "cpu" else "nccl")
+        # from torchrun's environment, safe across its restarts (launch.init_default_group)
+        init_default_group("gloo" if mesh.device.name == "cpu" else "nccl")
     if mesh.world_size != dist.get_world_size():
         raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
                         f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
