@@ -131,10 +131,3 @@ def test_bad_step_keywords_are_refused_by_name(on_2_ranks):
         assert "'attention_mask' is torch.bool" in dtype and "torch.int64" in dtype
         assert "use_cache" in constant and "accepted" not in constant
 
-
-def test_example_keyword_of_another_batch_is_refused_before_any_process_group():
-    ids = torch.zeros(2, SEQ, dtype=torch.long)
-    with pytest.raises(AutoparError, match=r"example_kwargs\['attention_mask'\] has shape \[3, 8\]"):
-        autopar.compile(torch.nn.Linear(8, 8), "2:cpu", example_inputs=(ids,), loss_fn=loss_fn,
-                        optimizer=adamw, example_kwargs={"attention_mask": torch.ones(3, SEQ)},
-                        plan=FORMS["dp"])
