@@ -2,7 +2,7 @@
 HuggingFace GPT2, Llama, BERT and T5 with a padding mask that differs at every step (T5 also
 takes its decoder ids as a keyword, read only by the decoder: in a later pipeline stage) train
 exactly like one process under data, tensor and pipeline (1F1B, 2 stages) parallelism on 2 gloo
-ranks; a keyword
+ranks (the last step of data parallelism with `local=True`: each replica's own rows); a keyword
 that was not captured, a missing one, or one of the wrong batch size, shape or dtype is refused on
 every rank before any collective (training goes on afterwards, so no rank was left inside one)."""
 
@@ -103,7 +103,13 @@ def train_forms(model_name: str) -> dict:
         cm = autopar.compile(make(), f"{config.world_size}:cpu", loss_fn=loss_fn, optimizer=adamw,
                              example_inputs=example, example_kwargs=kwargs, plan=config)
         refused = refusals(cm, *data[0]) if name == "dp" else []
-        losses = [cm.step(ids, targets, **keywords) for ids, keywords, targets in data]
+        losses = [cm.step(ids, targets, **keywords) for ids, keywords, targets in data[:-1]]
+        ids, keywords, targets = data[-1]
+        if name == "dp":     # this replica's rows only: the keywords are sliced like the inputs
+            rows = slice(cm.dp_rank * GLOBAL_BATCH // 2, (cm.dp_rank + 1) * GLOBAL_BATCH // 2)
+            ids, targets = ids[rows], targets[rows]
+            keywords = {key: value[rows] for key, value in keywords.items()}
+        losses.append(cm.step(ids, targets, local=name == "dp", **keywords))
         results[name] = (losses, mismatches(reference, losses, cm.full_state_dict()), refused)
     return results
 
