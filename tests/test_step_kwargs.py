@@ -2,7 +2,7 @@
 HuggingFace GPT2, Llama, BERT and T5 with a padding mask that differs at every step (T5 also
 takes its decoder ids as a keyword, read only by the decoder: in a later pipeline stage) train
 exactly like one process under data, tensor and pipeline (1F1B, 2 stages) parallelism on 2 gloo
-ranks (the last step of data parallelism with `local=True`: each replica's own rows); a keyword
+ranks, and GPT2 under the other schedules and ZeRO-3 too (the last step of data parallelism with `local=True`: each replica's own rows); a keyword
 that was not captured, a missing one, or one of the wrong batch size, shape or dtype is refused on
 every rank before any collective (training goes on afterwards, so no rank was left inside one)."""
 
@@ -28,11 +28,19 @@ FORMS = {
     "tp": Config(tp=2, global_batch=GLOBAL_BATCH, micro_batch=4),
     "pp 1f1b": Config(pp=2, global_batch=GLOBAL_BATCH, micro_batch=2, schedule="1f1b"),
 }
+# the other schedules and ZeRO-3, on a 4-layer GPT2 (interleaving needs 2 chunks per rank)
+MORE_FORMS = {
+    "interleaved 1f1b": Config(pp=2, virtual=2, global_batch=GLOBAL_BATCH, micro_batch=2,
+                               schedule="interleaved-1f1b"),
+    "zero-bubble": Config(pp=2, global_batch=GLOBAL_BATCH, micro_batch=2, schedule="zero-bubble"),
+    "gpipe": Config(pp=2, global_batch=GLOBAL_BATCH, micro_batch=2, schedule="gpipe"),
+    "zero-3": Config(dp=2, zero=3, global_batch=GLOBAL_BATCH, micro_batch=2),
+}
 
 
-def gpt2():
+def gpt2(layers: int = 2):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+    config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                      bos_token_id=0, eos_token_id=0)
     return GPT2(config).eval()
@@ -114,6 +122,20 @@ def train_forms(model_name: str) -> dict:
     return results
 
 
+def train_more_forms() -> dict:
+    data = batches("gpt2")
+    reference = train_single_process(gpt2(4), data, loss_fn, adamw,
+                                     call=lambda model, inputs: model(inputs[0], **inputs[1], use_cache=False))
+    results = {}
+    for name, config in MORE_FORMS.items():
+        kwargs = {"attention_mask": data[0][1]["attention_mask"][:config.micro_batch], "use_cache": False}
+        cm = autopar.compile(gpt2(4), "2:cpu", loss_fn=loss_fn, optimizer=adamw, plan=config,
+                             example_inputs=(data[0][0][:config.micro_batch],), example_kwargs=kwargs)
+        losses = [cm.step(ids, targets, **keywords) for ids, keywords, targets in data]
+        results[name] = mismatches(reference, losses, cm.full_state_dict())
+    return results
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def on_2_ranks(request):
     return autopar.launch(train_forms, 2, request.param, timeout=600)
@@ -125,6 +147,11 @@ def test_mask_changing_every_step_trains_like_one_process(on_2_ranks, form):
         losses, found, _ = results[form]
         assert found == [], f"rank {rank}, {form}: {found}"
         assert losses == on_2_ranks[0][form][0], "ranks returned different losses"
+
+
+def test_mask_under_other_schedules_and_zero3():
+    for rank, results in enumerate(autopar.launch(train_more_forms, 2, timeout=600)):
+        assert results == {name: [] for name in MORE_FORMS}, f"rank {rank}: {results}"
 
 
 def test_bad_step_keywords_are_refused_by_name(on_2_ranks):
