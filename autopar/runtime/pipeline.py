@@ -37,10 +37,10 @@ from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plans import Plan
 from autopar.runtime import checkpoint, materialize
 from autopar.runtime import precision as mixed
-from autopar.runtime.checks import (check_buffers, check_loss, check_loss_reduction, check_optimizer,
-                                   check_example_kwargs, check_step_inputs)
+from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_loss, check_loss_reduction,
+                                   check_optimizer, check_step_inputs)
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
-                                            split_stages)
+                                            signature, split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.tied import TiedWeights
@@ -166,8 +166,8 @@ class CompiledModel:
         *inputs, targets = (t.to(self.device) for t in batch)
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kwargs)
+        last = {"target": targets, "losses": losses} if self.is_last else {}
+        self.schedule.step(*args, **last)
         if self.tied is not None:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         self.optimizer.step()
@@ -297,6 +297,12 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     exported = export_for_pipeline(model, (), program)
     if meta:
         materialize.retarget_devices(exported, device)
+    keywords = signature(exported)[1]
+    tensors = [name for name, value in example_kwargs.items() if isinstance(value, torch.Tensor)]
+    if sorted(keywords) != sorted(tensors):
+        raise PlanMismatchError(f"the graph takes the keyword inputs {list(keywords)} but example_kwargs "
+                                f"has the tensors {tensors}; capture the graph with the example_kwargs "
+                                f"given to compile")
     programs = _stage_programs(exported, model, plan, layout, mesh, own, device, meta)
     if plan.schedule == "zero-bubble" and programs and programs[0].relayed:
         # seen on T5 (its encoder output read by every decoder stage): the split backward of

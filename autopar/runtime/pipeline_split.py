@@ -116,7 +116,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     output structure from them)."""
     units = [path for layers in stage_layers for path in layers]
     unit_stage = [s for s, layers in enumerate(stage_layers) for _ in layers]
-    taken, keywords, out_spec = _signature(module)
+    taken, keywords, out_spec = signature(module)
     inputs = [node.meta["val"] for node in taken]
     _drop_unused(module)
     unit_of_node = _assign_units(module, units, unit_stage)
@@ -160,7 +160,7 @@ def tied_stages(programs: list[StageProgram]) -> dict[str, tuple[int, ...]]:
     return {fqn: tuple(stages) for fqn, stages in holders.items() if len(stages) > 1}
 
 
-def _signature(module: fx.GraphModule) -> tuple[list[fx.Node], tuple[str, ...], object]:
+def signature(module: fx.GraphModule) -> tuple[list[fx.Node], tuple[str, ...], object]:
     """The placeholders the first stage takes: the model's positional inputs, then its tensor
     keyword inputs (attention masks) in captured order; the names of those keywords; and the
     model's output structure. Keywords that are not tensors (use_cache=False) are constants baked
