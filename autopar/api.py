@@ -155,10 +155,11 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
 
     from autopar.tracer import capture
     from autopar.cost.config import Config
+    from autopar.runtime.launch import init_default_group
     from autopar.runtime.pipeline import build_runtime
 
     mesh = _as_mesh(mesh)
-    _check_training(model, example_inputs, loss_fn, optimizer)
+    _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs)
     if plan is None:
         check_planning(global_batch or 1, time_limit, memory_limit)
     elif global_batch is not None:
@@ -166,7 +167,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     if mesh.device.name != "cpu":
         _use_local_gpu(mesh)
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if mesh.device.name == "cpu" else "nccl")
+        # from torchrun's environment, safe across its restarts (launch.init_default_group)
+        init_default_group("gloo" if mesh.device.name == "cpu" else "nccl")
     if mesh.world_size != dist.get_world_size():
         raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
                         f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
@@ -206,11 +208,13 @@ def _use_local_gpu(mesh) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
-def _check_training(model, example_inputs, loss_fn, optimizer) -> None:
+def _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs) -> None:
     """What compile can refuse before building anything: the callables and the example inputs.
     What only a built model reveals (the optimizer's return value, the loss's shape and
     reduction, buffers updated in forward) is checked by autopar.runtime.checks."""
     import torch
+
+    from autopar.runtime.checks import check_example_kwargs
 
     if not isinstance(model, torch.nn.Module):
         raise AutoparError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -226,6 +230,10 @@ def _check_training(model, example_inputs, loss_fn, optimizer) -> None:
     if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
         raise AutoparError("example_inputs must start with a tensor whose first dimension is the "
                            "batch (one micro-batch's inputs), e.g. example_inputs=(ids,)")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise AutoparError(f"example_kwargs must be a dict of the forward's keyword arguments, got "
+                           f"{type(example_kwargs).__name__}")
+    check_example_kwargs(dict(example_kwargs or {}), inputs)
 
 
 def _load_plan(plan):

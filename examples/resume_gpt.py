@@ -1,6 +1,8 @@
 """Training that survives a failed rank: under torchrun with restarts, every rank runs this script;
 when a rank dies, torchrun stops the others and starts them all again, and the script resumes from
-its last checkpoint with no lost or repeated steps.
+its last checkpoint with no lost or repeated steps. Nothing here deals with process groups:
+autopar.compile starts the default one from torchrun's environment, in a way that survives its
+restarts.
 
     torchrun --nproc-per-node 2 --max-restarts 1 examples/resume_gpt.py --checkpoint ckpt/last \\
         --fail-at-step 5      # rank 1 dies after step 5 of the first attempt; the run comes back
@@ -35,12 +37,11 @@ def main(argv=None) -> list[float]:
     parser.add_argument("--losses", help="rank 0 writes every step's loss here (JSON) at the end")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if not dist.is_initialized():
-        init_process_group()
+    world = int(os.environ["WORLD_SIZE"])       # set by torchrun (and by autopar.launch)
     model, example_inputs = build_model(SPEC, device="cpu", batch=2)
-    cm = autopar.compile(model, f"{dist.get_world_size()}:cpu", example_inputs=example_inputs,
+    cm = autopar.compile(model, f"{world}:cpu", example_inputs=example_inputs,
                          loss_fn=lm_loss, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3),
-                         plan=autopar.Config(dp=dist.get_world_size(), global_batch=8, micro_batch=2))
+                         plan=autopar.Config(dp=world, global_batch=8, micro_batch=2))
     last = Path(args.checkpoint)
     losses = cm.load(last)["losses"] if last.exists() else []
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -53,16 +54,6 @@ def main(argv=None) -> list[float]:
     if args.losses and dist.get_rank() == 0:
         Path(args.losses).write_text(json.dumps(losses))
     return losses
-
-
-def init_process_group() -> None:
-    """The default group on torchrun's store, under a prefix of its own for each attempt: in this
-    torch every attempt shares the agent's store, where the killed attempt's gloo addresses stay
-    and the next attempt would connect to them."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def batches(steps: int):

@@ -319,6 +319,12 @@ COMPILE_CASES = [
     Case("compile-time-limit-zero", compile_with(time_limit=0), "time_limit=0"),
     Case("compile-memory-half-byte", compile_with(memory_limit="0.5"), "memory size '0.5'"),
     Case("compile-mesh-typo", compile_with(mesh="2:cpus"), "unknown device 'cpus'"),
+    Case("compile-kwarg-other-batch", compile_with(example_kwargs={"mask": torch.ones(3, 2)}),
+         r"example_kwargs\['mask'\] has shape \[3, 2\].*one row per sequence"),
+    Case("compile-kwarg-scalar-tensor", compile_with(example_kwargs={"scale": torch.tensor(2.0)}),
+         r"example_kwargs\['scale'\] has shape \[\]"),
+    Case("compile-kwargs-not-dict", compile_with(example_kwargs=[("mask", 1)]),
+         "example_kwargs must be a dict"),
     Case("launch-no-ranks", lambda s: autopar.launch(print, 0), "world_size must be an integer"),
     Case("launch-negative-timeout", lambda s: autopar.launch(print, 1, timeout=-1), "timeout"),
 ]

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,51 @@ def test_torchrun_max_restarts_resumes_the_example(tmp_path):
     print(f"torchrun, killed and restarted: largest loss difference {report['loss']:.2e}, "
           f"parameter {report['parameter']:.2e}")
     assert report["mismatches"] == [], report["mismatches"]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_plain_script_after_a_rank_is_killed_from_outside(tmp_path):
+    """tests/torchrun_resume.py starts no process group itself (autopar.compile does); under
+    torchrun --max-restarts 1, rank 1's process is killed from here after step 3 (the last
+    checkpoint is of step 2). The restart takes steps 3 to 6 on every rank, and the losses and
+    final checkpoint equal one uninterrupted process's."""
+    script = Path(__file__).parent / "torchrun_resume.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", str(script), "--directory", str(tmp_path), "--hold-at-step", "3"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        _kill_rank_at(run, tmp_path / "steps-rank1.log", "0 3 ", deadline=time.monotonic() + 240)
+        _, stderr = run.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        raise
+    assert run.returncode == 0, stderr[-4000:]
+    assert "failed (exitcode: -9) local_rank: 1" in stderr, stderr[-4000:]
+    for rank in range(2):
+        log = (tmp_path / f"steps-rank{rank}.log").read_text().split("\n")[:-1]
+        steps = [" ".join(line.split()[:2]) for line in log]
+        assert steps == ["0 1", "0 2", "0 3", "1 3", "1 4", "1 5", "1 6"], steps
+    out = tmp_path / "model.safetensors"
+    assert cli(["checkpoint", "export", str(tmp_path / "last"), "--out", str(out)]) == 0
+    from safetensors.torch import load_file
+
+    report = differences(uninterrupted(), json.loads((tmp_path / "losses.json").read_text()), load_file(out))
+    print(f"torchrun, rank killed from outside and restarted: largest loss difference "
+          f"{report['loss']:.2e}, parameter {report['parameter']:.2e}")
+    assert report["mismatches"] == [], report["mismatches"]
+
+
+def _kill_rank_at(run: subprocess.Popen, log: Path, prefix: str, deadline: float) -> None:
+    """SIGKILL the process that logged a line starting with `prefix` ("attempt step pid")."""
+    while time.monotonic() < deadline and run.poll() is None:
+        lines = log.read_text().splitlines() if log.exists() else []
+        hit = [line for line in lines if line.startswith(prefix)]
+        if hit:
+            os.kill(int(hit[0].split()[2]), signal.SIGKILL)
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no rank logged {prefix!r} in time: {log.read_text() if log.exists() else ''}")
 
 
 def test_an_unfinished_checkpoint_is_refused_and_an_interrupted_replace_is_read(tmp_path):

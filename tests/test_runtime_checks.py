@@ -101,12 +101,20 @@ def test_model_without_updated_statistics_passes(model):
 
 def test_step_keyword_inputs():
     example = {"attention_mask": torch.ones(2, 8), "use_cache": False}
-    check_step_inputs(example, {"attention_mask": torch.zeros(6, 8), "use_cache": False})
-    with pytest.raises(AutoparError, match=r"unknown \['mask'\], missing \['attention_mask'\]"):
-        check_step_inputs(example, {"mask": torch.ones(2, 8), "use_cache": False})
+    mask = torch.zeros(6, 8)
+    assert check_step_inputs(example, {"attention_mask": mask, "use_cache": False}, 6) == {"attention_mask": mask}
+    assert check_step_inputs(example, {"attention_mask": mask}, 6) == {"attention_mask": mask}
+    with pytest.raises(AutoparError, match=r"keyword input\(s\) \['mask'\], which were not captured"):
+        check_step_inputs(example, {"mask": torch.ones(2, 8), "attention_mask": mask}, 6)
+    with pytest.raises(AutoparError, match=r"missing the keyword input\(s\) \['attention_mask'\]"):
+        check_step_inputs(example, {"use_cache": False}, 6)
     with pytest.raises(AutoparError, match=r"'attention_mask' has shape \[2, 9\].*only the batch"):
-        check_step_inputs(example, {"attention_mask": torch.ones(2, 9), "use_cache": False})
+        check_step_inputs(example, {"attention_mask": torch.ones(2, 9), "use_cache": False}, 2)
+    with pytest.raises(AutoparError, match=r"'attention_mask' has a batch dimension of 2 but the inputs need 6"):
+        check_step_inputs(example, {"attention_mask": torch.ones(2, 8)}, 6)
+    with pytest.raises(AutoparError, match=r"'attention_mask' is torch.int64, but torch.float32"):
+        check_step_inputs(example, {"attention_mask": torch.ones(6, 8, dtype=torch.long)}, 6)
     with pytest.raises(AutoparError, match="'use_cache' is True, but False was captured"):
-        check_step_inputs(example, {"attention_mask": torch.ones(2, 8), "use_cache": True})
+        check_step_inputs(example, {"attention_mask": mask, "use_cache": True}, 6)
     with pytest.raises(AutoparError, match="'attention_mask' is a list"):
-        check_step_inputs(example, {"attention_mask": [1, 1], "use_cache": False})
+        check_step_inputs(example, {"attention_mask": [1, 1], "use_cache": False}, 6)

@@ -12,8 +12,8 @@ rank reaches the same verdict from the same inputs and raises before the first c
 - `updated_buffers` / `check_buffers`: buffers written in forward (BatchNorm running statistics).
   Each data-parallel rank sees a different shard of the batch, so its statistics would differ from
   every other rank's and from one process's.
-- `check_step_inputs`: keyword inputs of a step (attention masks) have the names and shapes that
-  were captured, except the batch dimension.
+- `check_example_kwargs` / `check_step_inputs`: keyword inputs of a step (attention masks) have the names, dtypes and
+  shapes that were captured, and the batch dimension of the step.
 """
 
 from __future__ import annotations
@@ -132,28 +132,64 @@ def check_buffers(program, dp: int) -> None:
             f"track_running_stats=False, or a plan without data parallelism")
 
 
-def check_step_inputs(example_kwargs: dict, kwargs: dict) -> None:
-    """A step's keyword inputs against those captured: the same names, tensors where tensors
-    were, and the same shapes apart from the batch dimension (dim 0)."""
+def check_example_kwargs(kwargs: dict, example_inputs: tuple) -> None:
+    """Tensor keyword inputs are batch-sized like the positional ones: each step splits them into
+    replicas and micro-batches along dim 0."""
+    rows = next((x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim()), None)
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != rows):
+            raise AutoparError(f"example_kwargs[{name!r}] has shape {list(value.shape)}, but the "
+                               f"example inputs have {rows} rows; a tensor keyword input is split "
+                               f"over the batch like the inputs: give it one row per sequence "
+                               f"(expand it to the batch), or make it a buffer of the model")
+
+
+def check_step_inputs(example_kwargs: dict, kwargs: dict, rows: int, hint: str = "") -> dict:
+    """A step's keyword inputs against those captured; returns the tensor ones by name.
+
+    Tensors (attention masks) must be given at every step, with the captured dtype and shape
+    apart from the batch dimension (dim 0), which must be `rows`. Non-tensor keywords were
+    captured into the graph as constants (`use_cache=False`): they may be left out, and if given
+    must be the captured value. `hint` is added to a wrong batch dimension's message."""
+    tensors = [name for name, value in example_kwargs.items() if isinstance(value, torch.Tensor)]
     unknown = sorted(set(kwargs) - set(example_kwargs))
-    missing = sorted(set(example_kwargs) - set(kwargs))
-    if unknown or missing:
-        raise AutoparError(f"step keyword inputs {sorted(kwargs)} differ from the captured ones "
-                           f"{sorted(example_kwargs)} (unknown {unknown}, missing {missing}); pass "
-                           f"the same keywords to compile's example_kwargs and to every step")
-    for name, example in example_kwargs.items():
-        value = kwargs[name]
-        if isinstance(example, torch.Tensor) != isinstance(value, torch.Tensor):
-            raise AutoparError(f"step keyword {name!r} is a {type(value).__name__}, but a "
-                               f"{type(example).__name__} was captured")
-        if isinstance(example, torch.Tensor) and (
-                value.dim() != example.dim() or value.shape[1:] != example.shape[1:]):
+    missing = [name for name in tensors if name not in kwargs]
+    if unknown:
+        raise AutoparError(f"step got keyword input(s) {unknown}, which were not captured (captured: "
+                           f"{sorted(example_kwargs) or 'none'}); pass them to compile's "
+                           f"example_kwargs too, or leave them out of step")
+    if missing:
+        raise AutoparError(f"step is missing the keyword input(s) {missing}, which were captured as "
+                           f"tensors of the model's forward; pass them to every step, e.g. "
+                           f"step(ids, targets, {missing[0]}=...)")
+    for name, value in kwargs.items():
+        example = example_kwargs[name]
+        if isinstance(example, torch.Tensor) and not isinstance(value, torch.Tensor):
+            raise AutoparError(f"step keyword {name!r} is a {type(value).__name__}, but a tensor was "
+                               f"captured; pass a tensor of shape {['batch', *example.shape[1:]]}")
+        if not isinstance(example, torch.Tensor):
+            if isinstance(value, torch.Tensor) or value != example:
+                raise AutoparError(f"step keyword {name!r} is {_short(value)}, but {example!r} was "
+                                   f"captured into the graph; a non-tensor input is a constant of "
+                                   f"the compiled program: pass {example!r} or leave it out")
+            continue
+        if value.dim() != example.dim() or value.shape[1:] != example.shape[1:]:
             raise AutoparError(f"step keyword {name!r} has shape {list(value.shape)}, but "
                                f"{list(example.shape)} was captured; only the batch dimension "
                                f"(dim 0) may differ")
-        if not isinstance(example, torch.Tensor) and value != example:
-            raise AutoparError(f"step keyword {name!r} is {value!r}, but {example!r} was captured "
-                               f"into the graph; a non-tensor input is a constant of the plan")
+        if value.dtype != example.dtype:
+            raise AutoparError(f"step keyword {name!r} is {value.dtype}, but {example.dtype} was "
+                               f"captured; pass it as {example.dtype}")
+        if value.shape[0] != rows:
+            raise AutoparError(f"step keyword {name!r} has a batch dimension of {value.shape[0]} but "
+                               f"the inputs need {rows} rows; give it one row per sequence of the "
+                               f"batch{hint}")
+    return {name: kwargs[name] for name in tensors}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__}"
 
 
 def _batch_size(tree) -> int | None:

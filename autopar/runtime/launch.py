@@ -54,6 +54,25 @@ class LaunchError(AutoparError):
     """A rank failed; the message names it and carries its traceback."""
 
 
+def init_default_group(backend: str, timeout: datetime.timedelta | None = None) -> None:
+    """The default process group from the environment, as `init_process_group(backend)` makes it
+    (env://: torchrun's variables, or launch's own), under a store prefix of its own for each
+    torchrun attempt (TORCHELASTIC_RESTART_COUNT, set by torchrun). torchrun's agent keeps one
+    store across restarts (`--max-restarts`); without the prefix the killed attempt's keys (the
+    gloo addresses of its ranks) stay in it, and a restarted rank connects to those dead
+    addresses instead of its new peers'."""
+    import torch.distributed as dist
+
+    options = {} if timeout is None else {"timeout": timeout}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, **options)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", **options))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"autopar/attempt-{attempt}", store),
+                            rank=rank, world_size=world_size, **options)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -142,8 +161,7 @@ def _run_rank(fn, args, rank, world_size, port, pg_timeout, files: _RankFiles):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     status, payload, failed_at = "ok", None, None
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        init_default_group("gloo", datetime.timedelta(seconds=pg_timeout))
         payload = fn(*args)
     except BaseException as err:  # reported to the parent, which raises it with the rank's name
         status = "timeout" if TIMEOUT_PATTERN.search(str(err)) else "error"

@@ -37,9 +37,10 @@ from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plans import Plan
 from autopar.runtime import checkpoint, materialize
 from autopar.runtime import precision as mixed
-from autopar.runtime.checks import check_buffers, check_loss, check_loss_reduction, check_optimizer
+from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_loss, check_loss_reduction,
+                                   check_optimizer, check_step_inputs)
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
-                                            split_stages)
+                                            signature, split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.tied import TiedWeights
@@ -120,8 +121,13 @@ class CompiledModel:
 
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                  programs: list[StageProgram], schedule, optimizer, device: torch.device,
-                 state_aliases: dict[str, list[str]], tied: TiedWeights | None = None):
+                 state_aliases: dict[str, list[str]], tied: TiedWeights | None = None,
+                 example_kwargs: dict | None = None):
         self.plan = plan
+        # the captured keyword inputs (tensors change per step, constants are in the graph) and
+        # the order in which the first stage takes the tensor ones after the positional inputs
+        self.example_kwargs = dict(example_kwargs or {})
+        self.keywords = programs[0].keywords if programs else ()
         self.tied = tied
         self.state_aliases = state_aliases
         self.layout = layout
@@ -144,15 +150,24 @@ class CompiledModel:
         """The modules of this rank's stages, as they run (wrapped for TP, ZeRO, recompute)."""
         return nn.ModuleList(program.module for program in self.programs)
 
-    def step(self, *batch: torch.Tensor, local: bool = False) -> float:
+    def step(self, *batch: torch.Tensor, local: bool = False, **kwargs) -> float:
         """One optimizer step on `(*inputs, targets)`: the global batch, or with `local=True` this
-        replica's share. Returns the mean loss over micro-batches and replicas on every rank."""
+        replica's share. Keyword inputs that were captured as tensors (`attention_mask=...`) are
+        given at every step, batch-sized like the inputs: they are split across replicas and
+        micro-batches as the inputs are. Returns the mean loss over micro-batches and replicas on
+        every rank."""
+        rows = self.global_batch // self.layout.dp if local else self.global_batch
+        tensors = check_step_inputs(self.example_kwargs, kwargs, rows,
+                                    "" if local else " (or local=True with this rank's share)")
+        if len(batch) >= 2:
+            # the first stage takes the tensor keywords after the positional inputs (pipeline_split)
+            batch = (*batch[:-1], *(tensors[name] for name in self.keywords), batch[-1])
         batch = self._rows_of_this_rank(batch, local)
         *inputs, targets = (t.to(self.device) for t in batch)
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kwargs)
+        last = {"target": targets, "losses": losses} if self.is_last else {}
+        self.schedule.step(*args, **last)
         if self.tied is not None:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         self.optimizer.step()
@@ -246,11 +261,12 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     `optimizer` is a function from a list of parameters to a torch.optim optimizer. `graph` is the
     model's capture for `example_inputs`: its export is reused when it was made for one micro-batch
     on real tensors (the stage's tensors come from `model` by name either way). `example_kwargs`
-    are keyword arguments of the model's forward that are not tensors (`use_cache=False`): they are
-    fixed in the exported program. A model on the meta device, or `load_from`/`init`, fill each
+    are keyword arguments of the model's forward: constants (`use_cache=False`) are fixed in the
+    exported program, tensors (an `attention_mask` for one micro-batch) are inputs given again at
+    every step. A model on the meta device, or `load_from`/`init`, fill each
     rank's shards only (materialize.py); the plan's precision runs mixed precision (precision.py)."""
     example_kwargs = dict(example_kwargs or {})
-    _check_kwargs(example_kwargs)
+    check_example_kwargs(example_kwargs, example_inputs)
     materialize.check_sources(model, load_from, init)
     mixed.check_precision(plan.precision)
     layout = pipeline_layout(plan)
@@ -268,16 +284,25 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
         else None
     micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+    micro_kwargs = {name: _micro_batch(value, plan.micro_batch_size) if isinstance(value, torch.Tensor)
+                    else value for name, value in example_kwargs.items()}
     # --- meta models: exported on meta, sharded on meta, then only local shards get storage ---
     meta = materialize.is_meta_model(model)
     if meta:
         program, micro = None, materialize.meta_inputs(micro)
+        micro_kwargs = dict(zip(micro_kwargs, materialize.meta_inputs(tuple(micro_kwargs.values()))))
     if program is None:
-        program = torch.export.export(model, micro, example_kwargs, strict=False)
+        program = torch.export.export(model, micro, micro_kwargs, strict=False)
     check_buffers(program, layout.dp)
     exported = export_for_pipeline(model, (), program)
     if meta:
         materialize.retarget_devices(exported, device)
+    keywords = signature(exported)[1]
+    tensors = [name for name, value in example_kwargs.items() if isinstance(value, torch.Tensor)]
+    if sorted(keywords) != sorted(tensors):
+        raise PlanMismatchError(f"the graph takes the keyword inputs {list(keywords)} but example_kwargs "
+                                f"has the tensors {tensors}; capture the graph with the example_kwargs "
+                                f"given to compile")
     programs = _stage_programs(exported, model, plan, layout, mesh, own, device, meta)
     if plan.schedule == "zero-bubble" and programs and programs[0].relayed:
         # seen on T5 (its encoder output read by every decoder stage): the split backward of
@@ -305,15 +330,7 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     params = [p for program in programs for p in program.module.parameters()]
     return CompiledModel(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                          optimizer=_optimizer(optimizer, params), device=device,
-                         state_aliases=state_aliases(model), tied=tied)
-
-
-def _check_kwargs(kwargs: dict) -> None:
-    tensors = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
-    if tensors:
-        raise AutoparError(f"example_kwargs {tensors} are tensors; keyword arguments are fixed in the "
-                           f"compiled program, so pass tensor inputs positionally (in example_inputs "
-                           f"and to step)")
+                         state_aliases=state_aliases(model), tied=tied, example_kwargs=example_kwargs)
 
 
 def _checked_loss(loss_fn, out_spec):

@@ -11,7 +11,7 @@ every layer. So:
   way); the model's inputs count as made before stage 0, its outputs as read after the last stage.
 - `order_interfaces`, after the graph is cut into one submodule per stage, makes each stage's
   outputs the next stage's inputs in the same order, the first stage take the model's positional
-  inputs in order, and the last stage return the model's flat outputs in order.
+  inputs in order and then its tensor keyword inputs (attention masks), and the last stage return the model's flat outputs in order.
 - `interface_examples` runs the stages one after another on fake tensors and records what each
   one takes and returns (shape, dtype, whether it requires grad). Given to `PipelineStage`, these
   spare torch the forward it otherwise runs on uninitialized tensors to learn them, which
@@ -73,18 +73,20 @@ def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage:
     return relayed
 
 
-def order_interfaces(by_stage: fx.GraphModule, stages: int, positional: int) -> None:
+def order_interfaces(by_stage: fx.GraphModule, stages: int, taken: list[str]) -> None:
     """Make the stages of `by_stage` (submodules `submod_0`...) fit one after another: see the
-    module docstring. `positional` is how many of the model's inputs are positional."""
+    module docstring. `taken` names the model's inputs the first stage takes, in order."""
     calls = {node.target: node for node in by_stage.graph.nodes if node.op == "call_module"}
-    inputs = [node for node in by_stage.graph.nodes if node.op == "placeholder"]
+    by_name = {node.name: node for node in by_stage.graph.nodes if node.op == "placeholder"}
+    inputs = [by_name[name] for name in taken]
     first = calls["submod_0"]
     for arg in first.args:
-        if arg not in inputs[:positional]:
-            raise AutoparError(f"the model's keyword argument {arg.name} is a tensor; the pipeline feeds "
-                               f"the first stage positional inputs only: pass {arg.name} positionally")
+        if arg not in inputs:
+            raise AutoparError(f"the model's input {arg.name} is read by the first stage but is "
+                               f"neither a positional input nor a tensor keyword input; pass it "
+                               f"as a tensor")
     _take_inputs(by_stage.submod_0, [list(first.args).index(node) if node in first.args
-                                                 else None for node in inputs[:positional]])
+                                     else None for node in inputs])
     for index in range(1, stages):
         before, call = calls[f"submod_{index - 1}"], calls[f"submod_{index}"]
         _give_outputs(getattr(by_stage, f"submod_{index - 1}"),

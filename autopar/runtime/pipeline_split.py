@@ -56,6 +56,9 @@ class StageProgram:
     # activations some stage reads more than one stage after the one that computes them, relayed
     # through the stages between (the same for every stage of the model)
     relayed: tuple[str, ...] = ()
+    # the model's tensor keyword inputs (attention masks) that the first stage takes after its
+    # positional inputs, in this order (the same for every stage of the model)
+    keywords: tuple[str, ...] = ()
 
 
 class TensorRef(nn.Module):
@@ -107,13 +110,14 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     """One StageProgram per entry of `stage_layers` (module paths in model order). `blocks`: the
     layers that recompute wraps (the repeated blocks, as Megatron's recompute does); default all.
 
-    Stage 0 takes the model's positional inputs in order; stage k > 0 takes stage k-1's outputs in
+    Stage 0 takes the model's positional inputs in order, then its tensor keyword inputs in
+    captured order (StageProgram.keywords); stage k > 0 takes stage k-1's outputs in
     order; the last stage returns the model's flat outputs (`model_outputs` rebuilds the model's
     output structure from them)."""
     units = [path for layers in stage_layers for path in layers]
     unit_stage = [s for s, layers in enumerate(stage_layers) for _ in layers]
-    positional, out_spec = _signature(module)
-    inputs = [node.meta["val"] for node in module.graph.nodes if node.op == "placeholder"][:positional]
+    taken, keywords, out_spec = signature(module)
+    inputs = [node.meta["val"] for node in taken]
     _drop_unused(module)
     unit_of_node = _assign_units(module, units, unit_stage)
     _check_order(module, unit_of_node, unit_stage)
@@ -131,14 +135,14 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
         if not hasattr(by_stage, f"submod_{index}"):
             raise PlanMismatchError(f"pipeline stage {index} (layers {stage_layers[index]}) computes "
                                     f"nothing in this model; plan this model again")
-    order_interfaces(by_stage, len(stage_layers), positional)
+    order_interfaces(by_stage, len(stage_layers), [node.name for node in taken])
     programs = []
     for index in range(len(stage_layers)):
         stage_module = getattr(by_stage, f"submod_{index}")
         names = {f"{path}.value": ref.fqn for path, ref in stage_module.named_modules()
                  if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter)}
         programs.append(StageProgram(index=index, module=stage_module, param_names=names,
-                                     out_spec=out_spec, relayed=relayed))
+                                     out_spec=out_spec, relayed=relayed, keywords=keywords))
     tied = tied_stages(programs)
     examples = interface_examples([program.module for program in programs], inputs)
     for program, (example_inputs, example_outputs) in zip(programs, examples):
@@ -156,15 +160,30 @@ def tied_stages(programs: list[StageProgram]) -> dict[str, tuple[int, ...]]:
     return {fqn: tuple(stages) for fqn, stages in holders.items() if len(stages) > 1}
 
 
-def _signature(module: fx.GraphModule) -> tuple[int, object]:
-    """How many of the graph's placeholders are the model's positional inputs (the rest are its
-    keyword arguments, which a stage does not take: constants like use_cache=False are baked into
-    the graph), and the model's output structure."""
+def signature(module: fx.GraphModule) -> tuple[list[fx.Node], tuple[str, ...], object]:
+    """The placeholders the first stage takes: the model's positional inputs, then its tensor
+    keyword inputs (attention masks) in captured order; the names of those keywords; and the
+    model's output structure. Keywords that are not tensors (use_cache=False) are constants baked
+    into the graph, which a stage does not take."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     info = getattr(module.graph._codegen, "pytree_info", None)
     if info is None or info.in_spec is None:
-        return sum(1 for n in module.graph.nodes if n.op == "placeholder"), None
+        return placeholders, (), None
     args_spec = info.in_spec.child(0) if info.in_spec.type is tuple else info.in_spec
-    return args_spec.num_leaves, info.out_spec
+    taken, keywords = placeholders[:args_spec.num_leaves], []
+    if info.in_spec.type is tuple and info.in_spec.num_children > 1:
+        kwargs_spec = info.in_spec.child(1)
+        leaves = iter(placeholders[args_spec.num_leaves:])
+        for name, child in zip(kwargs_spec.context, kwargs_spec.children()):
+            nodes = [next(leaves) for _ in range(child.num_leaves)]
+            tensors = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+            if tensors and (len(nodes) != 1 or not child.is_leaf()):
+                raise PlanMismatchError(f"keyword input {name!r} is a {child.type.__name__} holding "
+                                        f"tensors; pass each tensor as a keyword of its own")
+            if tensors:
+                taken.append(tensors[0])
+                keywords.append(name)
+    return taken, tuple(keywords), info.out_spec
 
 
 def model_outputs(outputs, out_spec):
