@@ -120,8 +120,10 @@ class CompiledModel:
 
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                  programs: list[StageProgram], schedule, optimizer, device: torch.device,
-                 state_aliases: dict[str, list[str]], tied: TiedWeights | None = None):
+                 state_aliases: dict[str, list[str]], tied: TiedWeights | None = None,
+                 scaler: mixed.LossScaler | None = None):
         self.plan = plan
+        self.scaler = scaler                # fp16's loss scaler (precision.py); None otherwise
         self.tied = tied
         self.state_aliases = state_aliases
         self.layout = layout
@@ -133,7 +135,8 @@ class CompiledModel:
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coordinates(dist.get_rank())
         self.is_first = any(p.index == 0 for p in programs)
         self.is_last = any(p.index == len(plan.stages) - 1 for p in programs)
-        self.steps = 0                      # optimizer steps taken; saved and restored by checkpoints
+        self.steps = 0                      # steps taken; saved and restored by checkpoints
+        self.skipped_steps = 0              # of those, updates fp16's scaler skipped (inf or NaN)
 
     @property
     def global_batch(self) -> int:
@@ -152,13 +155,22 @@ class CompiledModel:
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        # the scale the schedule's losses are multiplied by (a power of 2: dividing is exact)
+        scale = 1.0 if self.scaler is None else self.scaler.get_scale()
         self.schedule.step(*args, **kwargs)
         if self.tied is not None:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.unscale_(self.optimizer)   # the inf check, agreed by every rank
+            self.scaler.step(self.optimizer)       # skipped on every rank when any found inf
+            self.scaler.update()
+            # a skip is what lowers the scale (torch's backoff factor is below 1)
+            self.skipped_steps += self.scaler.get_scale() < scale
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return self._shared_loss(losses)
+        return self._shared_loss(losses) / scale
 
     def _rows_of_this_rank(self, batch: tuple, local: bool) -> tuple:
         """Check the batch size (before any collective) and keep this data-parallel rank's rows."""
@@ -294,6 +306,7 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     for p in programs:
         mixed.autocast_stage(p.module, device, plan.precision)
     loss_fn = mixed.autocast_loss(loss_fn, device, plan.precision)
+    scaler = mixed.loss_scaler(plan.precision, device)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     # the split's record of what each stage takes and returns spares torch a forward to learn it
     stages = None if len(plan.stages) == 1 else [
@@ -301,11 +314,11 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
                       output_args=p.example_outputs, group=mesh.get_group("pp")) for p in programs]
     out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
     schedule = build_schedule(plan, layout.stage_rank, layout.pp, [p.module for p in programs], stages,
-                              _checked_loss(loss_fn, out_spec))
+                              mixed.scaled_loss(_checked_loss(loss_fn, out_spec), scaler))
     params = [p for program in programs for p in program.module.parameters()]
     return CompiledModel(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                          optimizer=_optimizer(optimizer, params), device=device,
-                         state_aliases=state_aliases(model), tied=tied)
+                         state_aliases=state_aliases(model), tied=tied, scaler=scaler)
 
 
 def _check_kwargs(kwargs: dict) -> None:
