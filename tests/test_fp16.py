@@ -1,0 +1,198 @@
+"""fp16 mixed precision with dynamic loss scaling on real gloo ranks: losses against a single-process
+`torch.autocast` fp16 run with fp32 master weights and torch's GradScaler, an overflow on one rank
+skipping the step on every rank, and the scaler's state through a checkpoint."""
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: each would import it again)
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.cost.config import Config
+from autopar.models import build_model
+from autopar.models.gpt import lm_loss
+from autopar.runtime.equivalence import mismatches, train_single_process
+
+SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
+BATCH = 8
+FORMS = {"dp": Config(dp=2, global_batch=BATCH, micro_batch=4),
+         "zero-3": Config(dp=2, zero=3, global_batch=BATCH, micro_batch=4),
+         "tp": Config(tp=2, global_batch=BATCH, micro_batch=BATCH),
+         "pp": Config(pp=2, global_batch=BATCH, micro_batch=4)}
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def batches(steps):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 64, (BATCH, 8), generator=generator),
+             torch.randint(0, 64, (BATCH, 8), generator=generator)) for _ in range(steps)]
+
+
+def new_model():
+    return build_model(SPEC, device="cpu", seed=3)[0]
+
+
+def compiled(config: Config, data):
+    return autopar.compile(new_model(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
+                           plan=config, example_inputs=(data[0][0][:config.micro_batch],),
+                           precision="fp16")
+
+
+def poison_next_check(cm) -> None:
+    """Make rank 0's first local gradient inf just before the next inf check: only rank 0 holds
+    it (a shard under ZeRO and TP, a stage's own parameter under PP)."""
+    real = cm.scaler.unscale_
+
+    def unscale(optimizer):
+        cm.scaler.unscale_ = real
+        if dist.get_rank() == 0:
+            grad = next(p.grad for group in optimizer.param_groups for p in group["params"]
+                        if p.grad is not None)
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local[(0,) * local.dim()] = float("inf")
+        real(optimizer)
+    cm.scaler.unscale_ = unscale
+
+
+def train_fp16(forms: dict) -> dict:
+    data = batches(4)
+
+    def autocast_call(model, inputs):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(*inputs)
+
+    def autocast_loss(logits, targets):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return lm_loss(logits, targets)
+
+    scaler = torch.amp.GradScaler("cpu")
+    reference = train_single_process(new_model(), data, autocast_loss, adamw, call=autocast_call,
+                                     scaler=scaler)
+    fp32 = train_single_process(new_model(), data, lm_loss, adamw)
+    results = {"fp32 vs fp16 reference": [abs(a - b) for a, b in zip(fp32[0], reference[0])],
+               "reference scale": scaler.get_scale()}
+    for name, config in forms.items():
+        cm = compiled(config, data)
+        outputs = []   # what each stage computes: its outputs' dtypes
+        for stage in cm.stages:
+            stage.register_forward_hook(lambda _m, _a, out: outputs.extend(
+                t.dtype for t in (out if isinstance(out, tuple) else (out,)) if t.is_floating_point()))
+        losses = [cm.step(ids, targets) for ids, targets in data]
+        results[name] = {"differences": [abs(a - b) for a, b in zip(losses, reference[0])],
+                         "dtypes": {p.dtype for p in cm.stages.parameters()},
+                         "outputs": set(outputs), "scale": cm.scaler.get_scale(),
+                         "skipped": cm.skipped_steps}
+    return results
+
+
+@pytest.mark.multiprocess
+def test_fp16_tracks_single_process_autocast_with_grad_scaler():
+    ranks = autopar.launch(train_fp16, 2, FORMS, timeout=300)
+    results = ranks[0]
+    # fp16 rounds to 2^-11 relative, 8 times finer than bf16's 2^-8, and the runs round in the
+    # same places as the bf16 test's (FSDP2 casts parameters once, autocast on each use; TP sums
+    # partial products in another order). The bf16 bound is 1e-3 (five times its spread); fp16's
+    # spread is that divided by about 8, so 2e-4 keeps the same margin. A gradient off by a
+    # factor 2 moves the loss by 2.8e-3 by step 3, a skipped update by 1.5e-2, an unscaled
+    # gradient (65536 times too large) by far more: all caught.
+    for name in FORMS:
+        found = results[name]
+        outputs = set().union(*(rank[name]["outputs"] for rank in ranks))   # the last stage's too
+        assert max(found["differences"]) < 2e-4, (name, found["differences"])
+        assert found["dtypes"] == {torch.float32}, (name, found["dtypes"])   # fp32 master weights
+        assert torch.float16 in outputs, (name, outputs)
+        # no overflow at torch's initial scale here, on every rank as in the reference
+        assert [rank[name]["scale"] for rank in ranks] == [results["reference scale"]] * 2, name
+        assert [rank[name]["skipped"] for rank in ranks] == [0, 0], name
+
+
+def overflow(forms: dict) -> dict:
+    """Steps on batches 0, 1 (poisoned on rank 0), 2 against steps on batches 0, 2 with the scale
+    the skip leaves: the skipped step must leave every rank's parameters and optimizer as they
+    were, so both runs end equal."""
+    data = batches(3)
+    results = {}
+    for name, config in forms.items():
+        cm = compiled(config, data)
+        cm.step(*data[0])
+        before = cm.full_state_dict()
+        scale = cm.scaler.get_scale()
+        poison_next_check(cm)
+        cm.step(*data[1])
+        unchanged = mismatches(([], before), [], cm.full_state_dict(), rtol=0, atol=0)
+        skipped = (cm.skipped_steps, cm.scaler.get_scale() == scale / 2)
+        last = cm.step(*data[2])
+        state = cm.full_state_dict()
+
+        plain = compiled(config, data)
+        plain.step(*data[0])
+        plain.scaler.load_state_dict(cm.scaler.state_dict() | {"scale": scale / 2, "_growth_tracker": 0})
+        expected = plain.step(*data[2])
+        results[name] = {"unchanged": unchanged, "skipped": skipped,
+                         "continued": mismatches(([expected], plain.full_state_dict()), [last], state,
+                                                 rtol=0, atol=0)}
+    return results
+
+
+@pytest.mark.multiprocess
+def test_overflow_on_one_rank_skips_the_step_on_every_rank():
+    forms = {name: FORMS[name] for name in ("zero-3", "tp", "pp")}
+    ranks = autopar.launch(overflow, 2, forms, timeout=300)
+    for rank, results in enumerate(ranks):
+        for name, found in results.items():
+            assert found["unchanged"] == [], (rank, name, found["unchanged"])
+            assert found["skipped"] == (1, True), (rank, name, found["skipped"])
+            assert found["continued"] == [], (rank, name, found["continued"])
+
+
+def resume(directory) -> dict:
+    """A run saved after 2 steps and resumed in a fresh compile gives the same next losses,
+    scale and growth count as the run that went on; and a run whose only step was skipped (its
+    optimizer never stepped) saves and resumes too."""
+    data = batches(4)
+    config = FORMS["zero-3"]
+    growing = {"growth_interval": 2}     # the scale doubles every 2 good steps: state that matters
+    cm = compiled(config, data)
+    cm.scaler.load_state_dict(cm.scaler.state_dict() | growing)
+    for batch in data[:2]:
+        cm.step(*batch)
+    cm.save(directory / "after-2")
+    went_on = [cm.step(*batch) for batch in data[2:]]
+    resumed = compiled(config, data)
+    resumed.load(directory / "after-2")
+    loaded_scaler = resumed.scaler.state_dict()
+    again = [resumed.step(*batch) for batch in data[2:]]
+
+    first = compiled(config, data)
+    poison_next_check(first)
+    first.step(*data[0])
+    first.save(directory / "skipped")
+    later = compiled(config, data)
+    later.load(directory / "skipped")
+    loaded = (later.steps, later.skipped_steps, later.scaler.get_scale(), not later.optimizer.state)
+    fresh = compiled(config, data)      # what the skipped step leaves: the start, at half the scale
+    fresh.scaler.update(new_scale=2.0**15)
+    skipped = mismatches(([fresh.step(*data[1])], fresh.full_state_dict()), [later.step(*data[1])],
+                         later.full_state_dict(), rtol=0, atol=0)
+    return {"went on": (went_on, cm.scaler.state_dict(), cm.full_state_dict()),
+            "resumed": (again, resumed.scaler.state_dict(), resumed.full_state_dict()),
+            "loaded scaler": loaded_scaler, "skipped first": (loaded, skipped)}
+
+
+@pytest.mark.multiprocess
+def test_fp16_scaler_state_resumes_from_a_checkpoint(tmp_path):
+    results = autopar.launch(resume, 2, tmp_path, timeout=300)[0]
+    went_on, scaler, state = results["went on"]
+    again, resumed_scaler, resumed_state = results["resumed"]
+    assert results["loaded scaler"]["scale"] == 2.0**17          # doubled after 2 good steps
+    assert results["loaded scaler"]["growth_interval"] == 2
+    assert again == went_on
+    assert resumed_scaler == scaler
+    assert mismatches(([], state), [], resumed_state, rtol=0, atol=0) == []
+    loaded, differences = results["skipped first"]
+    assert loaded == (1, 1, 2.0**15, True)     # one step taken, skipped: no optimizer state
+    assert differences == []
