@@ -10,6 +10,8 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.cost.config import Config
+from autopar.plans import Plan
+from autopar.solver.pipeline_plan import at_precision
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
 from autopar.runtime.equivalence import mismatches, train_single_process
@@ -36,10 +38,12 @@ def new_model():
     return build_model(SPEC, device="cpu", seed=3)[0]
 
 
-def compiled(config: Config, data):
+def compiled(config: Config | Plan, data):
+    """fp16 training under a Config (planned at fp16) or a Plan (of another precision, priced
+    again at fp16)."""
+    micro = config.micro_batch if isinstance(config, Config) else config.micro_batch_size
     return autopar.compile(new_model(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
-                           plan=config, example_inputs=(data[0][0][:config.micro_batch],),
-                           precision="fp16")
+                           plan=config, example_inputs=(data[0][0][:micro],), precision="fp16")
 
 
 def poison_next_check(cm) -> None:
@@ -128,11 +132,15 @@ def overflow(forms: dict) -> dict:
         last = cm.step(*data[2])
         state = cm.full_state_dict()
 
-        plain = compiled(config, data)
+        # the same layout as a plan made at fp32, given to compile: priced again at fp16
+        graph = autopar.capture(new_model(), (data[0][0][:config.micro_batch],))
+        fp32_plan = autopar.plan_from_config(graph, f"{config.world_size}:cpu", config)
+        plain = compiled(fp32_plan, data)
         plain.step(*data[0])
         plain.scaler.load_state_dict(cm.scaler.state_dict() | {"scale": scale / 2, "_growth_tracker": 0})
         expected = plain.step(*data[2])
         results[name] = {"unchanged": unchanged, "skipped": skipped,
+                         "plans": [(p.precision, p.predicted) for p in (fp32_plan, cm.plan, plain.plan)],
                          "continued": mismatches(([expected], plain.full_state_dict()), [last], state,
                                                  rtol=0, atol=0)}
     return results
@@ -147,6 +155,12 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank():
             assert found["unchanged"] == [], (rank, name, found["unchanged"])
             assert found["skipped"] == (1, True), (rank, name, found["skipped"])
             assert found["continued"] == [], (rank, name, found["continued"])
+            # compile(precision="fp16") plans at fp16 (a Config) or prices a given fp32 plan again
+            # at it: the same predictions either way, not the fp32 plan's
+            (p32, fp32), (p16, planned), (given, repriced) = found["plans"]
+            assert (p32, p16, given) == ("fp32", "fp16", "fp16"), name
+            assert planned == repriced, name
+            assert planned["memory_breakdown"] != fp32["memory_breakdown"], name
 
 
 def resume(directory) -> dict:
@@ -196,3 +210,49 @@ def test_fp16_scaler_state_resumes_from_a_checkpoint(tmp_path):
     loaded, differences = results["skipped first"]
     assert loaded == (1, 1, 2.0**15, True)     # one step taken, skipped: no optimizer state
     assert differences == []
+
+
+def breakdowns(plan: Plan) -> tuple[dict, dict]:
+    return plan.predicted["memory_breakdown"], plan.predicted["breakdown"]
+
+
+def test_plans_are_priced_at_their_precision():
+    """16-bit precisions hold activations, weights and gradients in 2 bytes and keep fp32 master
+    weights beside Adam's moments (12 bytes of optimizer state per parameter, 8 in fp32); ZeRO-1
+    splits the optimizer state over dp = 2. fp16 is priced as bf16: the same bytes, and the
+    device tables give both the same FLOP/s."""
+    model, (ids,) = build_model(SPEC, device="meta", batch=4)
+    graph = autopar.capture(model, (ids,))
+    cpu = autopar.plan_from_config(graph, "2:cpu", Config(dp=2, zero=1, global_batch=8, micro_batch=4))
+    assert cpu.precision == "fp32"                 # a CPU trains in fp32 unless told
+    fp16, bf16 = at_precision(graph, cpu, "fp16"), at_precision(graph, cpu, "bf16")
+    assert (fp16.precision, bf16.precision, cpu.precision) == ("fp16", "bf16", "fp32")
+    assert fp16.predicted == bf16.predicted
+    (memory32, time32), (memory16, time16) = breakdowns(cpu), breakdowns(fp16)
+    params = memory32["weights"] / 4
+    assert memory16["weights"] == memory32["weights"] / 2 == 2 * params
+    assert memory16["gradients"] == memory32["gradients"] / 2
+    assert memory16["optimizer"] == 12 * params / 2 and memory32["optimizer"] == 8 * params / 2
+    # floating activations halve; token ids and attention's fp32 log-sum-exp keep their size
+    assert memory32["activations"] / 2 <= memory16["activations"] < memory32["activations"]
+    assert fp16.predicted["memory_per_gpu_bytes"] < cpu.predicted["memory_per_gpu_bytes"]
+    assert time16["exposed_comm"] < time32["exposed_comm"]        # gradients reduced in 2 bytes
+    assert at_precision(graph, fp16, "fp32").predicted == cpu.predicted   # and back
+
+    gpu = autopar.plan_from_config(graph, "1x8:a100-80g", Config(dp=8, zero=1, global_batch=32,
+                                                                  micro_batch=4))
+    assert gpu.precision == "bf16"                 # a GPU trains in bf16 unless told
+    fp32 = at_precision(graph, gpu, "fp32")
+    # an A100's fp32 matmuls run at 19.5 TFLOP/s, its 16-bit ones at 312
+    assert breakdowns(fp32)[1]["compute"] > 2 * breakdowns(gpu)[1]["compute"]
+    assert breakdowns(fp32)[0]["weights"] == 2 * breakdowns(gpu)[0]["weights"]
+    planned = autopar.plan_from_config(graph, "1x8:a100-80g", Config(dp=8, zero=1, global_batch=32,
+                                                                      micro_batch=4), precision="fp32")
+    assert planned.precision == "fp32" and planned.predicted == fp32.predicted
+
+
+def test_unknown_precision_is_refused():
+    model, (ids,) = build_model(SPEC, device="meta", batch=4)
+    with pytest.raises(autopar.AutoparError, match="precision='fp8'.*bf16"):
+        autopar.compile(model, "1:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=adamw,
+                        precision="fp8")
