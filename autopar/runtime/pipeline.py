@@ -149,7 +149,9 @@ class CompiledModel:
 
     def step(self, *batch: torch.Tensor, local: bool = False) -> float:
         """One optimizer step on `(*inputs, targets)`: the global batch, or with `local=True` this
-        replica's share. Returns the mean loss over micro-batches and replicas on every rank."""
+        replica's share. Returns the mean loss over micro-batches and replicas on every rank.
+        Under fp16, a step whose gradients overflow on any rank updates nothing on every rank
+        (`skipped_steps` counts it) and still returns its loss."""
         batch = self._rows_of_this_rank(batch, local)
         *inputs, targets = (t.to(self.device) for t in batch)
         losses: list[torch.Tensor] = []
@@ -167,7 +169,7 @@ class CompiledModel:
             self.scaler.step(self.optimizer)       # skipped on every rank when any found inf
             self.scaler.update()
             # a skip is what lowers the scale (torch's backoff factor is below 1)
-            self.skipped_steps += self.scaler.get_scale() < scale
+            self.skipped_steps += int(self.scaler.get_scale() < scale)
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return self._shared_loss(losses) / scale
