@@ -38,12 +38,12 @@ def new_model():
     return build_model(SPEC, device="cpu", seed=3)[0]
 
 
-def compiled(config: Config | Plan, data):
-    """fp16 training under a Config (planned at fp16) or a Plan (of another precision, priced
-    again at fp16)."""
+def compiled(config: Config | Plan, data, precision: str = "fp16"):
+    """Mixed-precision training under a Config (planned at that precision) or a Plan (of another
+    precision, priced again at it)."""
     micro = config.micro_batch if isinstance(config, Config) else config.micro_batch_size
     return autopar.compile(new_model(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
-                           plan=config, example_inputs=(data[0][0][:micro],), precision="fp16")
+                           plan=config, example_inputs=(data[0][0][:micro],), precision=precision)
 
 
 def poison_next_check(cm) -> None:
@@ -62,40 +62,51 @@ def poison_next_check(cm) -> None:
     cm.scaler.unscale_ = unscale
 
 
-def train_fp16(forms: dict) -> dict:
-    data = batches(4)
-
+def autocast_reference(data, dtype: torch.dtype):
+    """One process under torch.autocast with fp32 master weights; fp16 with torch's GradScaler.
+    Returns the losses and the final scale (None for bf16)."""
     def autocast_call(model, inputs):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
             return model(*inputs)
 
     def autocast_loss(logits, targets):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
             return lm_loss(logits, targets)
 
-    scaler = torch.amp.GradScaler("cpu")
-    reference = train_single_process(new_model(), data, autocast_loss, adamw, call=autocast_call,
-                                     scaler=scaler)
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    losses = train_single_process(new_model(), data, autocast_loss, adamw, call=autocast_call,
+                                  scaler=scaler)[0]
+    return losses, None if scaler is None else scaler.get_scale()
+
+
+def train_mixed(forms: dict, precision: str = "fp16") -> dict:
+    data = batches(4)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    reference, scale = autocast_reference(data, dtype)
     fp32 = train_single_process(new_model(), data, lm_loss, adamw)
-    results = {"fp32 vs fp16 reference": [abs(a - b) for a, b in zip(fp32[0], reference[0])],
-               "reference scale": scaler.get_scale()}
+    results = {"fp32 vs reference": [abs(a - b) for a, b in zip(fp32[0], reference)],
+               "reference scale": scale}
     for name, config in forms.items():
-        cm = compiled(config, data)
+        cm = compiled(config, data, precision)
         outputs = []   # what each stage computes: its outputs' dtypes
         for stage in cm.stages:
             stage.register_forward_hook(lambda _m, _a, out: outputs.extend(
                 t.dtype for t in (out if isinstance(out, tuple) else (out,)) if t.is_floating_point()))
         losses = [cm.step(ids, targets) for ids, targets in data]
-        results[name] = {"differences": [abs(a - b) for a, b in zip(losses, reference[0])],
+        results[name] = {"differences": [abs(a - b) for a, b in zip(losses, reference)],
                          "dtypes": {p.dtype for p in cm.stages.parameters()},
-                         "outputs": set(outputs), "scale": cm.scaler.get_scale(),
-                         "skipped": cm.skipped_steps}
+                         "outputs": set(outputs),
+                         "scale": None if cm.scaler is None else cm.scaler.get_scale(),
+                         "skipped": cm.skipped_steps,
+                         # what crosses to the next stage (the first stage of a pipeline sends)
+                         "sent": {x.dtype for p in cm.programs if p.index < len(cm.plan.stages) - 1
+                                  for x in p.example_outputs if x.is_floating_point()}}
     return results
 
 
 @pytest.mark.multiprocess
 def test_fp16_tracks_single_process_autocast_with_grad_scaler():
-    ranks = autopar.launch(train_fp16, 2, FORMS, timeout=300)
+    ranks = autopar.launch(train_mixed, 2, FORMS, timeout=300)
     results = ranks[0]
     # fp16 rounds to 2^-11 relative, 8 times finer than bf16's 2^-8, and the runs round in the
     # same places as the bf16 test's (FSDP2 casts parameters once, autocast on each use; TP sums
@@ -256,3 +267,20 @@ def test_unknown_precision_is_refused():
     with pytest.raises(autopar.AutoparError, match="precision='fp8'.*bf16"):
         autopar.compile(model, "1:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=adamw,
                         precision="fp8")
+
+
+@pytest.mark.multiprocess
+def test_pipeline_of_data_parallel_stages_sends_16_bit_values():
+    """FSDP2 casts a stage's parameters to 16 bits, so its outputs are 16-bit where autocast
+    alone keeps the residual stream in fp32; the next stage's receive buffers come from the
+    split's record of what crosses, so both sides must agree on the dtype (they did not: the
+    stages received garbage, and fp16 skipped every step on the infs). Values cross in 16 bits,
+    as Megatron-LM sends them and the cost model prices them."""
+    forms = {"pp x dp": Config(pp=2, dp=2, zero=1, global_batch=BATCH, micro_batch=2)}
+    for precision, dtype, bound in (("fp16", torch.float16, 2e-4), ("bf16", torch.bfloat16, 1e-3)):
+        ranks = autopar.launch(train_mixed, 4, forms, precision, timeout=300)
+        found = ranks[0]["pp x dp"]
+        # the bounds of the 2-rank tests, for the same reasons
+        assert max(found["differences"]) < bound, (precision, found["differences"])
+        assert found["sent"] == {dtype}, (precision, found["sent"])
+        assert [rank["pp x dp"]["skipped"] for rank in ranks] == [0] * 4, precision

@@ -365,7 +365,8 @@ def _stage_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layo
     layer); keep our stages and copy only their tensors; shard parameters over tp (DTensor needs
     whole tensors to distribute); then over dp (FSDP shards what TP left, so it comes last)."""
     programs = split_stages(exported, [s.layers for s in plan.stages], [s.recompute for s in plan.stages],
-                            blocks=_repeated_layers(model, plan))
+                            blocks=_repeated_layers(model, plan),
+                            boundary_dtype=mixed.compute_dtype(plan.precision))
     programs = [_materialize(programs[s], model, device, meta) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:

@@ -103,9 +103,11 @@ def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None,
 
 
 def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
-                 recompute: list[str] | None = None, blocks: set[str] | None = None) -> list[StageProgram]:
+                 recompute: list[str] | None = None, blocks: set[str] | None = None,
+                 boundary_dtype: torch.dtype | None = None) -> list[StageProgram]:
     """One StageProgram per entry of `stage_layers` (module paths in model order). `blocks`: the
     layers that recompute wraps (the repeated blocks, as Megatron's recompute does); default all.
+    `boundary_dtype`: mixed precision's 16-bit dtype, which floating values cross stages in.
 
     Stage 0 takes the model's positional inputs in order; stage k > 0 takes stage k-1's outputs in
     order; the last stage returns the model's flat outputs (`model_outputs` rebuilds the model's
@@ -131,7 +133,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
         if not hasattr(by_stage, f"submod_{index}"):
             raise PlanMismatchError(f"pipeline stage {index} (layers {stage_layers[index]}) computes "
                                     f"nothing in this model; plan this model again")
-    order_interfaces(by_stage, len(stage_layers), positional)
+    order_interfaces(by_stage, len(stage_layers), positional, boundary_dtype)
     programs = []
     for index in range(len(stage_layers)):
         stage_module = getattr(by_stage, f"submod_{index}")
