@@ -175,7 +175,6 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     from autopar.tracer import capture
     from autopar.cost.config import Config
     from autopar.runtime.pipeline import build_runtime
-
     from autopar.solver.pipeline_plan import at_precision
 
     mesh = _as_mesh(mesh)

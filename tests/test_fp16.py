@@ -90,7 +90,7 @@ def train_mixed(forms: dict, precision: str = "fp16") -> dict:
         cm = compiled(config, data, precision)
         outputs = []   # what each stage computes: its outputs' dtypes
         for stage in cm.stages:
-            stage.register_forward_hook(lambda _m, _a, out: outputs.extend(
+            stage.register_forward_hook(lambda _m, _a, out, seen=outputs: seen.extend(
                 t.dtype for t in (out if isinstance(out, tuple) else (out,)) if t.is_floating_point()))
         losses = [cm.step(ids, targets) for ids, targets in data]
         results[name] = {"differences": [abs(a - b) for a, b in zip(losses, reference)],
