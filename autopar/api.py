@@ -6,7 +6,6 @@ on the mesh's device specs, and the result is a `Plan` that can be saved, read a
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import re
 import time
@@ -81,21 +80,25 @@ def _as_mesh(mesh):
 
 def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=None,
          time_limit: float = 60.0, example_kwargs: dict | None = None,
-         progress: Callable[[str, int, int], None] | None = None):
+         progress: Callable[[str, int, int], None] | None = None, precision: str | None = None):
     """Plan `model` for `mesh` (a Mesh or a spec such as "128x8:a100-80g") and return a Plan.
 
     `example_inputs` are ONE micro-batch's inputs (meta or fake tensors are fine: nothing runs);
     `global_batch` the sequences per optimizer step over all replicas; `memory_limit` bytes per
     device or a size such as "80GiB" (default: the device's memory); `time_limit` seconds for all
-    of planning, capture included. `progress(phase, done, total)` is called as the search goes."""
+    of planning, capture included. `progress(phase, done, total)` is called as the search goes.
+    `precision` "bf16", "fp16" or "fp32" is what the plan is priced and run at (default: the
+    device's training dtype, bf16 on GPUs, fp32 on CPUs)."""
     from autopar.tracer import capture
 
     check_planning(global_batch, time_limit, memory_limit)
+    check_precision(precision)
     mesh = _as_mesh(mesh)
     started = time.monotonic()
     graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     return plan_graph(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                      time_limit=remaining_time(time_limit, started), progress=progress)
+                      time_limit=remaining_time(time_limit, started), progress=progress,
+                      precision=precision)
 
 
 def remaining_time(time_limit: float, started: float) -> float:
@@ -108,22 +111,35 @@ def remaining_time(time_limit: float, started: float) -> float:
 
 
 def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit: float = 60.0,
-               progress: Callable[[str, int, int], None] | None = None):
+               progress: Callable[[str, int, int], None] | None = None, precision: str | None = None):
     """`plan` for an already captured Graph."""
     from autopar.solver.pipeline_plan import plan_graph as search
 
     limit = check_planning(global_batch, time_limit, memory_limit)
+    check_precision(precision)
     return search(graph, _as_mesh(mesh), global_batch=global_batch, memory_limit=limit,
-                  time_limit=time_limit, progress=progress)
+                  time_limit=time_limit, progress=progress, precision=precision)
 
 
-def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: float = 60.0):
+def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: float = 60.0,
+                     precision: str | None = None):
     """A forced Megatron-style `Config` as a Plan: uniform stages, the estimator's predictions, and
     per-op placements from the ILP with the config's roles (data axis, tensor axis)."""
     from autopar.solver.pipeline_plan import plan_config
 
     limit = None if memory_limit is None else parse_bytes(memory_limit)
-    return plan_config(graph, _as_mesh(mesh), config, memory_limit=limit, time_limit=time_limit)
+    check_precision(precision)
+    return plan_config(graph, _as_mesh(mesh), config, memory_limit=limit, time_limit=time_limit,
+                       precision=precision)
+
+
+def check_precision(precision: str | None) -> None:
+    """None (the plan's or the device's precision) or one a plan can record."""
+    from autopar.plans import PRECISIONS
+
+    if precision is not None and precision not in PRECISIONS:
+        raise AutoparError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}; use "
+                           f"'bf16' (or 'fp16' where bf16 is not supported) for mixed precision")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +161,10 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     model, a batch the data-parallel degree does not divide) raise on every rank before any
     collective. `graph`: this model's `autopar.capture` for these example inputs, to skip capturing
     it again (after planning, or to compile one model several ways).
-    `precision`: "bf16" computes in bf16 with fp32 master weights (default: the plan's, "fp32").
+    `precision`: "bf16" or "fp16" computes in 16 bits with fp32 master weights and optimizer state
+    (fp16 with dynamic loss scaling), "fp32" in fp32; the plan is priced at it (planned at it, or a
+    given plan priced again) and records it. Default: the plan's, which is the device's training
+    dtype for a plan made here (fp32 on CPUs, bf16 on GPUs).
     A model built under `torch.device("meta")` is never materialized whole: each rank allocates its
     own shards and fills them from `load_from` (a safetensors file, a directory of safetensors
     shards or a DCP checkpoint; names as in model.state_dict()) or `init(module)` (applied like
@@ -157,9 +176,11 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     from autopar.cost.config import Config
     from autopar.runtime.launch import init_default_group
     from autopar.runtime.pipeline import build_runtime
+    from autopar.solver.pipeline_plan import at_precision
 
     mesh = _as_mesh(mesh)
     _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs)
+    check_precision(precision)
     if plan is None:
         check_planning(global_batch or 1, time_limit, memory_limit)
     elif global_batch is not None:
@@ -179,15 +200,16 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     batch = global_batch or example_inputs[0].shape[0]
     if isinstance(plan, Config):
-        plan = _plan_for_config(graph, mesh, plan, time_limit)
+        plan = _plan_for_config(graph, mesh, plan, time_limit, precision)
     elif plan is None:
-        plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit)
+        plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision)
     else:
         plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
     _check_batch(plan, global_batch)
     if precision is not None:
-        plan = dataclasses.replace(plan, precision=precision)
+        # a given plan's predictions are of its own precision: priced again at this one
+        plan = at_precision(graph, plan, precision)
     # One runtime: splitting into stages is the first lowering step; a single-stage plan is one stage.
     return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
@@ -244,15 +266,16 @@ def _load_plan(plan):
     return Plan.load(plan)
 
 
-def _plan_for_config(graph, mesh, config, time_limit):
+def _plan_for_config(graph, mesh, config, time_limit, precision):
     """A forced configuration as the planner places it (the ILP with the config's axis roles, the
     same placements a free plan of that shape gets), made on rank 0."""
-    return _plan_on_rank0(lambda: plan_from_config(graph, mesh, config, time_limit=time_limit), time_limit)
+    return _plan_on_rank0(lambda: plan_from_config(graph, mesh, config, time_limit=time_limit,
+                                                   precision=precision), time_limit)
 
 
-def _plan_freely(graph, mesh, global_batch, memory_limit, time_limit):
+def _plan_freely(graph, mesh, global_batch, memory_limit, time_limit, precision):
     return _plan_on_rank0(lambda: plan_graph(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                                             time_limit=time_limit), time_limit)
+                                             time_limit=time_limit, precision=precision), time_limit)
 
 
 def _plan_on_rank0(make_plan, time_limit):

@@ -26,7 +26,7 @@ from autopar.cost.vocabulary import MULTI_CHUNK_SCHEDULES, RECOMPUTE, SCHEDULES
 from autopar.errors import MeshError, PlanMismatchError
 
 SCHEMA_VERSION = 1
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 # Bounds that no real run comes near; a value past them is a corrupt or crafted file, and would
 # otherwise make explain or the runtime loop over billions of micro-batches or ranks.
 MAX_BATCH = 2**24
@@ -65,7 +65,7 @@ class Plan:
     solver: dict = field(default_factory=dict)      # seconds, status, gap, variables, constraints
     replicated_ops: list[str] = field(default_factory=list)  # ops with no sharding rule, run replicated
     model_type: str = ""
-    precision: str = "fp32"           # fp32 | bf16 (compute dtype; master weights stay fp32)
+    precision: str = "fp32"           # fp32 | bf16 | fp16 (compute dtype; master weights stay fp32)
     schema_version: int = SCHEMA_VERSION
 
     @property

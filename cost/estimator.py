@@ -48,9 +48,16 @@ from autopar.cost.stages import StageSpec, uniform_stages
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
-# The dtype activations are held in under each precision.
-_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+# The dtype activations are held in and matmuls run at under each precision (a plan's
+# `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
+_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in _ACTIVATION_DTYPE.items()}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def default_precision(mesh: Mesh) -> str:
+    """The precision a plan for `mesh` trains in unless told: the device's training dtype."""
+    return _PRECISION_OF_DTYPE.get(mesh.device.training_dtype, "bf16")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,12 +137,15 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
     `cache`, a dict the caller owns, keeps what calls on the same graph, mesh and efficiencies
     share (layouts, chunk owners, priced chunks), so that a search pricing many configurations
-    pays for each part once; results are the same with or without it. `precision` "bf16" (mixed
-    precision) or "fp32": the bytes of activations and model states; by default what the device
-    trains in (bf16 on GPUs, fp32 on CPUs)."""
+    pays for each part once; results are the same with or without it. `precision` "bf16" or
+    "fp16" (mixed precision, the same bytes) or "fp32": the bytes of activations, model states and
+    data-parallel traffic, and the FLOP/s of the device's matmuls in that dtype; by default what
+    the device trains in (bf16 on GPUs, fp32 on CPUs)."""
     mesh, eff = calibrated(mesh, efficiencies, calibration)
     runtime = runtime_named(runtime)
-    precision = precision or _PRECISION_OF_DTYPE.get(mesh.device.training_dtype, "bf16")
+    precision = precision or default_precision(mesh)
+    if precision not in _ACTIVATION_DTYPE:
+        raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
     memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision])
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
@@ -152,7 +162,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
                             [split.groups[c] for c in cs], stage=d)
         data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
-                                               micro_batches=m, mesh=mesh, runtime=runtime))
+                                               micro_batches=m, mesh=mesh, runtime=runtime,
+                                               element_bytes=_DTYPE_BYTES[memo.dtype]))
         local_params = work.params / (spec.dp if spec.zero >= 1 else 1)
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
@@ -334,11 +345,11 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
         i = layout.index[node.name]
-        forward, backward, kept = _kernels(node, b, attention)
+        forward, backward, kept = _kernels(node, b, attention, _DTYPE_BYTES[layout.dtype])
         use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device) if node.gemm else 1.0
-        fwd = sum(compute_time(f, by, device, fam, efficiencies=eff, utilization=use)
+        fwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
                   for fam, f, by in forward)
-        bwd = sum(compute_time(f, by, device, fam, efficiencies=eff, utilization=use)
+        bwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
                   for fam, f, by in backward)
         comm_fwd = tp_group.all_reduce(node.reduce_forward * b) if node.reduce_forward else 0.0
         comm_bwd = tp_group.all_reduce(node.reduce_backward * b) if node.reduce_backward else 0.0
@@ -407,9 +418,9 @@ def _parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> d
     return readers
 
 
-def _kernels(node: NodeLayout, b: int, attention: str) -> tuple[list, list, float]:
+def _kernels(node: NodeLayout, b: int, attention: str, dtype_bytes: int) -> tuple[list, list, float]:
     if node.family == "attention" and node.attention:
-        return attention_kernels(node.attention, b, attention)
+        return attention_kernels(node.attention, b, attention, dtype_bytes)
     if node.family == "view" or (node.act_bytes == 0 and node.flops == 0):
         return [], [], 0.0
     flops, moved = node.flops * b, node.act_bytes * b + node.param_bytes

@@ -68,6 +68,7 @@ class GraphLayout:
     batch: int                         # the captured batch size
     seq_degree: dict[str, int] = field(default_factory=dict)   # storage owner -> power of the
                                        # sequence length in its size (memory.sequence_dims)
+    dtype: str = "bfloat16"            # what floating activations and weights are computed in
 
 
 def _itemsize(dtype: str, compute_dtype: str) -> int:
@@ -132,7 +133,7 @@ class _LayoutBuilder:
         return GraphLayout(nodes=layouts, index={n.name: i for i, n in enumerate(self.graph.nodes)},
                            storage=self.storage, storage_bytes=self.storage_bytes,
                            param_local=self.param_local, batch=self.batch,
-                           seq_degree=self.seq_degree)
+                           seq_degree=self.seq_degree, dtype=self.dtype)
 
     def full_bytes(self, node: Node) -> float:
         """Bytes of this node's whole output for one sample, in the training dtype."""

@@ -1,8 +1,9 @@
 """Memory per device: model states under ZeRO, and the activations a pipeline schedule keeps.
 
-Model states, Adam with mixed precision (Rajbhandari et al., ZeRO, 2020), per parameter:
-    weights    2 bytes  bf16 copy used by forward and backward
-    gradients  2 bytes  bf16, reduced over the data-parallel group in that dtype
+Model states, Adam with mixed precision (Rajbhandari et al., ZeRO, 2020), per parameter (bf16 and
+fp16 alike; fp16's loss scale is one number):
+    weights    2 bytes  16-bit copy used by forward and backward
+    gradients  2 bytes  16-bit, reduced over the data-parallel group in that dtype
     optimizer 12 bytes  fp32 master weights (4) and Adam's two moments (4 + 4)
 16 bytes in all. ZeRO-1 splits the optimizer states over the data-parallel group, ZeRO-2 the
 gradients as well, ZeRO-3 (FSDP) also the weights. Megatron-LM keeps fp32 gradient accumulation

@@ -11,8 +11,8 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
                    prefetching the next block's during this one's compute, and reduce-scatters each
                    block's gradients as its backward ends, every micro-batch. A recomputed block
                    runs under the gather its backward already made (checkpointing inside the unit).
-                   Weights and gradients travel in the device's training dtype (bf16 on GPUs,
-                   fp32 on CPUs).
+                   Weights and gradients travel in the plan's precision (by default the
+                   device's training dtype: bf16 on GPUs, fp32 on CPUs).
   megatron-local   Megatron-LM's own DDP of 2021-22 (`--DDP-impl local`): one all-reduce of the
                    contiguous gradient buffer after the pipeline flush, nothing overlapped.
   deepspeed-2021   DeepSpeed's ZeRO-3 engine of 2021: every sub-module's parameters gathered in its
@@ -78,12 +78,14 @@ class DeviceWork:
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
-                          mesh, runtime: Runtime) -> float:
-    """Seconds of data-parallel communication on the critical path of one step."""
+                          mesh, runtime: Runtime, element_bytes: int | None = None) -> float:
+    """Seconds of data-parallel communication on the critical path of one step; weights and
+    gradients move `element_bytes` per element (the plan's precision; by default the device's
+    training dtype)."""
     if dp == 1:
         return 0.0
     group = Group.strided(mesh, dp, tp)
-    element = 4 if mesh.device.training_dtype == "float32" else 2
+    element = element_bytes or (4 if mesh.device.training_dtype == "float32" else 2)
     if not mesh.device.overlaps_communication:
         runtime = replace(runtime, overlap=False)
     if zero == 3:

@@ -14,7 +14,9 @@ One checkpoint directory holds, flattened by DCP:
   stored under the first of its names; `autopar.tied` maps the others to it);
 - `optim.state.<name>.<statistic>` and `optim.param_groups.<name>.<option>` (lr, betas, ...);
 - `autopar.step` (steps taken), `autopar.plan` (the saving plan's JSON), `autopar.tied`,
-  `autopar.extra` (the user's dict: a data position, a scheduler's state), written by rank 0;
+  `autopar.extra` (the user's dict: a data position, a scheduler's state), and under fp16
+  `autopar.scaler` (the loss scale, its growth count, the steps it skipped: the same on every rank),
+  written by rank 0;
 - `rng.<rank>.*`: each rank's random number generator states.
 plus `plan.json`, the same plan, for `autopar explain`.
 
@@ -135,7 +137,8 @@ def save(cm, path: str | Path, extra: dict | None = None) -> Path:
     token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
     aside = path.with_name(f"{path.name}.tmp-{token[0]}")
-    stepped = cm.steps > 0          # an optimizer that never stepped has no state to save
+    # an optimizer that never stepped (every step so far skipped by fp16's scaler) has no state
+    stepped = cm.steps > cm.skipped_steps
     if stepped:
         model_state, optim_state = get_state_dict(names.modules, cm.optimizer, options=OPTIONS)
     else:
@@ -147,6 +150,9 @@ def save(cm, path: str | Path, extra: dict | None = None) -> Path:
     if dist.get_rank() == 0:
         state["autopar"] = {"step": cm.steps, "plan": cm.plan.to_json(), "tied": json.dumps(names.tied),
                             "extra": payload}
+        if cm.scaler is not None:
+            state["autopar"]["scaler"] = pickle.dumps({"state": cm.scaler.state_dict(),
+                                                       "skipped": cm.skipped_steps})
     dcp.save(state, checkpoint_id=aside)
     # dcp.save returns after rank 0 wrote the metadata, which it does once every rank has written
     if dist.get_rank() == 0:
@@ -204,6 +210,9 @@ def load(cm, path: str | Path) -> dict | None:
     if f"rng.{rng_rank}.cuda" in metadata and torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     state = {"model": model, "autopar": {"step": 0, "extra": b""}, "rng": {rng_rank: rng}}
+    scaled = "autopar.scaler" in metadata
+    if scaled:
+        state["autopar"]["scaler"] = b""
     if optim:
         state["optim"] = optim
     dcp.load(state, checkpoint_id=path)
@@ -220,7 +229,16 @@ def load(cm, path: str | Path) -> dict | None:
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
     cm.steps = state["autopar"]["step"]
+    _restore_scaler(cm, pickle.loads(state["autopar"]["scaler"]) if scaled else None)
     return pickle.loads(state["autopar"]["extra"])
+
+
+def _restore_scaler(cm, saved: dict | None) -> None:
+    """fp16's loss scale continues where the saving run left it. A checkpoint of another precision
+    has none: the scale starts afresh, and none of its steps was skipped."""
+    if cm.scaler is not None and saved is not None:
+        cm.scaler.load_state_dict(saved["state"])
+    cm.skipped_steps = 0 if saved is None else saved["skipped"]
 
 
 def readable(path: str | Path) -> Path:

@@ -15,16 +15,23 @@ RTOL = 1e-5
 ATOL = 1e-6
 
 
-def train_single_process(model: torch.nn.Module, batches, loss_fn, optimizer, call=None) -> tuple[list[float], dict]:
+def train_single_process(model: torch.nn.Module, batches, loss_fn, optimizer, call=None,
+                         scaler: torch.amp.GradScaler | None = None) -> tuple[list[float], dict]:
     """Losses per step and the final state dict of plain training on one process.
-    `call(model, inputs)` runs the forward (default: `model(*inputs)`)."""
+    `call(model, inputs)` runs the forward (default: `model(*inputs)`); with `scaler`, the loss
+    is scaled and the step taken through it, as torch's fp16 recipe does."""
     call = call or (lambda m, inputs: m(*inputs))
     opt = optimizer(list(model.parameters()))
     losses = []
     for *inputs, targets in batches:
         loss = loss_fn(call(model, inputs), targets)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

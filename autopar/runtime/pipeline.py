@@ -122,8 +122,9 @@ class CompiledModel:
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                  programs: list[StageProgram], schedule, optimizer, device: torch.device,
                  state_aliases: dict[str, list[str]], tied: TiedWeights | None = None,
-                 example_kwargs: dict | None = None):
+                 example_kwargs: dict | None = None, scaler: mixed.LossScaler | None = None):
         self.plan = plan
+        self.scaler = scaler                # fp16's loss scaler (precision.py); None otherwise
         # the captured keyword inputs (tensors change per step, constants are in the graph) and
         # the order in which the first stage takes the tensor ones after the positional inputs
         self.example_kwargs = dict(example_kwargs or {})
@@ -139,7 +140,8 @@ class CompiledModel:
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coordinates(dist.get_rank())
         self.is_first = any(p.index == 0 for p in programs)
         self.is_last = any(p.index == len(plan.stages) - 1 for p in programs)
-        self.steps = 0                      # optimizer steps taken; saved and restored by checkpoints
+        self.steps = 0                      # steps taken; saved and restored by checkpoints
+        self.skipped_steps = 0              # of those, updates fp16's scaler skipped (inf or NaN)
 
     @property
     def global_batch(self) -> int:
@@ -155,7 +157,8 @@ class CompiledModel:
         replica's share. Keyword inputs that were captured as tensors (`attention_mask=...`) are
         given at every step, batch-sized like the inputs: they are split across replicas and
         micro-batches as the inputs are. Returns the mean loss over micro-batches and replicas on
-        every rank."""
+        every rank. Under fp16, a step whose gradients overflow on any rank updates nothing on
+        every rank (`skipped_steps` counts it) and still returns its loss."""
         rows = self.global_batch // self.layout.dp if local else self.global_batch
         tensors = check_step_inputs(self.example_kwargs, kwargs, rows,
                                     "" if local else " (or local=True with this rank's share)")
@@ -167,13 +170,22 @@ class CompiledModel:
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.is_first else ()
         last = {"target": targets, "losses": losses} if self.is_last else {}
+        # the scale the schedule's losses are multiplied by (a power of 2: dividing is exact)
+        scale = 1.0 if self.scaler is None else self.scaler.get_scale()
         self.schedule.step(*args, **last)
         if self.tied is not None:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.unscale_(self.optimizer)   # the inf check, agreed by every rank
+            self.scaler.step(self.optimizer)       # skipped on every rank when any found inf
+            self.scaler.update()
+            # a skip is what lowers the scale (torch's backoff factor is below 1)
+            self.skipped_steps += int(self.scaler.get_scale() < scale)
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return self._shared_loss(losses)
+        return self._shared_loss(losses) / scale
 
     def _rows_of_this_rank(self, batch: tuple, local: bool) -> tuple:
         """Check the batch size (before any collective) and keep this data-parallel rank's rows."""
@@ -319,6 +331,7 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     for p in programs:
         mixed.autocast_stage(p.module, device, plan.precision)
     loss_fn = mixed.autocast_loss(loss_fn, device, plan.precision)
+    scaler = mixed.loss_scaler(plan.precision, device)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     # the split's record of what each stage takes and returns spares torch a forward to learn it
     stages = None if len(plan.stages) == 1 else [
@@ -326,11 +339,12 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
                       output_args=p.example_outputs, group=mesh.get_group("pp")) for p in programs]
     out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
     schedule = build_schedule(plan, layout.stage_rank, layout.pp, [p.module for p in programs], stages,
-                              _checked_loss(loss_fn, out_spec))
+                              mixed.scaled_loss(_checked_loss(loss_fn, out_spec), scaler))
     params = [p for program in programs for p in program.module.parameters()]
     return CompiledModel(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                          optimizer=_optimizer(optimizer, params), device=device,
-                         state_aliases=state_aliases(model), tied=tied, example_kwargs=example_kwargs)
+                         state_aliases=state_aliases(model), tied=tied, example_kwargs=example_kwargs,
+                         scaler=scaler)
 
 
 def _checked_loss(loss_fn, out_spec):
@@ -367,7 +381,8 @@ def _stage_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layo
     layer); keep our stages and copy only their tensors; shard parameters over tp (DTensor needs
     whole tensors to distribute); then over dp (FSDP shards what TP left, so it comes last)."""
     programs = split_stages(exported, [s.layers for s in plan.stages], [s.recompute for s in plan.stages],
-                            blocks=_repeated_layers(model, plan))
+                            blocks=_repeated_layers(model, plan),
+                            boundary_dtype=mixed.compute_dtype(plan.precision))
     programs = [_materialize(programs[s], model, device, meta) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:

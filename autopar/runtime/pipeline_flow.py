@@ -11,7 +11,12 @@ every layer. So:
   way); the model's inputs count as made before stage 0, its outputs as read after the last stage.
 - `order_interfaces`, after the graph is cut into one submodule per stage, makes each stage's
   outputs the next stage's inputs in the same order, the first stage take the model's positional
-  inputs in order and then its tensor keyword inputs (attention masks), and the last stage return the model's flat outputs in order.
+  inputs in order and then its tensor keyword inputs (attention masks), and the last stage return
+  the model's flat outputs in order. Under mixed
+  precision, floating values cross stages in the 16-bit dtype (as Megatron-LM sends them, and as
+  the cost model prices the sends): the receiving stage's buffers are made from what the fake run
+  below records, so what a stage sends must not depend on whether FSDP2 cast its parameters
+  (16-bit residual stream) or autocast alone ran it (fp32 residual stream).
 - `interface_examples` runs the stages one after another on fake tensors and records what each
   one takes and returns (shape, dtype, whether it requires grad). Given to `PipelineStage`, these
   spare torch the forward it otherwise runs on uninitialized tensors to learn them, which
@@ -73,9 +78,11 @@ def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage:
     return relayed
 
 
-def order_interfaces(by_stage: fx.GraphModule, stages: int, taken: list[str]) -> None:
+def order_interfaces(by_stage: fx.GraphModule, stages: int, taken: list[str],
+                     boundary_dtype: torch.dtype | None = None) -> None:
     """Make the stages of `by_stage` (submodules `submod_0`...) fit one after another: see the
-    module docstring. `taken` names the model's inputs the first stage takes, in order."""
+    module docstring. `taken` names the model's inputs the first stage takes, in order;
+    `boundary_dtype`, the dtype floating values cross stages in (None: as computed)."""
     calls = {node.target: node for node in by_stage.graph.nodes if node.op == "call_module"}
     by_name = {node.name: node for node in by_stage.graph.nodes if node.op == "placeholder"}
     inputs = [by_name[name] for name in taken]
@@ -91,7 +98,7 @@ def order_interfaces(by_stage: fx.GraphModule, stages: int, taken: list[str]) ->
         before, call = calls[f"submod_{index - 1}"], calls[f"submod_{index}"]
         _give_outputs(getattr(by_stage, f"submod_{index - 1}"),
                       [(_output_index(arg, before), None) for arg in call.args],
-                      single=len(call.args) == 1, contiguous=True)
+                      single=len(call.args) == 1, contiguous=True, dtype=boundary_dtype)
     last = calls[f"submod_{stages - 1}"]
     output = next(node for node in by_stage.graph.nodes if node.op == "output")
     flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
@@ -129,12 +136,13 @@ def _take_inputs(stage: fx.GraphModule, order: list[int | None]) -> None:
 
 
 def _give_outputs(stage: fx.GraphModule, order: list[tuple[int | None, object]], *, single: bool,
-                  contiguous: bool = False) -> None:
+                  contiguous: bool = False, dtype: torch.dtype | None = None) -> None:
     """The stage returns, for each (index, constant) of `order`, its current output `index`, or
     `constant` where index is None (a None among the model's outputs): alone when `single`, else
     as a tuple. With `contiguous`, as fresh contiguous tensors: the next stage receives into
     buffers laid out like the outputs, and a receive needs a contiguous buffer; and zero-bubble
-    schedules detach a stage's outputs in place after its input backward, which a view refuses."""
+    schedules detach a stage's outputs in place after its input backward, which a view refuses.
+    With `dtype`, floating outputs are sent in it (`boundary_copy`)."""
     output = next(node for node in stage.graph.nodes if node.op == "output")
     current = output.args[0]
     values = list(current) if isinstance(current, (tuple, list)) else [current]
@@ -143,9 +151,19 @@ def _give_outputs(stage: fx.GraphModule, order: list[tuple[int | None, object]],
         with stage.graph.inserting_before(output):
             chosen = [stage.graph.call_function(torch.ops.aten.clone.default, (value,),
                                                 {"memory_format": torch.contiguous_format})
+                      if dtype is None else stage.graph.call_function(boundary_copy, (value, dtype))
                       for value in chosen]
     output.args = (chosen[0],) if single else (tuple(chosen),)
     stage.recompile()
+
+
+def boundary_copy(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh contiguous copy of a value a stage sends, floating values in `dtype`. (Whether a
+    value is floating is known only when it runs: the stage's outputs are its units' results,
+    which carry no metadata.)"""
+    if value.is_floating_point():
+        return value.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    return value.clone(memory_format=torch.contiguous_format)
 
 
 def interface_examples(stages: list[fx.GraphModule], inputs: list) -> list[tuple[tuple, tuple]]:

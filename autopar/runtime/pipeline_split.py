@@ -106,9 +106,11 @@ def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None,
 
 
 def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
-                 recompute: list[str] | None = None, blocks: set[str] | None = None) -> list[StageProgram]:
+                 recompute: list[str] | None = None, blocks: set[str] | None = None,
+                 boundary_dtype: torch.dtype | None = None) -> list[StageProgram]:
     """One StageProgram per entry of `stage_layers` (module paths in model order). `blocks`: the
     layers that recompute wraps (the repeated blocks, as Megatron's recompute does); default all.
+    `boundary_dtype`: mixed precision's 16-bit dtype, which floating values cross stages in.
 
     Stage 0 takes the model's positional inputs in order, then its tensor keyword inputs in
     captured order (StageProgram.keywords); stage k > 0 takes stage k-1's outputs in
@@ -135,7 +137,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
         if not hasattr(by_stage, f"submod_{index}"):
             raise PlanMismatchError(f"pipeline stage {index} (layers {stage_layers[index]}) computes "
                                     f"nothing in this model; plan this model again")
-    order_interfaces(by_stage, len(stage_layers), [node.name for node in taken])
+    order_interfaces(by_stage, len(stage_layers), [node.name for node in taken], boundary_dtype)
     programs = []
     for index in range(len(stage_layers)):
         stage_module = getattr(by_stage, f"submod_{index}")

@@ -1,40 +1,48 @@
-"""Mixed precision: compute in bf16, keep fp32 master weights, optimizer state and gradients.
+"""Mixed precision: compute in bf16 or fp16, keep fp32 master weights, optimizer state and gradients.
 
-A plan's `precision` is "fp32" or "bf16" (FSDP2's MixedPrecisionPolicy and torch.autocast, as
+A plan's `precision` is "fp32", "bf16" or "fp16" (FSDP2's MixedPrecisionPolicy and torch.autocast, as
 torchtitan and FSDP2 users run it):
-- every stage's forward (and the loss) runs under `torch.autocast(dtype=bfloat16)`: matmuls and
-  attention in bf16, reductions such as softmax and norms where autocast keeps them in fp32;
-  the recomputed forward of a checkpointed layer runs under the same autocast state;
+- every stage's forward (and the loss) runs under `torch.autocast(dtype=bfloat16 or float16)`:
+  matmuls and attention in 16 bits, reductions such as softmax and norms where autocast keeps them
+  in fp32; the recomputed forward of a checkpointed layer runs under the same autocast state;
 - data parallelism and ZeRO (FSDP2 `replicate` / `fully_shard`) get
-  `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`: parameters are gathered and
-  used in bf16 (half the all-gather), gradients are reduced in fp32 (a choice: the sum over many
-  replicas keeps fp32's precision, at twice bf16's traffic) and land on the fp32 shards;
+  `MixedPrecisionPolicy(param_dtype=<16-bit>, reduce_dtype=float32)`: parameters are gathered and
+  used in 16 bits (half the all-gather), gradients are reduced in fp32 (a choice: the sum over many
+  replicas keeps fp32's precision, at twice the 16-bit traffic) and land on the fp32 shards;
 - parameters, gradients and the optimizer's state stay fp32: the optimizer steps master weights.
-Tensor-parallel collectives move activations in the dtype autocast gives them (bf16), as
-Megatron-LM does. bf16 has fp32's exponent range, so no loss scaling is needed.
+Tensor-parallel collectives move activations in the dtype autocast gives them, as Megatron-LM does.
 
-fp16 would need loss scaling (its range underflows small gradients) with the inf check agreed
-across every rank of every axis; autopar refuses it rather than train without it.
+bf16 has fp32's exponent range, so it needs no loss scaling. fp16's range (6e-8 to 65504) loses
+small gradients to underflow, so fp16 scales the loss (torch.amp.GradScaler's dynamic scaling:
+multiply the loss by S, divide the gradients by S before the step, skip the step and halve S when a
+gradient is inf or NaN, double S after 2000 good steps). The loss is scaled inside the schedule's
+loss function, where every form (one stage, torch's pipeline schedules) computes it. Gradients are
+sharded (ZeRO, tensor and pipeline parallelism): an overflow seen by one rank must skip the step on
+every rank, so the found-inf flag is all-reduced over the whole job, as torch's ShardedGradScaler
+does (`LossScaler` is that scaler, checking each rank's local shards).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
 from autopar.runtime.pipeline_tensor import drop_metadata_checks
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The precisions whose range loses gradients unless the loss is scaled.
+SCALED = ("fp16",)
 
 
 def check_precision(precision: str) -> None:
-    if precision == "fp16":
-        raise AutoparError("precision='fp16' needs loss scaling, which autopar does not run yet; use "
-                           "precision='bf16' (same speed on GPUs since A100, fp32's range, no scaling)")
     if precision not in PRECISIONS:
-        raise AutoparError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}")
+        raise AutoparError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}; use 'bf16' "
+                           f"(or 'fp16' where bf16 is not supported) for mixed precision")
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
@@ -43,7 +51,7 @@ def compute_dtype(precision: str) -> torch.dtype | None:
 
 
 def mp_policy(precision: str) -> MixedPrecisionPolicy | None:
-    """FSDP2's policy: bf16 parameters in compute, fp32 gradient reduction."""
+    """FSDP2's policy: 16-bit parameters in compute, fp32 gradient reduction."""
     dtype = compute_dtype(precision)
     if dtype is None:
         return None
@@ -53,7 +61,7 @@ def mp_policy(precision: str) -> MixedPrecisionPolicy | None:
 def autocast_stage(module: nn.Module, device: torch.device, precision: str) -> None:
     """Run `module`'s forward under autocast, through hooks so that the module (what FSDP wrapped
     and what checkpoints name) stays as it is. The export's dtype checks are dropped: values are
-    bf16 where the trace saw fp32, and the checks compute nothing."""
+    16-bit where the trace saw fp32, and the checks compute nothing."""
     dtype = compute_dtype(precision)
     if dtype is None:
         return
@@ -82,4 +90,56 @@ def autocast_loss(loss_fn, device: torch.device, precision: str):
     def loss(outputs, targets):
         with torch.autocast(device.type, dtype=dtype):
             return loss_fn(outputs, targets)
+    return loss
+
+
+class LossScaler(ShardedGradScaler):
+    """torch's ShardedGradScaler (dynamic loss scaling, found-inf all-reduced over the whole job),
+    checking and unscaling each rank's local shards.
+
+    Its own unscale hands DTensor gradients (FSDP2 shards, tensor-parallel parameters) to DTensor's
+    rule for the check, which refuses a list that mixes plain tensors and DTensors and reads the
+    first gradient's mesh for all of them (a stage holds parameters of the tp mesh, the (dp, tp)
+    mesh and none). The flag is all-reduced over the world anyway, so each rank checks what it
+    holds: the local tensors."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device.type, process_group=dist.group.WORLD)
+        # Every rank needs a scale to unscale with, but only the last pipeline stage's ranks
+        # compute the loss, which is where torch creates it.
+        self.scale(torch.zeros((), device=device))
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        grads: dict[tuple, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise AutoparError("fp16 loss scaling does not handle sparse gradients; use "
+                                       "precision='bf16', which needs no scaling")
+                local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                grads.setdefault((local.device, local.dtype), []).append(local)
+        found = {}
+        with torch.no_grad():
+            for (device, _), tensors in grads.items():
+                flag = found.setdefault(device, found_inf.to(device, copy=True))
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
+        # a rank without gradients still takes part in the all-reduce of the flag
+        return found or {found_inf.device: found_inf}
+
+
+def loss_scaler(precision: str, device: torch.device) -> LossScaler | None:
+    """The loss scaler the precision needs (fp16), or None."""
+    check_precision(precision)
+    return LossScaler(device) if precision in SCALED else None
+
+
+def scaled_loss(loss_fn, scaler: LossScaler | None):
+    """The loss the schedule backpropagates: multiplied by the scaler's current scale."""
+    if scaler is None:
+        return loss_fn
+
+    def loss(outputs, targets):
+        return scaler.scale(loss_fn(outputs, targets))
     return loss

@@ -5,7 +5,9 @@ ILP for the placements of every parameter and node on the tensor-parallel axis o
 dp x tp sub-mesh; the data-parallel axis splits the batch (and ZeRO-3 parameters) by the plan's
 decision. All stages share that sub-mesh shape and the ILP ties repeated blocks, so one solve
 covers every stage: solving scales with distinct blocks, not layers.
-`plan_config` turns a forced Megatron-style Config into a Plan the same way.
+`plan_config` turns a forced Megatron-style Config into a Plan the same way. Both price at a
+precision (bf16, fp16, fp32; the device's training dtype by default), which the plan records;
+`at_precision` prices a made plan again at another.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from functools import cache
 
 from autopar.cost.config import Config
+from autopar.cost.estimator import default_precision
 from autopar.cost.plan_estimate import estimate_plan
 from autopar.cost.stages import blocks_per_chunk
 from autopar.cost.vocabulary import AxisRole
@@ -34,17 +37,19 @@ Progress = Callable[[str, int, int], None]
 
 
 def plan_graph(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
-               time_limit: float = 60.0, progress: Progress | None = None) -> Plan:
+               time_limit: float = 60.0, progress: Progress | None = None,
+               precision: str | None = None) -> Plan:
     return plan_and_search(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                           time_limit=time_limit, progress=progress)[0]
+                           time_limit=time_limit, progress=progress, precision=precision)[0]
 
 
 def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
-                    time_limit: float = 60.0, progress: Progress | None = None) -> tuple[Plan, Search]:
+                    time_limit: float = 60.0, progress: Progress | None = None,
+                    precision: str | None = None) -> tuple[Plan, Search]:
     """The plan and the search that found it (its priced candidates, for benchmarks)."""
     started = time.monotonic()
     search = search_pipeline(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                             deadline=started + time_limit, progress=progress)
+                             deadline=started + time_limit, progress=progress, precision=precision)
     inter_seconds = time.monotonic() - started
     _report(progress, "placements", 3, 3)
     status = "time_limit" if search.timed_out else "searched"
@@ -53,15 +58,17 @@ def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
         "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced,
         "refused": sum(refused.values()),
         "refusal_reasons": dict(sorted(refused.items(), key=lambda kv: -kv[1])[:5])},
-        time_limit=max(1.0, started + time_limit - time.monotonic()), cache=search.pricer.estimates)
+        time_limit=max(1.0, started + time_limit - time.monotonic()), cache=search.pricer.estimates,
+        precision=precision)
     return plan, search
 
 
 def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None,
-                    deadline: float, progress: Progress | None = None) -> Search:
+                    deadline: float, progress: Progress | None = None,
+                    precision: str | None = None) -> Search:
     """The inter-op search alone; `search.best` is the fastest candidate that fits."""
     limit = memory_limit or mesh.device.memory_bytes
-    search = new_search(graph, mesh, global_batch, limit, deadline)
+    search = new_search(graph, mesh, global_batch, limit, deadline, precision)
     weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
     blocks = sum(1 for unit in search.units if unit.block)
     grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch)
@@ -89,7 +96,7 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
 
 
 def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float | None = None,
-                time_limit: float = 60.0) -> Plan:
+                time_limit: float = 60.0, precision: str | None = None) -> Plan:
     """A forced uniform configuration as a Plan, priced by `estimate`, placements by the ILP."""
     started = time.monotonic()
     if config.world_size != mesh.world_size:
@@ -99,7 +106,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         raise AutoparError(f"tp={config.tp} must divide the {mesh.gpus_per_node} devices of a node: "
                            f"tensor parallelism stays inside a node")
     limit = memory_limit or mesh.device.memory_bytes
-    search = new_search(graph, mesh, config.global_batch, limit, started + time_limit)
+    search = new_search(graph, mesh, config.global_batch, limit, started + time_limit, precision)
     cuts = _megatron_cuts(search.units, config.pp * config.virtual)
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
@@ -116,7 +123,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         raise AutoparError(f"the estimator cannot price {config}: {reason}")
     return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
         "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1},
-        time_limit=time_limit, cache=search.pricer.estimates)
+        time_limit=time_limit, cache=search.pricer.estimates, precision=precision)
 
 
 def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
@@ -136,10 +143,12 @@ def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
     return (0, *inner, len(units))
 
 
-def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float) -> Search:
+def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float,
+               precision: str | None = None) -> Search:
     if global_batch < 1:
         raise AutoparError(f"global batch {global_batch} must be at least 1")
-    pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit)
+    pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit,
+                    precision=precision)
     return Search(pricer=pricer, units=pipeline_units(graph), deadline=deadline)
 
 
@@ -220,7 +229,7 @@ def _batch_nodes(graph: Graph) -> set[str]:
 
 
 def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: int, solver: dict,
-              time_limit: float, cache: dict | None = None) -> Plan:
+              time_limit: float, cache: dict | None = None, precision: str | None = None) -> Plan:
     candidate, shape = priced.candidate, priced.candidate.shape
     tensor = _tensor_placements(graph, mesh, shape.tp, time_limit)
     group = shape.dp * shape.tp
@@ -243,8 +252,8 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
                 micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
                 parameters=parameters, nodes=nodes, solver=solver,
                 replicated_ops=tensor["replicated_ops"], model_type=graph.model_type,
-                # what the estimator priced and the runtime will run: the device's training dtype
-                precision="fp32" if mesh.device.training_dtype == "float32" else "bf16")
+                # what the estimator priced and the runtime will run
+                precision=precision or default_precision(mesh))
     # What the plan records is the plan's own price, from its stages as written (the search's
     # price of the candidate is the same call, shared through `cache`).
     estimate = estimate_plan(graph, plan, cache=cache).to_dict()
@@ -254,6 +263,27 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
         stage.predicted = predicted
     # A check on the estimator's bubble formula: torch's own action order, simulated with the
     # stages' predicted times.
+    plan.predicted["simulated_bubble_fraction"] = plan_timeline(plan).bubble_fraction
+    return plan
+
+
+def at_precision(graph: Graph, plan: Plan, precision: str) -> Plan:
+    """A copy of `plan` that runs at `precision`, priced again at it: activations, the 16-bit
+    weights and traffic, and the matmuls' FLOP/s all change with it. Each stage keeps its share of
+    its pipeline rank's time (what the timeline draws)."""
+    if precision == plan.precision:
+        return plan
+    plan = Plan.from_dict({**plan.to_dict(), "precision": precision})
+    estimate = estimate_plan(graph, plan).to_dict()
+    plan.predicted = {key: value for key, value in estimate.items() if key != "devices"}
+    for stage in plan.stages:
+        before = stage.predicted
+        device = dict(estimate["devices"][stage.index % plan.pp])
+        if before.get("time_per_micro_batch_s"):
+            share = before.get("chunk_time_per_micro_batch_s", before["time_per_micro_batch_s"]) \
+                / before["time_per_micro_batch_s"]
+            device["chunk_time_per_micro_batch_s"] = device["time_per_micro_batch_s"] * share
+        stage.predicted = device
     plan.predicted["simulated_bubble_fraction"] = plan_timeline(plan).bubble_fraction
     return plan
 

@@ -24,6 +24,7 @@ class Pricer:
     mesh: object                # autopar.cost.mesh.Mesh
     global_batch: int
     memory_limit: float
+    precision: str | None = None    # the plan's (bf16, fp16, fp32); None: the device's training dtype
     cache: dict = field(default_factory=dict)       # candidate -> Priced, or None if refused
     estimates: dict = field(default_factory=dict)   # the estimator's own cache, for this search
     refusals: dict = field(default_factory=dict)    # the estimator's reason -> how many candidates
@@ -35,7 +36,7 @@ class Pricer:
             return self.cache[candidate]
         try:
             result = (estimate(self.graph, self.mesh, self.config(candidate),
-                               cache=self.estimates)
+                               cache=self.estimates, precision=self.precision)
                       if uniform else self.stages_estimate(candidate, units))
         except AutoparError as err:
             reason = str(err).split(";")[0]
@@ -64,7 +65,7 @@ class Pricer:
                  for i in range(candidate.chunks)]
         return estimate_stages(self.graph, self.mesh, specs, global_batch=self.global_batch,
                                micro_batch=shape.micro_batch, schedule=shape.schedule,
-                               virtual=shape.virtual, cache=self.estimates)
+                               virtual=shape.virtual, cache=self.estimates, precision=self.precision)
 
 
 def chunk_layers(units: list[Unit], candidate: Candidate, index: int) -> list[str]:
