@@ -201,10 +201,29 @@ def _assign_units(module: fx.GraphModule, units: list[str], unit_stage: list[int
     flow = flow_nodes(module)
     assigned = assign_units(flow, units)
     shared = shared_values(flow)
+    _views_with_readers(module, assigned, unit_stage)
     for node in reversed([n for n in module.graph.nodes if n.name in shared]):
         _copy_per_unit(module, node, assigned, unit_stage)
     module.recompile()
     return assigned
+
+
+def _views_with_readers(module: fx.GraphModule, assigned: dict[str, int], unit_stage: list[int]):
+    """A view (`unsqueeze`, `alias`, `permute`...) that another unit reads runs in each unit that
+    reads it, and its own unit returns the view's base instead: FSDP2 hooks the outputs of the
+    units it wraps for its backward all-gather, an in-place op on a returned view loses that
+    hook (torch warns of it), and a view costs nothing to take again. Only views taken in the
+    unit that makes their base move, so what crosses from stage to stage (which
+    autopar.solver.stage_flow predicts for the planner) is the same tensor as before."""
+    for node in reversed(list(module.graph.nodes)):
+        if not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view) \
+                or node.name not in assigned or not node.all_input_nodes:
+            continue
+        base = node.all_input_nodes[0]
+        readers = {reader_unit(user.name, user.op == "output", assigned, len(unit_stage))
+                   for user in node.users}
+        if assigned.get(base.name) == assigned[node.name] and readers - {assigned[node.name]}:
+            _copy_per_unit(module, node, assigned, unit_stage)
 
 
 def flow_nodes(module: fx.GraphModule) -> list[FlowNode]:
