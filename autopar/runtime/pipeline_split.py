@@ -11,6 +11,9 @@ the exported graph gets a stage:
   gradients `autopar.runtime.tied` keeps equal;
 - nodes no output depends on are dropped, as are checks of constants (`_assert_tensor_metadata`
   on a rotary table); a check of an activation runs with that activation.
+These rules are autopar.solver.stage_flow's, which the planner applies to its captured graph
+too (so it knows which cuts relay an activation). A view that another unit reads is taken again
+in that unit, so no unit returns a view (FSDP2 hooks what a unit returns).
 Values that a later stage reads are passed along the stages between (pipeline_flow.py). Two
 `split_module` passes follow:
 
