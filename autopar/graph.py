@@ -39,6 +39,7 @@ class Node:
     args: tuple[Any, ...] = ()      # non-tensor arguments as plain values (dims, sizes), tensors as None
     kwargs: dict[str, Any] = field(default_factory=dict)   # keyword arguments, plain like args
     tied_to: str | None = None      # a parameter shared with an earlier one (tied embeddings): its fqn
+    effect: bool = False            # an op that runs even when nothing reads it (torch's is_impure)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -160,7 +160,8 @@ def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[
             bytes=nbytes, inputs=tuple(n.name for n in fx_node.all_input_nodes),
             module_path=module_path, module_type=module_type, flops=forward_flops(fx_node),
             param_fqn=fqn, tied_to=tied.get(fqn), args=_plain(fx_node.args),
-            kwargs=_plain(dict(fx_node.kwargs))))
+            kwargs=_plain(dict(fx_node.kwargs)),
+            effect=fx_node.op == "call_function" and fx_node.is_impure()))
     return nodes, stacks
 
 

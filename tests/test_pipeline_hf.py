@@ -59,12 +59,22 @@ def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
     held = [fqn for program in programs for fqn in set(program.param_names.values())]
     assert {n.param_fqn for n in graph.parameters if n.name in read} == set(held)
     assert sorted(programs[0].tied) == sorted({fqn for fqn in held if held.count(fqn) > 1})
+    # no stage or unit returns a view that needs a gradient, but for the model's own outputs
+    # (Phi's logits are a view inside aten.linear with a bias): FSDP2 hooks what the modules it
+    # wraps return, and an in-place op on a returned view would lose the hook (torch warns of it)
+    views = []
+    for program in programs:
+        for unit in [program.module, *program.module.children()]:
+            unit.register_forward_hook(lambda module, args, output: views.extend(
+                out for out in (output if isinstance(output, tuple) else (output,))
+                if isinstance(out, torch.Tensor) and out.requires_grad and out._base is not None))
     values = inputs
     for program in programs:
         output = program.module(*values)
         values = output if isinstance(output, tuple) else (output,)
     got = model_outputs(output, programs[-1].out_spec)
     torch.testing.assert_close(got.logits, model(*inputs).logits, rtol=0, atol=0)
+    assert [view.shape for view in views if not any(view is out for out in values)] == []
 
 
 def adamw(params):

@@ -113,7 +113,8 @@ def bench_row(model: str, cluster: str, global_batch: int, *, time_limit: float)
     solved = time.monotonic()
     # The grid, on its own search sharing only the estimator's memo of priced candidates (a pure
     # function's results): every configuration by `estimate`, the fastest that fits.
-    grid_search = Search(pricer=search.pricer, units=search.units, deadline=float("inf"))
+    grid_search = Search(pricer=search.pricer, units=search.units, deadline=float("inf"),
+                         skipping=search.skipping)
     blocks = sum(1 for unit in grid_search.units if unit.block)
     priced = grid_phase(grid_search, megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
                                                      global_batch))

@@ -16,6 +16,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from autopar.errors import format_bytes
+
 MODEL = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
 MICRO_BATCH = 2
 GLOBAL_BATCH = 16
@@ -81,8 +83,8 @@ def make_plan(mesh, memory_limit, time_limit: float, console: Console):
             replica = autopar.estimate(graph, mesh, autopar.Config(
                 dp=mesh.world_size, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH))
             memory_limit = int(replica.memory_per_gpu_bytes // 4)
-            console.print(f"data parallelism would need {replica.memory_per_gpu_bytes / 2**20:.2f} MiB "
-                          f"per device; planning under {memory_limit / 2**20:.2f} MiB")
+            console.print(f"data parallelism would need {format_bytes(replica.memory_per_gpu_bytes)} "
+                          f"per device; planning under {format_bytes(memory_limit)}")
         return graph, plan_graph(graph, mesh, global_batch=GLOBAL_BATCH, memory_limit=memory_limit,
                                  time_limit=time_limit)
 

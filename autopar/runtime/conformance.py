@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.cost.config import Config
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, format_bytes
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
 from autopar.runtime.equivalence import mismatches, train_single_process
 
@@ -189,5 +189,5 @@ def _pipelining_plan(graph, mesh: str, unconstrained):
         if len(plan.stages) > 1:
             return plan
     raise AutoparError(f"no memory limit down to {MEMORY_FRACTIONS[-1]:.0%} of the unconstrained "
-                       f"plan's {needed / 2**20:.2f} MiB per device makes the planner pipeline"
+                       f"plan's {format_bytes(needed)} per device makes the planner pipeline"
                        + (f" (last: {last_error})" if last_error else ""))

@@ -44,6 +44,7 @@ from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.tied import TiedWeights
+from autopar.solver.schedules import relay_error
 
 
 @dataclass(kw_only=True, slots=True)
@@ -316,14 +317,11 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
                                 f"has the tensors {tensors}; capture the graph with the example_kwargs "
                                 f"given to compile")
     programs = _stage_programs(exported, model, plan, layout, mesh, own, device, meta)
-    if plan.schedule == "zero-bubble" and programs and programs[0].relayed:
-        # seen on T5 (its encoder output read by every decoder stage): the split backward of
-        # torch's zero-bubble schedules then gives gradients that differ from one process
-        raise AutoparError(
-            f"the zero-bubble schedule cannot run this pipeline: activations such as "
-            f"{programs[0].relayed[0]} are read several stages after the one that computes them, "
-            f"and zero-bubble's split backward trains them wrong; plan with schedule '1f1b' or "
-            f"'interleaved-1f1b', or cut the model where no activation skips a stage")
+    # the planner never emits this (autopar.solver.stage_flow finds the same values); a plan
+    # written by hand, or for other stages, may
+    relay_refusal = relay_error(plan.schedule, programs[0].relayed if programs else ())
+    if relay_refusal is not None:
+        raise AutoparError(relay_refusal)
     if meta or load_from is not None or init is not None:
         materialize.fill_stages([p.module for p in programs], model, device, load_from=load_from,
                                 init=init, seed=seed)

@@ -32,30 +32,27 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError
+from autopar.solver.stage_flow import skips_a_stage, spans, stage_of
 
 
-def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]) -> list[str]:
+def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int],
+               flow: list) -> list[str]:
     """Relay (copy) each value through the stages between its producer and its readers; a relay
-    runs in the first unit of its stage, and `unit_of_node` learns it. Returns the relayed values
-    that a stage computed (not model inputs): gradients flow back through their relays."""
+    runs in the first unit of its stage, and `unit_of_node` learns it. `flow`: the graph's nodes
+    as autopar.solver.stage_flow sees them, whose rule (`skips_a_stage`, the planner's too) says
+    which values need relays. Returns the relayed values that a stage computed (not model
+    inputs): gradients flow back through their relays."""
     relayed: list[str] = []
     first_unit: dict[int, int] = {}
     for unit, stage in enumerate(unit_stage):
         first_unit.setdefault(stage, unit)
-    after_outputs = unit_stage[-1] + 1      # the model's outputs are read "after" the last stage
-    nodes = list(module.graph.nodes)
-    last_input = max((n for n in nodes if n.op == "placeholder"), key=nodes.index, default=None)
-    for node in nodes:
-        if node.op == "output":
+    nodes = {node.name: node for node in module.graph.nodes}
+    last_input = [n for n in module.graph.nodes if n.op == "placeholder"][-1:]
+    for span in spans(flow, unit_of_node, len(unit_stage)):
+        if not skips_a_stage(span.made, span.furthest, unit_stage):
             continue
-        made = -1 if node.op == "placeholder" else unit_stage[unit_of_node[node.name]]
-        readers: dict[int, list[fx.Node]] = {}
-        for user in node.users:
-            stage = after_outputs if user.op == "output" else unit_stage[unit_of_node[user.name]]
-            readers.setdefault(stage, []).append(user)
-        furthest = max(readers, default=made)
-        if furthest <= made + 1:
-            continue
+        node = nodes[span.value]
+        made, furthest = stage_of(span.made, unit_stage), stage_of(span.furthest, unit_stage)
         if not isinstance(node.meta.get("val"), torch.Tensor):
             raise AutoparError(f"{node.name} is read {furthest - made} pipeline stages after the one that "
                                f"makes it, but it is not a tensor, so no stage can send it on; "
@@ -63,16 +60,17 @@ def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage:
         relays = {made: node}
         if node.op != "placeholder":
             relayed.append(node.name)
-        anchor = last_input if node.op == "placeholder" else node
+        anchor = last_input[0] if node.op == "placeholder" else node
         for stage in range(made + 1, furthest):
             with module.graph.inserting_after(anchor):
                 relay = module.graph.call_function(torch.ops.aten.clone.default, (relays[stage - 1],))
             relay.meta["val"] = node.meta["val"]
             unit_of_node[relay.name] = first_unit[stage]
             relays[stage] = anchor = relay
-        for stage, users in readers.items():
+        for unit, users in span.readers.items():
+            stage = stage_of(unit, unit_stage)
             for user in users:
-                user.replace_input_with(node, relays[max(stage - 1, made)])
+                nodes[user].replace_input_with(node, relays[max(stage - 1, made)])
     module.graph.lint()
     module.recompile()
     return relayed

@@ -11,6 +11,9 @@ the exported graph gets a stage:
   gradients `autopar.runtime.tied` keeps equal;
 - nodes no output depends on are dropped, as are checks of constants (`_assert_tensor_metadata`
   on a rotary table); a check of an activation runs with that activation.
+These rules are autopar.solver.stage_flow's, which the planner applies to its captured graph
+too (so it knows which cuts relay an activation). A view that another unit reads is taken again
+in that unit, so no unit returns a view (FSDP2 hooks what a unit returns).
 Values that a later stage reads are passed along the stages between (pipeline_flow.py). Two
 `split_module` passes follow:
 
@@ -37,6 +40,8 @@ from torch.utils._pytree import tree_unflatten
 from autopar.errors import PlanMismatchError
 from autopar.passes.recompute import Recomputed, checkpoint_regions
 from autopar.runtime.pipeline_flow import interface_examples, order_interfaces, pass_along
+from autopar.solver.stage_flow import (BUFFER, FUNCTION, INPUT, OTHER, OUTPUT, PARAMETER, FlowNode,
+                                       assign_units, dead, reader_unit, shared_values)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,7 +128,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
     _drop_unused(module)
     unit_of_node = _assign_units(module, units, unit_stage)
     _check_order(module, unit_of_node, unit_stage)
-    relayed = tuple(pass_along(module, unit_of_node, unit_stage))
+    relayed = tuple(pass_along(module, unit_of_node, unit_stage, flow_nodes(module)))
 
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
@@ -200,13 +205,11 @@ def _drop_unused(module: fx.GraphModule) -> None:
     """Remove what no output depends on: dead nodes, checks of constants, and the export's checks
     of a tensor's dtype, device and layout (`_assert_tensor_metadata`): they restate what the
     export traced, name the device it traced on (a stage may run on another), and DTensor has no
-    rule for them. Other checks of activations stay and run with the value they check."""
-    constants = set(_constants(module))
+    rule for them. Other checks of activations stay and run with the value they check. The rule
+    is autopar.solver.stage_flow's, which the planner applies to its graph too."""
+    dropped = set(dead(flow_nodes(module)))
     for node in reversed(list(module.graph.nodes)):
-        if node.op in ("placeholder", "output") or node.users:
-            continue
-        if (node in constants or not node.is_impure()
-                or node.target is torch.ops.aten._assert_tensor_metadata.default):
+        if node.name in dropped:
             module.graph.erase_node(node)
     module.recompile()
 
@@ -214,59 +217,57 @@ def _drop_unused(module: fx.GraphModule) -> None:
 def _assign_units(module: fx.GraphModule, units: list[str], unit_stage: list[int]) -> dict[str, int]:
     """Unit index of every node that is not a graph input or output.
 
-    A node belongs to the layer its module path is in (the first such layer at or after its
-    inputs' units, for a module that runs in several places). Glue outside every layer (code in
-    the model's own forward, or a parent module's) follows its latest input; glue that reads only
-    the model's inputs or constants (`input_ids.view(...)`, a position `arange`) goes with its first
-    user. Constants (buffers and what is computed from them alone, e.g. rotary tables) are copied
-    into every unit that reads them, and parameters into every stage, so no stage waits for
-    another's; a parameter that several stages read (tied weights) has a copy in each."""
-    def units_of_path(path: str) -> list[int]:
-        return [index for index, unit in enumerate(units) if path == unit or path.startswith(unit + ".")]
-
-    constants = _constants(module)
-    shared = set(constants) | {node for node in module.graph.nodes if _is_ref(module, node)}
-    assigned: dict[str, int] = {}
-    deferred: list[fx.Node] = []
-    for node in module.graph.nodes:
-        if node.op in ("placeholder", "output") or node in shared:
-            continue
-        inputs = [assigned[n.name] for n in node.all_input_nodes if n.name in assigned]
-        stack = node.meta.get("nn_module_stack") or {}
-        paths = [path for path, _ in stack.values()]
-        candidates = units_of_path(paths[-1]) if paths else []
-        floor = max(inputs, default=0)
-        if candidates:
-            later = [c for c in candidates if c >= floor]
-            assigned[node.name] = later[0] if later else candidates[-1]
-        elif inputs:
-            assigned[node.name] = floor
-        else:
-            deferred.append(node)
-    for node in reversed(deferred):
-        users = [_user_unit(user, assigned, len(units)) for user in node.users]
-        assigned[node.name] = min(users, default=0)
-    for node in reversed([n for n in module.graph.nodes if n in shared]):
+    Nodes go to units by autopar.solver.stage_flow's rules (the planner's too): a layer's own
+    nodes to it, glue after its latest input or with its first reader. Constants (buffers and
+    what is computed from them alone, e.g. rotary tables) are copied into every unit that reads
+    them, and parameters into every stage, so no stage waits for another's; a parameter that
+    several stages read (tied weights) has a copy in each."""
+    flow = flow_nodes(module)
+    assigned = assign_units(flow, units)
+    shared = shared_values(flow)
+    _views_with_readers(module, assigned, unit_stage)
+    for node in reversed([n for n in module.graph.nodes if n.name in shared]):
         _copy_per_unit(module, node, assigned, unit_stage)
     module.recompile()
     return assigned
 
 
-def _user_unit(user: fx.Node, assigned: dict[str, int], count: int) -> int:
-    """The unit that reads a value: the model's outputs are read by the last unit."""
-    return count - 1 if user.op == "output" else assigned[user.name]
+def _views_with_readers(module: fx.GraphModule, assigned: dict[str, int], unit_stage: list[int]):
+    """A view (`unsqueeze`, `alias`, `permute`...) that another unit reads runs in each unit that
+    reads it, and its own unit returns the view's base instead: FSDP2 hooks the outputs of the
+    units it wraps for its backward all-gather, an in-place op on a returned view loses that
+    hook (torch warns of it), and a view costs nothing to take again. Only views taken in the
+    unit that makes their base move, so what crosses from stage to stage (which
+    autopar.solver.stage_flow predicts for the planner) is the same tensor as before."""
+    for node in reversed(list(module.graph.nodes)):
+        if not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view) \
+                or node.name not in assigned or not node.all_input_nodes:
+            continue
+        base = node.all_input_nodes[0]
+        readers = {reader_unit(user.name, user.op == "output", assigned, len(unit_stage))
+                   for user in node.users}
+        if assigned.get(base.name) == assigned[node.name] and readers - {assigned[node.name]}:
+            _copy_per_unit(module, node, assigned, unit_stage)
 
 
-def _constants(module: fx.GraphModule) -> list[fx.Node]:
-    """Buffers and nodes computed from nothing but buffers and constants, in graph order."""
-    constants: list[fx.Node] = []
+def flow_nodes(module: fx.GraphModule) -> list[FlowNode]:
+    """The graph's nodes as autopar.solver.stage_flow's rules see them."""
+    nodes = []
     for node in module.graph.nodes:
-        if _is_ref(module, node):
-            if not isinstance(module.get_submodule(node.target).value, nn.Parameter):
-                constants.append(node)
-        elif node.op == "call_function" and all(n in constants for n in node.all_input_nodes):
-            constants.append(node)
-    return constants
+        if node.op in ("placeholder", "output"):
+            kind = INPUT if node.op == "placeholder" else OUTPUT
+        elif _is_ref(module, node):
+            kind = PARAMETER if isinstance(module.get_submodule(node.target).value, nn.Parameter) \
+                else BUFFER
+        else:
+            kind = FUNCTION if node.op == "call_function" else OTHER
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [path for path, _ in stack.values()]
+        nodes.append(FlowNode(name=node.name, kind=kind,
+                              inputs=tuple(n.name for n in node.all_input_nodes),
+                              module_path=paths[-1] if paths else "", target=str(node.target),
+                              effect=kind not in (INPUT, OUTPUT) and node.is_impure()))
+    return nodes
 
 
 def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, int],
@@ -276,7 +277,8 @@ def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, in
     weight); inside one stage the copies share one, so the stage holds the parameter once."""
     by_unit: dict[int, list[fx.Node]] = {}
     for user in node.users:
-        by_unit.setdefault(_user_unit(user, assigned, len(unit_stage)), []).append(user)
+        unit = reader_unit(user.name, user.op == "output", assigned, len(unit_stage))
+        by_unit.setdefault(unit, []).append(user)
     first, *others = sorted(by_unit) or [0]
     assigned[node.name] = first
     refs = {unit_stage[first]: node.target} if _is_ref(module, node) else {}

@@ -20,7 +20,8 @@ The search, in three phases, prices every candidate with the one estimator of au
 ZeRO 1-3 are candidates in phases 1 and 2 wherever there is data parallelism (ZeRO-0 in phase 3).
 What the runtime cannot run is never generated (`layout_error`): the global batch divides into
 dp x micro-batch x count, and torch.distributed.pipelining runs the schedule with that count on
-pp ranks of v chunks (the rules are in autopar.solver.schedules).
+pp ranks of v chunks (the rules are in autopar.solver.schedules); and zero-bubble is no candidate
+for cuts that make an activation skip a stage (`Search.relay_error`, autopar.solver.stage_flow).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost.compute import compute_time, op_family
 from autopar.graph import Graph, Role
-from autopar.solver.schedules import runs, schedule_error
+from autopar.solver.schedules import relay_error, runs, schedule_error
+from autopar.solver.stage_flow import skips_a_stage
 
 RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
 GRID_VIRTUAL = (2, 3, 4, 6, 8)
@@ -255,6 +257,8 @@ class Search:
     pricer: object              # autopar.solver.pipeline_price.Pricer
     units: list[Unit]
     deadline: float
+    # (unit computing, furthest unit reading) -> an activation: stage_flow.skipping_pairs
+    skipping: dict[tuple[int, int], str]
     best: Priced | None = None
     least_memory: Priced | None = None
     timed_out: bool = False
@@ -263,7 +267,7 @@ class Search:
         """Price with the estimator; None when the candidate is not a valid plan for it. The
         generators propose only layouts the runtime runs; this guard keeps any other out of
         `best` and counts it among the refusals."""
-        error = layout_error(candidate.shape, self.pricer.global_batch)
+        error = layout_error(candidate.shape, self.pricer.global_batch) or self.relay_error(candidate)
         if error is not None:
             reason = f"not runnable: {error}"
             self.pricer.refusals[reason] = self.pricer.refusals.get(reason, 0) + 1
@@ -276,6 +280,15 @@ class Search:
         if self.least_memory is None or result.memory_bytes < self.least_memory.memory_bytes:
             self.least_memory = result
         return result
+
+    def relay_error(self, candidate: Candidate) -> str | None:
+        """Why the candidate's schedule cannot train the activations its cuts relay."""
+        if candidate.shape.schedule != "zero-bubble":
+            return None
+        unit_stage = [c for c in range(candidate.chunks)
+                      for _ in range(candidate.cuts[c], candidate.cuts[c + 1])]
+        return relay_error("zero-bubble", [value for (made, read), value in self.skipping.items()
+                                           if skips_a_stage(made, read, unit_stage)])
 
     def candidates(self) -> list[Priced]:
         """Every distinct candidate the estimator priced (and did not refuse), in pricing order:
@@ -394,6 +407,8 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
         while improved and not search.out_of_time():
             improved = False
             for candidate in move(current, search.pricer.global_batch, weights_for):
+                if search.relay_error(candidate) is not None:
+                    continue        # zero-bubble on these cuts is no candidate (other schedules are)
                 priced = search.price(candidate)
                 if priced is not None and _better(priced, current):
                     current, improved = priced, True

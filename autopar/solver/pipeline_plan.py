@@ -30,6 +30,7 @@ from autopar.solver.pipeline import (MAX_TP, Candidate, Priced, Search, Shape, a
                                      pipeline_units, refine, short_pipeline_shapes, uneven_phase,
                                      uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
+from autopar.solver.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
 
 REFINED_SHAPES = 3          # the best distinct device layouts that the local search starts from
@@ -111,11 +112,11 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
                   config.virtual, config.sequence_parallel)
-    error = layout_error(shape, config.global_batch)
+    candidate = Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks)
+    error = layout_error(shape, config.global_batch) or search.relay_error(candidate)
     if error is not None:
         raise AutoparError(f"autopar cannot run {config}: {error}")
-    priced = search.price(Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks),
-                          uniform=True)
+    priced = search.price(candidate, uniform=True)
     if priced is None:
         # the one candidate priced: its refusal is the only reason recorded
         reason = next(iter(search.pricer.refusals), "check the degrees against the model's heads "
@@ -149,7 +150,9 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
         raise AutoparError(f"global batch {global_batch} must be at least 1")
     pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit,
                     precision=precision)
-    return Search(pricer=pricer, units=pipeline_units(graph), deadline=deadline)
+    units = pipeline_units(graph)
+    return Search(pricer=pricer, units=units, deadline=deadline,
+                  skipping=skipping_pairs(graph, [unit.layers for unit in units]))
 
 
 def _seeds(search: Search) -> list[Priced]:

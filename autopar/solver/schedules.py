@@ -24,6 +24,8 @@ stages form a V and ScheduleInterleavedZeroBubble otherwise (the planner places 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from autopar.cost.vocabulary import SCHEDULES
 from autopar.errors import AutoparError
 
@@ -70,6 +72,21 @@ def schedule_error(schedule: str, pp: int, micro_batches: int, virtual: int = 1,
                 f"{torch_class} needs the rounds, max(1, m // {pp}), to divide m); {near} "
                 f"micro-batches would run")
     return None
+
+
+def relay_error(schedule: str, relayed: Sequence[str]) -> str | None:
+    """Why torch cannot train `schedule` on stages that relay the activations `relayed` (values a
+    stage reads more than one stage after the stage computing them, passed along the stages
+    between; autopar.solver.stage_flow finds them); None when it can. Seen on T5, whose encoder
+    output every decoder stage reads: the split backward of torch's zero-bubble schedules
+    (gradients of the inputs first, of the weights later) then gives gradients that differ from
+    one process, where 1F1B's and GPipe's whole backward does not."""
+    if schedule != "zero-bubble" or not relayed:
+        return None
+    return (f"the zero-bubble schedule cannot train these stages: activations such as "
+            f"{relayed[0]} are read more than one stage after the one that computes them, and "
+            f"zero-bubble's split backward trains such relayed values wrong; use schedule '1f1b' "
+            f"or 'interleaved-1f1b', or cut the model where no activation skips a stage")
 
 
 def _rounds_divide(pp: int, micro_batches: int) -> bool:
