@@ -38,7 +38,9 @@ FORMS = {
     "zero3": Config(dp=4, zero=3, global_batch=BATCH, micro_batch=2),
     "tp2xdp2": Config(dp=2, tp=2, global_batch=BATCH, micro_batch=4),
     "tp4": Config(tp=4, global_batch=BATCH, micro_batch=BATCH),
-    "pp2xdp2": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=2),
+    "pp2xdp2": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=2),            # 1F1B
+    "pp2xdp2-gpipe": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=1, schedule="gpipe"),
+    "pp2xzero3": Config(pp=2, dp=2, zero=3, global_batch=BATCH, micro_batch=2),
 }
 RECOMPUTE = ("none", "selective", "full")
 
@@ -83,7 +85,7 @@ def measure(spec: str, forms: list[str], args_tracker: str) -> list[dict]:
             device = estimate.devices[cm.pp_rank]
             rows.append({"form": name, "recompute": recompute, "pp_rank": cm.pp_rank,
                          "predicted": device["memory_bytes"], "measured": measured,
-                         "predicted_parts": estimate.memory_breakdown if cm.pp_rank == 0 else None,
+                         "predicted_parts": device["memory"],
                          "measured_parts": {k: v for k, v in peak.items() if k != "Total" and v}})
             del cm, tracker
     return rows

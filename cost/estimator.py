@@ -38,13 +38,14 @@ from autopar.cost.collectives import Group, Level, send_recv_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
 from autopar.cost.config import Config
-from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, graph_sequence
-from autopar.cost.memory import (BYTES_PER_PARAM, OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight,
-                                 model_state_bytes)
+from autopar.cost.layout import (_DTYPE_BYTES, GraphLayout, NodeLayout, graph_batch,
+                                 graph_sequence)
+from autopar.cost.memory import (BYTES_PER_PARAM, GATHERED_GROUPS, LOSS_LOGIT_COPIES,
+                                 OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.stages import StageSpec, uniform_stages
+from autopar.cost.stages import StageSpec, group_elements, selective_region, uniform_stages
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
@@ -59,7 +60,7 @@ class Estimate:
     breakdown: dict                 # compute, exposed_comm, bubble, optimizer: they sum to the step
     comm_breakdown: dict            # exposed_comm by kind: tensor, pipeline, data
     memory_per_gpu_bytes: float     # the fullest device
-    memory_breakdown: dict          # weights, gradients, optimizer, activations, loss_buffers
+    memory_breakdown: dict          # the parts of `autopar.cost.memory.peak_bytes`
     tflops_per_gpu: float           # hardware: recomputed forwards counted
     model_tflops_per_gpu: float
     mfu: float
@@ -68,6 +69,7 @@ class Estimate:
     memory_limit_bytes: float
     fits: bool
     devices: list = field(default_factory=list)    # per pipeline rank: time per micro-batch, memory
+                                                    # (total and its parts)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,12 +85,13 @@ class _Chunk:
     send_s: float = 0.0
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
+    gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
     tensors: int = 0                # parameter tensors on this device
     saved_per_sample: float = 0.0   # activation bytes kept per sample
-    peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed layer)
+    peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed region)
     loss_per_sample: float = 0.0
     # The same three as polynomials in the sequence length over the captured one, {power: bytes}
-    # (the peak one per recomputed block), for memory at another sequence length.
+    # (the peak one per recomputed region), for memory at another sequence length.
     saved_poly: dict = field(default_factory=dict)
     peak_polys: list = field(default_factory=list)
     loss_poly: dict = field(default_factory=dict)
@@ -199,8 +202,9 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     chunks = [memo.chunk(split, c, s, micro_batch, attention, _price_chunk)
               for c, s in enumerate(stages)]
     for c, s in enumerate(stages):
-        params, loss, tensors = memo.states(split, s, _chunk_states)
+        params, loss, tensors, gathered = memo.states(split, s, _chunk_states)
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
+        chunks[c].gathered = gathered[c]
         chunks[c].loss_per_sample = _at(loss[c], 1)
     _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
@@ -267,11 +271,13 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
     best = None
     for part in _memory(pipe, stages, b, config.schedule, config.virtual):
-        total = sympy.expand(sympy.Add(*part.values()))
-        fixed, per_sample = total.subs(b, 0), total.coeff(b, 1)
+        # the optimizer step's share does not grow with the batch: checked at b = 0
+        total = sympy.Add(*part.values())
+        backward = sympy.expand(total - part["optimizer_step"])
+        fixed, per_sample = total.subs(b, 0), backward.coeff(b, 1)
         if fixed > limit:
             return 0
-        bound = sympy.floor((limit - fixed) / per_sample) if per_sample else sympy.oo
+        bound = sympy.floor((limit - backward.subs(b, 0)) / per_sample) if per_sample else sympy.oo
         best = bound if best is None else sympy.Min(best, bound)
     return int(best)
 
@@ -329,7 +335,9 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     tp_group = Group.strided(mesh, spec.tp, 1)
     out = _Chunk()
     saved: set[str] = set()
-    block_saved: dict[tuple, set[str]] = {}
+    region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
+    region_nodes: dict[str, set[int]] = {}
+    paths = {(inst.start, inst.stop): inst.module_path for kind in graph.blocks for inst in kind.instances}
     distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
@@ -350,22 +358,20 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
         if node.requires_grad:
             out.backward_s += bwd
             out.tensor_comm_s += comm_bwd
-        block = in_block[i]
-        recomputed = (spec.recompute == "full" and block) or (
-            spec.recompute == "selective" and node.family == "attention" and kept)
-        if recomputed:
+        region = _recomputed_region(graph.nodes[i], in_block[i], paths, spec.recompute)
+        if region:
             out.recompute_s += fwd
             out.tensor_comm_s += comm_fwd
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
-        if spec.recompute == "full" and block:
-            block_saved.setdefault(block, set()).update(node.saved)
+            region_saved.setdefault(region, set()).update(node.saved)
+            region_nodes.setdefault(region, set()).add(i)
         else:
             saved.update(node.saved)
-        if kept and not (recomputed and node.family == "attention"):
+        if kept and not region:
             degree = node.attention["q_seq"] + node.attention["k_seq"]
             scores[degree] = scores.get(degree, 0.0) + kept / b
-    for block, keys in block_saved.items():
-        saved.update(_block_inputs(graph, layout, block))
+    for region, keys in region_saved.items():
+        saved.update(_region_inputs(graph, layout, region_nodes[region]))
         out.peak_polys.append(_poly(keys, layout))
     out.peak_per_sample = max((_at(p, 1) for p in out.peak_polys), default=0.0)
     out.saved_poly = _poly(saved, layout)
@@ -376,9 +382,10 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
 
 
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
-                  chunks: int) -> tuple[list[float], list[dict], list[int]]:
+                  chunks: int) -> tuple[list[float], list[dict], list[int], list[float]]:
     """Per chunk: the parameter elements one of its devices holds, the loss buffers' bytes per
-    sample, and the number of parameter tensors. A weight that several chunks read (a tied
+    sample, the number of parameter tensors, and the elements of its GATHERED_GROUPS largest
+    FSDP groups (what ZeRO-3 holds gathered at once). A weight that several chunks read (a tied
     embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
     stage that reads it its own copy."""
     params, tensors = [0.0] * chunks, [0] * chunks
@@ -393,7 +400,9 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
         for chunk in readers.get(name) or {owner[layout.index[name]]}:
             params[chunk] += count
             tensors[chunk] += 1
-    return params, _loss_bytes(graph, layout, owner, chunks), tensors
+    gathered = [sum(sorted(groups.values())[-GATHERED_GROUPS:])
+                for groups in group_elements(graph, owner, chunks, layout.param_local)]
+    return params, _loss_bytes(graph, layout, owner, chunks), tensors, gathered
 
 
 def _parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
@@ -418,12 +427,21 @@ def _kernels(node: NodeLayout, b: int, attention: str) -> tuple[list, list, floa
             [(node.family, flops * flops_factor, moved * bytes_factor)], 0.0)
 
 
-def _block_inputs(graph: Graph, layout: GraphLayout, block: tuple[int, int]) -> set[str]:
-    """What a fully recomputed block keeps: the activations it reads from outside itself."""
-    start, stop = block
-    inside = {graph.nodes[i].name for i in range(start, stop)}
+def _recomputed_region(node, block: tuple | None, paths: dict, recompute: str) -> str | None:
+    """The region of the graph that reruns in the backward holding `node`, as the runtime
+    checkpoints: its whole block under "full", its block's attention module under "selective"
+    (cost.stages.selective_region); None when the node's activations are kept."""
+    if block is None or recompute == "none":
+        return None
+    path = paths.get(block, str(block))
+    return path if recompute == "full" else selective_region(node.module_path, path)
+
+
+def _region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[str]:
+    """What a recomputed region keeps: the activations it reads from outside itself."""
+    inside = {graph.nodes[i].name for i in members}
     kept = set()
-    for i in range(start, stop):
+    for i in members:
         for name in graph.nodes[i].inputs:
             if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
                 kept.add(layout.storage[name])
@@ -431,13 +449,20 @@ def _block_inputs(graph: Graph, layout: GraphLayout, block: tuple[int, int]) -> 
 
 
 def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
-    """Per chunk, the outputs (logits) it returns, and their gradient, in fp32 for the loss, as
-    {power of the sequence length: bytes per sample}."""
+    """Per chunk, the loss's fp32 copies of the floating outputs (logits) it returns
+    (LOSS_LOGIT_COPIES), as {power of the sequence length: bytes per sample}. Whole on every
+    tensor-parallel rank: a stage hands its outputs on replicated, and the loss runs on them."""
     totals: list[dict] = [{} for _ in range(chunks)]
     for i, node in enumerate(graph.nodes):
-        if node.target == "output":
-            for degree, value in _poly(node.inputs, layout).items():
-                totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + 4 * value
+        if node.target != "output":
+            continue
+        for name in node.inputs:
+            out = graph.nodes[layout.index[name]]
+            if not out.dtype.startswith(("float", "bfloat")):
+                continue
+            degree = layout.seq_degree.get(layout.storage[name], 0)
+            value = LOSS_LOGIT_COPIES * 4 * out.bytes / layout.batch / _DTYPE_BYTES[out.dtype]
+            totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + value
     return totals
 
 
@@ -498,14 +523,20 @@ def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: Sta
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
                    virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
-    states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp,
-                               precision=precision)
+    """A pipeline rank's peak (cost.memory.peak_bytes). The backward's largest transient is the
+    loss's logit copies or a recomputed region's activations, whichever is larger: the loss's
+    are freed before any region reruns. A pipeline stage under ZeRO-3 with several micro-batches
+    keeps its weights gathered from the first backward to the last (torch's PipelineStage
+    reshards only after the last), so it holds them all, not GATHERED_GROUPS at a time."""
+    params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     per_chunk = sum(_at(c.saved_poly, seq_ratio) for c in chunks) / len(chunks)
-    peak = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
-    activations = held * per_chunk * b + peak * b
-    return {**states, "activations": activations,
-            "loss_buffers": sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b}
+    recomputed = [_at(p, seq_ratio) for c in chunks for p in c.peak_polys]
+    buffers = _largest(recomputed + [sum(_at(c.loss_poly, seq_ratio) for c in chunks)])
+    gathered = params if pp > 1 and m > 1 else max(c.gathered for c in chunks)
+    return peak_bytes(params=params, gathered=gathered, zero=spec.zero, dp=spec.dp,
+                      precision=precision, accumulating=m > 1, activations=held * per_chunk * b,
+                      buffers=buffers * b)
 
 
 def _poly(keys, layout: GraphLayout) -> dict[int, float]:
@@ -554,5 +585,5 @@ def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, pe
         mfu=model_flops / step / world / peak,
         bubble_fraction=bubble / ideal if ideal else 0.0, micro_batches=m,
         memory_limit_bytes=limit, fits=totals[fullest] <= limit,
-        devices=[{"stage": d, "time_per_micro_batch_s": per_mb[d], "memory_bytes": totals[d]}
-                 for d in range(len(devices))])
+        devices=[{"stage": d, "time_per_micro_batch_s": per_mb[d], "memory_bytes": totals[d],
+                  "memory": memory[d]} for d in range(len(devices))])

@@ -15,6 +15,8 @@ at once on a device (`in_flight`).
 
 from __future__ import annotations
 
+import sympy
+
 from autopar.errors import AutoparError
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
@@ -35,6 +37,53 @@ def model_state_bytes(params: float, *, zero: int, dp: int, precision: str = "bf
     split = {"optimizer": zero >= 1, "gradients": zero >= 2, "weights": zero >= 3}
     return {part: params * size / (dp if split[part] else 1)
             for part, size in (BYTES_PER_PARAM_FP32 if precision == "fp32" else BYTES_PER_PARAM).items()}
+
+
+# torch's AdamW (foreach) takes the square root of the second moment into a new fp32 tensor per
+# parameter before dividing: one fp32 element per parameter element alive during the step.
+OPTIMIZER_STEP_TEMPORARY_BYTES = 4
+# Cross-entropy on fp32 logits at the start of the backward: the log-softmax output kept for its
+# backward, the gradient it receives and the gradient it gives, each a copy of the logits.
+LOSS_LOGIT_COPIES = 3
+# ZeRO-3 (FSDP2) holds the gathered weights of the group that runs and of the one it prefetches.
+GATHERED_GROUPS = 2
+
+
+def peak_bytes(*, params: float, gathered: float, zero: int, dp: int, precision: str,
+               accumulating: bool, activations, buffers) -> dict:
+    """Memory of one device at its peak, by part; the parts sum to the peak.
+
+    `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
+    `activations` the bytes the schedule keeps for the backward, `buffers` the largest
+    transient of the backward (the loss's logit copies, a recomputed block's activations).
+    As autopar's runtime trains (FSDP2 `replicate` for dp > 1, `fully_shard` for ZeRO):
+
+      optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's
+                  sharded parameters when data parallel (its own tensor), the weights themselves
+                  when not and in fp32; split over dp from ZeRO-1 on
+      weights     what the forward and backward read, in the compute dtype: the stage's
+                  gathered weights (FSDP keeps them from forward to backward below ZeRO-3, and a
+                  pipeline stage keeps them across micro-batches), `gathered` under ZeRO-3
+      gradients   alive during the backward only when earlier micro-batches left theirs:
+                  FSDP accumulates them unsharded until the last micro-batch reduces them
+    The optimizer step (`optimizer_step`) comes after the backward: the gathered weights are
+    freed, the reduced gradients (split over dp from ZeRO-1: FSDP shards them) and Adam's
+    temporaries are alive; it counts where it is higher than the backward's peak."""
+    wrapped = dp > 1
+    split = dp if wrapped and zero >= 1 else 1
+    element = 4 if precision == "fp32" else 2
+    master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
+    optimizer = params * (ADAM_STATE_BYTES + master) / split
+    weights = element * (gathered if wrapped and zero == 3 else params)
+    gradients = params * element
+    backward = {"weights": weights, "optimizer": optimizer,
+                "gradients": gradients if accumulating else 0.0,
+                "activations": activations, "buffers": buffers}
+    at_step = (0.0 if master else weights) + (gradients + params * OPTIMIZER_STEP_TEMPORARY_BYTES) / split
+    lower = weights + backward["gradients"] + activations + buffers
+    extra = at_step - lower
+    backward["optimizer_step"] = max(0.0, extra) if isinstance(extra, (int, float)) else sympy.Max(0, extra)
+    return backward
 
 
 def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, stage: int = 0) -> int:
