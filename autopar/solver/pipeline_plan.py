@@ -195,7 +195,7 @@ def _stage_predictions(graph: Graph, mesh: Mesh, priced: Priced, units, devices:
     for c in range(candidate.chunks):
         siblings = chunk_weight[c % pp::pp]
         share = chunk_weight[c] / sum(siblings) if sum(siblings) else 1.0 / len(siblings)
-        device = {key: value for key, value in devices[c % pp].items() if key != "memory"}
+        device = dict(devices[c % pp])
         predictions.append({**device,
                             "chunk_time_per_micro_batch_s": device["time_per_micro_batch_s"] * share})
     return predictions
