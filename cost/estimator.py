@@ -40,7 +40,7 @@ from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, com
 from autopar.cost.config import Config
 from autopar.cost.layout import (_DTYPE_BYTES, GraphLayout, NodeLayout, graph_batch,
                                  graph_sequence)
-from autopar.cost.memory import (BYTES_PER_PARAM, GATHERED_GROUPS, LOSS_LOGIT_COPIES,
+from autopar.cost.memory import (BYTES_PER_PARAM, GATHERED_GROUPS,
                                  OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
@@ -86,6 +86,7 @@ class _Chunk:
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
+    largest: float = 0.0            # elements of its largest parameter tensor
     tensors: int = 0                # parameter tensors on this device
     saved_per_sample: float = 0.0   # activation bytes kept per sample
     peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed region)
@@ -94,7 +95,8 @@ class _Chunk:
     # (the peak one per recomputed region), for memory at another sequence length.
     saved_poly: dict = field(default_factory=dict)
     peak_polys: list = field(default_factory=list)
-    loss_poly: dict = field(default_factory=dict)
+    loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
+    flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
@@ -204,7 +206,7 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for c, s in enumerate(stages):
         params, loss, tensors, gathered = memo.states(split, s, _chunk_states)
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
-        chunks[c].gathered = gathered[c]
+        chunks[c].gathered, chunks[c].largest = gathered[c]
         chunks[c].loss_per_sample = _at(loss[c], 1)
     _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
@@ -267,19 +269,18 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     0 when even the model states do not fit."""
     _check_world(mesh, config)
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
-    b = sympy.Symbol("b", positive=True)
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
-    best = None
-    for part in _memory(pipe, stages, b, config.schedule, config.virtual):
-        # the optimizer step's share does not grow with the batch: checked at b = 0
-        total = sympy.Add(*part.values())
-        backward = sympy.expand(total - part["optimizer_step"])
-        fixed, per_sample = total.subs(b, 0), backward.coeff(b, 1)
-        if fixed > limit:
-            return 0
-        bound = sympy.floor((limit - backward.subs(b, 0)) / per_sample) if per_sample else sympy.oo
-        best = bound if best is None else sympy.Min(best, bound)
-    return int(best)
+    memory = lambda size: max(sum(part.values()) for part in _memory(
+        pipe, stages, size, config.schedule, config.virtual))
+    if memory(0) > limit:
+        return 0
+    low, high = 0, 1                  # memory grows with the batch: memory(low) fits, memory(high) not
+    while memory(high) <= limit:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if memory(middle) <= limit else (low, middle)
+    return low
 
 
 def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
@@ -338,6 +339,7 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
     region_nodes: dict[str, set[int]] = {}
     paths = {(inst.start, inst.stop): inst.module_path for kind in graph.blocks for inst in kind.instances}
+    widest = (0.0, 0)                   # the largest output the backward differentiates
     distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
@@ -367,6 +369,8 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
             region_nodes.setdefault(region, set()).add(i)
         else:
             saved.update(node.saved)
+        if node.requires_grad and node.family != "view":
+            widest = max(widest, (node.out_bytes, layout.seq_degree.get(layout.storage[node.name], 0)))
         if kept and not region:
             degree = node.attention["q_seq"] + node.attention["k_seq"]
             scores[degree] = scores.get(degree, 0.0) + kept / b
@@ -378,14 +382,17 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     for degree, value in scores.items():
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = _at(out.saved_poly, 1)
+    # the widest op's backward holds the gradient it receives and the one it gives; the output
+    # it kept for the next op's backward (as large) is freed by then
+    out.flowing_poly = {widest[1]: widest[0]}
     return out
 
 
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
                   chunks: int) -> tuple[list[float], list[dict], list[int], list[float]]:
-    """Per chunk: the parameter elements one of its devices holds, the loss buffers' bytes per
+    """Per chunk: the parameter elements one of its devices holds, its outputs' elements per
     sample, the number of parameter tensors, and the elements of its GATHERED_GROUPS largest
-    FSDP groups (what ZeRO-3 holds gathered at once). A weight that several chunks read (a tied
+    FSDP groups (what ZeRO-3 holds gathered at once) with those of its largest parameter. A weight that several chunks read (a tied
     embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
     stage that reads it its own copy."""
     params, tensors = [0.0] * chunks, [0] * chunks
@@ -400,9 +407,13 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
         for chunk in readers.get(name) or {owner[layout.index[name]]}:
             params[chunk] += count
             tensors[chunk] += 1
-    gathered = [sum(sorted(groups.values())[-GATHERED_GROUPS:])
-                for groups in group_elements(graph, owner, chunks, layout.param_local)]
-    return params, _loss_bytes(graph, layout, owner, chunks), tensors, gathered
+    largest = [0.0] * chunks
+    for name, count in layout.param_local.items():
+        chunk = owner[layout.index[name]]
+        largest[chunk] = max(largest[chunk], count)
+    gathered = [(sum(sorted(groups.values())[-GATHERED_GROUPS:]), largest[c])
+                for c, groups in enumerate(group_elements(graph, owner, chunks, layout.param_local))]
+    return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
 
 
 def _parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
@@ -448,10 +459,10 @@ def _region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[
     return kept
 
 
-def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
-    """Per chunk, the loss's fp32 copies of the floating outputs (logits) it returns
-    (LOSS_LOGIT_COPIES), as {power of the sequence length: bytes per sample}. Whole on every
-    tensor-parallel rank: a stage hands its outputs on replicated, and the loss runs on them."""
+def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
+    """Per chunk, the elements of the floating outputs (logits) it returns, as {power of the
+    sequence length: elements per sample}. Whole on every tensor-parallel rank: a stage hands
+    its outputs on replicated, and the loss runs on them."""
     totals: list[dict] = [{} for _ in range(chunks)]
     for i, node in enumerate(graph.nodes):
         if node.target != "output":
@@ -461,7 +472,7 @@ def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int
             if not out.dtype.startswith(("float", "bfloat")):
                 continue
             degree = layout.seq_degree.get(layout.storage[name], 0)
-            value = LOSS_LOGIT_COPIES * 4 * out.bytes / layout.batch / _DTYPE_BYTES[out.dtype]
+            value = out.bytes / layout.batch / _DTYPE_BYTES[out.dtype]
             totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + value
     return totals
 
@@ -523,20 +534,20 @@ def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: Sta
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
                    virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
-    """A pipeline rank's peak (cost.memory.peak_bytes). The backward's largest transient is the
-    loss's logit copies or a recomputed region's activations, whichever is larger: the loss's
-    are freed before any region reruns. A pipeline stage under ZeRO-3 with several micro-batches
+    """A pipeline rank's peak (cost.memory.peak_bytes). A pipeline stage under ZeRO-3 with several micro-batches
     keeps its weights gathered from the first backward to the last (torch's PipelineStage
     reshards only after the last), so it holds them all, not GATHERED_GROUPS at a time."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     per_chunk = sum(_at(c.saved_poly, seq_ratio) for c in chunks) / len(chunks)
-    recomputed = [_at(p, seq_ratio) for c in chunks for p in c.peak_polys]
-    buffers = _largest(recomputed + [sum(_at(c.loss_poly, seq_ratio) for c in chunks)])
+    recomputed = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
+    flowing = _largest([_at(c.flowing_poly, seq_ratio) for c in chunks])
     gathered = params if pp > 1 and m > 1 else max(c.gathered for c in chunks)
-    return peak_bytes(params=params, gathered=gathered, zero=spec.zero, dp=spec.dp,
-                      precision=precision, accumulating=m > 1, activations=held * per_chunk * b,
-                      buffers=buffers * b)
+    return peak_bytes(params=params, gathered=gathered, weight=max(c.largest for c in chunks),
+                      zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
+                      held=held, pipelined=pp > 1, activations=held * per_chunk * b,
+                      logits=sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b,
+                      recomputed=recomputed * b, flowing=flowing * b)
 
 
 def _poly(keys, layout: GraphLayout) -> dict[int, float]:

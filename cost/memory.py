@@ -49,14 +49,15 @@ LOSS_LOGIT_COPIES = 3
 GATHERED_GROUPS = 2
 
 
-def peak_bytes(*, params: float, gathered: float, zero: int, dp: int, precision: str,
-               accumulating: bool, activations, buffers) -> dict:
+def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int,
+               precision: str, micro_batches: int, held: int, pipelined: bool, activations,
+               logits, recomputed, flowing) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak.
 
     `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
-    `activations` the bytes the schedule keeps for the backward, `buffers` the largest
-    transient of the backward (the loss's logit copies, a recomputed block's activations).
-    As autopar's runtime trains (FSDP2 `replicate` for dp > 1, `fully_shard` for ZeRO):
+    `activations` the bytes the schedule keeps for the backward: `held` micro-batches of the
+    `micro_batches` of a step. As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
+    `fully_shard` for ZeRO), alive throughout the forwards and backwards:
 
       optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's
                   sharded parameters when data parallel (its own tensor), the weights themselves
@@ -64,26 +65,52 @@ def peak_bytes(*, params: float, gathered: float, zero: int, dp: int, precision:
       weights     what the forward and backward read, in the compute dtype: the stage's
                   gathered weights (FSDP keeps them from forward to backward below ZeRO-3, and a
                   pipeline stage keeps them across micro-batches), `gathered` under ZeRO-3
-      gradients   alive during the backward only when earlier micro-batches left theirs:
-                  FSDP accumulates them unsharded until the last micro-batch reduces them
-    The optimizer step (`optimizer_step`) comes after the backward: the gathered weights are
-    freed, the reduced gradients (split over dp from ZeRO-1: FSDP shards them) and Adam's
-    temporaries are alive; it counts where it is higher than the backward's peak."""
+      outputs     a pipeline's last stage keeps every micro-batch's outputs to the end of the
+                  step (torch's PipelineStage merges them)
+    and in the phase at the peak, the larger of:
+      first backward  the `held` micro-batches' activations, with the gradients of earlier
+                  micro-batches only when the schedule ran a backward before holding that many
+                  (a single stage's loop, 1F1B's steady state)
+      last backward   one micro-batch's activations, every earlier micro-batch's gradients
+                  (FSDP accumulates them unsharded until the last micro-batch reduces them)
+      optimizer step  the gathered weights freed; the reduced gradients (split over dp from
+                  ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
+    In a backward the transients (`buffers`) are the larger of the loss's copies of the `logits`
+    elements (at its start) and what a block's backward holds later: the activations of a
+    recomputed region (`recomputed`), the gradients flowing through its widest op beyond the
+    activations it frees (`flowing`) and the gradient of the weight it reads
+    (`weight` elements, the largest parameter). With symbolic sizes (sympy) the parts are the
+    first backward's, and `later_phase` what the others need beyond it."""
     wrapped = dp > 1
     split = dp if wrapped and zero >= 1 else 1
     element = 4 if precision == "fp32" else 2
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
-    optimizer = params * (ADAM_STATE_BYTES + master) / split
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * element
-    backward = {"weights": weights, "optimizer": optimizer,
-                "gradients": gradients if accumulating else 0.0,
-                "activations": activations, "buffers": buffers}
-    at_step = (0.0 if master else weights) + (gradients + params * OPTIMIZER_STEP_TEMPORARY_BYTES) / split
-    lower = weights + backward["gradients"] + activations + buffers
-    extra = at_step - lower
-    backward["optimizer_step"] = max(0.0, extra) if isinstance(extra, (int, float)) else sympy.Max(0, extra)
-    return backward
+    loss = LOSS_LOGIT_COPIES * 4 * logits
+    block = recomputed + flowing + weight * element
+    buffers = _max(loss, block)
+    persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split,
+                  "outputs": micro_batches * element * logits if pipelined else 0.0}
+    zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
+    phases = [
+        {**zeros, "gradients": gradients if micro_batches > held else 0.0,
+         "activations": activations, "buffers": buffers},
+        {**zeros, "gradients": gradients if micro_batches > 1 else 0.0,
+         "activations": activations / held, "buffers": buffers},
+        {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
+         "optimizer_step": params * OPTIMIZER_STEP_TEMPORARY_BYTES / split},
+    ]
+    totals = [sum({**persistent, **phase}.values()) for phase in phases]
+    if all(isinstance(t, (int, float)) for t in totals):
+        peak = max(range(len(phases)), key=lambda k: totals[k])
+        return {**persistent, **phases[peak], "later_phase": 0.0}
+    return {**persistent, **phases[0],
+            "later_phase": sympy.Max(0, *(t - totals[0] for t in totals[1:]))}
+
+
+def _max(a, b):
+    return max(a, b) if isinstance(a - b, (int, float)) else sympy.Max(a, b)
 
 
 def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, stage: int = 0) -> int:
