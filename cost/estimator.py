@@ -97,6 +97,7 @@ class _Chunk:
     peak_polys: list = field(default_factory=list)
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
+    sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
@@ -208,7 +209,10 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
         chunks[c].gathered, chunks[c].largest = gathered[c]
         chunks[c].loss_per_sample = _at(loss[c], 1)
-    _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
+    crossing = memo.crossing(split, stages, _crossing_bytes)
+    _add_sends([_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
+    for c, poly in enumerate(crossing):
+        chunks[c].sent_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m)
 
@@ -478,9 +482,9 @@ def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks
 
 
 def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
-                    stages: list[StageSpec]) -> list[float]:
-    """Activation bytes per sample leaving chunk c for chunk c + 1. A tensor used several chunks
-    later is relayed through every boundary between."""
+                    stages: list[StageSpec]) -> list[dict]:
+    """Activation bytes per sample leaving chunk c for chunk c + 1, as {power of the sequence
+    length: bytes}. A tensor used several chunks later is relayed through every boundary between."""
     layout = layouts[(stages[0].tp, stages[0].sequence_parallel)]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
@@ -488,10 +492,12 @@ def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
             j = layout.index[name]
             if owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION:
                 sent.update((layout.storage[name], c) for c in range(owner[j], owner[i]))
-    crossing = [0.0] * len(stages)
+    crossing: list[dict] = [{} for _ in stages]
     for tensor, c in sent:
         spec = stages[c]
-        crossing[c] += layouts[(spec.tp, spec.sequence_parallel)].storage_bytes.get(tensor, 0.0)
+        mine = layouts[(spec.tp, spec.sequence_parallel)]
+        degree = mine.seq_degree.get(tensor, 0)
+        crossing[c][degree] = crossing[c].get(degree, 0.0) + mine.storage_bytes.get(tensor, 0.0)
     return crossing
 
 
@@ -539,7 +545,10 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
     reshards only after the last), so it holds them all, not GATHERED_GROUPS at a time."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
-    per_chunk = sum(_at(c.saved_poly, seq_ratio) for c in chunks) / len(chunks)
+    # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its
+    # outputs for their backward
+    per_chunk = sum(_at(c.saved_poly, seq_ratio) + _at(c.sent_poly, seq_ratio)
+                    for c in chunks) / len(chunks)
     recomputed = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([_at(c.flowing_poly, seq_ratio) for c in chunks])
     gathered = params if pp > 1 and m > 1 else max(c.gathered for c in chunks)

@@ -42,9 +42,11 @@ def model_state_bytes(params: float, *, zero: int, dp: int, precision: str = "bf
 # torch's AdamW (foreach) takes the square root of the second moment into a new fp32 tensor per
 # parameter before dividing: one fp32 element per parameter element alive during the step.
 OPTIMIZER_STEP_TEMPORARY_BYTES = 4
-# Cross-entropy on fp32 logits at the start of the backward: the log-softmax output kept for its
-# backward, the gradient it receives and the gradient it gives, each a copy of the logits.
-LOSS_LOGIT_COPIES = 3
+# Cross-entropy on fp32 logits keeps its log-softmax output for the backward (a copy of the
+# logits per micro-batch whose backward has not run), and its backward adds the gradient it
+# receives and the one it gives.
+LOSS_KEPT_COPIES = 1
+LOSS_BACKWARD_COPIES = 2
 # ZeRO-3 (FSDP2) holds the gathered weights of the group that runs and of the one it prefetches.
 GATHERED_GROUPS = 2
 
@@ -56,7 +58,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
 
     `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
     `activations` the bytes the schedule keeps for the backward: `held` micro-batches of the
-    `micro_batches` of a step. As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
+    `micro_batches` of a step; on the last stage each also keeps the loss's copy of its
+    `logits` elements (fp32) until its backward, the one that runs it among the `buffers`. As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
     `fully_shard` for ZeRO), alive throughout the forwards and backwards:
 
       optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's
@@ -75,8 +78,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   (FSDP accumulates them unsharded until the last micro-batch reduces them)
       optimizer step  the gathered weights freed; the reduced gradients (split over dp from
                   ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
-    In a backward the transients (`buffers`) are the larger of the loss's copies of the `logits`
-    elements (at its start) and what a block's backward holds later: the activations of a
+    In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
+    gradients (at its start) and what a block's backward holds later: the activations of a
     recomputed region (`recomputed`), the gradients flowing through its widest op beyond the
     activations it frees (`flowing`) and the gradient of the weight it reads
     (`weight` elements, the largest parameter). With symbolic sizes (sympy) the parts are the
@@ -87,7 +90,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * element
-    loss = LOSS_LOGIT_COPIES * 4 * logits
+    kept = LOSS_KEPT_COPIES * 4 * logits
+    loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element
     buffers = _max(loss, block)
     persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split,
@@ -95,7 +99,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     phases = [
         {**zeros, "gradients": gradients if micro_batches > held else 0.0,
-         "activations": activations, "buffers": buffers},
+         "activations": activations + (held - 1) * kept, "buffers": buffers},
         {**zeros, "gradients": gradients if micro_batches > 1 else 0.0,
          "activations": activations / held, "buffers": buffers},
         {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
