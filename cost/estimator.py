@@ -540,9 +540,11 @@ def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: Sta
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
                    virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
-    """A pipeline rank's peak (cost.memory.peak_bytes). A pipeline stage under ZeRO-3 with several micro-batches
-    keeps its weights gathered from the first backward to the last (torch's PipelineStage
-    reshards only after the last), so it holds them all, not GATHERED_GROUPS at a time."""
+    """A pipeline rank's peak (cost.memory.peak_bytes). Under ZeRO-3 a zero-bubble schedule
+    keeps the weights gathered from forward to backward (its weight backward runs after the
+    input backward, on the same gathered weights), so the rank holds them all, not
+    GATHERED_GROUPS at a time; other schedules free them after each use (the runtime's
+    `fully_shard(reshard_after_forward=True)` and `autopar.runtime.schedule.ReshardingStage`)."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its
@@ -551,7 +553,7 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
                     for c in chunks) / len(chunks)
     recomputed = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([_at(c.flowing_poly, seq_ratio) for c in chunks])
-    gathered = params if pp > 1 and m > 1 else max(c.gathered for c in chunks)
+    gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
     return peak_bytes(params=params, gathered=gathered, weight=max(c.largest for c in chunks),
                       zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
                       held=held, pipelined=pp > 1, activations=held * per_chunk * b,

@@ -66,8 +66,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   sharded parameters when data parallel (its own tensor), the weights themselves
                   when not and in fp32; split over dp from ZeRO-1 on
       weights     what the forward and backward read, in the compute dtype: the stage's
-                  gathered weights (FSDP keeps them from forward to backward below ZeRO-3, and a
-                  pipeline stage keeps them across micro-batches), `gathered` under ZeRO-3
+                  gathered weights (FSDP keeps them from forward to backward below ZeRO-3),
+                  `gathered` under ZeRO-3
       outputs     a pipeline's last stage keeps every micro-batch's outputs to the end of the
                   step (torch's PipelineStage merges them)
     and in the phase at the peak, the larger of:
