@@ -52,7 +52,7 @@ GATHERED_GROUPS = 2
 
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int,
-               precision: str, micro_batches: int, held: int, pipelined: bool, activations,
+               precision: str, micro_batches: int, held: int, activations,
                logits, recomputed, flowing) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak.
 
@@ -68,8 +68,6 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
       weights     what the forward and backward read, in the compute dtype: the stage's
                   gathered weights (FSDP keeps them from forward to backward below ZeRO-3),
                   `gathered` under ZeRO-3
-      outputs     a pipeline's last stage keeps every micro-batch's outputs to the end of the
-                  step (torch's PipelineStage merges them)
     and in the phase at the peak, the larger of:
       first backward  the `held` micro-batches' activations, with the gradients of earlier
                   micro-batches only when the schedule ran a backward before holding that many
@@ -94,8 +92,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element
     buffers = _max(loss, block)
-    persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split,
-                  "outputs": micro_batches * element * logits if pipelined else 0.0}
+    persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     phases = [
         {**zeros, "gradients": gradients if micro_batches > held else 0.0,

@@ -152,7 +152,9 @@ class CompiledModel:
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kwargs)
+        # only the losses are wanted: torch's last stage would otherwise keep every
+        # micro-batch's outputs (logits) to the end of the step to return them merged
+        self.schedule.step(*args, **kwargs, return_outputs=False)
         if self.tied is not None:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         self.optimizer.step()

@@ -27,7 +27,9 @@ class MicroBatchLoop:
     def __init__(self, module: nn.Module, n: int, loss_fn):
         self.module, self.n, self.loss_fn = module, n, loss_fn
 
-    def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list):
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list,
+             return_outputs: bool = False):
+        """`return_outputs` is torch's schedules' argument; outputs are never kept here."""
         chunks = [x.tensor_split(self.n) for x in (*inputs, target)]
         for index in range(self.n):
             *micro, micro_target = (chunk[index] for chunk in chunks)
