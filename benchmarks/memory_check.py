@@ -2,7 +2,9 @@
 
     python benchmarks/memory_check.py [--layers 4] [--hidden 128] [--seq 128] [--forms zero3,tp]
 
-On 4 CPU gloo ranks, a small GPT under each form: one AdamW step to create the optimizer state,
+On 4 CPU gloo ranks, a small GPT under each form (data parallelism, ZeRO-1/2/3, tensor x data,
+tensor, 2 pipeline stages x 2 replicas under 1F1B, GPipe and 1F1B with ZeRO-3) and recompute level
+(none, selective, full): one AdamW step to create the optimizer state,
 then a second step whose peak tensor memory is measured: every tensor storage alive on the rank
 (parameters, gradients, optimizer state, activations, FSDP's gathered parameters, the batch).
 `LiveBytes` (default) counts storages from a dispatch mode as torch's MemTracker
