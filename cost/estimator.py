@@ -556,7 +556,7 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
     gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
     return peak_bytes(params=params, gathered=gathered, weight=max(c.largest for c in chunks),
                       zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
-                      held=held, activations=held * per_chunk * b,
+                      held=held, pipelined=pp > 1, activations=held * per_chunk * b,
                       logits=sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b,
                       recomputed=recomputed * b, flowing=flowing * b)
 

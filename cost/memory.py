@@ -52,14 +52,16 @@ GATHERED_GROUPS = 2
 
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int,
-               precision: str, micro_batches: int, held: int, activations,
+               precision: str, micro_batches: int, held: int, pipelined: bool, activations,
                logits, recomputed, flowing) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak.
 
     `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
     `activations` the bytes the schedule keeps for the backward: `held` micro-batches of the
     `micro_batches` of a step; on the last stage each also keeps the loss's copy of its
-    `logits` elements (fp32) until its backward, the one that runs it among the `buffers`. As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
+    `logits` elements (fp32) until its backward, the one that runs it among the `buffers`, and
+    in a pipeline the logits themselves (torch's PipelineStage caches a stage's outputs for its
+    backward; other stages' sent outputs are in `activations`). As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
     `fully_shard` for ZeRO), alive throughout the forwards and backwards:
 
       optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's
@@ -88,7 +90,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * element
-    kept = LOSS_KEPT_COPIES * 4 * logits
+    kept = LOSS_KEPT_COPIES * 4 * logits + (element * logits if pipelined else 0.0)
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element
     buffers = _max(loss, block)
