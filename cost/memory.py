@@ -74,8 +74,9 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
       first backward  the `held` micro-batches' activations, with the gradients of earlier
                   micro-batches only when the schedule ran a backward before holding that many
                   (a single stage's loop, 1F1B's steady state)
-      last backward   one micro-batch's activations, every earlier micro-batch's gradients
-                  (FSDP accumulates them unsharded until the last micro-batch reduces them)
+      later backward  the activations of one micro-batch fewer (or of one), with the first
+                  micro-batch's gradients (FSDP accumulates them unsharded until the last
+                  micro-batch reduces them)
       optimizer step  the gathered weights freed; the reduced gradients (split over dp from
                   ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
     In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
@@ -96,11 +97,12 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     buffers = _max(loss, block)
     persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
+    later = max(held - 1, 1)          # micro-batches held at the second backward
     phases = [
         {**zeros, "gradients": gradients if micro_batches > held else 0.0,
          "activations": activations + (held - 1) * kept, "buffers": buffers},
         {**zeros, "gradients": gradients if micro_batches > 1 else 0.0,
-         "activations": activations / held, "buffers": buffers},
+         "activations": activations * later / held + (later - 1) * kept, "buffers": buffers},
         {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
          "optimizer_step": params * OPTIMIZER_STEP_TEMPORARY_BYTES / split},
     ]
