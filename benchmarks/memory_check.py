@@ -2,7 +2,9 @@
 
     python benchmarks/memory_check.py [--layers 4] [--hidden 128] [--seq 128] [--forms zero3,tp]
 
-On 4 CPU gloo ranks, a small GPT under each form: one AdamW step to create the optimizer state,
+On 4 CPU gloo ranks, a small GPT under each form (data parallelism, ZeRO-1/2/3, tensor x data,
+tensor, 2 pipeline stages x 2 replicas under 1F1B, GPipe and 1F1B with ZeRO-3) and recompute level
+(none, selective, full): one AdamW step to create the optimizer state,
 then a second step whose peak tensor memory is measured: every tensor storage alive on the rank
 (parameters, gradients, optimizer state, activations, FSDP's gathered parameters, the batch).
 `LiveBytes` (default) counts storages from a dispatch mode as torch's MemTracker
@@ -38,7 +40,9 @@ FORMS = {
     "zero3": Config(dp=4, zero=3, global_batch=BATCH, micro_batch=2),
     "tp2xdp2": Config(dp=2, tp=2, global_batch=BATCH, micro_batch=4),
     "tp4": Config(tp=4, global_batch=BATCH, micro_batch=BATCH),
-    "pp2xdp2": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=2),
+    "pp2xdp2": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=2),            # 1F1B
+    "pp2xdp2-gpipe": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=1, schedule="gpipe"),
+    "pp2xzero3": Config(pp=2, dp=2, zero=3, global_batch=BATCH, micro_batch=2),
 }
 RECOMPUTE = ("none", "selective", "full")
 
@@ -83,7 +87,7 @@ def measure(spec: str, forms: list[str], args_tracker: str) -> list[dict]:
             device = estimate.devices[cm.pp_rank]
             rows.append({"form": name, "recompute": recompute, "pp_rank": cm.pp_rank,
                          "predicted": device["memory_bytes"], "measured": measured,
-                         "predicted_parts": estimate.memory_breakdown if cm.pp_rank == 0 else None,
+                         "predicted_parts": device["memory"],
                          "measured_parts": {k: v for k, v in peak.items() if k != "Total" and v}})
             del cm, tracker
     return rows

@@ -38,13 +38,14 @@ from autopar.cost.collectives import Group, Level, send_recv_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
 from autopar.cost.config import Config
-from autopar.cost.layout import GraphLayout, NodeLayout, graph_batch, graph_sequence
-from autopar.cost.memory import (BYTES_PER_PARAM, OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight,
-                                 model_state_bytes)
+from autopar.cost.layout import (_DTYPE_BYTES, GraphLayout, NodeLayout, graph_batch,
+                                 graph_sequence)
+from autopar.cost.memory import (BYTES_PER_PARAM, GATHERED_GROUPS,
+                                 OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.stages import StageSpec, uniform_stages
+from autopar.cost.stages import StageSpec, group_elements, selective_region, uniform_stages
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
 ZERO_BUBBLE_SHARE = 1 / 3
@@ -66,7 +67,7 @@ class Estimate:
     breakdown: dict                 # compute, exposed_comm, bubble, optimizer: they sum to the step
     comm_breakdown: dict            # exposed_comm by kind: tensor, pipeline, data
     memory_per_gpu_bytes: float     # the fullest device
-    memory_breakdown: dict          # weights, gradients, optimizer, activations, loss_buffers
+    memory_breakdown: dict          # the parts of `autopar.cost.memory.peak_bytes`
     tflops_per_gpu: float           # hardware: recomputed forwards counted
     model_tflops_per_gpu: float
     mfu: float
@@ -75,6 +76,7 @@ class Estimate:
     memory_limit_bytes: float
     fits: bool
     devices: list = field(default_factory=list)    # per pipeline rank: time per micro-batch, memory
+                                                    # (total and its parts)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,15 +92,19 @@ class _Chunk:
     send_s: float = 0.0
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
+    gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
+    largest: float = 0.0            # elements of its largest parameter tensor
     tensors: int = 0                # parameter tensors on this device
     saved_per_sample: float = 0.0   # activation bytes kept per sample
-    peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed layer)
+    peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed region)
     loss_per_sample: float = 0.0
     # The same three as polynomials in the sequence length over the captured one, {power: bytes}
-    # (the peak one per recomputed block), for memory at another sequence length.
+    # (the peak one per recomputed region), for memory at another sequence length.
     saved_poly: dict = field(default_factory=dict)
     peak_polys: list = field(default_factory=list)
-    loss_poly: dict = field(default_factory=dict)
+    loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
+    flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
+    sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
@@ -210,10 +216,14 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     chunks = [memo.chunk(split, c, s, micro_batch, attention, _price_chunk)
               for c, s in enumerate(stages)]
     for c, s in enumerate(stages):
-        params, loss, tensors = memo.states(split, s, _chunk_states)
+        params, loss, tensors, gathered = memo.states(split, s, _chunk_states)
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
+        chunks[c].gathered, chunks[c].largest = gathered[c]
         chunks[c].loss_per_sample = _at(loss[c], 1)
-    _add_sends(memo.crossing(split, stages, _crossing_bytes), stages, chunks, mesh, micro_batch)
+    crossing = memo.crossing(split, stages, _crossing_bytes)
+    _add_sends([_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
+    for c, poly in enumerate(crossing):
+        chunks[c].sent_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m)
 
@@ -274,17 +284,18 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     0 when even the model states do not fit."""
     _check_world(mesh, config)
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
-    b = sympy.Symbol("b", positive=True)
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
-    best = None
-    for part in _memory(pipe, stages, b, config.schedule, config.virtual):
-        total = sympy.expand(sympy.Add(*part.values()))
-        fixed, per_sample = total.subs(b, 0), total.coeff(b, 1)
-        if fixed > limit:
-            return 0
-        bound = sympy.floor((limit - fixed) / per_sample) if per_sample else sympy.oo
-        best = bound if best is None else sympy.Min(best, bound)
-    return int(best)
+    memory = lambda size: max(sum(part.values()) for part in _memory(
+        pipe, stages, size, config.schedule, config.virtual))
+    if memory(0) > limit:
+        return 0
+    low, high = 0, 1                  # memory grows with the batch: memory(low) fits, memory(high) not
+    while memory(high) <= limit:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if memory(middle) <= limit else (low, middle)
+    return low
 
 
 def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
@@ -340,7 +351,10 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     tp_group = Group.strided(mesh, spec.tp, 1)
     out = _Chunk()
     saved: set[str] = set()
-    block_saved: dict[tuple, set[str]] = {}
+    region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
+    region_nodes: dict[str, set[int]] = {}
+    paths = {(inst.start, inst.stop): inst.module_path for kind in graph.blocks for inst in kind.instances}
+    widest = (0.0, 0)                   # the largest output the backward differentiates
     distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
@@ -361,35 +375,39 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
         if node.requires_grad:
             out.backward_s += bwd
             out.tensor_comm_s += comm_bwd
-        block = in_block[i]
-        recomputed = (spec.recompute == "full" and block) or (
-            spec.recompute == "selective" and node.family == "attention" and kept)
-        if recomputed:
+        region = _recomputed_region(graph.nodes[i], in_block[i], paths, spec.recompute)
+        if region:
             out.recompute_s += fwd
             out.tensor_comm_s += comm_fwd
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
-        if spec.recompute == "full" and block:
-            block_saved.setdefault(block, set()).update(node.saved)
+            region_saved.setdefault(region, set()).update(node.saved)
+            region_nodes.setdefault(region, set()).add(i)
         else:
             saved.update(node.saved)
-        if kept and not (recomputed and node.family == "attention"):
+        if node.requires_grad and node.family != "view":
+            widest = max(widest, (node.out_bytes, layout.seq_degree.get(layout.storage[node.name], 0)))
+        if kept and not region:
             degree = node.attention["q_seq"] + node.attention["k_seq"]
             scores[degree] = scores.get(degree, 0.0) + kept / b
-    for block, keys in block_saved.items():
-        saved.update(_block_inputs(graph, layout, block))
+    for region, keys in region_saved.items():
+        saved.update(_region_inputs(graph, layout, region_nodes[region]))
         out.peak_polys.append(_poly(keys, layout))
     out.peak_per_sample = max((_at(p, 1) for p in out.peak_polys), default=0.0)
     out.saved_poly = _poly(saved, layout)
     for degree, value in scores.items():
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = _at(out.saved_poly, 1)
+    # the widest op's backward holds the gradient it receives and the one it gives; the output
+    # it kept for the next op's backward (as large) is freed by then
+    out.flowing_poly = {widest[1]: widest[0]}
     return out
 
 
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
-                  chunks: int) -> tuple[list[float], list[dict], list[int]]:
-    """Per chunk: the parameter elements one of its devices holds, the loss buffers' bytes per
-    sample, and the number of parameter tensors. A weight that several chunks read (a tied
+                  chunks: int) -> tuple[list[float], list[dict], list[int], list[float]]:
+    """Per chunk: the parameter elements one of its devices holds, its outputs' elements per
+    sample, the number of parameter tensors, and the elements of its GATHERED_GROUPS largest
+    FSDP groups (what ZeRO-3 holds gathered at once) with those of its largest parameter. A weight that several chunks read (a tied
     embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
     stage that reads it its own copy."""
     params, tensors = [0.0] * chunks, [0] * chunks
@@ -404,7 +422,13 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
         for chunk in readers.get(name) or {owner[layout.index[name]]}:
             params[chunk] += count
             tensors[chunk] += 1
-    return params, _loss_bytes(graph, layout, owner, chunks), tensors
+    largest = [0.0] * chunks
+    for name, count in layout.param_local.items():
+        chunk = owner[layout.index[name]]
+        largest[chunk] = max(largest[chunk], count)
+    gathered = [(sum(sorted(groups.values())[-GATHERED_GROUPS:]), largest[c])
+                for c, groups in enumerate(group_elements(graph, owner, chunks, layout.param_local))]
+    return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
 
 
 def _parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
@@ -429,33 +453,49 @@ def _kernels(node: NodeLayout, b: int, attention: str, dtype_bytes: int) -> tupl
             [(node.family, flops * flops_factor, moved * bytes_factor)], 0.0)
 
 
-def _block_inputs(graph: Graph, layout: GraphLayout, block: tuple[int, int]) -> set[str]:
-    """What a fully recomputed block keeps: the activations it reads from outside itself."""
-    start, stop = block
-    inside = {graph.nodes[i].name for i in range(start, stop)}
+def _recomputed_region(node, block: tuple | None, paths: dict, recompute: str) -> str | None:
+    """The region of the graph that reruns in the backward holding `node`, as the runtime
+    checkpoints: its whole block under "full", its block's attention module under "selective"
+    (cost.stages.selective_region); None when the node's activations are kept."""
+    if block is None or recompute == "none":
+        return None
+    path = paths.get(block, str(block))
+    return path if recompute == "full" else selective_region(node.module_path, path)
+
+
+def _region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[str]:
+    """What a recomputed region keeps: the activations it reads from outside itself."""
+    inside = {graph.nodes[i].name for i in members}
     kept = set()
-    for i in range(start, stop):
+    for i in members:
         for name in graph.nodes[i].inputs:
             if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
                 kept.add(layout.storage[name])
     return kept
 
 
-def _loss_bytes(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
-    """Per chunk, the outputs (logits) it returns, and their gradient, in fp32 for the loss, as
-    {power of the sequence length: bytes per sample}."""
+def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
+    """Per chunk, the elements of the floating outputs (logits) it returns, as {power of the
+    sequence length: elements per sample}. Whole on every tensor-parallel rank: a stage hands
+    its outputs on replicated, and the loss runs on them."""
     totals: list[dict] = [{} for _ in range(chunks)]
     for i, node in enumerate(graph.nodes):
-        if node.target == "output":
-            for degree, value in _poly(node.inputs, layout).items():
-                totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + 4 * value
+        if node.target != "output":
+            continue
+        for name in node.inputs:
+            out = graph.nodes[layout.index[name]]
+            if not out.dtype.startswith(("float", "bfloat")):
+                continue
+            degree = layout.seq_degree.get(layout.storage[name], 0)
+            value = out.bytes / layout.batch / _DTYPE_BYTES[out.dtype]
+            totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + value
     return totals
 
 
 def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
-                    stages: list[StageSpec]) -> list[float]:
-    """Activation bytes per sample leaving chunk c for chunk c + 1. A tensor used several chunks
-    later is relayed through every boundary between."""
+                    stages: list[StageSpec]) -> list[dict]:
+    """Activation bytes per sample leaving chunk c for chunk c + 1, as {power of the sequence
+    length: bytes}. A tensor used several chunks later is relayed through every boundary between."""
     layout = layouts[(stages[0].tp, stages[0].sequence_parallel)]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
@@ -463,10 +503,12 @@ def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
             j = layout.index[name]
             if owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION:
                 sent.update((layout.storage[name], c) for c in range(owner[j], owner[i]))
-    crossing = [0.0] * len(stages)
+    crossing: list[dict] = [{} for _ in stages]
     for tensor, c in sent:
         spec = stages[c]
-        crossing[c] += layouts[(spec.tp, spec.sequence_parallel)].storage_bytes.get(tensor, 0.0)
+        mine = layouts[(spec.tp, spec.sequence_parallel)]
+        degree = mine.seq_degree.get(tensor, 0)
+        crossing[c][degree] = crossing[c].get(degree, 0.0) + mine.storage_bytes.get(tensor, 0.0)
     return crossing
 
 
@@ -509,14 +551,25 @@ def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: Sta
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
                    virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
-    states = model_state_bytes(sum(c.params for c in chunks), zero=spec.zero, dp=spec.dp,
-                               precision=precision)
+    """A pipeline rank's peak (cost.memory.peak_bytes). Under ZeRO-3 a zero-bubble schedule
+    keeps the weights gathered from forward to backward (its weight backward runs after the
+    input backward, on the same gathered weights), so the rank holds them all, not
+    GATHERED_GROUPS at a time; other schedules free them after each use (the runtime's
+    `fully_shard(reshard_after_forward=True)` and `autopar.runtime.schedule.ReshardingStage`)."""
+    params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
-    per_chunk = sum(_at(c.saved_poly, seq_ratio) for c in chunks) / len(chunks)
-    peak = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
-    activations = held * per_chunk * b + peak * b
-    return {**states, "activations": activations,
-            "loss_buffers": sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b}
+    # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its
+    # outputs for their backward
+    per_chunk = sum(_at(c.saved_poly, seq_ratio) + _at(c.sent_poly, seq_ratio)
+                    for c in chunks) / len(chunks)
+    recomputed = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
+    flowing = _largest([_at(c.flowing_poly, seq_ratio) for c in chunks])
+    gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
+    return peak_bytes(params=params, gathered=gathered, weight=max(c.largest for c in chunks),
+                      zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
+                      held=held, pipelined=pp > 1, activations=held * per_chunk * b,
+                      logits=sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b,
+                      recomputed=recomputed * b, flowing=flowing * b)
 
 
 def _poly(keys, layout: GraphLayout) -> dict[int, float]:
@@ -565,5 +618,5 @@ def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, pe
         mfu=model_flops / step / world / peak,
         bubble_fraction=bubble / ideal if ideal else 0.0, micro_batches=m,
         memory_limit_bytes=limit, fits=totals[fullest] <= limit,
-        devices=[{"stage": d, "time_per_micro_batch_s": per_mb[d], "memory_bytes": totals[d]}
-                 for d in range(len(devices))])
+        devices=[{"stage": d, "time_per_micro_batch_s": per_mb[d], "memory_bytes": totals[d],
+                  "memory": memory[d]} for d in range(len(devices))])

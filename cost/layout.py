@@ -276,16 +276,28 @@ def _is_noop(node: Node, name: str) -> bool:
     return False
 
 
+# Flash attention kernels (CUDA's and CPU's) write their output as [batch, seq, heads, dim] and
+# return it as [batch, heads, seq, dim]: the transpose that merges the heads back is contiguous,
+# so the reshape after it is a view, not a copy.
+_HEADS_TRANSPOSED = "heads transposed"
+
+
 def _storage_of(node: Node, name: str, family: str, storage: dict, contiguous: dict) -> None:
+    """Which node owns `node`'s storage, and whether that view of it is contiguous (True,
+    False, or `_HEADS_TRANSPOSED`: contiguous once heads and sequence are swapped back)."""
     source = node.inputs[0] if node.inputs else None
     if source is not None and (family == "view" or _is_noop(node, name)):
-        copies = name in ("reshape", "flatten", "unflatten") and not contiguous[source]
+        copies = name in ("reshape", "flatten", "unflatten") and contiguous[source] is not True
         if not copies:
             storage[node.name] = storage[source]
-            contiguous[node.name] = contiguous[source] and name not in _STRIDING
+            layout = contiguous[source]
+            if name == "transpose" and layout == _HEADS_TRANSPOSED:
+                contiguous[node.name] = sorted(node.args[1:3]) in ([1, 2], [-3, -2])
+            else:
+                contiguous[node.name] = layout is True and name not in _STRIDING
             return
     storage[node.name] = node.name
-    contiguous[node.name] = True
+    contiguous[node.name] = _HEADS_TRANSPOSED if family == "attention" else True
 
 
 def saves_for_backward(target: str) -> tuple[bool, bool]:

@@ -16,6 +16,8 @@ at once on a device (`in_flight`).
 
 from __future__ import annotations
 
+import sympy
+
 from autopar.errors import AutoparError
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
@@ -36,6 +38,85 @@ def model_state_bytes(params: float, *, zero: int, dp: int, precision: str = "bf
     split = {"optimizer": zero >= 1, "gradients": zero >= 2, "weights": zero >= 3}
     return {part: params * size / (dp if split[part] else 1)
             for part, size in (BYTES_PER_PARAM_FP32 if precision == "fp32" else BYTES_PER_PARAM).items()}
+
+
+# torch's AdamW (foreach) takes the square root of the second moment into a new fp32 tensor per
+# parameter before dividing: one fp32 element per parameter element alive during the step.
+OPTIMIZER_STEP_TEMPORARY_BYTES = 4
+# Cross-entropy on fp32 logits keeps its log-softmax output for the backward (a copy of the
+# logits per micro-batch whose backward has not run), and its backward adds the gradient it
+# receives and the one it gives.
+LOSS_KEPT_COPIES = 1
+LOSS_BACKWARD_COPIES = 2
+# ZeRO-3 (FSDP2) holds the gathered weights of the group that runs and of the one it prefetches.
+GATHERED_GROUPS = 2
+
+
+def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int,
+               precision: str, micro_batches: int, held: int, pipelined: bool, activations,
+               logits, recomputed, flowing) -> dict:
+    """Memory of one device at its peak, by part; the parts sum to the peak.
+
+    `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
+    `activations` the bytes the schedule keeps for the backward: `held` micro-batches of the
+    `micro_batches` of a step; on the last stage each also keeps the loss's copy of its
+    `logits` elements (fp32) until its backward, the one that runs it among the `buffers`, and
+    in a pipeline the logits themselves (torch's PipelineStage caches a stage's outputs for its
+    backward; other stages' sent outputs are in `activations`). As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
+    `fully_shard` for ZeRO), alive throughout the forwards and backwards:
+
+      optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's
+                  sharded parameters when data parallel (its own tensor), the weights themselves
+                  when not and in fp32; split over dp from ZeRO-1 on
+      weights     what the forward and backward read, in the compute dtype: the stage's
+                  gathered weights (FSDP keeps them from forward to backward below ZeRO-3),
+                  `gathered` under ZeRO-3
+    and in the phase at the peak, the larger of:
+      first backward  the `held` micro-batches' activations, with the gradients of earlier
+                  micro-batches only when the schedule ran a backward before holding that many
+                  (a single stage's loop, 1F1B's steady state)
+      later backward  the activations of one micro-batch fewer (or of one), with the first
+                  micro-batch's gradients (FSDP accumulates them unsharded until the last
+                  micro-batch reduces them)
+      optimizer step  the gathered weights freed; the reduced gradients (split over dp from
+                  ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
+    In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
+    gradients (at its start) and what a block's backward holds later: the activations of a
+    recomputed region (`recomputed`), the gradients flowing through its widest op beyond the
+    activations it frees (`flowing`) and the gradient of the weight it reads
+    (`weight` elements, the largest parameter). With symbolic sizes (sympy) the parts are the
+    first backward's, and `later_phase` what the others need beyond it."""
+    wrapped = dp > 1
+    split = dp if wrapped and zero >= 1 else 1
+    element = 4 if precision == "fp32" else 2
+    master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
+    weights = element * (gathered if wrapped and zero == 3 else params)
+    gradients = params * element
+    kept = LOSS_KEPT_COPIES * 4 * logits + (element * logits if pipelined else 0.0)
+    loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
+    block = recomputed + flowing + weight * element
+    buffers = _max(loss, block)
+    persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split}
+    zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
+    later = max(held - 1, 1)          # micro-batches held at the second backward
+    phases = [
+        {**zeros, "gradients": gradients if micro_batches > held else 0.0,
+         "activations": activations + (held - 1) * kept, "buffers": buffers},
+        {**zeros, "gradients": gradients if micro_batches > 1 else 0.0,
+         "activations": activations * later / held + (later - 1) * kept, "buffers": buffers},
+        {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
+         "optimizer_step": params * OPTIMIZER_STEP_TEMPORARY_BYTES / split},
+    ]
+    totals = [sum({**persistent, **phase}.values()) for phase in phases]
+    if all(isinstance(t, (int, float)) for t in totals):
+        peak = max(range(len(phases)), key=lambda k: totals[k])
+        return {**persistent, **phases[peak], "later_phase": 0.0}
+    return {**persistent, **phases[0],
+            "later_phase": sympy.Max(0, *(t - totals[0] for t in totals[1:]))}
+
+
+def _max(a, b):
+    return max(a, b) if isinstance(a - b, (int, float)) else sympy.Max(a, b)
 
 
 def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, stage: int = 0) -> int:

@@ -108,8 +108,9 @@ class PriceCache:
             return members
         return self._get(("members", split.key, spec.tp, spec.sequence_parallel), make)
 
-    def crossing(self, split: Split, stages: list[StageSpec], bytes_of) -> list[float]:
-        """Bytes per sample crossing each chunk boundary, by `bytes_of` (the estimator's)."""
+    def crossing(self, split: Split, stages: list[StageSpec], bytes_of) -> list[dict]:
+        """Bytes per sample crossing each chunk boundary, {power of the sequence length: bytes},
+        by `bytes_of` (the estimator's)."""
         degrees = tuple((s.tp, s.sequence_parallel) for s in stages)
         return self._get(("crossing", split.key, degrees), lambda: bytes_of(
             self.graph, self.layouts(stages), split.owner, stages))

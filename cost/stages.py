@@ -119,10 +119,17 @@ def sharding_groups(graph: Graph, owner: list[int], chunks: int) -> list[int]:
     per module of the stage that holds parameters (a block instance, or an outermost module that
     holds no block: the embedding, a final norm, the head), plus the stage's own group for the
     rest. A property of the chunk's nodes, not of how a stage names its layers."""
+    return [len(groups) + 1 for groups in group_elements(graph, owner, chunks, {})]
+
+
+def group_elements(graph: Graph, owner: list[int], chunks: int,
+                   elements: dict[str, float]) -> list[dict[str, float]]:
+    """Per chunk, its FSDP groups (see `sharding_groups`; the stage's own group left out) with
+    the parameter elements each holds, from `elements` (parameter node -> elements on a device)."""
     blocks = {inst.module_path for kind in graph.blocks for inst in kind.instances}
     ancestors = {".".join(path.split(".")[:depth]) for path in blocks
                  for depth in range(1, path.count(".") + 1)}
-    modules: list[set[str]] = [set() for _ in range(chunks)]
+    groups: list[dict[str, float]] = [{} for _ in range(chunks)]
     for i, node in enumerate(graph.nodes):
         if node.role is not Role.PARAMETER:
             continue
@@ -130,9 +137,23 @@ def sharding_groups(graph: Graph, owner: list[int], chunks: int) -> list[int]:
         for depth in range(1, len(parts) + 1):
             path = ".".join(parts[:depth])
             if path in blocks or path not in ancestors:
-                modules[owner[i]].add(path)
+                mine = groups[owner[i]]
+                mine[path] = mine.get(path, 0.0) + elements.get(node.name, 0.0)
                 break
-    return [len(m) + 1 for m in modules]
+    return groups
+
+
+# Selective recompute reruns each block's attention: the block's child module named so.
+ATTENTION_NAMES = ("attn", "attention")
+
+
+def selective_region(module_path: str, block: str) -> str | None:
+    """The module that selective recompute reruns for a node at `module_path` inside block
+    instance `block`: the block's child whose name ends in one of ATTENTION_NAMES, or None."""
+    if not module_path.startswith(block + "."):
+        return None
+    child = f"{block}.{module_path[len(block) + 1:].split('.')[0]}"
+    return child if child.rpartition(".")[2].lower().endswith(ATTENTION_NAMES) else None
 
 
 def block_mask(graph: Graph) -> list:

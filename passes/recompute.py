@@ -8,8 +8,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-
-ATTENTION_NAMES = ("attn", "attention")
+from autopar.cost.stages import selective_region
 
 
 class Recomputed(nn.Module):
@@ -73,9 +72,7 @@ def _region(paths: list[str], blocks: tuple[str, ...], selective: bool) -> str |
     if block is None or not selective:
         return block
     inside = [p for p in paths if p.startswith(block + ".")]
-    if inside and inside[0].rpartition(".")[2].lower().endswith(ATTENTION_NAMES):
-        return inside[0]
-    return None
+    return selective_region(inside[0], block) if inside else None
 
 
 def _partitions(gm: fx.GraphModule, region_of: dict[str, str | None],

@@ -284,10 +284,12 @@ def test_unfused_attention_scores_grow_with_the_square_of_the_sequence(captured_
     mesh = Mesh.parse("1:a100-80g")
     config = Config(global_batch=1, micro_batch=1)
     s = sympy.Symbol("s", positive=True)
-    flash, unfused = (sympy.expand(memory_expression(short, mesh, config, batch=1, seq=s,
-                                                      attention=kernel))
+    flash, unfused = (memory_expression(short, mesh, config, batch=1, seq=s, attention=kernel)
                       for kernel in ("flash", "unfused"))
-    assert sympy.degree(flash, s) == 1 and sympy.degree(unfused, s) == 2
+    # doubling a long sequence doubles the first and quadruples the second (the expression holds
+    # a max with the optimizer step's memory, so it is no polynomial)
+    growth = lambda expression: float(expression.subs(s, 2e7) / expression.subs(s, 1e7))
+    assert growth(flash) == pytest.approx(2, rel=1e-3) and growth(unfused) == pytest.approx(4, rel=1e-3)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -422,7 +424,7 @@ def test_meshes_for_users_own_clusters_from_python_and_files(tmp_path):
         Link("bad", 1e9, 1e-6, 1.5)
 
 
-def test_selective_recompute_drops_the_attention_scores_only_when_they_are_kept(tiny_gpt):
+def test_selective_recompute_drops_what_the_attention_module_keeps(tiny_gpt):
     mesh = Mesh.parse("8:a100-80g")
     base = dict(tp=2, dp=4, global_batch=16, micro_batch=4)
     memory = {(kernel, mode): estimate(tiny_gpt, mesh, Config(**base, recompute=mode),
@@ -430,9 +432,12 @@ def test_selective_recompute_drops_the_attention_scores_only_when_they_are_kept(
               for kernel in ("flash", "unfused") for mode in ("none", "selective")}
     # Scores of 4 heads / 2 ranks x 128 x 128 per sample, kept as softmax output (2 bytes),
     # dropout mask (1) and dropout output (2), in each of the 4 layers.
+    # Selective recompute reruns the whole attention module (as the runtime checkpoints it):
+    # its projections' outputs go with either kernel, the scores too where they were kept.
     scores = 4 * 4 / 2 * 128 * 128 * 5 * 4
-    assert memory["unfused", "none"] - memory["unfused", "selective"] == pytest.approx(scores)
-    assert memory["flash", "selective"] == memory["flash", "none"]
+    dropped = {kernel: memory[kernel, "none"] - memory[kernel, "selective"] for kernel in ("flash", "unfused")}
+    assert dropped["flash"] > 0
+    assert dropped["unfused"] - dropped["flash"] == pytest.approx(scores, rel=0.02)
 
 
 def test_gpipe_holds_every_micro_batch_and_1f1b_holds_p(tiny_gpt):

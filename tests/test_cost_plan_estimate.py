@@ -48,10 +48,10 @@ PLANNED = [
     (LLAMA, "2x2:h100-80g", 32, None),
     # tight memory limits: ZeRO, recompute, uneven pipelines (7 blocks on 3 stages, 8 blocks on
     # 2 ranks x 2 virtual chunks)
-    (SMALL_GPT, "4:a100-80g", 32, 20 * 2**20),
-    (ODD_GPT, "3:a100-80g", 6, 14 * 2**20),
-    (ODD_GPT, "4:a100-80g", 8, 10 * 2**20),
-    (SMALL_GPT, "4:a100-80g", 8, 14 * 2**20),
+    (SMALL_GPT, "4:a100-80g", 32, 24 * 2**20),
+    (ODD_GPT, "3:a100-80g", 6, 18 * 2**20),
+    (ODD_GPT, "4:a100-80g", 8, 14 * 2**20),
+    (SMALL_GPT, "4:a100-80g", 8, 28 * 2**20),
 ]
 
 

@@ -158,10 +158,13 @@ def _least_unpipelined_memory(graph, mesh, global_batch):
 
 
 def test_memory_limit_that_forbids_the_unpipelined_plan_forces_stages(graph):
-    free = _search(graph, TWO_NODES, global_batch=BATCH, memory_limit=None)
+    # On 4 devices: on 2, ZeRO-3 over both with full recompute needs less than either half of a
+    # 2-stage pipeline, whose stages hold their model states unsharded.
+    mesh, batch = "4x1:a100-80g", 4
+    free = _search(graph, mesh, global_batch=batch, memory_limit=None)
     assert free.best.candidate.shape.pp == 1
-    limit = 0.99 * _least_unpipelined_memory(graph, TWO_NODES, BATCH)
-    forced = _search(graph, TWO_NODES, global_batch=BATCH, memory_limit=limit)
+    limit = 0.99 * _least_unpipelined_memory(graph, mesh, batch)
+    forced = _search(graph, mesh, global_batch=batch, memory_limit=limit)
     best = forced.best
     assert best.candidate.shape.pp > 1
     assert best.memory_bytes <= limit

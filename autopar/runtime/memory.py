@@ -15,18 +15,22 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of tensor storage alive on this rank while active: the storages of `tensors`
     (parameters, optimizer state) plus every storage an op creates, until it is freed.
     MemTracker's accounting, without its per-module tracking, which refuses a module called more
-    than once a step (several micro-batches)."""
+    than once a step (several micro-batches). Storages are followed by identity and their
+    `resize_` is watched, as MemTracker does: FSDP frees and re-allocates the unsharded
+    parameters by resizing their storages, which no dispatch mode sees."""
 
     def __init__(self, tensors):
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live = WeakIdKeyDictionary()      # storage -> [bytes counted]
         self.current = self.peak = 0
+        self._resize = torch.UntypedStorage.resize_
         for tensor in tensors:
             self._add(tensor)
 
@@ -37,17 +41,37 @@ class LiveBytes(TorchDispatchMode):
             return
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.live or storage.nbytes() == 0:
-            return
-        self.live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
+        self._track(tensor.untyped_storage())
 
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+    def _track(self, storage) -> None:
+        """Count `storage` at its current size (first seen, or resized since)."""
+        counted = self.live.get(storage)
+        if counted is None:
+            counted = self.live[storage] = [0]
+            weakref.finalize(storage, self._free, counted)
+        if counted[0] == storage.nbytes():
+            return
+        self.current += storage.nbytes() - counted[0]
+        counted[0] = storage.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, counted: list) -> None:
+        self.current -= counted[0]
+        counted[0] = 0
+
+    def __enter__(self):
+        original = self._resize
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            self._track(storage)
+            return result
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

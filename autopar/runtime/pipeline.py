@@ -42,7 +42,7 @@ from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_l
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             signature, split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
-from autopar.runtime.schedule import build_schedule
+from autopar.runtime.schedule import ReshardingStage, build_schedule
 from autopar.runtime.tied import TiedWeights
 from autopar.solver.schedules import relay_error
 
@@ -173,7 +173,9 @@ class CompiledModel:
         last = {"target": targets, "losses": losses} if self.is_last else {}
         # the scale the schedule's losses are multiplied by (a power of 2: dividing is exact)
         scale = 1.0 if self.scaler is None else self.scaler.get_scale()
-        self.schedule.step(*args, **last)
+        # only the losses are wanted: torch's last stage would otherwise keep every
+        # micro-batch's outputs (logits) to the end of the step to return them merged
+        self.schedule.step(*args, **last, return_outputs=False)
         if self.tied is not None:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         if self.scaler is None:
@@ -333,8 +335,9 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
     # the split's record of what each stage takes and returns spares torch a forward to learn it
     stages = None if len(plan.stages) == 1 else [
-        PipelineStage(p.module, p.index, len(plan.stages), device, input_args=p.example_inputs,
-                      output_args=p.example_outputs, group=mesh.get_group("pp")) for p in programs]
+        _stage_class(plan, p.index, layout.dp)(
+            p.module, p.index, len(plan.stages), device, input_args=p.example_inputs,
+            output_args=p.example_outputs, group=mesh.get_group("pp")) for p in programs]
     out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
     schedule = build_schedule(plan, layout.stage_rank, layout.pp, [p.module for p in programs], stages,
                               mixed.scaled_loss(_checked_loss(loss_fn, out_spec), scaler))
@@ -419,6 +422,12 @@ def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceM
     for layer in _layers(module):
         wrap(layer)
     wrap(module)
+
+
+def _stage_class(plan: Plan, index: int, dp: int) -> type:
+    """ZeRO-3 stages free their gathered weights after each micro-batch's backward (schedule.py)."""
+    zero3 = dp > 1 and plan.stages[index].zero == 3 and plan.schedule != "zero-bubble"
+    return ReshardingStage if zero3 else PipelineStage
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:

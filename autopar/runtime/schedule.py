@@ -27,7 +27,9 @@ class MicroBatchLoop:
     def __init__(self, module: nn.Module, n: int, loss_fn):
         self.module, self.n, self.loss_fn = module, n, loss_fn
 
-    def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list):
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list,
+             return_outputs: bool = False):
+        """`return_outputs` is torch's schedules' argument; outputs are never kept here."""
         chunks = [x.tensor_split(self.n) for x in (*inputs, target)]
         for index in range(self.n):
             *micro, micro_target = (chunk[index] for chunk in chunks)
@@ -37,6 +39,23 @@ class MicroBatchLoop:
             loss = self.loss_fn(self.module(*micro), micro_target)
             (loss / self.n).backward()
             losses.append(loss.detach())
+
+
+class ReshardingStage(PipelineStage):
+    """A pipeline stage under ZeRO-3 that frees FSDP's gathered weights after every
+    micro-batch's backward, as ZeRO-3 means and as the estimator prices it (gathers every
+    micro-batch, two groups gathered at a time). torch's PipelineStage keeps them gathered from
+    the first backward to the last, which saves those gathers but holds the whole stage's
+    weights: ZeRO-2's memory. Gradients still accumulate locally until the last micro-batch.
+    Not for zero-bubble schedules, whose weight backward runs after the input backward on the
+    weights it gathered."""
+
+    def backward_maybe_with_nosync(self, *args, **kwargs):
+        result = super().backward_maybe_with_nosync(*args, **kwargs)
+        for module in self.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return result
 
 
 def build_schedule(plan: Plan, stage_rank: list[int], pp: int, modules: list[nn.Module],
