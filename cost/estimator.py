@@ -97,14 +97,18 @@ class _Chunk:
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
              attention: str = "flash", memory_limit: float | None = None,
              cache: dict | None = None, runtime: str | Runtime = "autopar",
-             calibration=None, precision: str | None = None) -> Estimate:
+             calibration=None, precision: str | None = None, placements=None) -> Estimate:
     """Price a Megatron-style configuration: layers split over pp x virtual chunks (evenly where
-    they divide, `autopar.cost.stages.blocks_per_chunk` where not). `cache`: see
+    they divide, `autopar.cost.stages.blocks_per_chunk` where not), each op placed on the
+    tensor-parallel axis by Megatron's rules, or as `placements` (cost.layout.TensorPlacements,
+    what the sharding ILP chose for that axis) say. `cache`: see
     `estimate_stages`; `runtime`: the training runtime whose overlap applies (cost/overlap.py);
     `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
     collectives replace the defaults and the mesh's links; `precision`: see `estimate_stages`."""
     _check_world(mesh, config)
     stages = uniform_stages(graph, config)
+    for stage in stages:
+        stage.placements = placements
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
@@ -157,7 +161,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
     memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
-    tied = _tied_exposed(graph, memo.layout(stages[0].tp, stages[0].sequence_parallel),
+    tied = _tied_exposed(graph, memo.layout(stages[0]),
                          split.owner, stages[0], mesh, pp=len(devices))
     step = ideal + bubble + max(data_comm) + tied + max(optimizer)
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
@@ -340,8 +344,8 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
                   for fam, f, by in forward)
         bwd = sum(compute_time(f, by, device, fam, efficiencies=eff, utilization=use)
                   for fam, f, by in backward)
-        comm_fwd = tp_group.all_reduce(node.reduce_forward * b) if node.reduce_forward else 0.0
-        comm_bwd = tp_group.all_reduce(node.reduce_backward * b) if node.reduce_backward else 0.0
+        comm_fwd = _collectives_time(tp_group, node.comm_forward, b)
+        comm_bwd = _collectives_time(tp_group, node.comm_backward, b)
         if distributed:
             fwd += eff.distributed_op_latency_s
             bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
@@ -373,6 +377,12 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = _at(out.saved_poly, 1)
     return out
+
+
+def _collectives_time(group: Group, collectives: tuple, b: int) -> float:
+    """A node's collectives over the tensor-parallel group, (kind, bytes, per sample) each."""
+    return sum(getattr(group, kind)(nbytes * b if per_sample else nbytes)
+               for kind, nbytes, per_sample in collectives)
 
 
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
@@ -445,7 +455,7 @@ def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
                     stages: list[StageSpec]) -> list[float]:
     """Activation bytes per sample leaving chunk c for chunk c + 1. A tensor used several chunks
     later is relayed through every boundary between."""
-    layout = layouts[(stages[0].tp, stages[0].sequence_parallel)]
+    layout = layouts[stages[0].layout_key]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
         for name in node.inputs:
@@ -455,7 +465,7 @@ def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
     crossing = [0.0] * len(stages)
     for tensor, c in sent:
         spec = stages[c]
-        crossing[c] += layouts[(spec.tp, spec.sequence_parallel)].storage_bytes.get(tensor, 0.0)
+        crossing[c] += layouts[spec.layout_key].storage_bytes.get(tensor, 0.0)
     return crossing
 
 
