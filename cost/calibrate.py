@@ -201,6 +201,7 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
     """Median seconds of one `kind` collective on a tensor of `nbytes` (full size, fp32) over the
     default process group; every rank runs the same number of repeats."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
     ranks, rank = dist.get_world_size(), dist.get_rank()
     full = torch.zeros(max(ranks, nbytes // 4))
@@ -208,7 +209,10 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
     run = {"all_reduce": lambda: dist.all_reduce(full),
            "all_gather": lambda: dist.all_gather_single(full[:part.numel() * ranks], part),
            "reduce_scatter": lambda: dist.reduce_scatter_single(part, full[:part.numel() * ranks]),
-           "all_to_all": lambda: dist.all_to_all_single(part, part.clone()),
+           # as DTensor's shard-to-shard redistribution runs it: through the functional
+           # collective, which a CPU process group answers with an all-gather and a chunk
+           "all_to_all": lambda: funcol.wait_tensor(
+               funcol.all_to_all_single(part, None, None, dist.group.WORLD)),
            "send_recv": lambda: _exchange(full, rank)}[kind]
     run()
     repeats = max(3, min(50, int(budget_s / max(_timed(run), 1e-6))))

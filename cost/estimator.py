@@ -154,7 +154,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
-                            [split.groups[c] for c in cs], stage=d)
+                            [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
+                            kept_gathered=schedule == "zero-bubble")
         data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
                                                micro_batches=m, mesh=mesh, runtime=runtime))
         local_params = work.params / (spec.dp if spec.zero >= 1 else 1)
@@ -170,7 +171,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
 
 def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int],
-                 stage: int) -> DeviceWork:
+                 stage: int, pipelined: bool, kept_gathered: bool) -> DeviceWork:
     """A pipeline rank's chunks as the data-parallel traffic sees them; its last backward runs
     while the stages after it (`stage` is its place) drain theirs."""
     backward = sum(c.backward_s + c.recompute_s for c in chunks)
@@ -178,7 +179,8 @@ def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int
                       blocks=sum(groups),
                       forward_s=sum(c.forward_s for c in chunks), backward_s=backward,
                       drain_s=backward * (1 + stage),
-                      recompute=any(s.recompute == "full" for s in stages))
+                      recompute=any(s.recompute == "full" for s in stages),
+                      pipelined=pipelined, kept_gathered=kept_gathered)
 
 
 @dataclass(kw_only=True, slots=True)
