@@ -225,13 +225,17 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
 
 
 def _exchange(tensor: torch.Tensor, rank: int) -> None:
-    """Rank 0 sends to rank 1, which receives; the others wait at the next barrier."""
+    """As a pipeline schedule moves activations: every rank sends to the next and receives from
+    the one before at once (torch.distributed.pipelining's batched isend/irecv), so that the
+    transfer is timed with every rank busy, as in a running pipeline, not with one pair alone."""
     import torch.distributed as dist
 
-    if rank == 0:
-        dist.send(tensor, 1)
-    elif rank == 1:
-        dist.recv(tensor, 0)
+    ranks = dist.get_world_size()
+    incoming = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, (rank + 1) % ranks),
+           dist.P2POp(dist.irecv, incoming, (rank - 1) % ranks)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _timed(fn: Callable[[], object]) -> float:
