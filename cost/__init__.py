@@ -3,12 +3,15 @@
     mesh.py         devices (vendors' figures) and meshes of nodes x GPUs with their links
     compute.py      roofline time of one op, efficiencies per op family (defaults or calibrated)
     collectives.py  alpha-beta time of all-reduce, all-gather, reduce-scatter, all-to-all, send/recv
-    layout.py       what each captured node costs one rank under Megatron-style tensor parallelism
+    layout.py       what each captured node costs one rank under tensor parallelism: Megatron's
+                    layout, or a plan's own per-op placements
+    reshard.py      which collective a change of placement needs (shared with the sharding ILP)
     memory.py       model states under ZeRO, activations in flight per pipeline schedule
     overlap.py      data-parallel traffic (gradients, ZeRO gathers) and what each runtime hides
     stages.py       which nodes each pipeline chunk holds (StageSpec, even and uneven splits)
     estimator.py    the one estimator: `estimate`, `estimate_stages`, `max_batch`, `max_seq`
-    plan_estimate.py  `estimate_plan`: a Plan priced from its own stages (what it records)
+    plan_estimate.py  `estimate_plan`: a Plan priced from its own stages and placements (what it
+                    records)
     price_cache.py  what the estimator's calls share, in a dict the caller passes as `cache=`
     calibrate.py    measured efficiencies of the local device, collectives of a gloo mesh
     calibration.py  a calibration file applied: efficiencies and measured links

@@ -201,6 +201,7 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
     """Median seconds of one `kind` collective on a tensor of `nbytes` (full size, fp32) over the
     default process group; every rank runs the same number of repeats."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
     ranks, rank = dist.get_world_size(), dist.get_rank()
     full = torch.zeros(max(ranks, nbytes // 4))
@@ -208,7 +209,10 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
     run = {"all_reduce": lambda: dist.all_reduce(full),
            "all_gather": lambda: dist.all_gather_single(full[:part.numel() * ranks], part),
            "reduce_scatter": lambda: dist.reduce_scatter_single(part, full[:part.numel() * ranks]),
-           "all_to_all": lambda: dist.all_to_all_single(part, part.clone()),
+           # as DTensor's shard-to-shard redistribution runs it: through the functional
+           # collective, which a CPU process group answers with an all-gather and a chunk
+           "all_to_all": lambda: funcol.wait_tensor(
+               funcol.all_to_all_single(part, None, None, dist.group.WORLD)),
            "send_recv": lambda: _exchange(full, rank)}[kind]
     run()
     repeats = max(3, min(50, int(budget_s / max(_timed(run), 1e-6))))
@@ -221,13 +225,17 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
 
 
 def _exchange(tensor: torch.Tensor, rank: int) -> None:
-    """Rank 0 sends to rank 1, which receives; the others wait at the next barrier."""
+    """As a pipeline schedule moves activations: every rank sends to the next and receives from
+    the one before at once (torch.distributed.pipelining's batched isend/irecv), so that the
+    transfer is timed with every rank busy, as in a running pipeline, not with one pair alone."""
     import torch.distributed as dist
 
-    if rank == 0:
-        dist.send(tensor, 1)
-    elif rank == 1:
-        dist.recv(tensor, 0)
+    ranks = dist.get_world_size()
+    incoming = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, (rank + 1) % ranks),
+           dist.P2POp(dist.irecv, incoming, (rank - 1) % ranks)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _timed(fn: Callable[[], object]) -> float:

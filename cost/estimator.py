@@ -110,14 +110,18 @@ class _Chunk:
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
              attention: str = "flash", memory_limit: float | None = None,
              cache: dict | None = None, runtime: str | Runtime = "autopar",
-             calibration=None, precision: str | None = None) -> Estimate:
+             calibration=None, precision: str | None = None, placements=None) -> Estimate:
     """Price a Megatron-style configuration: layers split over pp x virtual chunks (evenly where
-    they divide, `autopar.cost.stages.blocks_per_chunk` where not). `cache`: see
+    they divide, `autopar.cost.stages.blocks_per_chunk` where not), each op placed on the
+    tensor-parallel axis by Megatron's rules, or as `placements` (cost.layout.TensorPlacements,
+    what the sharding ILP chose for that axis) say. `cache`: see
     `estimate_stages`; `runtime`: the training runtime whose overlap applies (cost/overlap.py);
     `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
     collectives replace the defaults and the mesh's links; `precision`: see `estimate_stages`."""
     _check_world(mesh, config)
     stages = uniform_stages(graph, config)
+    for stage in stages:
+        stage.placements = placements
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
@@ -166,7 +170,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
-                            [split.groups[c] for c in cs], stage=d)
+                            [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
+                            kept_gathered=schedule == "zero-bubble")
         data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
                                                micro_batches=m, mesh=mesh, runtime=runtime,
                                                element_bytes=_DTYPE_BYTES[memo.dtype]))
@@ -174,7 +179,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
     memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
-    tied = _tied_exposed(graph, memo.layout(stages[0].tp, stages[0].sequence_parallel),
+    tied = _tied_exposed(graph, memo.layout(stages[0]),
                          split.owner, stages[0], mesh, pp=len(devices))
     step = ideal + bubble + max(data_comm) + tied + max(optimizer)
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
@@ -183,7 +188,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
 
 def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int],
-                 stage: int) -> DeviceWork:
+                 stage: int, pipelined: bool, kept_gathered: bool) -> DeviceWork:
     """A pipeline rank's chunks as the data-parallel traffic sees them; its last backward runs
     while the stages after it (`stage` is its place) drain theirs."""
     backward = sum(c.backward_s + c.recompute_s for c in chunks)
@@ -191,7 +196,8 @@ def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int
                       blocks=sum(groups),
                       forward_s=sum(c.forward_s for c in chunks), backward_s=backward,
                       drain_s=backward * (1 + stage),
-                      recompute=any(s.recompute == "full" for s in stages))
+                      recompute=any(s.recompute == "full" for s in stages),
+                      pipelined=pipelined, kept_gathered=kept_gathered)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -365,8 +371,8 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
                   for fam, f, by in forward)
         bwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
                   for fam, f, by in backward)
-        comm_fwd = tp_group.all_reduce(node.reduce_forward * b) if node.reduce_forward else 0.0
-        comm_bwd = tp_group.all_reduce(node.reduce_backward * b) if node.reduce_backward else 0.0
+        comm_fwd = _collectives_time(tp_group, node.comm_forward, b)
+        comm_bwd = _collectives_time(tp_group, node.comm_backward, b)
         if distributed:
             fwd += eff.distributed_op_latency_s
             bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
@@ -401,6 +407,12 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     # it kept for the next op's backward (as large) is freed by then
     out.flowing_poly = {widest[1]: widest[0]}
     return out
+
+
+def _collectives_time(group: Group, collectives: tuple, b: int) -> float:
+    """A node's collectives over the tensor-parallel group, (kind, bytes, per sample) each."""
+    return sum(getattr(group, kind)(nbytes * b if per_sample else nbytes)
+               for kind, nbytes, per_sample in collectives)
 
 
 def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
@@ -496,7 +508,7 @@ def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
                     stages: list[StageSpec]) -> list[dict]:
     """Activation bytes per sample leaving chunk c for chunk c + 1, as {power of the sequence
     length: bytes}. A tensor used several chunks later is relayed through every boundary between."""
-    layout = layouts[(stages[0].tp, stages[0].sequence_parallel)]
+    layout = layouts[stages[0].layout_key]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
         for name in node.inputs:
@@ -506,7 +518,7 @@ def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
     crossing: list[dict] = [{} for _ in stages]
     for tensor, c in sent:
         spec = stages[c]
-        mine = layouts[(spec.tp, spec.sequence_parallel)]
+        mine = layouts[spec.layout_key]
         degree = mine.seq_degree.get(tensor, 0)
         crossing[c][degree] = crossing[c].get(degree, 0.0) + mine.storage_bytes.get(tensor, 0.0)
     return crossing

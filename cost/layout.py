@@ -9,6 +9,15 @@ memory-bound ops follow their inputs: sharded if any input is. With sequence par
 replicated region (norms, dropout, residual adds) is split over the sequence as well and its
 all-reduces become reduce-scatter + all-gather pairs of the same ring cost.
 
+A Plan's own placements (`TensorPlacements`: each node's output and each parameter's storage on
+the tensor-parallel axis, as the sharding ILP chose them) replace those rules when given: each op
+then runs the strategy of its rule that writes its planned output and reads its producers with the
+least traffic (the choice the ILP made: with every output fixed, an op's inputs are a local
+choice), its work split when any of its tensors is sharded, and the collectives come from the
+placement changes along its input edges (`autopar.cost.reshard`, the ILP's own facts). A gradient
+that several consumers give in one placement is summed before it is redistributed, once, as
+autograd accumulates it.
+
 Per node this module also answers what autograd keeps for the backward (`saved`), with views
 resolved to the tensor that owns the storage, so that activation memory is the sum of distinct
 saved tensors.
@@ -22,6 +31,8 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
+from autopar.cost.reshard import (ALL_REDUCE, gradient_given, gradient_need, reshard_steps,
+                                  work_split)
 
 # Elementwise ops whose backward needs none of their inputs (gradients pass through or scale by a
 # constant), so autograd saves nothing for them.
@@ -51,11 +62,34 @@ class NodeLayout:
     act_bytes: float           # activation bytes read + written by the forward on this rank
     param_bytes: float         # parameter bytes read by the forward on this rank (per micro-batch)
     out_bytes: float           # this rank's share of the output, in the training dtype
-    reduce_forward: float = 0.0    # bytes all-reduced over TP after the forward (full tensor)
-    reduce_backward: float = 0.0   # bytes all-reduced over TP in the backward (input gradient)
+    # Collectives over the tensor-parallel group in the forward and in the backward, as
+    # (kind, bytes of the whole tensor, per sample): per sample for activations, per micro-batch
+    # for parameters.
+    comm_forward: tuple = ()
+    comm_backward: tuple = ()
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa
     gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns)
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class TensorPlacements:
+    """Placements on the tensor-parallel axis: graph node name -> its output's ("R", "P", "S(d)"),
+    parameter node name -> how it is stored. Equal (and hashed alike) when the placements are, so
+    that a plan priced again finds what the search that made it priced in a shared cache."""
+    nodes: dict[str, str]
+    parameters: dict[str, str]
+    key: int = 0
+
+    def __post_init__(self):
+        self.key = hash((tuple(sorted(self.nodes.items())), tuple(sorted(self.parameters.items()))))
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, TensorPlacements) and self.key == other.key
+                and self.nodes == other.nodes and self.parameters == other.parameters)
+
+    def __hash__(self) -> int:
+        return self.key
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,16 +131,26 @@ def graph_sequence(graph: Graph) -> int:
 
 
 def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
-                 compute_dtype: str = "bfloat16") -> GraphLayout:
-    """Per-sample, per-rank costs of every node of `graph` under tensor parallelism of degree `tp`."""
+                 compute_dtype: str = "bfloat16",
+                 placements: TensorPlacements | None = None) -> GraphLayout:
+    """Per-sample, per-rank costs of every node of `graph` under tensor parallelism of degree `tp`:
+    Megatron's layout, or with `placements` the plan's own (which then say what is split on the
+    sequence, so `sequence_parallel` is theirs)."""
+    if placements is not None and tp > 1:
+        return _LayoutBuilder(graph, tp, False, compute_dtype, placements).build()
     return _LayoutBuilder(graph, tp, sequence_parallel, compute_dtype).build()
 
 
 class _LayoutBuilder:
     """One walk over the graph in topological order; each node's layout follows its inputs'."""
 
-    def __init__(self, graph: Graph, tp: int, sequence_parallel: bool, compute_dtype: str):
+    def __init__(self, graph: Graph, tp: int, sequence_parallel: bool, compute_dtype: str,
+                 placements: TensorPlacements | None = None):
         self.graph, self.tp, self.sp, self.dtype = graph, tp, sequence_parallel, compute_dtype
+        self.placements = placements
+        self.place: dict[str, str] = {}            # node -> its placement (placements given)
+        self.moved: set[tuple] = set()             # redistributions already priced, by storage
+        self.rules: dict = {}                      # OpView -> its strategies, shared by repeated blocks
         self.batch = graph_batch(graph)
         self.by_name = {n.name: n for n in graph.nodes}
         self.sharded: dict[str, bool] = {}
@@ -126,6 +170,8 @@ class _LayoutBuilder:
         for node in self.graph.nodes:
             if node.role in (Role.PARAMETER, Role.BUFFER, Role.INPUT) or node.target == "output":
                 self._leaf(node)
+                if self.placements is not None and node.target == "output":
+                    layouts.append(self._output(node))
             else:
                 layouts.append(self._node(node))
         for node in self.graph.parameters:
@@ -145,7 +191,13 @@ class _LayoutBuilder:
         return self.full_bytes(node) / self.tp if split else self.full_bytes(node)
 
     def _leaf(self, node: Node) -> None:
-        self.sharded[node.name] = False
+        if self.placements is not None:
+            table = self.placements.parameters if node.role is Role.PARAMETER else self.placements.nodes
+            self.place[node.name] = table.get(node.name, "R")
+            if node.role is Role.PARAMETER:
+                split = self.tp if self.place[node.name].startswith("S") else 1
+                self.param_local[node.name] = _numel(node.shape) / split
+        self.sharded[node.name] = self.place.get(node.name, "R").startswith("S")
         self.grad[node.name] = node.role is Role.PARAMETER
         self.storage[node.name] = node.name
         self.contiguous[node.name] = True
@@ -168,20 +220,24 @@ class _LayoutBuilder:
         layout = NodeLayout(name=node.name, family=family, sharded=in_sharded,
                             requires_grad=self.grad[node.name], flops=node.flops / self.batch,
                             act_bytes=0.0, param_bytes=0.0, out_bytes=0.0)
-        parallel = self._tensor_parallel(node, family, params, acts, layout)
+        if self.placements is None:
+            parallel = self._tensor_parallel(node, family, params, acts, layout)
+        else:
+            parallel = self._placed(node, layout)
         if family == "matmul" and params and len(node.shape) >= 1:
             columns = node.shape[-1] / (self.tp if layout.sharded else 1)
             layout.gemm = (_numel(node.shape[:-1]) / self.batch, columns)
         for p in params:
             whole = _numel(by_name[p].shape)
             held = whole / self.tp if parallel else whole
-            self.param_local[p] = min(self.param_local.get(p, whole), held)
-        if family == "view" and in_sharded and name in ("view", "reshape", "_unsafe_view", "unflatten") \
+            if self.placements is None:     # placed parameters are held as stored (_leaf)
+                self.param_local[p] = min(self.param_local.get(p, whole), held)
+        if self.placements is None and family == "view" and in_sharded and name in ("view", "reshape", "_unsafe_view", "unflatten") \
                 and not _splits_heads_evenly(self.tp, by_name[acts[0]].shape, node):
             # fewer key/value heads than tp (multi-query attention): as in Megatron, every rank
             # keeps them whole, gathered from the column-parallel projection
             layout.sharded = False
-            layout.reduce_forward = self.full_bytes(node)
+            layout.comm_forward = ((ALL_REDUCE, self.full_bytes(node), True),)
         self.sharded[node.name] = layout.sharded
         if parallel or layout.sharded or (self.sp and self.tp > 1):
             layout.flops /= self.tp
@@ -217,7 +273,7 @@ class _LayoutBuilder:
         if family == "matmul" and params and tp > 1:
             if layout.sharded:        # row-parallel: partial sums all-reduced after the forward
                 layout.sharded = False
-                layout.reduce_forward = self.full_bytes(node)
+                layout.comm_forward = ((ALL_REDUCE, self.full_bytes(node), True),)
                 return True
             # Column-parallel: the input's gradient is all-reduced in the backward, once however
             # many matmuls read that input (q, k and v).
@@ -226,16 +282,112 @@ class _LayoutBuilder:
             layout.sharded = True
             if acts and self.storage[acts[0]] not in self.grad_reduced:
                 self.grad_reduced.add(self.storage[acts[0]])
-                layout.reduce_backward = self.full_bytes(self.by_name[acts[0]])
+                layout.comm_backward = ((ALL_REDUCE, self.full_bytes(self.by_name[acts[0]]), True),)
             return True
         if family == "embedding" and params and tp > 1 and acts and all(self.from_input[i] for i in acts):
-            layout.reduce_forward = self.full_bytes(node)      # vocab-parallel lookup of token ids
+            # vocab-parallel lookup of token ids
+            layout.comm_forward = ((ALL_REDUCE, self.full_bytes(node), True),)
             return True
         if family == "attention" and tp > 1 and acts:
             # query heads are split over tp; key/value heads may be fewer (kept whole, above)
             shape = self.by_name[acts[0]].shape
             _check_divides(tp, shape[-3] if len(shape) >= 3 else 1, "heads", node)
         return family in ("matmul", "attention") and layout.sharded
+
+
+    def _placed(self, node: Node, layout: NodeLayout) -> bool:
+        """The plan's placements for one node: the strategy of its rule that writes its planned
+        output and reads its producers with the least traffic; the collectives of the placement
+        changes on its input edges; True when its work is split."""
+        out = self.placements.nodes.get(node.name, "R")
+        sources = [self.place[name] for name in node.inputs]
+        options = [s for s in self._strategies(node) if s[0] == out]
+        # an output no rule writes (an op without a rule, planned replicated) is computed whole;
+        # R -> S and R -> P are local, so it is then placed as planned for free
+        inputs = min((ins for _, ins in options), key=lambda ins: self._traffic(node, out, sources, ins),
+                     default=("R",) * len(node.inputs))
+        self.place[node.name] = out
+        layout.sharded = out.startswith("S")
+        forward, backward = [], []
+        for k, name in enumerate(node.inputs):
+            whole, per_sample = self._edge_bytes(name, node)
+            moves = reshard_steps((sources[k],), (inputs[k],), [self.tp]) or []
+            if moves and self._first((self.storage[name], sources[k], inputs[k])):
+                forward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
+                if not per_sample:    # a gathered weight is freed, and gathered again for the backward
+                    backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
+            if not (self.grad[name] and node_differentiable(self.by_name[name])):
+                continue
+            given = gradient_given((out,), [(p,) for p in inputs], k)
+            need = gradient_need((sources[k],))
+            moves = reshard_steps(given, need, [self.tp]) or []
+            if moves and self._first((self.storage[name], given, need, "gradient")):
+                backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
+        layout.comm_forward, layout.comm_backward = tuple(forward), tuple(backward)
+        return work_split((out,), [(p,) for p in inputs], [self.tp]) > 1
+
+    def _output(self, node: Node) -> NodeLayout:
+        """The graph's outputs leave the program replicated (the loss reads whole logits): under
+        a plan's placements that is a redistribution like any other."""
+        layout = NodeLayout(name=node.name, family="view", sharded=False, flops=0.0, act_bytes=0.0,
+                            requires_grad=any(self.grad[name] for name in node.inputs),
+                            param_bytes=0.0, out_bytes=0.0)
+        self._placed(node, layout)
+        return layout
+
+    def _strategies(self, node: Node) -> list[tuple[str, tuple[str, ...]]]:
+        from autopar.cost.strategies import OpView     # torch's placements: only for placed layouts
+
+        view = OpView(target=node.target, args=node.args, output_shape=node.shape,
+                      input_shapes=tuple(self.by_name[name].shape for name in node.inputs))
+        try:
+            return self.rules[view]
+        except TypeError:         # arguments that do not hash (a list of tensors' sizes)
+            return _strategy_strings(view)
+        except KeyError:
+            self.rules[view] = _strategy_strings(view)
+            return self.rules[view]
+
+    def _traffic(self, node: Node, out: str, sources: list[str], inputs: tuple[str, ...]) -> tuple:
+        """What reading the producers in `inputs` moves (an all-reduce moves twice what a gather
+        does), then the least work per device: the ILP's choice with every output fixed."""
+        moved = 0.0
+        for k, name in enumerate(node.inputs):
+            given = gradient_given((out,), [(p,) for p in inputs], k)
+            for src, dst in (((sources[k],), (inputs[k],)), (given, gradient_need((sources[k],)))):
+                steps = reshard_steps(src, dst, [self.tp])
+                if steps is None:
+                    return (float("inf"), 0)
+                moved += sum(self.by_name[name].bytes / divisor * (2 if kind == ALL_REDUCE else 1)
+                             for kind, _, divisor in steps)
+        return (moved, -work_split((out,), [(p,) for p in inputs], [self.tp]))
+
+    def _edge_bytes(self, name: str, consumer: Node) -> tuple[float, bool]:
+        """Bytes of an input tensor, whole, and whether per sample (an activation) or per
+        micro-batch (a parameter, a view or cast of one, a buffer). Of a multi-output producer,
+        the piece its consumer reads."""
+        node = self.by_name[name] if self.by_name[name].dtype else consumer
+        if node.role is Role.ACTIVATION and name not in self.weight_of:
+            return self.full_bytes(node), True
+        return node.bytes * _itemsize(node.dtype, self.dtype) / _DTYPE_BYTES.get(node.dtype, 4), False
+
+    def _first(self, key: tuple) -> bool:
+        """Whether this redistribution of a stored tensor is priced for the first time."""
+        if key in self.moved:
+            return False
+        self.moved.add(key)
+        return True
+
+
+def _strategy_strings(view) -> list[tuple[str, tuple[str, ...]]]:
+    from autopar.cost.strategies import axis_strategies, placement_str
+
+    return [(placement_str(s.output), tuple(placement_str(p) for p in s.inputs))
+            for s in axis_strategies(view) or []]
+
+
+def node_differentiable(node: Node) -> bool:
+    return node.dtype.startswith(("float", "bfloat")) or node.dtype == ""
 
 
 def _check_divides(tp: int, size: int, what: str, node: Node) -> None:

@@ -2,8 +2,15 @@
 hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIMES`):
 
   autopar          autopar's own runtime (the default): torch's FSDP2 with one group per layer
-                   (`replicate` for plain data parallelism, `fully_shard` for ZeRO), gradients
-                   synchronized on the last micro-batch: it overlaps as "torch" below does.
+                   (`replicate` for plain data parallelism, `fully_shard` for ZeRO), each of
+                   whose collectives is one call per group; gradients reduced on the last
+                   micro-batch only (`set_requires_gradient_sync`), for ZeRO-3 too. ZeRO-1/2
+                   (`reshard_after_forward=False`) gather the weights before each micro-batch's
+                   forward on one stage (FSDP2 frees them after every backward), once per step
+                   under a pipeline schedule (torch's stages keep them until the last backward);
+                   ZeRO-3 gathers them again for every backward, except under zero-bubble
+                   schedules, where they are kept from forward to backward. Overlapped as
+                   "torch" below is.
   torch            plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
                    gradients in 25 MiB buckets while the backward of the LAST micro-batch runs (the
                    others accumulate locally, `no_sync`), and while the later pipeline stages drain;
@@ -44,10 +51,12 @@ class Runtime:
     overlap: bool               # collectives run beside compute (buckets, prefetch) or wait
     gather_unit: str            # ZeRO-3's collective per "block" or per parameter "tensor"
     regather_on_recompute: bool  # ZeRO-3 gathers again for a recomputed forward
+    fsdp2: bool = False         # autopar's FSDP2: per-group calls, counts by micro-batch (above)
 
 
 RUNTIMES = {
-    "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False),
+    "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
+                       fsdp2=True),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
                               regather_on_recompute=True),
@@ -75,6 +84,8 @@ class DeviceWork:
     backward_s: float           # per micro-batch, recomputed forwards included
     drain_s: float              # backward of the last micro-batch and of the stages after it
     recompute: bool             # full recompute of the blocks
+    pipelined: bool = False     # under a pipeline schedule (more than one pipeline rank)
+    kept_gathered: bool = False  # a schedule under which ZeRO-3 keeps weights forward to backward
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
@@ -88,6 +99,8 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
     element = element_bytes or (4 if mesh.device.training_dtype == "float32" else 2)
     if not mesh.device.overlaps_communication:
         runtime = replace(runtime, overlap=False)
+    if runtime.fsdp2:
+        return _fsdp2(work, group, zero, micro_batches, element, runtime.overlap)
     if zero == 3:
         return micro_batches * _zero3_per_micro_batch(work, group, runtime, element)
     grads = work.params * element
@@ -100,6 +113,30 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
         reduce = max(reduce - work.drain_s, last)
     after_step = group.all_gather(work.params * element) if zero else 0.0
     return reduce + after_step
+
+
+def _fsdp2(work: DeviceWork, group: Group, zero: int, micro_batches: int, element: int,
+           overlap: bool) -> float:
+    """autopar's FSDP2, one call per group and collective: the gradients reduced once per step
+    (all-reduced, or reduce-scattered under ZeRO), the weights gathered as often as the runtime
+    frees them (module docstring)."""
+    units = max(1, work.blocks)
+    share = work.params * element / units
+    if zero == 0:
+        reduce, forward_gathers, backward_gathers = units * group.all_reduce(share), 0, 0
+    else:
+        reduce = units * group.reduce_scatter(share)
+        kept = work.pipelined and (zero < 3 or work.kept_gathered)
+        forward_gathers = 1 if kept else micro_batches
+        backward_gathers = micro_batches if zero == 3 and not work.kept_gathered else 0
+    gather = units * group.all_gather(share)
+    if not overlap:
+        return reduce + (forward_gathers + backward_gathers) * gather
+    # Prefetching hides each group's gather behind the previous group's compute; the first of
+    # each pass waits. The reduction runs beside the last backward and the stages' drain.
+    forward = forward_gathers * (max(0.0, gather - work.forward_s) + gather / units)
+    backward = backward_gathers * (max(0.0, gather - work.backward_s) + gather / units)
+    return forward + backward + max(reduce - work.drain_s, reduce / units)
 
 
 def _zero3_per_micro_batch(work: DeviceWork, group: Group, runtime: Runtime,

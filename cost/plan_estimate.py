@@ -1,16 +1,22 @@
-"""A Plan priced from its own stages: the estimate a Plan records as `predicted`.
+"""A Plan priced from its own stages and placements: the estimate a Plan records as `predicted`.
 
 `estimate_plan(graph, plan)` turns each of the plan's stages into the estimator's chunk
 (`StageSpec`): the node ranges of the modules it lists, its tensor and data parallelism,
-recompute, ZeRO and sequence parallelism; the plan's micro-batch size, schedule and virtual
-chunks complete the call to `estimate_stages`, the same call the pipeline planner prices its
-candidates with. The planner records exactly this estimate, so that a saved plan priced again
-(`autopar estimate --plan plan.json`) gives the figures it was chosen by.
+recompute, ZeRO and sequence parallelism, and the plan's per-op placements on its tensor-parallel
+axis, so that each op is priced at its own shard and each change of placement along the graph's
+edges with its collective (cost/layout.py, by the sharding ILP's facts in cost/reshard.py); the
+plan's micro-batch size, schedule and virtual chunks complete the call to `estimate_stages`, whose
+pipeline, data-parallel, ZeRO and overlap pricing is the one every configuration gets. The planner
+records exactly this estimate, so that a saved plan priced again (`autopar estimate --plan
+plan.json`) gives the figures it records. (The pipeline search prices its candidates before their
+placements are solved, with Megatron's layout for their tensor-parallel degree; a plan without a
+tensor-parallel axis is priced the same either way.)
 """
 
 from __future__ import annotations
 
 from autopar.cost.estimator import Estimate, estimate_stages
+from autopar.cost.layout import TensorPlacements
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec
 from autopar.errors import PlanMismatchError
@@ -25,13 +31,28 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
         raise PlanMismatchError("the plan was made for another graph (fingerprints differ); "
                                 "capture the model the plan was made for, or plan this one")
     ranges = plan_stage_ranges(graph, [stage.layers for stage in plan.stages])
+    placements = tensor_placements(graph, plan)
     specs = [StageSpec(layers=ranges[stage.index], tp=stage.tp, dp=stage.dp, recompute=stage.recompute,
-                       zero=stage.zero, sequence_parallel=stage.sequence_parallel)
+                       zero=stage.zero, sequence_parallel=stage.sequence_parallel,
+                       placements=placements)
              for stage in plan.stages]
     return estimate_stages(graph, Mesh.from_dict(plan.mesh), specs, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch_size, schedule=plan.schedule,
                            virtual=plan.virtual, cache=cache, runtime=runtime,
                            attention=attention, calibration=calibration, precision=plan.precision)
+
+
+def tensor_placements(graph: Graph, plan) -> TensorPlacements | None:
+    """The plan's placements on its tensor-parallel axis ("tp"); None when it has none."""
+    names = [name for name, _ in plan.axes]
+    if "tp" not in names or plan.tp == 1:
+        return None
+    axis = names.index("tp")
+    fqns = {node.param_fqn: node.name for node in graph.parameters}
+    return TensorPlacements(
+        nodes={name: placement[axis] for name, placement in plan.nodes.items()},
+        parameters={fqns[fqn]: placement[axis] for fqn, placement in plan.parameters.items()
+                    if fqn in fqns})
 
 
 def plan_stage_ranges(graph: Graph, stage_layers: list[list[str]]) -> list[list[tuple[int, int]]]:

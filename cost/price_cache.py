@@ -55,13 +55,14 @@ class PriceCache:
             self.store[key] = make()
         return self.store[key]
 
-    def layout(self, tp: int, sequence_parallel: bool) -> GraphLayout:
-        return self._get(("layout", tp, sequence_parallel),
+    def layout(self, spec: StageSpec) -> GraphLayout:
+        tp, sequence_parallel, placements = spec.layout_key
+        return self._get(("layout", *spec.layout_key),
                          lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
-                                              compute_dtype=self.dtype))
+                                              compute_dtype=self.dtype, placements=placements))
 
     def layouts(self, stages: list[StageSpec]) -> dict:
-        return {(s.tp, s.sequence_parallel): self.layout(s.tp, s.sequence_parallel) for s in stages}
+        return {s.layout_key: self.layout(s) for s in stages}
 
     def split(self, stages: list[StageSpec]) -> Split:
         key = tuple(tuple(_hashable(layer) for layer in s.layers) for s in stages)
@@ -81,10 +82,9 @@ class PriceCache:
               price):
         """Chunk `c` priced by `price` (the estimator's `_price_chunk`), a copy the caller may
         change. The price depends on the chunk's nodes, not on where it sits in the pipeline."""
-        key = ("chunk", split.node_sets[c], spec.tp, spec.sequence_parallel, spec.recompute,
-               micro_batch, attention)
+        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.recompute, micro_batch, attention)
         priced = self._get(key, lambda: price(
-            self.graph, self.layout(spec.tp, spec.sequence_parallel),
+            self.graph, self.layout(spec),
             self._get(("blocks",), lambda: block_mask(self.graph)),
             self._members(split, spec)[c], spec, self.mesh, micro_batch, self.efficiencies,
             attention))
@@ -93,25 +93,25 @@ class PriceCache:
     def states(self, split: Split, spec: StageSpec, states_of) -> tuple[list, list]:
         """Every chunk's parameters and loss buffers under `spec`'s layout, by `states_of` (the
         estimator's): a tied weight counts once or twice depending on the whole split."""
-        key = ("states", split.key, spec.tp, spec.sequence_parallel)
+        key = ("states", split.key, *spec.layout_key)
         return self._get(key, lambda: states_of(
-            self.graph, self.layout(spec.tp, spec.sequence_parallel), split.owner,
+            self.graph, self.layout(spec), split.owner,
             len(split.node_sets)))
 
     def _members(self, split: Split, spec: StageSpec) -> list:
         """Each chunk's node layouts, in graph order."""
         def make():
-            layout = self.layout(spec.tp, spec.sequence_parallel)
+            layout = self.layout(spec)
             members = [[] for _ in split.node_sets]
             for node in layout.nodes:
                 members[split.owner[layout.index[node.name]]].append(node)
             return members
-        return self._get(("members", split.key, spec.tp, spec.sequence_parallel), make)
+        return self._get(("members", split.key, *spec.layout_key), make)
 
     def crossing(self, split: Split, stages: list[StageSpec], bytes_of) -> list[dict]:
         """Bytes per sample crossing each chunk boundary, {power of the sequence length: bytes},
         by `bytes_of` (the estimator's)."""
-        degrees = tuple((s.tp, s.sequence_parallel) for s in stages)
+        degrees = tuple(s.layout_key for s in stages)
         return self._get(("crossing", split.key, degrees), lambda: bytes_of(
             self.graph, self.layouts(stages), split.owner, stages))
 

@@ -25,6 +25,14 @@ class StageSpec:
     recompute: str = "none"
     zero: int = 0
     sequence_parallel: bool = False
+    # A plan's own per-op placements on the tensor-parallel axis (cost.layout.TensorPlacements);
+    # None prices Megatron's layout for `tp`.
+    placements: object = None
+
+    @property
+    def layout_key(self) -> tuple:
+        """What the chunk's layout depends on."""
+        return (self.tp, self.sequence_parallel, self.placements if self.tp > 1 else None)
 
 
 def block_refs(graph: Graph) -> list:

@@ -147,3 +147,28 @@ def test_ops_on_distributed_tensors_pay_the_measured_host_latency(tiny_gpt):
         before = estimate(tiny_gpt, mesh, config, efficiencies=plain).breakdown["compute"]
         after = estimate(tiny_gpt, mesh, config, efficiencies=hosted).breakdown["compute"]
         assert (after > before) == distributed, config
+
+
+def test_autopar_fsdp2_gathers_as_often_as_it_frees_the_weights_and_reduces_once():
+    """On a CPU mesh (nothing overlaps) the autopar runtime's FSDP2 issues each collective once per
+    layer group; ZeRO-1/2 gather before every micro-batch on one stage, once per step under a
+    pipeline schedule; ZeRO-3 gathers for every forward and backward (the forward's alone under
+    zero-bubble, which keeps them); gradients are reduced on the last micro-batch only."""
+    mesh = Mesh.parse("4:cpu")
+    group = Group.strided(mesh, 4, 1)
+    autopar = RUNTIMES["autopar"]
+    share = 4e6 / 6         # fp32 gradients of 1e6 parameters over 6 groups
+    gather, scatter = 6 * group.all_gather(share), 6 * group.reduce_scatter(share)
+
+    def exposed(zero, m, **changes):
+        return exposed_data_parallel(_work(params=1e6, blocks=6, recompute=False, **changes), dp=4,
+                                     tp=1, zero=zero, micro_batches=m, mesh=mesh, runtime=autopar)
+
+    assert exposed(0, 8) == pytest.approx(6 * group.all_reduce(share))
+    assert exposed(0, 8) > exposed_data_parallel(_work(params=1e6, blocks=1, recompute=False), dp=4,
+                                                 tp=1, zero=0, micro_batches=8, mesh=mesh,
+                                                 runtime=autopar)     # a latency per group
+    assert exposed(2, 8) == pytest.approx(scatter + 8 * gather)
+    assert exposed(2, 8, pipelined=True) == pytest.approx(scatter + gather)
+    assert exposed(3, 8) == pytest.approx(scatter + 16 * gather)
+    assert exposed(3, 8, pipelined=True, kept_gathered=True) == pytest.approx(scatter + gather)

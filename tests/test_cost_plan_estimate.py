@@ -63,7 +63,8 @@ def test_planned_plans_record_their_own_price(graphs, spec, mesh, batch, limit):
     plan, search = plan_and_search(graph, Mesh.parse(mesh), global_batch=batch, memory_limit=limit,
                                    time_limit=120)
     _check_reproduces(graph, plan)
-    # the price the search chose the plan by is the price the plan records
+    # the price the search chose the plan by is the price the plan records: the search priced
+    # the candidate on the placements the plan records
     assert search.best.estimate.step_time_s == plan.predicted["step_time_s"]
     assert search.best.estimate.memory_per_gpu_bytes == plan.predicted["memory_per_gpu_bytes"]
 
@@ -87,12 +88,17 @@ def test_forced_plans_record_their_own_price(graphs, spec, mesh, fields):
     from autopar.api import plan_from_config
     from autopar.cost.config import Config
     from autopar.cost.estimator import estimate
+    from autopar.cost.plan_estimate import tensor_placements
 
     graph, config = graphs[spec], Config(**fields)
     plan = plan_from_config(graph, Mesh.parse(mesh), config)
     _check_reproduces(graph, plan)
-    # and a forced Config's plan is priced as `autopar estimate` prices the Config
-    assert plan.predicted["step_time_s"] == estimate(graph, Mesh.parse(mesh), config).step_time_s
+    # and a forced Config's plan is priced as `estimate` prices the Config on the plan's placements
+    # (Megatron's layout without them)
+    placements = tensor_placements(graph, plan)
+    assert placements is None or config.tp > 1
+    assert plan.predicted["step_time_s"] == estimate(graph, Mesh.parse(mesh), config,
+                                                     placements=placements).step_time_s
 
 
 def test_uneven_forced_stages_are_the_ones_priced(graphs):
@@ -132,3 +138,69 @@ def test_autopar_estimate_prices_a_saved_plan(tmp_path, capsys):
     # another model's capture is refused by its fingerprint
     assert main(["estimate", "gpt:layers=3,hidden=32,heads=2,seq=8,vocab=64", "--plan", str(out)]) == 1
     assert "another graph" in capsys.readouterr().err
+
+
+WIDE_GPT = "gpt:layers=2,hidden=1024,heads=16,seq=512,vocab=4096"
+
+
+def _replaced(plan, nodes: dict, parameters: dict):
+    """A copy of `plan` with some tensor-axis placements changed (the data axis kept)."""
+    from autopar.plans import Plan
+
+    copy = Plan.from_dict(plan.to_dict())
+    for table, changes in ((copy.nodes, nodes), (copy.parameters, parameters)):
+        for name, placement in changes.items():
+            table[name] = [table[name][0], placement]
+    return copy
+
+
+def _wide_plan(mesh: str):
+    from autopar.api import plan_from_config
+    from autopar.cost.config import Config
+    from autopar.models import build_model
+    from autopar.tracer import capture
+
+    model, inputs = build_model(WIDE_GPT, device="meta")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, Mesh.parse(mesh), Config(tp=4, dp=1, global_batch=8, micro_batch=2))
+    assert plan.parameters["layers.0.mlp.fc1.weight"][1] == "S(0)"       # column, then row
+    assert plan.parameters["layers.0.mlp.fc2.weight"][1] == "S(1)"
+    return graph, plan
+
+
+def test_a_replicated_mlp_is_priced_as_computed_whole():
+    """Same tp, other placements, another price, the way the mechanism goes: an MLP computed
+    whole on every device needs fewer collectives, more compute (which dominates at this size on
+    A100s) and holds its weights whole."""
+    from autopar.cost import estimate_plan
+
+    graph, plan = _wide_plan("1x4:a100-80g")
+    base = estimate_plan(graph, plan)
+    mlp = lambda path: ".mlp." in f"{path}."
+    whole = _replaced(plan, {n.name: "R" for n in graph.nodes if n.name in plan.nodes and mlp(n.module_path)},
+                      {n.param_fqn: "R" for n in graph.parameters if ".mlp." in n.param_fqn})
+    replicated = estimate_plan(graph, whole)
+    assert replicated.breakdown["compute"] > base.breakdown["compute"]
+    assert replicated.comm_breakdown["tensor"] < base.comm_breakdown["tensor"]
+    assert replicated.step_time_s > base.step_time_s
+    assert replicated.memory_breakdown["weights"] > base.memory_breakdown["weights"]
+
+
+def test_row_parallel_projections_add_the_reduction_of_their_outputs():
+    """Row-parallel q/k/v projections compute the same shares as column-parallel ones (on a CPU,
+    where a GEMM's efficiency does not depend on its output's shape) but write partial sums, each
+    reduce-scattered onto the heads: only traffic is added."""
+    from autopar.cost import estimate_plan
+
+    graph, plan = _wide_plan("4:cpu")
+    base = estimate_plan(graph, plan)
+    projections = ("wq", "wk", "wv")
+    qkv = [n for n in graph.nodes if n.module_path.rsplit(".", 1)[-1] in projections
+           and n.target == "aten.linear.default"]
+    row = _replaced(plan, {n.name: "P" for n in qkv},
+                    {n.param_fqn: "S(1)" for n in graph.parameters
+                     if n.param_fqn.split(".")[-2] in projections and n.param_fqn.endswith("weight")})
+    row_parallel = estimate_plan(graph, row)
+    assert row_parallel.comm_breakdown["tensor"] > base.comm_breakdown["tensor"]
+    assert row_parallel.step_time_s > base.step_time_s
+    assert row_parallel.breakdown["compute"] == pytest.approx(base.breakdown["compute"], rel=0.05)

@@ -67,10 +67,11 @@ def test_forced_pipelines_under_tight_memory_use_many_schedules(graphs):
     assert schedules == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"}
 
 
-def _grid(graph, mesh: Mesh, batch: int, limit: float):
+def _grid(graph, mesh: Mesh, batch: int, limit: float, placements):
     """Every Megatron-style configuration, enumerated here and not by the planner: TP inside a
     node, PP dividing the blocks, DP the rest, micro-batch sizes dividing a replica's batch, the
-    schedules torch runs, every recompute and ZeRO stage; priced by `estimate`. The fitting ones."""
+    schedules torch runs, every recompute and ZeRO stage; priced by `estimate` on the per-op
+    placements `placements(tp)` (those a plan of that degree runs). The fitting ones."""
     fitting = []
     for tp, pp in itertools.product(range(1, mesh.gpus_per_node + 1), range(1, BLOCKS + 1)):
         if mesh.gpus_per_node % tp or BLOCKS % pp or mesh.world_size % (tp * pp):
@@ -91,7 +92,7 @@ def _grid(graph, mesh: Mesh, batch: int, limit: float):
                                 recompute=recompute, zero=zero, schedule=schedule,
                                 sequence_parallel=tp > 1)
                 try:
-                    priced = estimate(graph, mesh, config)
+                    priced = estimate(graph, mesh, config, placements=placements(tp))
                 except AutoparError:
                     continue        # a degree the model does not divide
                 if priced.memory_per_gpu_bytes <= limit:
@@ -130,7 +131,7 @@ def test_plan_is_the_fastest_fitting_candidate_and_never_slower_than_the_grid(gr
         assert 3 in zeros
     if any(p.fits and 3 in p.candidate.zero for p in data_parallel):
         assert 2 in zeros
-    grid = _grid(graph, Mesh.parse(mesh), batch, budget)
+    grid = _grid(graph, Mesh.parse(mesh), batch, budget, search.pricer.placements)
     if grid:
         best, config = min(grid, key=lambda pair: pair[0])
         assert step <= best * (1 + 1e-9), f"{plan.summary()} is slower than {config}"

@@ -4,9 +4,10 @@ A dozen or so distinct forced configurations of MODEL (data parallelism, ZeRO 1-
 sequence parallelism, pipelines with each schedule, recompute levels; those the model and mesh
 allow) and the planner's own plan are each trained for a few steps on real gloo ranks
 (`autopar.compile` + `autopar.launch`). Each configuration's step time (the slowest rank's, the
-median over the timed steps) and peak resident memory growth are set against what
-`autopar.cost.estimate` predicts for it, with a calibration file when given (`autopar calibrate
---mesh`). Printed: every row, Kendall's tau between predicted and measured times, the median
+median over the timed steps) and peak resident memory growth are set against what the estimator
+predicts for the plan that configuration runs as (`autopar.cost.estimate_plan` of
+`autopar.plan_from_config`: the per-op placements the runtime applies), with a calibration file
+when given (`autopar calibrate --mesh`). Printed: every row, Kendall's tau between predicted and measured times, the median
 |error|, and whether the estimator's and the planner's choices are the fastest measured; drawn:
 a scatter PNG when matplotlib is installed.
 """
@@ -39,7 +40,6 @@ def run(args) -> int:
     import torch._dynamo  # noqa: F401  (imported before forking: saves seconds per rank)
 
     from autopar.commands.estimate import capture_training_step
-    from autopar.cost.estimator import estimate
     from autopar.cost.mesh import Mesh
     from autopar.errors import AutoparError
 
@@ -53,7 +53,12 @@ def run(args) -> int:
     priced = capture_training_step(args.model, batch=args.micro_batch)
     rows = []
     for config in candidate_configs(args.model, mesh.world_size, args.global_batch, args.micro_batch):
-        predicted = estimate(priced, mesh, config, calibration=args.calibration)
+        try:
+            predicted = price_config(priced, mesh, config, args.calibration)
+        except AutoparError as err:
+            rows.append({"name": describe(config), "config": config, "predicted_s": None,
+                         "predicted_mib": None, "error": str(err).split(";")[0][:120]})
+            continue
         rows.append({"name": describe(config), "config": config,
                      "predicted_s": predicted.step_time_s,
                      "predicted_mib": predicted.memory_per_gpu_bytes / 2**20})
@@ -68,6 +73,15 @@ def run(args) -> int:
     if args.png:
         draw(rows, args.png, console)
     return 0
+
+
+def price_config(graph, mesh, config, calibration):
+    """The estimate of `config` as it runs: the plan `autopar.compile` makes of it (the ILP's
+    placements on its tensor axis), priced with `calibration`."""
+    from autopar.api import plan_from_config
+    from autopar.cost.plan_estimate import estimate_plan
+
+    return estimate_plan(graph, plan_from_config(graph, mesh, config), calibration=calibration)
 
 
 def candidate_configs(spec: str, world: int, global_batch: int, micro_batch: int) -> list:
@@ -201,14 +215,13 @@ def _planned_price(result: dict, args, mesh) -> float | None:
     """The planner's plan priced like the forced rows (the calibration applied) where it is a
     uniform configuration; else the price the plan records."""
     from autopar.commands.estimate import capture_training_step
-    from autopar.cost.estimator import estimate
     from autopar.errors import AutoparError
 
     if result["config"] is None or args.calibration is None:
         return result["predicted_s"]
     graph = capture_training_step(args.model, batch=result["config"].micro_batch)
     try:
-        return estimate(graph, mesh, result["config"], calibration=args.calibration).step_time_s
+        return price_config(graph, mesh, result["config"], args.calibration).step_time_s
     except AutoparError:
         return result["predicted_s"]
 

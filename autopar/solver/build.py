@@ -9,7 +9,8 @@ gradient: priced on the edge); or "Z", replicated weights with gradients and opt
 sharded on that axis (ZeRO-1/2: a reduce-scatter of the gradient on the edge, an all-gather of
 the updated weights priced on the node). A replicated parameter used by work split on an axis gets
 its gradient all-reduced there: data parallelism, priced on the edge. Graph inputs choose any
-placement for free (each rank loads its part).
+placement for free (each rank loads its part); graph outputs are made replicated (priced on their
+producer's strategy).
 
 Roles. `roles={"node": "data", "gpu": "tensor"}` restricts axes: a data axis shards every
 activation that has a batch dim on it and nothing else, its ops see parameters replicated (stored
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from autopar.cost.mesh import Mesh
+from autopar.cost.reshard import gradient_given, gradient_need, work_split
 from autopar.cost.vocabulary import AXIS_ROLES, AxisRole
 from autopar.cost.strategies import (R, S, OpStrategy, OpView, axis_strategies, combine,
                                       placement_str)
@@ -83,6 +85,7 @@ class _Builder:
         self.tie = {}
         self.edge_cache: dict[tuple, tuple] = {}
         self.kept = self._kept_inputs()
+        self.outputs = {name for n in graph.nodes if n.target == "output" for name in n.inputs}
 
     def build(self, memory_limit: float | None, tie_blocks: bool) -> Problem:
         if tie_blocks:
@@ -195,10 +198,7 @@ class _Builder:
     def _op_strategy(self, node: Node, combo: tuple[OpStrategy, ...]) -> Strategy:
         output = [placement_str(s.output) for s in combo]
         inputs = [[placement_str(s.inputs[k]) for s in combo] for k in range(len(node.inputs))]
-        split = 1
-        for a, s in enumerate(combo):
-            if output[a].startswith("S") or any(p[a].startswith("S") for p in inputs):
-                split *= self.sizes[a]
+        split = work_split(output, inputs, self.sizes)
         moved = local_bytes(node.bytes, output, self.sizes) + sum(
             local_bytes(self.by_name[name].bytes, p, self.sizes) for name, p in zip(node.inputs, inputs))
         forward, backward = self.pricer.op_time(node.target, node.flops, moved, split, node.dtype)
@@ -207,8 +207,11 @@ class _Builder:
                     for k in kept_inputs)
         if kept_output:
             saved += local_bytes(node.bytes, output, self.sizes)
+        # the program's outputs leave it replicated (the loss reads whole logits)
+        leaving = (self.pricer.reshard(tuple(output), ("R",) * len(output), node.bytes)
+                   if node.name in self.outputs else 0.0)
         return Strategy(output=output, inputs=inputs, compute_s=forward + backward,
-                        backward_s=backward, memory_bytes=saved)
+                        backward_s=backward, memory_bytes=saved, comm_s=leaving)
 
     def _kept_inputs(self) -> dict[str, tuple[list[int], bool]]:
         """Per op: the inputs it keeps for the backward (never parameters: their memory is the
@@ -280,8 +283,9 @@ class _Builder:
 
     def _edge_classes(self, src: ProblemNode, dst: ProblemNode, k: int, nbytes: float,
                       differentiable: bool, is_param: bool) -> tuple:
-        src_keys = [(tuple(s.output), self._gradient_need(s)) for s in src.strategies]
-        dst_keys = [(tuple(s.inputs[k]), self._gradient_given(s, k)) for s in dst.strategies]
+        src_keys = [(tuple(s.output), gradient_need(s.output, s.gradient)) for s in src.strategies]
+        dst_keys = [(tuple(s.inputs[k]), gradient_given(s.output, s.inputs, k))
+                    for s in dst.strategies]
         src_ids, dst_ids = _classes(src_keys), _classes(dst_keys)
         src_unique = sorted(set(src_keys), key=src_ids.get)
         dst_unique = sorted(set(dst_keys), key=dst_ids.get)
@@ -298,20 +302,6 @@ class _Builder:
                     row.append(forward * (2 if is_param else 1) + backward)
             cost.append(row)
         return [src_ids[key] for key in src_keys], [dst_ids[key] for key in dst_keys], cost
-
-    def _gradient_need(self, strategy: Strategy) -> tuple[str, ...]:
-        """The placement the producer needs its output's gradient in."""
-        if strategy.gradient:
-            return tuple(strategy.gradient)
-        return tuple("R" if p == "P" else p for p in strategy.output)
-
-    def _gradient_given(self, strategy: Strategy, k: int) -> tuple[str, ...]:
-        """The placement the consumer produces the gradient of its input k in."""
-        given = []
-        for a, p in enumerate(strategy.inputs[k]):
-            split = strategy.output[a].startswith("S") or any(q[a].startswith("S") for q in strategy.inputs)
-            given.append("R" if p == "P" else ("P" if p == "R" and split else p))
-        return tuple(given)
 
     def _ties(self) -> dict[str, str]:
         """Node (and parameter) of block instance k -> the same position in instance 0."""

@@ -1,10 +1,11 @@
 """From a captured graph and a mesh to a Plan: the inter-op search, then per-op placements.
 
-`plan_graph` runs the search of autopar.solver.pipeline under a time limit, then asks the intra-op
-ILP for the placements of every parameter and node on the tensor-parallel axis of the chosen
-dp x tp sub-mesh; the data-parallel axis splits the batch (and ZeRO-3 parameters) by the plan's
-decision. All stages share that sub-mesh shape and the ILP ties repeated blocks, so one solve
-covers every stage: solving scales with distinct blocks, not layers.
+`plan_graph` runs the search of autopar.solver.pipeline under a time limit, whose pricer asks the
+intra-op ILP for the placements of every parameter and node on the tensor-parallel axis of each
+dp x tp sub-mesh it prices (once per degree) and prices candidates on them; the chosen one's are the
+plan's. The data-parallel axis splits the batch (and ZeRO-3 parameters) by the plan's decision.
+All stages share that sub-mesh shape and the ILP ties repeated blocks, so one solve covers every
+stage: solving scales with distinct blocks, not layers.
 `plan_config` turns a forced Megatron-style Config into a Plan the same way. Both price at a
 precision (bf16, fp16, fp32; the device's training dtype by default), which the plan records;
 `at_precision` prices a made plan again at another.
@@ -20,8 +21,7 @@ from autopar.cost.config import Config
 from autopar.cost.estimator import default_precision
 from autopar.cost.plan_estimate import estimate_plan
 from autopar.cost.stages import blocks_per_chunk
-from autopar.cost.vocabulary import AxisRole
-from autopar.cost.mesh import Mesh, MeshAxis
+from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 from autopar.plans import Plan, Stage
@@ -59,8 +59,7 @@ def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
         "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced,
         "refused": sum(refused.values()),
         "refusal_reasons": dict(sorted(refused.items(), key=lambda kv: -kv[1])[:5])},
-        time_limit=max(1.0, started + time_limit - time.monotonic()), cache=search.pricer.estimates,
-        precision=precision)
+        pricer=search.pricer)
     return plan, search
 
 
@@ -124,7 +123,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         raise AutoparError(f"the estimator cannot price {config}: {reason}")
     return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
         "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1},
-        time_limit=time_limit, cache=search.pricer.estimates, precision=precision)
+        pricer=search.pricer)
 
 
 def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
@@ -149,7 +148,7 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
     if global_batch < 1:
         raise AutoparError(f"global batch {global_batch} must be at least 1")
     pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit,
-                    precision=precision)
+                    precision=precision, deadline=deadline)
     units = pipeline_units(graph)
     return Search(pricer=pricer, units=units, deadline=deadline,
                   skipping=skipping_pairs(graph, [unit.layers for unit in units]))
@@ -174,26 +173,6 @@ def _seeds(search: Search) -> list[Priced]:
 def _report(progress: Progress | None, phase: str, done: int, total: int) -> None:
     if progress is not None:
         progress(phase, done, total)
-
-
-def _tensor_placements(graph: Graph, mesh: Mesh, tp: int, time_limit: float) -> dict:
-    """Per-op placements on the tensor-parallel axis from the intra-op ILP, with the plan's memory
-    left to the estimator (it prices stages, the ILP sees the whole graph). The data-parallel
-    axis needs no solve: the plan fixes it to split the batch."""
-    if tp == 1:
-        return {"parameters": {n.param_fqn: ["R"] for n in graph.parameters},
-                "nodes": {n.name: ["R"] for n in graph.nodes if n.role is not Role.PARAMETER},
-                "replicated_ops": [], "stats": {"status": "no tensor axis", "seconds": 0.0}}
-    from autopar.solver import solve_intra_op
-
-    axis = Mesh(mesh.device, (MeshAxis("tp", tp, mesh.device.intra_node),))
-    intra = solve_intra_op(graph, axis, roles={"tp": AxisRole.TENSOR}, memory_limit=float("inf"),
-                           time_limit=time_limit)
-    return {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
-            "replicated_ops": list(intra.replicated_ops),
-            "stats": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
-                      "variables": intra.variables, "constraints": intra.constraints,
-                      "objective_s": intra.objective_s}}
 
 
 def _stage_predictions(graph: Graph, mesh: Mesh, priced: Priced, units, devices: list) -> list[dict]:
@@ -232,9 +211,9 @@ def _batch_nodes(graph: Graph) -> set[str]:
 
 
 def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: int, solver: dict,
-              time_limit: float, cache: dict | None = None, precision: str | None = None) -> Plan:
+              pricer: Pricer) -> Plan:
     candidate, shape = priced.candidate, priced.candidate.shape
-    tensor = _tensor_placements(graph, mesh, shape.tp, time_limit)
+    tensor = pricer.tensor_axis(shape.tp)[0]
     group = shape.dp * shape.tp
     stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
                     ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
@@ -247,8 +226,8 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
              for name, placements in tensor["nodes"].items()}
     parameters = _with_zero3({fqn: ["R", *placements] for fqn, placements in tensor["parameters"].items()},
                              stages, {n.param_fqn: n.shape for n in graph.parameters})
+    # the placements were solved while pricing (their seconds are in the search's)
     solver = {**solver, "intra_op": tensor["stats"]}
-    solver["seconds"] += tensor["stats"]["seconds"]
     plan = Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
                 axes=[["dp", shape.dp], ["tp", shape.tp]], stages=stages,
                 global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
@@ -256,10 +235,10 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
                 parameters=parameters, nodes=nodes, solver=solver,
                 replicated_ops=tensor["replicated_ops"], model_type=graph.model_type,
                 # what the estimator priced and the runtime will run
-                precision=precision or default_precision(mesh))
+                precision=pricer.precision or default_precision(mesh))
     # What the plan records is the plan's own price, from its stages as written (the search's
     # price of the candidate is the same call, shared through `cache`).
-    estimate = estimate_plan(graph, plan, cache=cache).to_dict()
+    estimate = estimate_plan(graph, plan, cache=pricer.estimates).to_dict()
     plan.predicted = {key: value for key, value in estimate.items() if key != "devices"}
     for stage, predicted in zip(stages, _stage_predictions(graph, mesh, priced, units,
                                                            estimate["devices"])):

@@ -5,16 +5,23 @@ A uniform Megatron configuration is priced by `estimate(graph, mesh, config)`, e
 recompute or ZeRO, another schedule) by `estimate_stages`, which prices non-uniform stages with the
 same formulas. Results are cached: the local search proposes the same candidate more than once;
 and the estimator keeps what candidates share (layouts, priced chunks) in one dict per search.
+A candidate with tensor parallelism is priced on the per-op placements the sharding ILP chooses
+for its tensor-parallel axis (solved once per degree and search), the placements its plan will
+record, so that the price a plan is chosen by is the price of what it runs.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from autopar.cost.config import Config
 from autopar.cost.estimator import StageSpec, estimate, estimate_stages
+from autopar.cost.layout import TensorPlacements
+from autopar.cost.mesh import Mesh, MeshAxis
+from autopar.cost.vocabulary import AxisRole
 from autopar.errors import AutoparError
-from autopar.graph import Graph
+from autopar.graph import Graph, Role
 from autopar.solver.pipeline import Candidate, Priced, Unit
 
 
@@ -28,6 +35,8 @@ class Pricer:
     cache: dict = field(default_factory=dict)       # candidate -> Priced, or None if refused
     estimates: dict = field(default_factory=dict)   # the estimator's own cache, for this search
     refusals: dict = field(default_factory=dict)    # the estimator's reason -> how many candidates
+    deadline: float = float("inf")                  # time.monotonic() by which solves must end
+    solved: dict = field(default_factory=dict)      # tp -> (the ILP's placements, TensorPlacements)
 
     def price(self, candidate: Candidate, units: list[Unit], uniform: bool = False) -> Priced | None:
         """The estimator's step time and memory; None when it refuses the candidate as invalid
@@ -36,7 +45,8 @@ class Pricer:
             return self.cache[candidate]
         try:
             result = (estimate(self.graph, self.mesh, self.config(candidate),
-                               cache=self.estimates, precision=self.precision)
+                               cache=self.estimates, precision=self.precision,
+                               placements=self.placements(candidate.shape.tp))
                       if uniform else self.stages_estimate(candidate, units))
         except AutoparError as err:
             reason = str(err).split(";")[0]
@@ -61,11 +71,46 @@ class Pricer:
         specs = [StageSpec(layers=[u.ref for u in units[candidate.cuts[i]:candidate.cuts[i + 1]]],
                            tp=shape.tp, dp=shape.dp,
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
-                           sequence_parallel=shape.sequence_parallel)
+                           sequence_parallel=shape.sequence_parallel,
+                           placements=self.placements(shape.tp))
                  for i in range(candidate.chunks)]
         return estimate_stages(self.graph, self.mesh, specs, global_batch=self.global_batch,
                                micro_batch=shape.micro_batch, schedule=shape.schedule,
                                virtual=shape.virtual, cache=self.estimates, precision=self.precision)
+
+
+    def placements(self, tp: int) -> TensorPlacements | None:
+        """The ILP's placements on a tensor-parallel axis of `tp` devices; None for tp = 1."""
+        return self.tensor_axis(tp)[1]
+
+    def tensor_axis(self, tp: int) -> tuple[dict, TensorPlacements | None]:
+        """Per-op placements on the tensor-parallel axis from the intra-op ILP, solved once per
+        degree, with memory left to the estimator (it prices stages, the ILP sees the whole
+        graph). The data-parallel axis needs no solve: a plan fixes it to split the batch."""
+        if tp not in self.solved:
+            self.solved[tp] = self._solve(tp)
+        return self.solved[tp]
+
+    def _solve(self, tp: int) -> tuple[dict, TensorPlacements | None]:
+        graph = self.graph
+        if tp == 1:
+            return {"parameters": {n.param_fqn: ["R"] for n in graph.parameters},
+                    "nodes": {n.name: ["R"] for n in graph.nodes if n.role is not Role.PARAMETER},
+                    "replicated_ops": [], "stats": {"status": "no tensor axis", "seconds": 0.0}}, None
+        from autopar.solver import solve_intra_op
+
+        axis = Mesh(self.mesh.device, (MeshAxis("tp", tp, self.mesh.device.intra_node),))
+        intra = solve_intra_op(graph, axis, roles={"tp": AxisRole.TENSOR}, memory_limit=float("inf"),
+                               time_limit=max(1.0, self.deadline - time.monotonic()))
+        solved = {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
+                  "replicated_ops": list(intra.replicated_ops),
+                  "stats": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
+                            "variables": intra.variables, "constraints": intra.constraints,
+                            "objective_s": intra.objective_s}}
+        fqns = {n.param_fqn: n.name for n in graph.parameters}
+        return solved, TensorPlacements(
+            nodes={name: placement[0] for name, placement in intra.node_placements.items()},
+            parameters={fqns[fqn]: placement[0] for fqn, placement in intra.parameter_placements.items()})
 
 
 def chunk_layers(units: list[Unit], candidate: Candidate, index: int) -> list[str]:

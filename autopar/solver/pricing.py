@@ -1,21 +1,10 @@
 """What a sharding choice costs on a mesh: op time, resharding time, memory kept per device.
 
-Prices come from `autopar.cost` (roofline compute per op family, alpha-beta collectives); this
-module only decides WHICH collective a change of placement needs and on how many bytes:
-
-    forward   R -> S, R -> P    free (a local slice; zeros on all ranks but one)
-              S(d) -> R         all-gather          S(d) -> S(e)   all-to-all
-              P -> R            all-reduce          P -> S(d)      reduce-scatter
-              S -> P            not allowed
-    backward  the gradient travels the other way: a consumer's input gradient has its input's
-              placement, except that a replicated input of an op whose work is split on that
-              axis gets partial sums (Megatron's "f": identity forward, all-reduce backward) and
-              a partial-sum input gets a replicated gradient ("g"); the producer needs the gradient
-              in its output's placement (replicated for a partial output).
-
-On a multi-axis mesh the axes that change are priced one at a time from the innermost, each on
-the bytes one device holds across the other axes at that point: exact for one-axis changes and
-for gathers, an over-estimate for all-reduces over several axes (NCCL reduces hierarchically).
+Prices come from `autopar.cost` (roofline compute per op family, alpha-beta collectives); which
+collective a change of placement needs, and on how many bytes, is `autopar.cost.reshard`'s, the
+facts the estimator prices a Plan's placements with too. On a multi-axis mesh the axes that change
+are priced one at a time from the innermost: exact for one-axis changes and for gathers, an
+over-estimate for all-reduces over several axes (NCCL reduces hierarchically).
 """
 
 from __future__ import annotations
@@ -24,6 +13,8 @@ import math
 
 from autopar.cost.collectives import (all_gather_time, all_reduce_time, all_to_all_time,
                                       reduce_scatter_time)
+from autopar.cost.reshard import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER,
+                                  reshard_steps)
 from autopar.cost.compute import BACKWARD, Efficiencies, compute_time, op_family
 from autopar.cost.layout import saves_for_backward
 from autopar.cost.memory import ADAM_STATE_BYTES, MASTER_COPY_BYTES
@@ -92,29 +83,15 @@ class Pricer:
         return self._reshard[key]
 
     def _reshard_uncached(self, src, dst, nbytes) -> float | None:
-        """Axis by axis from the innermost, as NCCL's hierarchical collectives go; each step moves
-        the bytes one device holds across the other axes at that point."""
-        total, current = 0.0, list(src)
-        for a in reversed(range(len(src))):
-            before, after = current[a], dst[a]
-            if before == after:
-                continue
-            current[a] = after
-            if before == "R":
-                continue        # a local slice, or zeros on all ranks but one
-            others = math.prod(size for b, (p, size) in enumerate(zip(current, self.sizes))
-                               if b != a and p.startswith("S"))
-            size, axes = nbytes / others, [self.names[a]]
-            if before == "P":
-                total += (all_reduce_time(size, self.mesh, axes) if after == "R"
-                          else reduce_scatter_time(size, self.mesh, axes))
-            elif after == "R":
-                total += all_gather_time(size, self.mesh, axes)
-            elif after == "P":
-                return None
-            else:
-                total += all_to_all_time(size, self.mesh, axes)
-        return total
+        steps = reshard_steps(src, dst, self.sizes)
+        if steps is None:
+            return None
+        return sum(_TIMES[kind](nbytes / divisor, self.mesh, [self.names[axis]])
+                   for kind, axis, divisor in steps)
 
     def all_gather(self, nbytes: float, axis: int) -> float:
         return all_gather_time(nbytes, self.mesh, [self.names[axis]])
+
+
+_TIMES = {ALL_REDUCE: all_reduce_time, ALL_GATHER: all_gather_time,
+          REDUCE_SCATTER: reduce_scatter_time, ALL_TO_ALL: all_to_all_time}

@@ -1,0 +1,77 @@
+"""What a change of placement costs in collectives, and how an op's placements split its work: the
+facts the sharding ILP (autopar.solver) and the estimator (a Plan priced from its own placements)
+both price, written once. Placements are strings, one per mesh axis: "R", "P", "S(d)".
+
+    forward   R -> S, R -> P    free (a local slice; zeros on all ranks but one)
+              S(d) -> R         all-gather          S(d) -> S(e)   all-to-all
+              P -> R            all-reduce          P -> S(d)      reduce-scatter
+              S -> P            not allowed
+    backward  the gradient travels the other way: a consumer's input gradient has its input's
+              placement, except that a replicated input of an op whose work is split on that
+              axis gets partial sums (Megatron's "f": identity forward, all-reduce backward) and
+              a partial-sum input gets a replicated gradient ("g"); the producer needs the gradient
+              in its output's placement (replicated for a partial output).
+
+On a multi-axis mesh the axes that change go one at a time from the innermost, each on the bytes
+one device holds across the other axes at that point.
+"""
+
+from __future__ import annotations
+
+import math
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = ("all_reduce", "all_gather", "reduce_scatter",
+                                                      "all_to_all")
+
+
+def reshard_steps(src: tuple[str, ...], dst: tuple[str, ...],
+                  sizes: list[int]) -> list[tuple[str, int, int]] | None:
+    """The collectives that turn a tensor placed `src` into `dst`, as (kind, axis, divisor): the
+    collective runs on mesh axis `axis` over the tensor's bytes / `divisor` (its share held across
+    the other axes). [] when nothing moves, None when the change is not possible (S -> P)."""
+    steps, current = [], list(src)
+    for a in reversed(range(len(src))):
+        before, after = current[a], dst[a]
+        if before == after:
+            continue
+        current[a] = after
+        if before == "R":
+            continue        # a local slice, or zeros on all ranks but one
+        others = math.prod(size for b, (p, size) in enumerate(zip(current, sizes))
+                           if b != a and p.startswith("S"))
+        if before == "P":
+            steps.append((ALL_REDUCE if after == "R" else REDUCE_SCATTER, a, others))
+        elif after == "R":
+            steps.append((ALL_GATHER, a, others))
+        elif after == "P":
+            return None
+        else:
+            steps.append((ALL_TO_ALL, a, others))
+    return steps
+
+
+def gradient_need(output: tuple[str, ...], gradient: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The placement a producer needs its output's gradient in: a parameter's gradient placement
+    when it has its own (ZeRO-1/2), else the output's, replicated where the output is partial."""
+    if gradient:
+        return tuple(gradient)
+    return tuple("R" if p == "P" else p for p in output)
+
+
+def gradient_given(output: tuple[str, ...], inputs: list[tuple[str, ...]], k: int) -> tuple[str, ...]:
+    """The placement an op whose placements are `output` and `inputs` gives its input k's gradient in."""
+    given = []
+    for a, p in enumerate(inputs[k]):
+        split = output[a].startswith("S") or any(q[a].startswith("S") for q in inputs)
+        given.append("R" if p == "P" else ("P" if p == "R" and split else p))
+    return tuple(given)
+
+
+def work_split(output: tuple[str, ...], inputs: list[tuple[str, ...]], sizes: list[int]) -> int:
+    """How many ways an op's work is divided: the product of the axes on which its output or any
+    input is sharded (a contraction split on its inner dim reads sharded inputs, writes partials)."""
+    split = 1
+    for a, size in enumerate(sizes):
+        if output[a].startswith("S") or any(p[a].startswith("S") for p in inputs):
+            split *= size
+    return split
