@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.utils._pytree import tree_map
 
 from autopar.runtime.dtensor_rules import replicate_ops_without_rule
@@ -216,6 +217,48 @@ def place_attention(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[s
         graph_module.recompile()
 
 
+class SettledLookup(nn.Module):
+    """An embedding lookup's output reduced to replicated when its table is split on the vocabulary.
+
+    DTensor returns such a lookup as a masked partial sum whose mask (which rows of the local
+    table the ids hit) may be applied only once: a consumer whose op decomposes (rms_norm into
+    pow, mean and mul) or a second consumer reduces it again and fails. Reducing it once, here,
+    is the all-reduce the plan prices for the partial sum, done before any consumer. Its gradient
+    is made replicated before it flows back: DTensor cannot turn a partial-sum gradient into the
+    masked kind the lookup's backward was recorded with."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, value):
+        if isinstance(value, DTensor) and any(isinstance(p, _MaskPartial) for p in value.placements):
+            value = value.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
+            if value.requires_grad:
+                value.register_hook(self._replicated)
+        return value
+
+    def _replicated(self, grad):
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            return grad.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
+        return grad
+
+
+def settle_lookups(module: nn.Module, mesh: DeviceMesh) -> None:
+    """After every embedding lookup, a SettledLookup."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        lookups = [node for node in graph_module.graph.nodes
+                   if node.op == "call_function" and node.target is torch.ops.aten.embedding.default]
+        if not lookups:
+            continue
+        graph_module.add_submodule("settled_lookup", SettledLookup(mesh))
+        for node in lookups:
+            with graph_module.graph.inserting_after(node):
+                settled = graph_module.graph.call_module("settled_lookup", (node,))
+            node.replace_all_uses_with(settled, delete_user_cb=lambda user: user is not settled)
+        graph_module.recompile()
+
+
 def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]], tp_axis: int) -> None:
     """After each node the plan places on `tp_axis`, move its value to that placement."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
@@ -262,6 +305,7 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
     replicate_created_tensors(module, mesh)
     replicate_ops_without_rule(module, mesh)
     place_attention(module, mesh, nodes, tp_axis)
+    settle_lookups(module, mesh)
     place_nodes(module, mesh, nodes, tp_axis)
     match_layouts(module)
     return TensorParallelStage(module, mesh)
