@@ -1,13 +1,15 @@
 """Memory per device: model states under ZeRO, and the activations a pipeline schedule keeps.
 
-Model states, Adam with mixed precision (Rajbhandari et al., ZeRO, 2020), per parameter (bf16 and
-fp16 alike; fp16's loss scale is one number):
-    weights    2 bytes  16-bit copy used by forward and backward
-    gradients  2 bytes  16-bit, reduced over the data-parallel group in that dtype
+Model states, Adam with mixed precision, per parameter (bf16 and fp16 alike; fp16's loss scale is
+one number), as autopar's runtime holds them:
+    weights    2 bytes  16-bit copy used by forward and backward (FSDP2's gathered parameters,
+                        or autocast's cached casts)
+    gradients  4 bytes  fp32: autocast's parameters are fp32, and FSDP2 accumulates and reduces
+                        them in its fp32 reduce dtype (runtime/precision.py)
     optimizer 12 bytes  fp32 master weights (4) and Adam's two moments (4 + 4)
-16 bytes in all. ZeRO-1 splits the optimizer states over the data-parallel group, ZeRO-2 the
-gradients as well, ZeRO-3 (FSDP) also the weights. Megatron-LM keeps fp32 gradient accumulation
-buffers instead (18 bytes); autopar's runtime reduces in bf16.
+18 bytes in all, as Megatron-LM's fp32 gradient buffers also make it (ZeRO's paper counts 16,
+with 16-bit gradients). ZeRO-1 splits the optimizer states over the data-parallel group, ZeRO-2
+the gradients as well, ZeRO-3 (FSDP) also the weights.
 
 Activations are counted from the graph (what autograd saves per op; see cost/layout.py) for one
 micro-batch of one model chunk, then multiplied by how many chunk-micro-batches the schedule holds
@@ -22,7 +24,9 @@ from autopar.errors import AutoparError
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
 MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
-BYTES_PER_PARAM = {"weights": 2, "gradients": 2, "optimizer": ADAM_STATE_BYTES + MASTER_COPY_BYTES}
+GRADIENT_BYTES = 4         # fp32 gradients in every precision (module docstring)
+BYTES_PER_PARAM = {"weights": 2, "gradients": GRADIENT_BYTES,
+                   "optimizer": ADAM_STATE_BYTES + MASTER_COPY_BYTES}
 # Training in fp32 (a plan's precision "fp32"): fp32 weights and gradients, Adam's two moments.
 BYTES_PER_PARAM_FP32 = {"weights": 4, "gradients": 4, "optimizer": ADAM_STATE_BYTES}
 # An Adam step reads master weights, both moments and the gradient, and writes the three states
@@ -91,7 +95,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     element = 4 if precision == "fp32" else 2
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
-    gradients = params * element
+    gradients = params * GRADIENT_BYTES
     kept = LOSS_KEPT_COPIES * 4 * logits + (element * logits if pipelined else 0.0)
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element

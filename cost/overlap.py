@@ -9,8 +9,9 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
                    forward on one stage (FSDP2 frees them after every backward), once per step
                    under a pipeline schedule (torch's stages keep them until the last backward);
                    ZeRO-3 gathers them again for every backward, except under zero-bubble
-                   schedules, where they are kept from forward to backward. Overlapped as
-                   "torch" below is.
+                   schedules, where they are kept from forward to backward. Weights are
+                   gathered in the plan's precision, gradients reduced in fp32 (FSDP2's reduce
+                   dtype). Overlapped as "torch" below is.
   torch            plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
                    gradients in 25 MiB buckets while the backward of the LAST micro-batch runs (the
                    others accumulate locally, `no_sync`), and while the later pipeline stages drain;
@@ -39,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.cost.collectives import Group
+from autopar.cost.memory import GRADIENT_BYTES
 from autopar.errors import AutoparError
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
@@ -122,10 +124,12 @@ def _fsdp2(work: DeviceWork, group: Group, zero: int, micro_batches: int, elemen
     frees them (module docstring)."""
     units = max(1, work.blocks)
     share = work.params * element / units
+    # gradients travel in FSDP2's fp32 reduce dtype whatever the compute precision
+    grads = work.params * GRADIENT_BYTES / units
     if zero == 0:
-        reduce, forward_gathers, backward_gathers = units * group.all_reduce(share), 0, 0
+        reduce, forward_gathers, backward_gathers = units * group.all_reduce(grads), 0, 0
     else:
-        reduce = units * group.reduce_scatter(share)
+        reduce = units * group.reduce_scatter(grads)
         kept = work.pipelined and (zero < 3 or work.kept_gathered)
         forward_gathers = 1 if kept else micro_batches
         backward_gathers = micro_batches if zero == 3 and not work.kept_gathered else 0

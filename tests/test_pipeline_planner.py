@@ -158,9 +158,10 @@ def _least_unpipelined_memory(graph, mesh, global_batch):
 
 
 def test_memory_limit_that_forbids_the_unpipelined_plan_forces_stages(graph):
-    # On 4 devices: on 2, ZeRO-3 over both with full recompute needs less than either half of a
-    # 2-stage pipeline, whose stages hold their model states unsharded.
-    mesh, batch = "4x1:a100-80g", 4
+    # On 4 devices and a batch of 8: with fewer devices or samples, ZeRO-3 over all of them with
+    # full recompute needs less than any stage of a pipeline, whose stages hold their model states
+    # (fp32 gradients among them) unsharded.
+    mesh, batch = "4x1:a100-80g", 8
     free = _search(graph, mesh, global_batch=batch, memory_limit=None)
     assert free.best.candidate.shape.pp == 1
     limit = 0.99 * _least_unpipelined_memory(graph, mesh, batch)
