@@ -187,43 +187,28 @@ def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     plan = compiled.plan if config is None else None
     return {"times": times, "peak_mib": peak, "plan": _plan_summary(plan) if plan else "",
-            "config": _as_config(plan) if plan else None,
+            "plan_data": plan.to_dict() if plan else None,
             "predicted_s": plan.predicted.get("step_time_s") if plan else None}
 
 
-def _as_config(plan):
-    """The planner's plan as a Config when its stages are uniform (the estimator can then price
-    it with the calibration file), else None."""
-    from autopar.cost.config import Config
-    from autopar.errors import AutoparError
-
-    first = plan.stages[0]
-    shape = lambda s: (s.tp, s.dp, s.recompute, s.zero, s.sequence_parallel)
-    if any(shape(s) != shape(first) for s in plan.stages):
-        return None
-    try:
-        return Config(tp=first.tp, dp=first.dp, pp=len(plan.stages) // plan.virtual,
-                      virtual=plan.virtual, global_batch=plan.global_batch,
-                      micro_batch=plan.micro_batch_size, recompute=first.recompute,
-                      zero=first.zero, sequence_parallel=first.sequence_parallel,
-                      schedule=plan.schedule)
-    except AutoparError:
-        return None
-
-
 def _planned_price(result: dict, args, mesh) -> float | None:
-    """The planner's plan priced like the forced rows (the calibration applied) where it is a
-    uniform configuration; else the price the plan records."""
-    from autopar.commands.estimate import capture_training_step
+    """The planner's plan priced like the forced rows, with the calibration applied: its own
+    stages and placements (estimate_plan) on the graph compile planned it on; without a
+    calibration, the price the plan records."""
+    from autopar.cost.plan_estimate import estimate_plan
     from autopar.errors import AutoparError
+    from autopar.models import build_model
+    from autopar.plans import Plan
+    from autopar.tracer import capture
 
-    if result["config"] is None or args.calibration is None:
+    if args.calibration is None:
         return result["predicted_s"]
-    graph = capture_training_step(args.model, batch=result["config"].micro_batch)
+    model, example_inputs = build_model(args.model, device="meta", batch=args.micro_batch, seed=SEED)
     try:
-        return price_config(graph, mesh, result["config"], args.calibration).step_time_s
-    except AutoparError:
-        return result["predicted_s"]
+        return estimate_plan(capture(model, example_inputs), Plan.from_dict(result["plan_data"]),
+                             calibration=args.calibration).step_time_s
+    except AutoparError as err:
+        raise AutoparError(f"the planner's plan cannot be priced again: {err}") from err
 
 
 def _plan_summary(plan) -> str:
