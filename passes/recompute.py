@@ -35,6 +35,7 @@ def checkpoint_regions(gm: fx.GraphModule, blocks: tuple[str, ...], *, selective
     def follows_user(node: fx.Node) -> bool:
         return reads_tensor(node) or bool(node.meta.get("autopar_inserted"))
 
+    _next_to_first_user(gm, follows_user)
     region_of = _regions(gm, blocks, selective, follows_user)
     part_of, recomputed = _partitions(gm, region_of, follows_user)
     if not recomputed:
@@ -48,6 +49,17 @@ def checkpoint_regions(gm: fx.GraphModule, blocks: tuple[str, ...], *, selective
     split.graph._codegen = gm.graph._codegen
     split.recompile()
     return split
+
+
+def _next_to_first_user(gm: fx.GraphModule, follows_user: Callable[[fx.Node], bool]) -> None:
+    """Move each node that goes with its first user (a parameter read) to just before it: the
+    split keeps the graph's order of partitions, by the first node of each, and a parameter read
+    at the top of the graph would put its user's partition before those it reads from."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op not in ("placeholder", "output") and follows_user(node) and node.users:
+            position = {other: index for index, other in enumerate(gm.graph.nodes)}
+            min(node.users, key=position.__getitem__).prepend(node)
+    gm.graph.lint()
 
 
 def _regions(gm: fx.GraphModule, blocks: tuple[str, ...], selective: bool,
