@@ -33,6 +33,10 @@ def main() -> None:
                          plan=autopar.Config(dp=2, global_batch=8, micro_batch=2))
     last = directory / "last"
     losses = cm.load(last)["losses"] if last.exists() else []
+    # the checkpoint's step count and the losses saved beside it must agree, or steps were lost
+    # or repeated (the test then sees this rank fail)
+    assert len(losses) == cm.steps, f"resumed at step {cm.steps} with {len(losses)} losses saved"
+    assert attempt == 0 or cm.steps > 0, "a restarted attempt found no checkpoint to resume from"
     generator = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 64, (8, 8), generator=generator), torch.randint(0, 64, (8, 8), generator=generator))
             for _ in range(args.steps)]

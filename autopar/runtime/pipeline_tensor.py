@@ -78,6 +78,17 @@ def drop_metadata_checks(module: nn.Module) -> None:
             graph_module.recompile()
 
 
+def _apply_after(graph_module: fx.GraphModule, nodes: list, name: str, module: nn.Module) -> None:
+    """Every user of each of `nodes` reads `module(node)` instead: one submodule `name`, called
+    right after each node."""
+    graph_module.add_submodule(name, module)
+    for node in nodes:
+        with graph_module.graph.inserting_after(node):
+            applied = graph_module.graph.call_module(name, (node,))
+        node.replace_all_uses_with(applied, delete_user_cb=lambda user: user is not applied)
+    graph_module.recompile()
+
+
 def replicate_created_tensors(module: nn.Module, mesh: DeviceMesh) -> None:
     """Ops that create a tensor from nothing (a position `arange`) give plain tensors, which DTensor
     ops refuse next to DTensors; every such value is made a replicated DTensor where it is created,
@@ -88,12 +99,7 @@ def replicate_created_tensors(module: nn.Module, mesh: DeviceMesh) -> None:
                    and isinstance(node.meta.get("val"), torch.Tensor)]
         if not created:
             continue
-        graph_module.add_submodule("replicated", Replicated(mesh))
-        for node in created:
-            with graph_module.graph.inserting_after(node):
-                wrapped = graph_module.graph.call_module("replicated", (node,))
-            node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
-        graph_module.recompile()
+        _apply_after(graph_module, created, "replicated", Replicated(mesh))
 
 
 # Ops that call `view` on their input's local tensor when the DTensor's (global) strides allow it.
@@ -251,12 +257,7 @@ def settle_lookups(module: nn.Module, mesh: DeviceMesh) -> None:
                    if node.op == "call_function" and node.target is torch.ops.aten.embedding.default]
         if not lookups:
             continue
-        graph_module.add_submodule("settled_lookup", SettledLookup(mesh))
-        for node in lookups:
-            with graph_module.graph.inserting_after(node):
-                settled = graph_module.graph.call_module("settled_lookup", (node,))
-            node.replace_all_uses_with(settled, delete_user_cb=lambda user: user is not settled)
-        graph_module.recompile()
+        _apply_after(graph_module, lookups, "settled_lookup", SettledLookup(mesh))
 
 
 def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]], tp_axis: int) -> None:
