@@ -36,6 +36,7 @@ from torch.utils.data.distributed import DistributedSampler
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plans import Plan
 from autopar.runtime import checkpoint, materialize
+from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
 from autopar.runtime import precision as mixed
 from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_loss, check_loss_reduction,
                                    check_optimizer, check_step_inputs)
@@ -422,6 +423,8 @@ def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceM
     for layer in _layers(module):
         wrap(layer)
     wrap(module)
+    if zero:
+        reduce_in_place_on_cpu(module)
 
 
 def _stage_class(plan: Plan, index: int, dp: int) -> type:
