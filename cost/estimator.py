@@ -41,7 +41,8 @@ from autopar.cost.config import Config
 from autopar.cost.layout import (_DTYPE_BYTES, GraphLayout, NodeLayout, graph_batch,
                                  graph_sequence)
 from autopar.cost.memory import (BYTES_PER_PARAM, GATHERED_GROUPS,
-                                 OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes)
+                                 OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
+                                 reduces_every_micro_batch)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
 from autopar.cost.price_cache import PriceCache
@@ -171,7 +172,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         spec = stages[cs[0]]
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
                             [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
-                            kept_gathered=schedule == "zero-bubble")
+                            kept_gathered=schedule == "zero-bubble",
+                            reduce_every=reduces_every_micro_batch(spec.zero, schedule))
         data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
                                                micro_batches=m, mesh=mesh, runtime=runtime,
                                                element_bytes=_DTYPE_BYTES[memo.dtype]))
@@ -188,7 +190,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
 
 def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int],
-                 stage: int, pipelined: bool, kept_gathered: bool) -> DeviceWork:
+                 stage: int, pipelined: bool, kept_gathered: bool, reduce_every: bool) -> DeviceWork:
     """A pipeline rank's chunks as the data-parallel traffic sees them; its last backward runs
     while the stages after it (`stage` is its place) drain theirs."""
     backward = sum(c.backward_s + c.recompute_s for c in chunks)
@@ -197,7 +199,7 @@ def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int
                       forward_s=sum(c.forward_s for c in chunks), backward_s=backward,
                       drain_s=backward * (1 + stage),
                       recompute=any(s.recompute == "full" for s in stages),
-                      pipelined=pipelined, kept_gathered=kept_gathered)
+                      pipelined=pipelined, kept_gathered=kept_gathered, reduce_every=reduce_every)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -579,6 +581,7 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
     gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
     return peak_bytes(params=params, gathered=gathered, weight=max(c.largest for c in chunks),
                       zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
+                      reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                       held=held, pipelined=pp > 1, activations=held * per_chunk * b,
                       logits=sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b,
                       recomputed=recomputed * b, flowing=flowing * b)

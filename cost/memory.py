@@ -44,6 +44,16 @@ def model_state_bytes(params: float, *, zero: int, dp: int, precision: str = "bf
             for part, size in (BYTES_PER_PARAM_FP32 if precision == "fp32" else BYTES_PER_PARAM).items()}
 
 
+def reduces_every_micro_batch(zero: int, schedule: str) -> bool:
+    """Whether autopar's runtime reduce-scatters the gradients after every micro-batch's backward
+    (ZeRO-2 and 3, as DeepSpeed's stage 2 and torchtitan's FSDP do: each rank accumulates only
+    its shard), rather than accumulating them whole and reducing on the last micro-batch (plain
+    data parallelism, and ZeRO-1, whose point is to split only the optimizer state). Zero-bubble
+    schedules accumulate whole: their weight backward runs apart from the input backward, after
+    FSDP's per-layer reduce would have fired."""
+    return zero >= 2 and schedule != "zero-bubble"
+
+
 # torch's AdamW (foreach) takes the square root of the second moment into a new fp32 tensor per
 # parameter before dividing: one fp32 element per parameter element alive during the step.
 OPTIMIZER_STEP_TEMPORARY_BYTES = 4
@@ -58,7 +68,7 @@ GATHERED_GROUPS = 2
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations,
-               logits, recomputed, flowing) -> dict:
+               logits, recomputed, flowing, reduce_every: bool = False) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak.
 
     `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
@@ -81,7 +91,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   (a single stage's loop, 1F1B's steady state)
       later backward  the activations of one micro-batch fewer (or of one), with the first
                   micro-batch's gradients (FSDP accumulates them unsharded until the last
-                  micro-batch reduces them)
+                  micro-batch reduces them; split over dp when the runtime reduces them after
+                  every micro-batch, `reduce_every`, which ZeRO-2/3 do)
       optimizer step  the gathered weights freed; the reduced gradients (split over dp from
                   ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
     In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
@@ -96,6 +107,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * GRADIENT_BYTES
+    accumulated = gradients / split if reduce_every else gradients
     kept = LOSS_KEPT_COPIES * 4 * logits + (element * logits if pipelined else 0.0)
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element
@@ -104,9 +116,9 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     later = max(held - 1, 1)          # micro-batches held at the second backward
     phases = [
-        {**zeros, "gradients": gradients if micro_batches > held else 0.0,
+        {**zeros, "gradients": accumulated if micro_batches > held else 0.0,
          "activations": activations + (held - 1) * kept, "buffers": buffers},
-        {**zeros, "gradients": gradients if micro_batches > 1 else 0.0,
+        {**zeros, "gradients": accumulated if micro_batches > 1 else 0.0,
          "activations": activations * later / held + (later - 1) * kept, "buffers": buffers},
         {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
          "optimizer_step": params * OPTIMIZER_STEP_TEMPORARY_BYTES / split},

@@ -4,7 +4,9 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
   autopar          autopar's own runtime (the default): torch's FSDP2 with one group per layer
                    (`replicate` for plain data parallelism, `fully_shard` for ZeRO), each of
                    whose collectives is one call per group; gradients reduced on the last
-                   micro-batch only (`set_requires_gradient_sync`), for ZeRO-3 too. ZeRO-1/2
+                   micro-batch only (`set_requires_gradient_sync`) for plain data parallelism
+                   and ZeRO-1, after every micro-batch for ZeRO-2/3 except under zero-bubble
+                   schedules (`autopar.cost.memory.reduces_every_micro_batch`). ZeRO-1/2
                    (`reshard_after_forward=False`) gather the weights before each micro-batch's
                    forward on one stage (FSDP2 frees them after every backward), once per step
                    under a pipeline schedule (torch's stages keep them until the last backward);
@@ -88,6 +90,7 @@ class DeviceWork:
     recompute: bool             # full recompute of the blocks
     pipelined: bool = False     # under a pipeline schedule (more than one pipeline rank)
     kept_gathered: bool = False  # a schedule under which ZeRO-3 keeps weights forward to backward
+    reduce_every: bool = False  # gradients reduced after every micro-batch (autopar's ZeRO-2/3)
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
@@ -120,8 +123,8 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
 def _fsdp2(work: DeviceWork, group: Group, zero: int, micro_batches: int, element: int,
            overlap: bool) -> float:
     """autopar's FSDP2, one call per group and collective: the gradients reduced once per step
-    (all-reduced, or reduce-scattered under ZeRO), the weights gathered as often as the runtime
-    frees them (module docstring)."""
+    (all-reduced, or reduce-scattered under ZeRO) or after every micro-batch, the weights
+    gathered as often as the runtime frees them (module docstring)."""
     units = max(1, work.blocks)
     share = work.params * element / units
     # gradients travel in FSDP2's fp32 reduce dtype whatever the compute precision
@@ -134,13 +137,16 @@ def _fsdp2(work: DeviceWork, group: Group, zero: int, micro_batches: int, elemen
         forward_gathers = 1 if kept else micro_batches
         backward_gathers = micro_batches if zero == 3 and not work.kept_gathered else 0
     gather = units * group.all_gather(share)
+    reductions = micro_batches if zero and work.reduce_every else 1
     if not overlap:
-        return reduce + (forward_gathers + backward_gathers) * gather
+        return reductions * reduce + (forward_gathers + backward_gathers) * gather
     # Prefetching hides each group's gather behind the previous group's compute; the first of
-    # each pass waits. The reduction runs beside the last backward and the stages' drain.
+    # each pass waits. A reduction runs beside the rest of its backward and the next
+    # micro-batch; the last one beside the last backward and the stages' drain.
     forward = forward_gathers * (max(0.0, gather - work.forward_s) + gather / units)
     backward = backward_gathers * (max(0.0, gather - work.backward_s) + gather / units)
-    return forward + backward + max(reduce - work.drain_s, reduce / units)
+    earlier = (reductions - 1) * max(0.0, reduce - work.backward_s)
+    return forward + backward + earlier + max(reduce - work.drain_s, reduce / units)
 
 
 def _zero3_per_micro_batch(work: DeviceWork, group: Group, runtime: Runtime,

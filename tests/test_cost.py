@@ -14,7 +14,7 @@ from autopar.cost.compute import Efficiencies, compute_time, gemm_utilization, o
 from autopar.cost.config import Config
 from autopar.cost.estimator import (StageSpec, estimate, estimate_stages, max_batch, max_seq,
                                     memory_expression)
-from autopar.cost.memory import in_flight, model_state_bytes
+from autopar.cost.memory import in_flight, model_state_bytes, reduces_every_micro_batch
 from autopar.cost.mesh import DEVICES, Mesh
 from autopar.errors import AutoparError, MeshError
 from autopar.graph import Graph, Node, Role
@@ -448,3 +448,20 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_holds_p(tiny_gpt):
             for schedule in ("gpipe", "1f1b")}
     per_stage = lambda s: [d["memory_bytes"] for d in kept[s]]
     assert all(g > o for g, o in zip(per_stage("gpipe"), per_stage("1f1b")))
+
+
+def test_zero_2_and_3_accumulate_only_their_gradient_shard_between_micro_batches():
+    """The runtime reduce-scatters ZeRO-2/3 gradients after every micro-batch (but under
+    zero-bubble), so a rank holds its 1/dp share of them between micro-batches; plain data
+    parallelism and ZeRO-1 accumulate them whole until the last."""
+    from autopar.cost.memory import peak_bytes
+    sizes = dict(params=1e6, gathered=1e5, weight=1e4, dp=8, precision="bf16", micro_batches=4,
+                 held=1, pipelined=False, activations=1e6, logits=0.0, recomputed=0.0, flowing=0.0)
+
+    def gradients(zero, schedule="1f1b"):
+        return peak_bytes(**sizes, zero=zero, reduce_every=reduces_every_micro_batch(zero, schedule))
+
+    assert gradients(0)["gradients"] == gradients(1)["gradients"] == 4e6
+    assert gradients(2)["gradients"] == gradients(3)["gradients"] == 4e6 / 8
+    assert gradients(2, "zero-bubble")["gradients"] == 4e6
+    assert [reduces_every_micro_batch(z, "1f1b") for z in range(4)] == [False, False, True, True]

@@ -11,6 +11,7 @@ from autopar.cost.collectives import Group
 from autopar.cost.config import Config
 from autopar.cost.estimator import estimate
 from autopar.cost.mesh import Mesh
+from autopar.cost.memory import reduces_every_micro_batch
 from autopar.cost.overlap import RUNTIMES, DeviceWork, exposed_data_parallel
 from autopar.errors import AutoparError
 
@@ -150,26 +151,32 @@ def test_ops_on_distributed_tensors_pay_the_measured_host_latency(tiny_gpt):
         assert (after > before) == distributed, config
 
 
-def test_autopar_fsdp2_gathers_as_often_as_it_frees_the_weights_and_reduces_once():
+def test_autopar_fsdp2_gathers_as_often_as_it_frees_the_weights_and_reduces_as_its_zero_stage_says():
     """On a CPU mesh (nothing overlaps) the autopar runtime's FSDP2 issues each collective once per
     layer group; ZeRO-1/2 gather before every micro-batch on one stage, once per step under a
     pipeline schedule; ZeRO-3 gathers for every forward and backward (the forward's alone under
-    zero-bubble, which keeps them); gradients are reduced on the last micro-batch only."""
+    zero-bubble, which keeps them); gradients are reduced on the last micro-batch under plain
+    data parallelism and ZeRO-1, after every micro-batch under ZeRO-2/3 but for zero-bubble
+    (reduces_every_micro_batch, the rule the runtime follows)."""
     mesh = Mesh.parse("4:cpu")
     group = Group.strided(mesh, 4, 1)
     autopar = RUNTIMES["autopar"]
     share = 4e6 / 6         # fp32 gradients of 1e6 parameters over 6 groups
     gather, scatter = 6 * group.all_gather(share), 6 * group.reduce_scatter(share)
 
-    def exposed(zero, m, **changes):
-        return exposed_data_parallel(_work(params=1e6, blocks=6, recompute=False, **changes), dp=4,
-                                     tp=1, zero=zero, micro_batches=m, mesh=mesh, runtime=autopar)
+    def exposed(zero, m, schedule="1f1b", **changes):
+        work = _work(params=1e6, blocks=6, recompute=False, kept_gathered=schedule == "zero-bubble",
+                     reduce_every=reduces_every_micro_batch(zero, schedule), **changes)
+        return exposed_data_parallel(work, dp=4, tp=1, zero=zero, micro_batches=m, mesh=mesh,
+                                     runtime=autopar)
 
     assert exposed(0, 8) == pytest.approx(6 * group.all_reduce(share))
     assert exposed(0, 8) > exposed_data_parallel(_work(params=1e6, blocks=1, recompute=False), dp=4,
                                                  tp=1, zero=0, micro_batches=8, mesh=mesh,
                                                  runtime=autopar)     # a latency per group
-    assert exposed(2, 8) == pytest.approx(scatter + 8 * gather)
-    assert exposed(2, 8, pipelined=True) == pytest.approx(scatter + gather)
-    assert exposed(3, 8) == pytest.approx(scatter + 16 * gather)
-    assert exposed(3, 8, pipelined=True, kept_gathered=True) == pytest.approx(scatter + gather)
+    assert exposed(1, 8) == pytest.approx(scatter + 8 * gather)
+    assert exposed(2, 8) == pytest.approx(8 * scatter + 8 * gather)
+    assert exposed(1, 8, pipelined=True) == pytest.approx(scatter + gather)
+    assert exposed(2, 8, pipelined=True) == pytest.approx(8 * scatter + gather)
+    assert exposed(3, 8) == pytest.approx(8 * scatter + 16 * gather)
+    assert exposed(3, 8, "zero-bubble", pipelined=True) == pytest.approx(scatter + gather)

@@ -34,6 +34,9 @@ FORMS_ON_2 = {
     "tp + sequence parallel": Config(tp=2, sequence_parallel=True, global_batch=GLOBAL_BATCH,
                                      micro_batch=GLOBAL_BATCH),
     "dp with 2 micro-batches": Config(dp=2, global_batch=GLOBAL_BATCH, micro_batch=2),
+    # gradients reduce-scattered after each micro-batch and accumulated as shards
+    "zero-2 with 2 micro-batches": Config(dp=2, zero=2, global_batch=GLOBAL_BATCH, micro_batch=2),
+    "zero-3 with 2 micro-batches": Config(dp=2, zero=3, global_batch=GLOBAL_BATCH, micro_batch=2),
 }
 RECOMPUTE = ("none", "full", "selective")
 

@@ -10,7 +10,8 @@ per form:
 - data parallelism and ZeRO: FSDP2 over dp, each layer its own group so that its collectives
   overlap the neighbouring layers' compute: `replicate` (gradients all-reduced) for plain data
   parallelism, `fully_shard` for ZeRO (1 and 2 keep parameters gathered from forward to backward,
-  3 frees them between);
+  3 frees them between; 2 and 3 reduce-scatter the gradients after every micro-batch, 1 once
+  a step, schedule.py);
 - micro-batches and pipelining: `torch.distributed.pipelining` runs the plan's schedule.
 The optimizer steps on the local shards.
 
@@ -33,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils.data.distributed import DistributedSampler
 
+from autopar.cost.memory import reduces_every_micro_batch
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plans import Plan
 from autopar.runtime import checkpoint, materialize
@@ -43,7 +45,7 @@ from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_l
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             signature, split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
-from autopar.runtime.schedule import ReshardingStage, build_schedule
+from autopar.runtime.schedule import ReducingStage, ReshardingStage, build_schedule
 from autopar.runtime.tied import TiedWeights
 from autopar.solver.schedules import relay_error
 
@@ -410,8 +412,8 @@ def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceM
                    mp_policy=None) -> None:
     """Plain data parallelism or ZeRO over `dp_mesh`, one FSDP group per layer, then the rest.
 
-    ZeRO-1 runs as ZeRO-2: FSDP2 shards gradients with the optimizer state; the numbers are the
-    same and the memory is less. Under zero-bubble schedules (backward split into input and weight
+    ZeRO-1 runs as ZeRO-2 but reduces its gradients once a step (schedule.py): FSDP2 shards them
+    with the optimizer state after that reduce. Under zero-bubble schedules (backward split into input and weight
     parts) freeing parameters between forward and backward gives wrong weight gradients in this
     torch, so there ZeRO-3 keeps them, as ZeRO-2 does."""
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
@@ -428,9 +430,12 @@ def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceM
 
 
 def _stage_class(plan: Plan, index: int, dp: int) -> type:
-    """ZeRO-3 stages free their gathered weights after each micro-batch's backward (schedule.py)."""
-    zero3 = dp > 1 and plan.stages[index].zero == 3 and plan.schedule != "zero-bubble"
-    return ReshardingStage if zero3 else PipelineStage
+    """ZeRO-2 and 3 stages reduce their gradients after each micro-batch's backward, ZeRO-3
+    stages also free their gathered weights (schedule.py)."""
+    zero = plan.stages[index].zero
+    if dp == 1 or not reduces_every_micro_batch(zero, plan.schedule):
+        return PipelineStage
+    return ReshardingStage if zero == 3 else ReducingStage
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:

@@ -3,8 +3,12 @@
 A plan with several stages runs the torch.distributed.pipelining schedule that
 `autopar.solver.schedules` names for it (the one statement of what torch runs, which the planner
 also searches with). A plan with one stage has nothing to pipeline: its schedule is a loop of
-forward and backward per micro-batch, with data-parallel gradient reduction held back until the
-last one, as torch's single-stage schedules do, without their per-chunk bookkeeping.
+forward and backward per micro-batch, as torch's single-stage schedules do, without their
+per-chunk bookkeeping.
+
+Data-parallel gradients are reduced when `autopar.cost.memory.reduces_every_micro_batch` says
+(the rule the cost model prices): after every micro-batch under ZeRO-2 and 3, so that a rank
+accumulates only its shard, otherwise once, on the last micro-batch.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining._backward import stage_backward
 
+from autopar.cost.memory import reduces_every_micro_batch
 from autopar.errors import PlanMismatchError
 from autopar.plans import Plan
 from autopar.solver.schedules import schedule_error, torch_schedule
@@ -24,8 +30,9 @@ class MicroBatchLoop:
     the arguments of torch's schedules' `step` and gives the same gradients: the mean over
     micro-batches (torch's schedules scale the sum by 1/n after the backward)."""
 
-    def __init__(self, module: nn.Module, n: int, loss_fn):
+    def __init__(self, module: nn.Module, n: int, loss_fn, *, reduce_every: bool = False):
         self.module, self.n, self.loss_fn = module, n, loss_fn
+        self.reduce_every = reduce_every
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list,
              return_outputs: bool = False):
@@ -34,21 +41,39 @@ class MicroBatchLoop:
         for index in range(self.n):
             *micro, micro_target = (chunk[index] for chunk in chunks)
             if isinstance(self.module, FSDPModule):
-                # gradients accumulate locally; the last micro-batch's backward reduces them
-                self.module.set_requires_gradient_sync(index == self.n - 1)
+                # accumulated whole until the last micro-batch, or reduced every one (module doc)
+                self.module.set_requires_gradient_sync(self.reduce_every or index == self.n - 1)
             loss = self.loss_fn(self.module(*micro), micro_target)
             (loss / self.n).backward()
             losses.append(loss.detach())
 
 
-class ReshardingStage(PipelineStage):
-    """A pipeline stage under ZeRO-3 that frees FSDP's gathered weights after every
+class ReducingStage(PipelineStage):
+    """A pipeline stage under ZeRO-2 that reduce-scatters its gradients after every
+    micro-batch's backward (module doc). torch's PipelineStage turns FSDP's gradient sync off
+    for every backward and reduces once after the last, holding the stage's whole gradients
+    meanwhile. Not for zero-bubble schedules, whose backward is split in two."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # as torch's stage sets FSDP up for a backward that is not the step's last, with the
+        # gradient sync on: each group's post-backward reduce-scatters and accumulates its shard
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(False)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
+
+
+class ReshardingStage(ReducingStage):
+    """A pipeline stage under ZeRO-3 that also frees FSDP's gathered weights after every
     micro-batch's backward, as ZeRO-3 means and as the estimator prices it (gathers every
     micro-batch, two groups gathered at a time). torch's PipelineStage keeps them gathered from
     the first backward to the last, which saves those gathers but holds the whole stage's
-    weights: ZeRO-2's memory. Gradients still accumulate locally until the last micro-batch.
-    Not for zero-bubble schedules, whose weight backward runs after the input backward on the
-    weights it gathered."""
+    weights: ZeRO-2's memory. Not for zero-bubble schedules, whose weight backward runs after
+    the input backward on the weights it gathered."""
 
     def backward_maybe_with_nosync(self, *args, **kwargs):
         result = super().backward_maybe_with_nosync(*args, **kwargs)
@@ -63,7 +88,8 @@ def build_schedule(plan: Plan, stage_rank: list[int], pp: int, modules: list[nn.
     """The schedule for this rank's stages (`modules`, and their PipelineStages when pp > 1)."""
     n = plan.micro_batches
     if len(plan.stages) == 1:
-        return MicroBatchLoop(modules[0], n, loss_fn)
+        return MicroBatchLoop(modules[0], n, loss_fn,
+                              reduce_every=reduces_every_micro_batch(plan.stages[0].zero, plan.schedule))
     v_shape = _is_v_shape(stage_rank, pp)
     error = schedule_error(plan.schedule, pp, n, len(stages), v_shape)
     if error:
