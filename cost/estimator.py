@@ -295,15 +295,7 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
     memory = lambda size: max(sum(part.values()) for part in _memory(
         pipe, stages, size, config.schedule, config.virtual))
-    if memory(0) > limit:
-        return 0
-    low, high = 0, 1                  # memory grows with the batch: memory(low) fits, memory(high) not
-    while memory(high) <= limit:
-        low, high = high, 2 * high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if memory(middle) <= limit else (low, middle)
-    return low
+    return 0 if memory(0) > limit else _largest_fitting(memory, limit, 0)
 
 
 def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
@@ -320,9 +312,13 @@ def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None
         raise AutoparError("no activation of this graph grows with the sequence length, so no "
                            "length bounds its memory")
     memory = sympy.lambdify(s, expression, "math")
-    if memory(1) > limit:
-        return 0
-    low, high = 1, 2                  # memory grows with s: memory(low) fits, memory(high) not
+    return 0 if memory(1) > limit else _largest_fitting(memory, limit, 1)
+
+
+def _largest_fitting(memory, limit: float, low: int) -> int:
+    """The largest size from `low` on whose `memory` fits `limit`, memory growing with the size
+    and memory(low) fitting: doubling, then bisection."""
+    high = max(1, 2 * low)            # memory(low) fits, memory(high) is not yet known to
     while memory(high) <= limit:
         low, high = high, 2 * high
     while high - low > 1:
