@@ -94,6 +94,7 @@ class _Chunk:
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
+    group: float = 0.0              # elements of its largest FSDP group
     largest: float = 0.0            # elements of its largest parameter tensor
     tensors: int = 0                # parameter tensors on this device
     saved_per_sample: float = 0.0   # activation bytes kept per sample
@@ -226,7 +227,7 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for c, s in enumerate(stages):
         params, loss, tensors, gathered = memo.states(split, s, _chunk_states)
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
-        chunks[c].gathered, chunks[c].largest = gathered[c]
+        chunks[c].gathered, chunks[c].largest, chunks[c].group = gathered[c]
         chunks[c].loss_per_sample = _at(loss[c], 1)
     crossing = memo.crossing(split, stages, _crossing_bytes)
     _add_sends([_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
@@ -417,7 +418,8 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
                   chunks: int) -> tuple[list[float], list[dict], list[int], list[float]]:
     """Per chunk: the parameter elements one of its devices holds, its outputs' elements per
     sample, the number of parameter tensors, and the elements of its GATHERED_GROUPS largest
-    FSDP groups (what ZeRO-3 holds gathered at once) with those of its largest parameter. A weight that several chunks read (a tied
+    FSDP groups (what ZeRO-3 holds gathered at once) with those of its largest parameter and
+    of its largest group. A weight that several chunks read (a tied
     embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
     stage that reads it its own copy."""
     params, tensors = [0.0] * chunks, [0] * chunks
@@ -436,7 +438,8 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
     for name, count in layout.param_local.items():
         chunk = owner[layout.index[name]]
         largest[chunk] = max(largest[chunk], count)
-    gathered = [(sum(sorted(groups.values())[-GATHERED_GROUPS:]), largest[c])
+    gathered = [(sum(sorted(groups.values())[-GATHERED_GROUPS:]), largest[c],
+                 max(groups.values(), default=0.0))
                 for c, groups in enumerate(group_elements(graph, owner, chunks, layout.param_local))]
     return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
 
@@ -575,7 +578,8 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
     recomputed = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([_at(c.flowing_poly, seq_ratio) for c in chunks])
     gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
-    return peak_bytes(params=params, gathered=gathered, weight=max(c.largest for c in chunks),
+    return peak_bytes(params=params, gathered=gathered, group=max(c.group for c in chunks),
+                      weight=max(c.largest for c in chunks),
                       zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
                       reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                       held=held, pipelined=pp > 1, activations=held * per_chunk * b,

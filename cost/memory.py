@@ -66,7 +66,7 @@ LOSS_BACKWARD_COPIES = 2
 GATHERED_GROUPS = 2
 
 
-def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int,
+def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations,
                logits, recomputed, flowing, reduce_every: bool = False) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak.
@@ -91,8 +91,10 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   (a single stage's loop, 1F1B's steady state)
       later backward  the activations of one micro-batch fewer (or of one), with the first
                   micro-batch's gradients (FSDP accumulates them unsharded until the last
-                  micro-batch reduces them; split over dp when the runtime reduces them after
-                  every micro-batch, `reduce_every`, which ZeRO-2/3 do)
+                  micro-batch reduces them; when the runtime reduces them after every
+                  micro-batch, `reduce_every`, as ZeRO-2/3 do, their shard and the input of the
+                  last reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps
+                  until the next reduce-scatter starts)
       optimizer step  the gathered weights freed; the reduced gradients (split over dp from
                   ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
     In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
@@ -107,7 +109,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * GRADIENT_BYTES
-    accumulated = gradients / split if reduce_every else gradients
+    accumulated = gradients / split + group * GRADIENT_BYTES if reduce_every and wrapped else gradients
     kept = LOSS_KEPT_COPIES * 4 * logits + (element * logits if pipelined else 0.0)
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element

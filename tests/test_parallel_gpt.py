@@ -1,7 +1,6 @@
 """Every parallel form of autopar's small GPT trains exactly like one process: real gloo ranks,
 fp32, loss at each of 3 SGD steps and the final full parameters (autopar.runtime.equivalence)."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -13,8 +12,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.passes.recompute import Recomputed
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.runtime.equivalence import mismatches, train_forms_against_one_process, train_single_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -58,23 +56,10 @@ def new_model():
 def train_forms(forms: dict) -> dict:
     """On every rank: each form with and without recompute against one process's training."""
     data = batches()
-    reference = train_single_process(new_model(), data, lm_loss, sgd)
-    results, graphs = {}, {}
-    for name, config in forms.items():
-        example = (data[0][0][:config.micro_batch],)
-        if config.micro_batch not in graphs:    # one capture serves every form of that batch
-            graphs[config.micro_batch] = autopar.capture(new_model(), example)
-        for recompute in RECOMPUTE:
-            cm = autopar.compile(new_model(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=sgd,
-                                 example_inputs=example, graph=graphs[config.micro_batch],
-                                 plan=replace(config, recompute=recompute))
-            losses = [cm.step(ids, targets) for ids, targets in data]
-            state = cm.full_state_dict()
-            regions = sum(isinstance(m, Recomputed) for m in cm.stages.modules())
-            results[(name, recompute)] = (losses, mismatches(reference, losses, state), regions)
-    # The check can fail: a reference with another learning rate disagrees with the last run.
+    results = train_forms_against_one_process(new_model, data, lm_loss, sgd, forms, RECOMPUTE)
+    # The check can fail: a run with another learning rate disagrees with the reference.
     other = train_single_process(new_model(), data, lm_loss, lambda p: torch.optim.SGD(p, lr=0.21, momentum=0.9))
-    results["control"] = mismatches(other, losses, state)
+    results["control"] = mismatches(other, *train_single_process(new_model(), data, lm_loss, sgd))
     return results
 
 

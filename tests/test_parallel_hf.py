@@ -2,7 +2,6 @@
 parallel form: real gloo ranks, fp32, AdamW with a large eps, loss at each of 3 steps and the
 final full parameters (autopar.runtime.equivalence)."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +11,7 @@ import torch._dynamo  # noqa: F401
 
 import autopar
 from autopar.cost.config import Config
-from autopar.passes.recompute import Recomputed
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.runtime.equivalence import train_forms_against_one_process
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess
@@ -71,22 +69,9 @@ def batches(steps=3):
 
 def train_forms(model_name: str, forms: dict) -> dict:
     """On every rank: each form with and without recompute against one process's training."""
-    make, data = MODELS[model_name], batches()
-    reference = train_single_process(make(), data, loss_fn, adamw,
-                                     call=lambda model, inputs: model(*inputs, use_cache=False))
-    results, graphs, kwargs = {}, {}, {"use_cache": False}
-    for name, config in forms.items():
-        example = (data[0][0][:config.micro_batch],)
-        if config.micro_batch not in graphs:    # one capture serves every form of that batch
-            graphs[config.micro_batch] = autopar.capture(make(), example, kwargs)
-        for recompute in RECOMPUTE:
-            cm = autopar.compile(make(), f"{config.world_size}:cpu", loss_fn=loss_fn, optimizer=adamw,
-                                 example_inputs=example, example_kwargs=kwargs, graph=graphs[config.micro_batch],
-                                 plan=replace(config, recompute=recompute))
-            losses = [cm.step(ids, targets) for ids, targets in data]
-            regions = sum(isinstance(m, Recomputed) for m in cm.stages.modules())
-            results[(name, recompute)] = (losses, mismatches(reference, losses, cm.full_state_dict()), regions)
-    return results
+    return train_forms_against_one_process(MODELS[model_name], batches(), loss_fn, adamw, forms, RECOMPUTE,
+                                           kwargs={"use_cache": False},
+                                           call=lambda model, inputs: model(*inputs, use_cache=False))
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
