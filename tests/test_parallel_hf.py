@@ -23,8 +23,9 @@ FORMS_ON_4 = {
     "dp": Config(dp=4, global_batch=GLOBAL_BATCH, micro_batch=2),
     "dp x tp": Config(dp=2, tp=2, global_batch=GLOBAL_BATCH, micro_batch=4),
     "zero-1": Config(dp=4, zero=1, global_batch=GLOBAL_BATCH, micro_batch=2),
-    "zero-2": Config(dp=4, zero=2, global_batch=GLOBAL_BATCH, micro_batch=2),
-    "zero-3": Config(dp=4, zero=3, global_batch=GLOBAL_BATCH, micro_batch=2),
+    # two micro-batches per replica: gradients reduce-scattered after each, accumulated as shards
+    "zero-2": Config(dp=4, zero=2, global_batch=GLOBAL_BATCH, micro_batch=1),
+    "zero-3": Config(dp=4, zero=3, global_batch=GLOBAL_BATCH, micro_batch=1),
 }
 FORMS_ON_2 = {
     "tp": Config(tp=2, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH),
