@@ -107,6 +107,10 @@ class _Chunk:
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
     sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
+    # What the backward of one block frees: the activations of the block instance that keeps the
+    # fewest (its own and those of its recomputed regions' inputs), and how many blocks it has.
+    block_kept_poly: dict = field(default_factory=dict)
+    blocks: int = 0
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
@@ -358,6 +362,8 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
     saved: set[str] = set()
     region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
     region_nodes: dict[str, set[int]] = {}
+    block_saved: dict[tuple, set[str]] = {}    # block instance -> what its own nodes keep
+    region_block: dict[str, tuple] = {}
     paths = {(inst.start, inst.stop): inst.module_path for kind in graph.blocks for inst in kind.instances}
     widest = (0.0, 0)                   # the largest output the backward differentiates
     distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
@@ -387,16 +393,25 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)
             region_nodes.setdefault(region, set()).add(i)
+            region_block[region] = in_block[i]
         else:
             saved.update(node.saved)
+        if in_block[i] is not None:
+            block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
         if node.requires_grad and node.family != "view":
             widest = max(widest, (node.out_bytes, layout.seq_degree.get(layout.storage[node.name], 0)))
         if kept and not region:
             degree = node.attention["q_seq"] + node.attention["k_seq"]
             scores[degree] = scores.get(degree, 0.0) + kept / b
     for region, keys in region_saved.items():
-        saved.update(_region_inputs(graph, layout, region_nodes[region]))
+        inputs = _region_inputs(graph, layout, region_nodes[region])
+        saved.update(inputs)
+        block_saved[region_block[region]].update(inputs)
         out.peak_polys.append(_poly(keys, layout))
+    if block_saved:
+        out.block_kept_poly = min((_poly(keys, layout) for keys in block_saved.values()),
+                                  key=lambda poly: _at(poly, 1))
+    out.blocks = len(block_saved)
     out.peak_per_sample = max((_at(p, 1) for p in out.peak_polys), default=0.0)
     out.saved_poly = _poly(saved, layout)
     for degree, value in scores.items():
@@ -584,7 +599,10 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
                       reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                       held=held, pipelined=pp > 1, activations=held * per_chunk * b,
                       logits=sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b,
-                      recomputed=recomputed * b, flowing=flowing * b)
+                      recomputed=recomputed * b, flowing=flowing * b,
+                      blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own
+                      block_kept=_smallest([_at(c.block_kept_poly, seq_ratio) for c in chunks
+                                            if c.blocks]) * b)
 
 
 def _poly(keys, layout: GraphLayout) -> dict[int, float]:
@@ -604,6 +622,13 @@ def _at(poly: dict, ratio):
 def _largest(values: list):
     numbers = all(isinstance(v, (int, float)) for v in values)
     return max(values) if numbers else sympy.Max(*values)
+
+
+def _smallest(values: list):
+    if not values:
+        return 0.0
+    numbers = all(isinstance(v, (int, float)) for v in values)
+    return min(values) if numbers else sympy.Min(*values)
 
 
 def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, per_mb: list,

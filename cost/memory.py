@@ -68,7 +68,8 @@ GATHERED_GROUPS = 2
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations,
-               logits, recomputed, flowing, reduce_every: bool = False) -> dict:
+               logits, recomputed, flowing, reduce_every: bool = False, blocks: int = 0,
+               block_kept=0.0) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak.
 
     `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
@@ -91,17 +92,22 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   (a single stage's loop, 1F1B's steady state)
       later backward  the activations of one micro-batch fewer (or of one), with the first
                   micro-batch's gradients (FSDP accumulates them unsharded until the last
-                  micro-batch reduces them; when the runtime reduces them after every
-                  micro-batch, `reduce_every`, as ZeRO-2/3 do, their shard and the input of the
-                  last reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps
-                  until the next reduce-scatter starts)
+                  micro-batch reduces them)
       optimizer step  the gathered weights freed; the reduced gradients (split over dp from
                   ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
+    When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3
+    do) each backward is two phases, the loss's and its blocks'. After an earlier micro-batch the
+    rank holds the shards of its gradients, and at the loss's backward the input of its last
+    reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
+    reduce-scatter starts; the blocks' backwards hold what `scattered_bytes` counts. The loss's
+    backward runs before any group's: under ZeRO-3, whose groups are resharded after their
+    forwards, at most one is gathered again by then (the output layer's; the largest bounds it).
     In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
     gradients (at its start) and what a block's backward holds later: the activations of a
     recomputed region (`recomputed`), the gradients flowing through its widest op beyond the
     activations it frees (`flowing`) and the gradient of the weight it reads
-    (`weight` elements, the largest parameter). With symbolic sizes (sympy) the parts are the
+    (`weight` elements, the largest parameter); in a pipeline both also hold the logits, which
+    torch's PipelineStage keeps until the micro-batch's backward on the stage ends. With symbolic sizes (sympy) the parts are the
     first backward's, and `later_phase` what the others need beyond it."""
     wrapped = dp > 1
     split = dp if wrapped and zero >= 1 else 1
@@ -109,19 +115,36 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * GRADIENT_BYTES
-    accumulated = gradients / split + group * GRADIENT_BYTES if reduce_every and wrapped else gradients
-    kept = LOSS_KEPT_COPIES * 4 * logits + (element * logits if pipelined else 0.0)
+    cached = element * logits if pipelined else 0.0     # the stage's output, kept by torch's stage
+    kept = LOSS_KEPT_COPIES * 4 * logits + cached
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
-    block = recomputed + flowing + weight * element
-    buffers = _max(loss, block)
+    block = recomputed + flowing + weight * element + cached
     persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
+    shards = gradients / split
+    scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element,
+                                          blocks=blocks, block_kept=block_kept, new_shards=not earlier)
+                 for earlier in (False, True)}
+    # ZeRO-3 at the loss's backward: the groups were resharded after their forwards and are
+    # gathered again as their backwards start; at most one, the output layer's, is by then
+    loss_weights = {"weights": element * group} if zero == 3 else {}
+
+    def backward(activations_held, earlier: bool) -> list[dict]:
+        """A backward holding `activations_held`, after an earlier micro-batch's or not."""
+        held_now = {**zeros, "activations": activations_held}
+        if not (reduce_every and wrapped):
+            return [{**held_now, "gradients": gradients if earlier else 0.0,
+                     "buffers": _max(loss, block)}]
+        # the loss's backward: an earlier micro-batch's shards and its last reduce-scatter's input
+        loss_gradients = shards + group * GRADIENT_BYTES if earlier else 0.0
+        return [{**held_now, **loss_weights, "gradients": loss_gradients, "buffers": loss},
+                {**held_now, "gradients": (shards if earlier else 0.0) + scattered[earlier],
+                 "buffers": block}]
+
     later = max(held - 1, 1)          # micro-batches held at the second backward
     phases = [
-        {**zeros, "gradients": accumulated if micro_batches > held else 0.0,
-         "activations": activations + (held - 1) * kept, "buffers": buffers},
-        {**zeros, "gradients": accumulated if micro_batches > 1 else 0.0,
-         "activations": activations * later / held + (later - 1) * kept, "buffers": buffers},
+        *backward(activations + (held - 1) * kept, micro_batches > held),
+        *backward(activations * later / held + (later - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
          "optimizer_step": params * OPTIMIZER_STEP_TEMPORARY_BYTES / split},
     ]
@@ -131,6 +154,29 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         return {**persistent, **phases[peak], "later_phase": 0.0}
     return {**persistent, **phases[0],
             "later_phase": sympy.Max(0, *(t - totals[0] for t in totals[1:]))}
+
+
+def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: int, block_kept,
+                    new_shards: bool = True):
+    """What a micro-batch's backward holds at its peak beyond its activations and the shards of
+    earlier micro-batches, once the runtime reduces each FSDP group's gradients as its backward
+    ends (ZeRO-2/3, `reduces_every_micro_batch`).
+
+    By the backward of its k-th block (k >= 2, counting from the last) the rank has reduced k - 1
+    block groups (`group` elements at most): it holds the input of the last reduce-scatter (one
+    group of fp32 gradients, kept by FSDP2 until the next one) and, in the first micro-batch's
+    backward (`new_shards`; later ones add into them), the k - 1 shards (1/dp each, fp32); it has
+    freed the activations those blocks kept (`block_kept` bytes, the fewest of a block) and, under
+    ZeRO-2, their gathered weights (ZeRO-3 counts only the groups gathered at once). Each block
+    adds the same, so the peak is at the second block or at the last: the second when the
+    activations a block frees outweigh its shard (no recompute), the last when they do not (full
+    recompute of large blocks). At the first block only the head's smaller group was reduced:
+    left out."""
+    if blocks < 2:
+        return 0.0
+    shard = group * GRADIENT_BYTES / dp if new_shards else 0.0
+    per_block = shard - block_kept - (group * element if zero < 3 else 0.0)
+    return _max(0.0, group * GRADIENT_BYTES + _max(per_block, per_block * (blocks - 1)))
 
 
 def _max(a, b):

@@ -45,8 +45,8 @@ def _measure(forms: list) -> list[tuple[float, float]]:
         tracker = LiveBytes(rank_tensors(cm))
         with tracker:
             cm.step(ids, targets)
-        estimate = autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), config, precision="fp32")
-        found.append((estimate.devices[cm.pp_rank]["memory_bytes"], tracker.peak))
+        # what the running plan predicts for this rank (its own placements, at its precision)
+        found.append((cm.plan.stages[cm.pp_rank].predicted["memory_bytes"], tracker.peak))
     return found
 
 
