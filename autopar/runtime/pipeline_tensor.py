@@ -16,6 +16,7 @@ all those readers share (`share_redistributions`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -54,6 +55,34 @@ class TensorParallelStage(nn.Module):
             # to an in-place op on a view
             return value.redistribute(self.mesh, [Replicate()]).to_local().clone()
         return value
+
+
+def reduce_partial_gradients(modules: list[nn.Module]) -> None:
+    """Reduce every gradient that is still a partial sum over a mesh dim (a replicated parameter
+    read by a split op: a norm's weight under sequence parallelism) in one all-reduce per mesh
+    dims and dtype, the bucket the cost model prices, instead of one per parameter where the
+    optimizer first reads it. A sum of the same values: the same gradients."""
+    buckets: dict[tuple, list[nn.Parameter]] = {}
+    for param in (p for module in modules for p in module.parameters()):
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            dims = tuple(d for d, place in enumerate(grad.placements)
+                         if type(place) is Partial and place.reduce_op == "sum")
+            if dims:
+                buckets.setdefault((grad.device_mesh, dims, grad.dtype), []).append(param)
+    with torch.no_grad():
+        for (mesh, dims, _), params in buckets.items():
+            flat = torch.cat([param.grad.to_local().reshape(-1) for param in params])
+            for dim in dims:
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+            offset = 0
+            for param in params:
+                local, placements = param.grad.to_local(), list(param.grad.placements)
+                reduced = flat[offset:offset + local.numel()].view(local.shape)
+                offset += local.numel()
+                param.grad = DTensor.from_local(
+                    reduced, mesh, [Replicate() if d in dims else p for d, p in enumerate(placements)],
+                    run_check=False)
 
 
 class Replicated(nn.Module):
@@ -301,8 +330,8 @@ def share_redistributions(module: nn.Module, mesh: DeviceMesh, parameters: dict[
         readers: dict[tuple[fx.Node, str], list[fx.Node]] = {}
         for node in graph_module.graph.nodes:
             for source, read in zip(node.all_input_nodes, _read_placements(node, placed, mesh.size())):
-                if read not in (placed.get(source.name), "P") and source.op in ("call_function", "placeholder") \
-                        and source.name in nodes:
+                value = source.op in ("call_function", "placeholder") and source.name in nodes
+                if value and read not in (placed[source.name], "P"):
                     readers.setdefault((source, read), []).append(node)
         for (source, read), users in readers.items():
             name = f"read_{source.name}_{read.replace('(', '').replace(')', '')}"
@@ -341,7 +370,8 @@ def _read_placements(node: fx.Node, placed: dict[str, str], size: int) -> tuple[
     if strategies is None:          # run replicated (replicate_ops_without_rule)
         return ()
     output = placed[node.name]
-    options = [tuple(placement_str(p) for p in s.inputs) for s in strategies if placement_str(s.output) == output]
+    options = [tuple(placement_str(p) for p in s.inputs) for s in strategies
+               if placement_str(s.output) == output]
     return cheapest_inputs(output, [placed.get(i.name, "R") for i in inputs], options,
                            [_bytes(i) for i in inputs], size)
 
