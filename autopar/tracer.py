@@ -159,8 +159,8 @@ def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[
             name=fx_node.name, target=_target_name(fx_node), role=role, shape=shape, dtype=dtype,
             bytes=nbytes, inputs=tuple(n.name for n in fx_node.all_input_nodes),
             module_path=module_path, module_type=module_type, flops=forward_flops(fx_node),
-            param_fqn=fqn, tied_to=tied.get(fqn), args=_plain(fx_node.args),
-            kwargs=_plain(dict(fx_node.kwargs)),
+            param_fqn=fqn, tied_to=tied.get(fqn), args=plain_arguments(fx_node.args),
+            kwargs=plain_arguments(dict(fx_node.kwargs)),
             effect=fx_node.op == "call_function" and fx_node.is_impure()))
     return nodes, stacks
 
@@ -193,14 +193,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _plain(value):
+def plain_arguments(value):
     """Arguments as plain Python values: fx nodes (tensors) become None, dtypes and devices str."""
     if isinstance(value, torch.fx.Node):
         return None
     if isinstance(value, (tuple, list)):
-        return tuple(_plain(item) for item in value)
+        return tuple(plain_arguments(item) for item in value)
     if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain_arguments(item) for key, item in value.items()}
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):

@@ -31,8 +31,8 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
-from autopar.cost.reshard import (ALL_REDUCE, gradient_given, gradient_need, reshard_steps,
-                                  work_split)
+from autopar.cost.reshard import (ALL_REDUCE, cheapest_inputs, gradient_given, gradient_need,
+                                  reshard_steps, work_split)
 
 # Elementwise ops whose backward needs none of their inputs (gradients pass through or scale by a
 # constant), so autograd saves nothing for them.
@@ -301,11 +301,11 @@ class _LayoutBuilder:
         changes on its input edges; True when its work is split."""
         out = self.placements.nodes.get(node.name, "R")
         sources = [self.place[name] for name in node.inputs]
-        options = [s for s in self._strategies(node) if s[0] == out]
+        options = [ins for written, ins in self._strategies(node) if written == out]
         # an output no rule writes (an op without a rule, planned replicated) is computed whole;
         # R -> S and R -> P are local, so it is then placed as planned for free
-        inputs = min((ins for _, ins in options), key=lambda ins: self._traffic(node, out, sources, ins),
-                     default=("R",) * len(node.inputs))
+        inputs = cheapest_inputs(out, sources, options, [self.by_name[name].bytes for name in node.inputs],
+                                 self.tp)
         self.place[node.name] = out
         layout.sharded = out.startswith("S")
         forward, backward = [], []
@@ -347,20 +347,6 @@ class _LayoutBuilder:
         except KeyError:
             self.rules[view] = _strategy_strings(view)
             return self.rules[view]
-
-    def _traffic(self, node: Node, out: str, sources: list[str], inputs: tuple[str, ...]) -> tuple:
-        """What reading the producers in `inputs` moves (an all-reduce moves twice what a gather
-        does), then the least work per device: the ILP's choice with every output fixed."""
-        moved = 0.0
-        for k, name in enumerate(node.inputs):
-            given = gradient_given((out,), [(p,) for p in inputs], k)
-            for src, dst in (((sources[k],), (inputs[k],)), (given, gradient_need((sources[k],)))):
-                steps = reshard_steps(src, dst, [self.tp])
-                if steps is None:
-                    return (float("inf"), 0)
-                moved += sum(self.by_name[name].bytes / divisor * (2 if kind == ALL_REDUCE else 1)
-                             for kind, _, divisor in steps)
-        return (moved, -work_split((out,), [(p,) for p in inputs], [self.tp]))
 
     def _edge_bytes(self, name: str, consumer: Node) -> tuple[float, bool]:
         """Bytes of an input tensor, whole, and whether per sample (an activation) or per

@@ -75,3 +75,28 @@ def work_split(output: tuple[str, ...], inputs: list[tuple[str, ...]], sizes: li
         if output[a].startswith("S") or any(p[a].startswith("S") for p in inputs):
             split *= size
     return split
+
+
+def cheapest_inputs(output: str, sources: list[str], options: list[tuple[str, ...]],
+                    nbytes: list[float], size: int) -> tuple[str, ...]:
+    """Of the input placements `options` of an op's strategies that write `output` on a mesh
+    axis of `size`, the one whose reading of producers placed `sources` (of `nbytes` each) moves
+    the least, forward and gradients (an all-reduce moves twice what a gather does), then whose
+    work is split the most: the ILP's choice with every output fixed. All replicated when no
+    strategy writes `output` (an op without a rule, computed whole)."""
+    return min(options, key=lambda inputs: _read_traffic(output, sources, inputs, nbytes, size),
+               default=("R",) * len(sources))
+
+
+def _read_traffic(output: str, sources: list[str], inputs: tuple[str, ...], nbytes: list[float],
+                  size: int) -> tuple[float, int]:
+    moved = 0.0
+    for k, source in enumerate(sources):
+        given = gradient_given((output,), [(p,) for p in inputs], k)
+        for src, dst in (((source,), (inputs[k],)), (given, gradient_need((source,)))):
+            steps = reshard_steps(src, dst, [size])
+            if steps is None:
+                return (float("inf"), 0)
+            moved += sum(nbytes[k] / divisor * (2 if kind == ALL_REDUCE else 1)
+                         for kind, _, divisor in steps)
+    return (moved, -work_split((output,), [(p,) for p in inputs], [size]))

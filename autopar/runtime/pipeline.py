@@ -44,7 +44,7 @@ from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_l
                                    check_optimizer, check_step_inputs)
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             signature, split_stages)
-from autopar.runtime.pipeline_tensor import TensorParallelStage, shard_stage
+from autopar.runtime.pipeline_tensor import TensorParallelStage, reduce_partial_gradients, shard_stage
 from autopar.runtime.schedule import ReducingStage, ReshardingStage, build_schedule
 from autopar.runtime.tied import TiedWeights
 from autopar.solver.schedules import relay_error
@@ -179,6 +179,7 @@ class CompiledModel:
         # only the losses are wanted: torch's last stage would otherwise keep every
         # micro-batch's outputs (logits) to the end of the step to return them merged
         self.schedule.step(*args, **last, return_outputs=False)
+        reduce_partial_gradients([program.module for program in self.programs])
         if self.tied is not None:
             self.tied.reduce_gradients()   # tied weights' copies in several stages (tied.py)
         if self.scaler is None:

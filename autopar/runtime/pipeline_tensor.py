@@ -8,12 +8,15 @@ replicated and hands its outputs on replicated, which is what the pipeline's sen
 
 Values the plan places (`Plan.nodes`, e.g. the residual stream at each norm's input: whole, or
 split on the sequence for sequence parallelism) are moved there with the intra-op runtime's
-`Redistribute`; partial sums are left to DTensor, which reduces them where they are next read.
+`Redistribute`. Where ops read a value in another placement (a sequence-split norm output read
+whole by q, k and v), it is redistributed once per placement read, by a node of the graph that
+all those readers share (`share_redistributions`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -23,8 +26,10 @@ from torch.utils._pytree import tree_map
 from autopar.runtime.dtensor_rules import replicate_ops_without_rule
 from autopar.errors import PlanMismatchError
 from autopar.passes.collectives import Redistribute
-from autopar.cost.strategies.placements import parse_placement
+from autopar.cost.reshard import cheapest_inputs
+from autopar.cost.strategies import OpView, axis_strategies, parse_placement, placement_str
 from autopar.runtime.pipeline_split import TensorRef
+from autopar.tracer import plain_arguments
 
 
 class TensorParallelStage(nn.Module):
@@ -50,6 +55,34 @@ class TensorParallelStage(nn.Module):
             # to an in-place op on a view
             return value.redistribute(self.mesh, [Replicate()]).to_local().clone()
         return value
+
+
+def reduce_partial_gradients(modules: list[nn.Module]) -> None:
+    """Reduce every gradient that is still a partial sum over a mesh dim (a replicated parameter
+    read by a split op: a norm's weight under sequence parallelism) in one all-reduce per mesh
+    dims and dtype, the bucket the cost model prices, instead of one per parameter where the
+    optimizer first reads it. A sum of the same values: the same gradients."""
+    buckets: dict[tuple, list[nn.Parameter]] = {}
+    for param in (p for module in modules for p in module.parameters()):
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            dims = tuple(d for d, place in enumerate(grad.placements)
+                         if type(place) is Partial and place.reduce_op == "sum")
+            if dims:
+                buckets.setdefault((grad.device_mesh, dims, grad.dtype), []).append(param)
+    with torch.no_grad():
+        for (mesh, dims, _), params in buckets.items():
+            flat = torch.cat([param.grad.to_local().reshape(-1) for param in params])
+            for dim in dims:
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+            offset = 0
+            for param in params:
+                local, placements = param.grad.to_local(), list(param.grad.placements)
+                reduced = flat[offset:offset + local.numel()].view(local.shape)
+                offset += local.numel()
+                param.grad = DTensor.from_local(
+                    reduced, mesh, [Replicate() if d in dims else p for d, p in enumerate(placements)],
+                    run_check=False)
 
 
 class Replicated(nn.Module):
@@ -279,6 +312,80 @@ def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]]
         graph_module.recompile()
 
 
+def share_redistributions(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[str]],
+                          nodes: dict[str, list[str]], tp_axis: int) -> None:
+    """Every value that ops read in another placement than the plan gives it is redistributed once
+    per placement read, by one node after its producer that all those readers use.
+
+    Left to DTensor, each op redistributes its inputs inside its own dispatch, out of autograd's
+    sight: a sequence-split norm output read by q, k and v is gathered three times in forward, its
+    gradient reduce-scattered three times in backward, and gathered three times more there for
+    the weight gradients (autograd saved each op's input as it was before the gather). As a node,
+    the gather is recorded once: its readers save the gathered value and their gradients are
+    summed before its one reverse collective. Which placement an op reads is the cost model's
+    choice (`cost.reshard.cheapest_inputs`), so what runs is what the plan was priced with.
+    Partial reads (R -> P, a local zeroing) are left to DTensor."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        placed = _planned_placements(graph_module, parameters, nodes, tp_axis)
+        readers: dict[tuple[fx.Node, str], list[fx.Node]] = {}
+        for node in graph_module.graph.nodes:
+            for source, read in zip(node.all_input_nodes, _read_placements(node, placed, mesh.size())):
+                value = source.op in ("call_function", "placeholder") and source.name in nodes
+                if value and read not in (placed[source.name], "P"):
+                    readers.setdefault((source, read), []).append(node)
+        for (source, read), users in readers.items():
+            name = f"read_{source.name}_{read.replace('(', '').replace(')', '')}"
+            graph_module.add_submodule(name, Redistribute(mesh, (parse_placement(read),)))
+            with graph_module.graph.inserting_after(source):
+                shared = graph_module.graph.call_module(name, (source,))
+            for user in users:
+                user.replace_input_with(source, shared)
+        if readers:
+            graph_module.recompile()
+
+
+def _planned_placements(graph_module: fx.GraphModule, parameters: dict[str, list[str]],
+                        nodes: dict[str, list[str]], tp_axis: int) -> dict[str, str]:
+    """Node name -> its placement on `tp_axis` by the plan: a parameter's storage, a value's output."""
+    placed = {}
+    for node in graph_module.graph.nodes:
+        ref = graph_module.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(ref, TensorRef):
+            placed[node.name] = parameters[ref.fqn][tp_axis] if ref.fqn in parameters else "R"
+        elif node.name in nodes:
+            placed[node.name] = nodes[node.name][tp_axis]
+    return placed
+
+
+def _read_placements(node: fx.Node, placed: dict[str, str], size: int) -> tuple[str, ...]:
+    """The placements in which `node`, an ATen op the plan places, reads its inputs (in
+    `all_input_nodes` order); () for any other node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+            or node.name not in placed:
+        return ()
+    inputs = node.all_input_nodes
+    view = OpView(target=str(node.target), args=plain_arguments(node.args),
+                  input_shapes=tuple(_shape(i) for i in inputs), output_shape=_shape(node))
+    strategies = axis_strategies(view)
+    if strategies is None:          # run replicated (replicate_ops_without_rule)
+        return ()
+    output = placed[node.name]
+    options = [tuple(placement_str(p) for p in s.inputs) for s in strategies
+               if placement_str(s.output) == output]
+    return cheapest_inputs(output, [placed.get(i.name, "R") for i in inputs], options,
+                           [_bytes(i) for i in inputs], size)
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    value = node.meta.get("val")
+    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _bytes(node: fx.Node) -> float:
+    value = node.meta.get("val")
+    return float(value.numel() * value.element_size()) if isinstance(value, torch.Tensor) else 0.0
+
+
 def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[str]],
                 nodes: dict[str, list[str]], tp_axis: int) -> TensorParallelStage:
     """Distribute the stage's tensors by the plan's placements on axis `tp_axis`; unplaced ones
@@ -302,6 +409,7 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
             ref.value = nn.Parameter(tensor, requires_grad=ref.value.requires_grad)
         else:
             ref.value = tensor
+    share_redistributions(module, mesh, parameters, nodes, tp_axis)
     drop_metadata_checks(module)
     replicate_created_tensors(module, mesh)
     replicate_ops_without_rule(module, mesh)

@@ -1,0 +1,62 @@
+"""Tensor parallelism communicates each value once per placement its readers need.
+
+A block under sequence parallelism (the residual stream split on the sequence, as Megatron-LM's
+sequence parallelism) gathers its two norm outputs once each in forward, however many linears
+read them (q, k and v read the first), and reduce-scatters its two partial outputs (attention,
+MLP); backward does the reverse: 4 all-gathers and 4 reduce-scatters a block. Partial gradients
+of the norms' weights are reduced in one bucket a step, not one all-reduce per parameter. Counted
+on real 2-rank steps with torch's CommDebugMode, as the difference between a 3-block and a
+2-block GPT, so that what the embedding and the head need does not enter."""
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork)
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+import autopar
+from autopar.api import plan_from_config
+from autopar.cost.config import Config
+from autopar.models import build_model
+from autopar.models.gpt import lm_loss
+
+pytestmark = pytest.mark.multiprocess
+
+BATCH, SEQ, HIDDEN = 4, 8, 32
+
+
+def sequence_parallel_plan(graph):
+    """The planner's tensor-parallel placements with every whole (batch, seq, hidden) activation
+    (the residual stream, the norms) split on the sequence instead."""
+    plan = plan_from_config(graph, "2:cpu", Config(tp=2, global_batch=BATCH, micro_batch=BATCH))
+    for name, placements in plan.nodes.items():
+        if placements[1] == "R" and graph.node(name).shape == (BATCH, SEQ, HIDDEN):
+            placements[1] = "S(1)"
+    return plan
+
+
+def collectives_of_a_step(layers: int) -> dict[str, int]:
+    spec = f"gpt:layers={layers},hidden={HIDDEN},heads=4,seq={SEQ},vocab=64"
+    model = build_model(spec, device="cpu")[0]
+    ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    graph = autopar.capture(model, example_inputs=(ids,))
+    compiled = autopar.compile(model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, graph=graph,
+                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                               plan=sequence_parallel_plan(graph))
+    compiled.step(ids, ids)
+    counter = CommDebugMode()
+    with counter:
+        compiled.step(ids, ids)
+    dist.barrier()
+    return {str(op).split(".")[-1]: count for op, count in counter.get_comm_counts().items()}
+
+
+def per_block() -> dict[str, int]:
+    two, three = collectives_of_a_step(2), collectives_of_a_step(3)
+    return {op: three.get(op, 0) - two.get(op, 0) for op in set(two) | set(three)}
+
+
+def test_a_sequence_parallel_block_gathers_each_norm_output_once():
+    counts = autopar.launch(per_block, 2, timeout=240)[0]
+    assert {op: n for op, n in counts.items() if n} == {"all_gather_into_tensor": 4,
+                                                        "reduce_scatter_tensor": 4}
