@@ -150,6 +150,7 @@ class _LayoutBuilder:
         self.placements = placements
         self.place: dict[str, str] = {}            # node -> its placement (placements given)
         self.moved: set[tuple] = set()             # redistributions already priced, by storage
+        self.read_as: dict[str, str] = {}          # this node's inputs' storage -> what it reads
         self.rules: dict = {}                      # OpView -> its strategies, shared by repeated blocks
         self.batch = graph_batch(graph)
         self.by_name = {n.name: n for n in graph.nodes}
@@ -253,6 +254,8 @@ class _LayoutBuilder:
                 layout.param_bytes = sum(self.param_local[p] * _DTYPE_BYTES[self.dtype] for p in params)
         if self.grad[node.name]:
             layout.saved = _saved(node, name, family, acts, self.storage)
+            if self.placements is not None:
+                layout.saved = tuple(self.read_as.get(key, key) for key in layout.saved)
             for key in layout.saved:
                 if key.endswith(":mask"):     # one byte per element
                     self.storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, self.dtype)
@@ -309,9 +312,12 @@ class _LayoutBuilder:
         self.place[node.name] = out
         layout.sharded = out.startswith("S")
         forward, backward = [], []
+        self.read_as = {}
         for k, name in enumerate(node.inputs):
             whole, per_sample = self._edge_bytes(name, node)
             moves = reshard_steps((sources[k],), (inputs[k],), [self.tp]) or []
+            if moves and per_sample:
+                self._read_redistributed(name, inputs[k])
             if moves and self._first((self.storage[name], sources[k], inputs[k])):
                 forward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
                 if not per_sample:    # a gathered weight is freed, and gathered again for the backward
@@ -325,6 +331,17 @@ class _LayoutBuilder:
                 backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
         layout.comm_forward, layout.comm_backward = tuple(forward), tuple(backward)
         return work_split((out,), [(p,) for p in inputs], [self.tp]) > 1
+
+    def _read_redistributed(self, name: str, placement: str) -> None:
+        """The runtime redistributes an activation read in another placement once per placement
+        (autopar.runtime.pipeline_tensor.share_redistributions) and its readers keep that copy
+        for their backward, not the producer's: its own storage, at the read placement's size."""
+        key = f"{self.storage[name]}@{placement}"
+        self.read_as[self.storage[name]] = key
+        if key not in self.storage_bytes:
+            whole = self.full_bytes(self.by_name[name])
+            self.storage_bytes[key] = whole / self.tp if placement.startswith("S") else whole
+            self.seq_degree[key] = self.seq_degree.get(self.storage[name], 0)
 
     def _output(self, node: Node) -> NodeLayout:
         """The graph's outputs leave the program replicated (the loss reads whole logits): under
