@@ -22,7 +22,17 @@ class Redistribute(nn.Module):
     def forward(self, value):
         if not isinstance(value, DTensor):   # a tensor made in the graph (arange, ...) is replicated
             value = DTensor.from_local(value, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
-        return value.redistribute(self.mesh, self.placements)
+        moved = value.redistribute(self.mesh, self.placements)
+        # Handed on with a dense local tensor, as DTensor's own redistributions hand on their
+        # chunks: DTensor dispatches attention to the CPU flash kernel after checking the global
+        # layout only, and that kernel misreads a local whose last dim is strided (Gemma's
+        # multi-query attention under tensor parallelism trained wrong). Whether the local is
+        # dense is the local's business: the global tensor's strides do not say.
+        local = moved.to_local()
+        if local.is_contiguous():
+            return moved
+        return DTensor.from_local(local.contiguous(), self.mesh, moved.placements, run_check=False,
+                                  shape=moved.shape, stride=moved.stride())
 
     def extra_repr(self) -> str:
         return f"placements={self.placements}"
