@@ -164,6 +164,67 @@ def _distributed_op_latency(budget_s: float) -> float:
     return max(extra, 0.0) / (2 * _CHAIN)
 
 
+def _pipeline_action_latency(budget_s: float) -> float:
+    """Host seconds of one action of torch's pipeline schedule, beyond its compute and transfer:
+    every rank runs one stage of a tiny module under Schedule1F1B, at two micro-batch counts. In
+    the steady state each micro-batch adds a forward and a backward of the slowest stage, each
+    with one transfer; less the tiny module's own forward and backward and two transfers (timed
+    as `_exchange` times them), half of that growth is one action's cost."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+    def pipeline_step(micro_batches: int):
+        stage = PipelineStage(module, rank, ranks, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.pow(2).mean())
+        batch = torch.randn(micro_batches, 8)
+        if rank == 0:
+            return lambda: schedule.step(batch)
+        if rank == ranks - 1:
+            return lambda: schedule.step(target=batch, losses=[])
+        return schedule.step
+
+    counts = (ranks, 4 * ranks)         # 1F1B needs as many micro-batches as stages
+    few, many = (_everywhere_seconds(pipeline_step(n), budget_s) for n in counts)
+    per_micro_batch = (many - few) / (counts[1] - counts[0])
+    one = torch.randn(1, 8, requires_grad=True)
+    compute = _seconds(lambda: module(one).sum().backward(), "cpu", budget_s)
+    transfer = _everywhere_seconds(lambda: _exchange(torch.zeros(1, 8), rank), budget_s)
+    return max(per_micro_batch - compute - 2 * transfer, 0.0) / 2
+
+
+_GROUPS = 8
+
+
+def _data_parallel_group_latency(budget_s: float) -> float:
+    """Host seconds FSDP2's hooks add per group and micro-batch: a chain of tiny layers, each its
+    own `replicate` group as the runtime wraps a stage, forward and backward without gradient
+    sync (no collective), against the same chain unwrapped."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(_GROUPS)))
+    wrapped = copy.deepcopy(plain)
+    for layer in wrapped:
+        replicate(layer, mesh=mesh)
+    replicate(wrapped, mesh=mesh)
+    wrapped.set_requires_gradient_sync(False)
+    one = torch.randn(1, 8)
+    run = lambda model: model(one).sum().backward()
+    extra = _seconds(lambda: run(wrapped), "cpu", budget_s) - _seconds(lambda: run(plain), "cpu",
+                                                                     budget_s)
+    return max(extra, 0.0) / (_GROUPS + 1)
+
+
 def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
                    sizes: tuple[int, ...] = COLLECTIVE_BYTES) -> tuple[Efficiencies, dict, dict]:
     """Efficiencies and measurements as `calibrate` gives them, taken on rank 0 while every rank
@@ -190,9 +251,13 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
 def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
     efficiencies, measurements = calibrate("cpu", budget_s=budget_s)
     efficiencies.distributed_op_latency_s = _distributed_op_latency(budget_s)
-    measurements["one-element op on a DTensor, extra"] = {
-        "family": "latency", "seconds": efficiencies.distributed_op_latency_s, "flops": 1,
-        "bytes": 0, "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
+    efficiencies.pipeline_action_latency_s = _pipeline_action_latency(budget_s)
+    efficiencies.data_parallel_group_latency_s = _data_parallel_group_latency(budget_s)
+    for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
+                           ("pipeline schedule action, extra", efficiencies.pipeline_action_latency_s),
+                           ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s)):
+        measurements[label] = {"family": "latency", "seconds": seconds, "flops": 1, "bytes": 0,
+                               "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
     return efficiencies, measurements, {kind: [_collective_seconds(kind, n, budget_s) for n in sizes]
                                         for kind in KINDS}
 
@@ -236,6 +301,20 @@ def _exchange(tensor: torch.Tensor, rank: int) -> None:
            dist.P2POp(dist.irecv, incoming, (rank - 1) % ranks)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+
+
+def _everywhere_seconds(fn: Callable[[], object], budget_s: float) -> float:
+    """Median seconds of `fn`, a step every rank takes together, each repeat between barriers
+    and the same number of repeats on every rank; the slowest rank's median."""
+    import torch.distributed as dist
+
+    fn()
+    repeats = int(_agreed(max(3, min(30, int(budget_s / max(_timed(fn), 1e-6)))), min))
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        times.append(_timed(fn))
+    return _agreed(sorted(times)[len(times) // 2], max)
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -115,6 +115,13 @@ class Efficiencies:
     # host, which hides it for models large enough to keep the GPU busy, hence 0; on a CPU the
     # host is the device, and `autopar calibrate --mesh` measures it.
     distributed_op_latency_s: float = 0.0
+    # The same for the runtime's own machinery, per micro-batch: one action of torch's pipeline
+    # schedule (a stage's forward or backward, its send and receive posted and waited for) beyond
+    # the compute and the transfer it runs, and one FSDP2 group's hooks (its pre-forward,
+    # pre-backward and post-backward) around a micro-batch. Hidden behind a GPU's kernels;
+    # measured by `autopar calibrate --mesh` where the host is the device.
+    pipeline_action_latency_s: float = 0.0
+    data_parallel_group_latency_s: float = 0.0
     device: str = ""                   # the device they were measured on; "" for the defaults
 
     def __post_init__(self):
@@ -140,7 +147,8 @@ class Efficiencies:
 
     @classmethod
     def from_dict(cls, data: dict) -> Efficiencies:
-        known = {"compute", "memory", "kernel_latency_s", "distributed_op_latency_s", "device"}
+        known = {"compute", "memory", "kernel_latency_s", "distributed_op_latency_s",
+                 "pipeline_action_latency_s", "data_parallel_group_latency_s", "device"}
         unknown = set(data) - known - {"measurements", "collectives"}
         if unknown:
             raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "

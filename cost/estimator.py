@@ -11,6 +11,8 @@ Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
                the forward is recomputed), on the tensor-parallel group's links, not overlapped
   pipeline     activations and their gradients sent to the next stage over its link, split over
                the tensor-parallel ranks and all-gathered there (Megatron's scatter/gather)
+  host         the runtime's machinery: each action of torch's pipeline schedule, each FSDP
+               group's hooks; measured on CPU meshes, hidden behind a GPU's kernels (`_host_time`)
 Per step:
   m x the slowest device's time per micro-batch, plus the pipeline bubble: the fill and drain,
   (sum of the devices' times - the slowest) / v, which is (p-1)/(v m) of the ideal time when stages
@@ -91,6 +93,7 @@ class _Chunk:
     recompute_s: float = 0.0
     tensor_comm_s: float = 0.0
     send_s: float = 0.0
+    host_s: float = 0.0             # the runtime's machinery on the host (_host_time)
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
@@ -167,6 +170,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     split = memo.split(stages)
+    for c, spec in enumerate(stages):
+        chunks[c].host_s = _host_time(spec, split.groups[c], pipelined=len(devices) > 1,
+                                      schedule=schedule, eff=eff)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
@@ -557,7 +563,19 @@ def _add_sends(crossing: list[float], stages: list[StageSpec], chunks: list[_Chu
 
 
 def _chunk_time(chunk: _Chunk) -> float:
-    return chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s + chunk.send_s
+    return (chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s
+            + chunk.send_s + chunk.host_s)
+
+
+def _host_time(spec: StageSpec, groups: int, *, pipelined: bool, schedule: str,
+               eff: Efficiencies) -> float:
+    """Per micro-batch, what the runtime's machinery costs a chunk's host: under a pipeline
+    schedule, its actions (a forward and a backward; zero-bubble splits the backward in two),
+    and with data parallelism, the hooks of each of its FSDP groups. Zero unless calibrated on
+    a device whose host runs the compute (`Efficiencies`)."""
+    actions = (3 if schedule == "zero-bubble" else 2) if pipelined else 0
+    hooked = groups if spec.dp > 1 else 0
+    return actions * eff.pipeline_action_latency_s + hooked * eff.data_parallel_group_latency_s
 
 
 def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: StageSpec, mesh: Mesh,
@@ -647,7 +665,8 @@ def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, pe
     peak = mesh.device.flops("bfloat16")
     return Estimate(
         step_time_s=step,
-        breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s"),
+        breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s")
+                   + total("host_s"),
                    "exposed_comm": total("tensor_comm_s") + total("send_s") + data_comm,
                    "bubble": bubble, "optimizer": optimizer},
         comm_breakdown={"tensor": total("tensor_comm_s"), "pipeline": total("send_s"),

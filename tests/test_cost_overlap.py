@@ -131,6 +131,7 @@ def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, c
     assert all(fit["bandwidth"] > 0 and fit["latency_s"] >= 0
                for fit in data["collectives"]["fits"].values())
     assert data["kernel_latency_s"] > 0 and data["distributed_op_latency_s"] >= 0
+    assert data["pipeline_action_latency_s"] >= 0 and data["data_parallel_group_latency_s"] >= 0
     capsys.readouterr()
     assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
                  "--calibration", str(out), "--json"]) == 0
@@ -149,6 +150,34 @@ def test_ops_on_distributed_tensors_pay_the_measured_host_latency(tiny_gpt):
         before = estimate(tiny_gpt, mesh, config, efficiencies=plain).breakdown["compute"]
         after = estimate(tiny_gpt, mesh, config, efficiencies=hosted).breakdown["compute"]
         assert (after > before) == distributed, config
+
+
+def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(tiny_gpt):
+    """A pipeline schedule's actions (forward and backward, the backward split in two under
+    zero-bubble) and FSDP2's hooks per group are charged per micro-batch at the calibrated host
+    latency: on the slowest rank every micro-batch, and on the others in the bubble."""
+    from autopar.cost.compute import Efficiencies
+
+    mesh = Mesh.parse("4:cpu")
+    plain = Efficiencies(device="cpu")
+    action, group = 1e-3, 5e-4
+    hosted = Efficiencies(device="cpu", pipeline_action_latency_s=action,
+                          data_parallel_group_latency_s=group)
+
+    def added(config):
+        before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
+        after = estimate(tiny_gpt, mesh, config, efficiencies=hosted)
+        return after.step_time_s - before.step_time_s, after
+
+    single, _ = added(Config(tp=4, global_batch=8, micro_batch=2))
+    assert single == 0.0                           # no schedule, no data parallelism
+    for schedule, actions in (("1f1b", 2), ("gpipe", 2), ("zero-bubble", 3)):
+        extra, result = added(Config(pp=4, global_batch=8, micro_batch=2, schedule=schedule))
+        slots = result.micro_batches + (4 - 1) * (1 / 3 if schedule == "zero-bubble" else 1)
+        assert extra == pytest.approx(slots * actions * action), schedule
+    extra, result = added(Config(dp=4, global_batch=16, micro_batch=2))
+    groups = round(extra / (result.micro_batches * group))
+    assert groups >= 2 and extra == pytest.approx(result.micro_batches * groups * group)
 
 
 def test_autopar_fsdp2_gathers_as_often_as_it_frees_the_weights_and_reduces_as_its_zero_stage_says():
