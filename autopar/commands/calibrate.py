@@ -1,7 +1,8 @@
 """`autopar calibrate [--out FILE] [--device cpu|cuda] [--mesh 4:cpu]`: time matmuls, attention,
 elementwise ops, norms, softmax, reductions and the cost of one op on the local device, and with
 `--mesh` on every gloo rank of that mesh at once together with the mesh's collectives (latency
-and bandwidth per collective, fitted over several sizes); write the file that `autopar estimate
+and bandwidth per collective, fitted over several sizes) and the host cost of the runtime's
+machinery (DTensor dispatch, pipeline schedule actions, FSDP2 hooks); write the file that `autopar estimate
 --calibration FILE` and `autopar.cost.estimate(..., calibration=FILE)` use in place of the
 published defaults."""
 
