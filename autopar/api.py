@@ -80,7 +80,8 @@ def _as_mesh(mesh):
 
 def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=None,
          time_limit: float = 60.0, example_kwargs: dict | None = None,
-         progress: Callable[[str, int, int], None] | None = None, precision: str | None = None):
+         progress: Callable[[str, int, int], None] | None = None, precision: str | None = None,
+         calibration=None):
     """Plan `model` for `mesh` (a Mesh or a spec such as "128x8:a100-80g") and return a Plan.
 
     `example_inputs` are ONE micro-batch's inputs (meta or fake tensors are fine: nothing runs);
@@ -88,7 +89,8 @@ def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=
     device or a size such as "80GiB" (default: the device's memory); `time_limit` seconds for all
     of planning, capture included. `progress(phase, done, total)` is called as the search goes.
     `precision` "bf16", "fp16" or "fp32" is what the plan is priced and run at (default: the
-    device's training dtype, bf16 on GPUs, fp32 on CPUs)."""
+    device's training dtype, bf16 on GPUs, fp32 on CPUs). `calibration`, a file from `autopar
+    calibrate`, prices the candidates with what it measured instead of the published figures."""
     from autopar.tracer import capture
 
     check_planning(global_batch, time_limit, memory_limit)
@@ -98,7 +100,7 @@ def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=
     graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     return plan_graph(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
                       time_limit=remaining_time(time_limit, started), progress=progress,
-                      precision=precision)
+                      precision=precision, calibration=calibration)
 
 
 def remaining_time(time_limit: float, started: float) -> float:
@@ -111,14 +113,16 @@ def remaining_time(time_limit: float, started: float) -> float:
 
 
 def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit: float = 60.0,
-               progress: Callable[[str, int, int], None] | None = None, precision: str | None = None):
+               progress: Callable[[str, int, int], None] | None = None, precision: str | None = None,
+               calibration=None):
     """`plan` for an already captured Graph."""
     from autopar.solver.pipeline_plan import plan_graph as search
 
     limit = check_planning(global_batch, time_limit, memory_limit)
     check_precision(precision)
     return search(graph, _as_mesh(mesh), global_batch=global_batch, memory_limit=limit,
-                  time_limit=time_limit, progress=progress, precision=precision)
+                  time_limit=time_limit, progress=progress, precision=precision,
+                  calibration=calibration)
 
 
 def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: float = 60.0,
@@ -149,7 +153,8 @@ def check_precision(precision: str | None) -> None:
 
 def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_kwargs: dict | None = None,
             global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = 60.0,
-            graph=None, precision: str | None = None, load_from=None, init=None, seed: int = 0):
+            graph=None, precision: str | None = None, load_from=None, init=None, seed: int = 0,
+            calibration=None):
     """Train `model` on this process's rank of `mesh` under a plan; returns a `CompiledModel`.
 
     `plan` is a Plan, a path to a saved one, a forced `Config`, or None: then rank 0 plans (for
@@ -169,7 +174,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     own shards and fills them from `load_from` (a safetensors file, a directory of safetensors
     shards or a DCP checkpoint; names as in model.state_dict()) or `init(module)` (applied like
     model.apply, seeded per module name from `seed`: the same values under every plan).
-    `load_from`/`init` also overwrite a real model's values."""
+    `load_from`/`init` also overwrite a real model's values.
+    `calibration`: a file from `autopar calibrate` that the planner prices with (when it plans)."""
     import torch.distributed as dist
 
     from autopar.tracer import capture
@@ -202,7 +208,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     if isinstance(plan, Config):
         plan = _plan_for_config(graph, mesh, plan, time_limit, precision)
     elif plan is None:
-        plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision)
+        plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision, calibration)
     else:
         plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
@@ -273,9 +279,10 @@ def _plan_for_config(graph, mesh, config, time_limit, precision):
                                                    precision=precision), time_limit)
 
 
-def _plan_freely(graph, mesh, global_batch, memory_limit, time_limit, precision):
+def _plan_freely(graph, mesh, global_batch, memory_limit, time_limit, precision, calibration):
     return _plan_on_rank0(lambda: plan_graph(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                                             time_limit=time_limit, precision=precision), time_limit)
+                                             time_limit=time_limit, precision=precision,
+                                             calibration=calibration), time_limit)
 
 
 def _plan_on_rank0(make_plan, time_limit):

@@ -24,9 +24,9 @@ from autopar.graph import Graph, Role
 
 
 def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str = "autopar",
-                  attention: str = "flash", calibration=None) -> Estimate:
+                  attention: str = "flash", calibration=None, efficiencies=None) -> Estimate:
     """Price `plan` (an autopar.plans.Plan) on `graph`, the graph it was made for; `cache`,
-    `runtime`, `attention` and `calibration` as for `estimate_stages`."""
+    `runtime`, `attention`, `calibration` and `efficiencies` as for `estimate_stages`."""
     if plan.fingerprint != graph.fingerprint():
         raise PlanMismatchError("the plan was made for another graph (fingerprints differ); "
                                 "capture the model the plan was made for, or plan this one")
@@ -39,7 +39,8 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
     return estimate_stages(graph, Mesh.from_dict(plan.mesh), specs, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch_size, schedule=plan.schedule,
                            virtual=plan.virtual, cache=cache, runtime=runtime,
-                           attention=attention, calibration=calibration, precision=plan.precision)
+                           attention=attention, calibration=calibration, precision=plan.precision,
+                           efficiencies=efficiencies)
 
 
 def tensor_placements(graph: Graph, plan) -> TensorPlacements | None:

@@ -180,6 +180,24 @@ def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(
     assert groups >= 2 and extra == pytest.approx(result.micro_batches * groups * group)
 
 
+def test_the_planner_prices_with_a_calibration_and_the_plan_records_that_price(tmp_path):
+    """Where a pipeline action costs the host a lot (as measured), the planner plans without a
+    pipeline; the plan names the file and records the price estimate_plan gives it with it."""
+    from autopar.api import plan_graph
+    from autopar.commands.estimate import capture_training_step
+    from autopar.cost.plan_estimate import estimate_plan
+
+    graph = capture_training_step("gpt-tiny", batch=2)
+    path = tmp_path / "eff.json"
+    path.write_text(json.dumps({"device": "cpu", "pipeline_action_latency_s": 1.0}))
+    published = plan_graph(graph, "4:cpu", global_batch=8, time_limit=30)
+    measured = plan_graph(graph, "4:cpu", global_batch=8, time_limit=30, calibration=path)
+    assert len(published.stages) > 1 and "calibration" not in published.solver
+    assert len(measured.stages) == 1 and measured.solver["calibration"] == str(path)
+    again = estimate_plan(graph, measured, calibration=path)
+    assert measured.predicted["step_time_s"] == pytest.approx(again.step_time_s)
+
+
 def test_autopar_fsdp2_gathers_as_often_as_it_frees_the_weights_and_reduces_as_its_zero_stage_says():
     """On a CPU mesh (nothing overlaps) the autopar runtime's FSDP2 issues each collective once per
     layer group; ZeRO-1/2 gather before every micro-batch on one stage, once per step under a

@@ -1,10 +1,11 @@
 """`autopar plan MODEL --mesh NxG:DEVICE --global-batch B [--memory-limit 80GiB] [--time-limit S]
---out plan.json [--json]`: capture a model preset (or spec) on the meta device and plan it."""
+[--calibration eff.json] --out plan.json [--json]`: capture a model preset (or spec) on the meta device and plan it."""
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -17,6 +18,8 @@ def add_arguments(parser):
     parser.add_argument("--memory-limit", help="bytes per device, e.g. 80GiB or 40GB (default: the device's)")
     parser.add_argument("--time-limit", type=float, default=60.0,
                         help="seconds for all of planning, capture included (default 60)")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="price with a file from `autopar calibrate` (default: published figures)")
     parser.add_argument("--out", help="write the plan here as JSON")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
 
@@ -46,7 +49,8 @@ def run(args) -> int:
             status.update(f"planning {args.model} for {mesh}: {phase} ({done}/{total})")
 
         plan = plan_graph(graph, mesh, global_batch=args.global_batch, memory_limit=args.memory_limit,
-                          time_limit=remaining_time(args.time_limit, started), progress=progress)
+                          time_limit=remaining_time(args.time_limit, started), progress=progress,
+                          calibration=args.calibration)
     console.print(f"captured in {captured:.1f} s, planned in {time.monotonic() - started - captured:.1f} s")
     if args.out:
         plan.save(args.out)

@@ -7,7 +7,7 @@ allow) and the planner's own plan are each trained for a few steps on real gloo 
 median over the timed steps) and peak resident memory growth are set against what the estimator
 predicts for the plan that configuration runs as (`autopar.cost.estimate_plan` of
 `autopar.plan_from_config`: the per-op placements the runtime applies), with a calibration file
-when given (`autopar calibrate --mesh`). Printed: every row, Kendall's tau between predicted and measured times, the median
+when given (`autopar calibrate --mesh`), with which the planner also plans. Printed: every row, Kendall's tau between predicted and measured times, the median
 |error|, and whether the estimator's and the planner's choices are the fastest measured; drawn:
 a scatter PNG when matplotlib is installed.
 """
@@ -142,7 +142,7 @@ def measure(row: dict, args, mesh) -> None:
     try:
         results = autopar.launch(train_rank, mesh.world_size, args.model, str(mesh),
                                  row["config"], args.global_batch, args.micro_batch, args.steps,
-                                 timeout=900, pg_timeout=300)
+                                 args.calibration, timeout=900, pg_timeout=300)
     except LaunchError as err:
         row["error"] = str(err).splitlines()[0][:120]
         return
@@ -151,13 +151,15 @@ def measure(row: dict, args, mesh) -> None:
     row["measured_mib"] = max(r["peak_mib"] for r in results)
     if row["config"] is None:
         row["name"] = f"planner: {results[0]['plan']}"
-        row["predicted_s"] = _planned_price(results[0], args, mesh)
+        # planned with the calibration, so priced with it: its own stages and placements
+        row["predicted_s"] = results[0]["predicted_s"]
 
 
 def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int,
-               steps: int) -> dict:
-    """One gloo rank: compile `spec` under `config` (the planner's plan when None), one warm-up
-    step, then `steps` timed ones, each between barriers so that the slowest rank sets it."""
+               steps: int, calibration=None) -> dict:
+    """One gloo rank: compile `spec` under `config` (the planner's plan when None, planned with
+    `calibration`), one warm-up step, then `steps` timed ones, each between barriers so that the
+    slowest rank sets it."""
     import resource
     import time
 
@@ -171,7 +173,7 @@ def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int
     model, example_inputs = build_model(spec, device="cpu", batch=micro_batch, seed=SEED)
     compiled = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=lm_loss,
                                optimizer=lambda params: torch.optim.SGD(params, lr=1e-3),
-                               plan=config, global_batch=global_batch)
+                               plan=config, global_batch=global_batch, calibration=calibration)
     generator = torch.Generator().manual_seed(SEED)
     vocab, seq = parse_spec(spec).vocab, example_inputs[0].shape[1]
     ids = torch.randint(0, vocab, (global_batch, seq + 1), generator=generator)
@@ -189,26 +191,6 @@ def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int
     return {"times": times, "peak_mib": peak, "plan": _plan_summary(plan) if plan else "",
             "plan_data": plan.to_dict() if plan else None,
             "predicted_s": plan.predicted.get("step_time_s") if plan else None}
-
-
-def _planned_price(result: dict, args, mesh) -> float | None:
-    """The planner's plan priced like the forced rows, with the calibration applied: its own
-    stages and placements (estimate_plan) on the graph compile planned it on; without a
-    calibration, the price the plan records."""
-    from autopar.cost.plan_estimate import estimate_plan
-    from autopar.errors import AutoparError
-    from autopar.models import build_model
-    from autopar.plans import Plan
-    from autopar.tracer import capture
-
-    if args.calibration is None:
-        return result["predicted_s"]
-    model, example_inputs = build_model(args.model, device="meta", batch=args.micro_batch, seed=SEED)
-    try:
-        return estimate_plan(capture(model, example_inputs), Plan.from_dict(result["plan_data"]),
-                             calibration=args.calibration).step_time_s
-    except AutoparError as err:
-        raise AutoparError(f"the planner's plan cannot be priced again: {err}") from err
 
 
 def _plan_summary(plan) -> str:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from functools import cache
 
+from autopar.cost.calibration import calibrated
 from autopar.cost.config import Config
 from autopar.cost.estimator import default_precision
 from autopar.cost.plan_estimate import estimate_plan
@@ -39,18 +40,25 @@ Progress = Callable[[str, int, int], None]
 
 def plan_graph(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
                time_limit: float = 60.0, progress: Progress | None = None,
-               precision: str | None = None) -> Plan:
+               precision: str | None = None, calibration=None) -> Plan:
     return plan_and_search(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                           time_limit=time_limit, progress=progress, precision=precision)[0]
+                           time_limit=time_limit, progress=progress, precision=precision,
+                           calibration=calibration)[0]
 
 
 def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
                     time_limit: float = 60.0, progress: Progress | None = None,
-                    precision: str | None = None) -> tuple[Plan, Search]:
-    """The plan and the search that found it (its priced candidates, for benchmarks)."""
+                    precision: str | None = None, calibration=None) -> tuple[Plan, Search]:
+    """The plan and the search that found it (its priced candidates, for benchmarks). With a
+    `calibration` file (`autopar calibrate`), candidates are priced with its efficiencies and, where
+    it measured them, its links (which the plan's mesh then carries); the plan names the file."""
     started = time.monotonic()
+    efficiencies = None
+    if calibration is not None:
+        mesh, efficiencies = calibrated(mesh, None, calibration)
     search = search_pipeline(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
-                             deadline=started + time_limit, progress=progress, precision=precision)
+                             deadline=started + time_limit, progress=progress, precision=precision,
+                             efficiencies=efficiencies)
     inter_seconds = time.monotonic() - started
     _report(progress, "placements", 3, 3)
     status = "time_limit" if search.timed_out else "searched"
@@ -58,17 +66,18 @@ def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     plan = _assemble(graph, mesh, search.best, search.units, global_batch=global_batch, solver={
         "seconds": inter_seconds, "status": status, "gap": None, "candidates": search.priced,
         "refused": sum(refused.values()),
-        "refusal_reasons": dict(sorted(refused.items(), key=lambda kv: -kv[1])[:5])},
+        "refusal_reasons": dict(sorted(refused.items(), key=lambda kv: -kv[1])[:5]),
+        **({"calibration": str(calibration)} if calibration is not None else {})},
         pricer=search.pricer)
     return plan, search
 
 
 def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None,
                     deadline: float, progress: Progress | None = None,
-                    precision: str | None = None) -> Search:
+                    precision: str | None = None, efficiencies=None) -> Search:
     """The inter-op search alone; `search.best` is the fastest candidate that fits."""
     limit = memory_limit or mesh.device.memory_bytes
-    search = new_search(graph, mesh, global_batch, limit, deadline, precision)
+    search = new_search(graph, mesh, global_batch, limit, deadline, precision, efficiencies)
     weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
     blocks = sum(1 for unit in search.units if unit.block)
     grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch)
@@ -144,11 +153,11 @@ def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
 
 
 def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float,
-               precision: str | None = None) -> Search:
+               precision: str | None = None, efficiencies=None) -> Search:
     if global_batch < 1:
         raise AutoparError(f"global batch {global_batch} must be at least 1")
     pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit,
-                    precision=precision, deadline=deadline)
+                    precision=precision, deadline=deadline, efficiencies=efficiencies)
     units = pipeline_units(graph)
     return Search(pricer=pricer, units=units, deadline=deadline,
                   skipping=skipping_pairs(graph, [unit.layers for unit in units]))
@@ -238,7 +247,8 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
                 precision=pricer.precision or default_precision(mesh))
     # What the plan records is the plan's own price, from its stages as written (the search's
     # price of the candidate is the same call, shared through `cache`).
-    estimate = estimate_plan(graph, plan, cache=pricer.estimates).to_dict()
+    estimate = estimate_plan(graph, plan, cache=pricer.estimates,
+                             efficiencies=pricer.efficiencies).to_dict()
     plan.predicted = {key: value for key, value in estimate.items() if key != "devices"}
     for stage, predicted in zip(stages, _stage_predictions(graph, mesh, priced, units,
                                                            estimate["devices"])):

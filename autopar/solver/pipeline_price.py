@@ -32,6 +32,7 @@ class Pricer:
     global_batch: int
     memory_limit: float
     precision: str | None = None    # the plan's (bf16, fp16, fp32); None: the device's training dtype
+    efficiencies: object = None     # a calibration's Efficiencies; None: the device's published ones
     cache: dict = field(default_factory=dict)       # candidate -> Priced, or None if refused
     estimates: dict = field(default_factory=dict)   # the estimator's own cache, for this search
     refusals: dict = field(default_factory=dict)    # the estimator's reason -> how many candidates
@@ -46,7 +47,8 @@ class Pricer:
         try:
             result = (estimate(self.graph, self.mesh, self.config(candidate),
                                cache=self.estimates, precision=self.precision,
-                               placements=self.placements(candidate.shape.tp))
+                               placements=self.placements(candidate.shape.tp),
+                               efficiencies=self.efficiencies)
                       if uniform else self.stages_estimate(candidate, units))
         except AutoparError as err:
             reason = str(err).split(";")[0]
@@ -76,7 +78,8 @@ class Pricer:
                  for i in range(candidate.chunks)]
         return estimate_stages(self.graph, self.mesh, specs, global_batch=self.global_batch,
                                micro_batch=shape.micro_batch, schedule=shape.schedule,
-                               virtual=shape.virtual, cache=self.estimates, precision=self.precision)
+                               virtual=shape.virtual, cache=self.estimates, precision=self.precision,
+                               efficiencies=self.efficiencies)
 
 
     def placements(self, tp: int) -> TensorPlacements | None:
