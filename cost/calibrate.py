@@ -265,8 +265,13 @@ def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
 
 
 def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
-    """Median seconds of one `kind` collective on a tensor of `nbytes` (full size, fp32) over the
-    default process group; every rank runs the same number of repeats."""
+    """Median seconds one `kind` collective on a tensor of `nbytes` (full size, fp32) over the
+    default process group adds to a step, every rank running the same number of repeats.
+
+    Timed as a training step issues it: after each rank's own compute (`_layer_of_compute`),
+    less that compute's time with every rank computing at once. Where the host runs the compute,
+    ranks reach a collective at different moments (they share the cores), and a blocking
+    collective waits for the last; timed from a barrier, it would not."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
@@ -281,14 +286,29 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
            "all_to_all": lambda: funcol.wait_tensor(
                funcol.all_to_all_single(part, None, None, dist.group.WORLD)),
            "send_recv": lambda: _exchange(full, rank)}[kind]
+    compute = _layer_of_compute()
     run()
-    repeats = max(3, min(50, int(budget_s / max(_timed(run), 1e-6))))
+    repeats = max(3, min(50, int(budget_s / max(_timed(run) + _timed(compute), 1e-6))))
     repeats = int(_agreed(repeats, min))
-    times = []
+    alone, followed = [], []
     for _ in range(repeats):
         dist.barrier()
-        times.append(_timed(run))
-    return sorted(times)[len(times) // 2]
+        alone.append(_timed(compute))
+        dist.barrier()
+        followed.append(_timed(lambda: (compute(), run())))
+    median = lambda times: sorted(times)[len(times) // 2]
+    return max(median(followed) - median(alone), 1e-6)
+
+
+def _layer_of_compute():
+    """A fixed piece of work like a layer's backward between two collectives of a step (a few
+    milliseconds of matmuls on a CPU core)."""
+    a, b = torch.randn(160, 160), torch.randn(160, 160)
+
+    def compute() -> None:
+        for _ in range(8):
+            a @ b
+    return compute
 
 
 def _exchange(tensor: torch.Tensor, rank: int) -> None:
