@@ -116,7 +116,7 @@ SIGTERM_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_signal_to_launcher_stops_every_rank_and_cleans_up(tmp_path, signum):
     pids, scratch = tmp_path / "pids", tmp_path / "tmp"
     pids.mkdir()
@@ -125,7 +125,7 @@ def test_signal_to_launcher_stops_every_rank_and_cleans_up(tmp_path, signum):
                                 env={**os.environ, "TMPDIR": str(scratch)},
                                 stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(1500):      # both ranks started (polling, no timing assumption)
+        for _ in range(6000):      # both ranks started (polled; importing torch may take a while)
             if len(list(pids.iterdir())) == 2 or launcher.poll() is not None:
                 break
             time.sleep(0.02)

@@ -170,6 +170,7 @@ def test_t5_memory_limited_plan_is_no_zero_bubble_over_relays():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow       # the conformance slice trains T5 through a pipeline in CI
 def test_t5_free_plan_under_memory_limit_trains_like_one_process():
     result = run_case("t5", "plan 2x4 memory-limited", timeout=600)
     assert result.status == "pass", f"{result.status}: {result.detail}"
