@@ -85,8 +85,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=1e-3)
 
 
-def torch_ddp_step(args):
-    model = torch.nn.parallel.DistributedDataParallel(new_model(args))
+def training_step(model):
+    """One hand-written step of `model` with its own SGD: the torch side of each comparison."""
     opt = sgd(model.parameters())
 
     def step(ids, targets):
@@ -96,6 +96,10 @@ def torch_ddp_step(args):
         opt.zero_grad(set_to_none=True)
         return loss.item()
     return step
+
+
+def torch_ddp_step(args):
+    return training_step(torch.nn.parallel.DistributedDataParallel(new_model(args)))
 
 
 def torch_replicate_step(args):
@@ -107,15 +111,7 @@ def torch_replicate_step(args):
     for layer in model.layers:
         replicate(layer, mesh=mesh)
     replicate(model, mesh=mesh)
-    opt = sgd(model.parameters())
-
-    def step(ids, targets):
-        loss = lm_loss(model(ids), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return step
+    return training_step(model)
 
 
 def torch_tp_step(args):
@@ -131,15 +127,7 @@ def torch_tp_step(args):
                      f"layers.{i}.attn.wv": ColwiseParallel(), f"layers.{i}.attn.wo": RowwiseParallel(),
                      f"layers.{i}.fc1": ColwiseParallel(), f"layers.{i}.fc2": RowwiseParallel()})
     parallelize_module(model, mesh, plan)
-    opt = sgd(model.parameters())
-
-    def step(ids, targets):
-        loss = lm_loss(model(ids), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return step
+    return training_step(model)
 
 
 def new_model(args):

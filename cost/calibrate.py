@@ -287,17 +287,8 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
                funcol.all_to_all_single(part, None, None, dist.group.WORLD)),
            "send_recv": lambda: _exchange(full, rank)}[kind]
     compute = _layer_of_compute()
-    run()
-    repeats = max(3, min(50, int(budget_s / max(_timed(run) + _timed(compute), 1e-6))))
-    repeats = int(_agreed(repeats, min))
-    alone, followed = [], []
-    for _ in range(repeats):
-        dist.barrier()
-        alone.append(_timed(compute))
-        dist.barrier()
-        followed.append(_timed(lambda: (compute(), run())))
-    median = lambda times: sorted(times)[len(times) // 2]
-    return max(median(followed) - median(alone), 1e-6)
+    followed = _everywhere_seconds(lambda: (compute(), run()), budget_s)
+    return max(followed - _everywhere_seconds(compute, budget_s), 1e-6)
 
 
 def _layer_of_compute():
