@@ -240,13 +240,17 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
     if ranks < 2:
         raise AutoparError(f"--mesh {mesh} has one device: no collective to measure; give 2 or more")
     results = launch(_rank_calibration, ranks, budget_s, sizes, timeout=600.0, pg_timeout=120.0)
-    efficiencies, measurements, timings = results[0]
-    fits = {}
-    for kind in KINDS:
-        points = [(nbytes, max(r[2][kind][i] for r in results)) for i, nbytes in enumerate(sizes)]
-        latency, bandwidth = fit_link(kind, ranks, points)
-        fits[kind] = {"latency_s": latency, "bandwidth": bandwidth, "points": points}
-    collectives = {"device": mesh.device.name, "ranks": ranks, "backend": "gloo", "fits": fits}
+    efficiencies, measurements, _ = results[0]
+    by_size = {}
+    for size in sorted(results[0][2]):
+        by_size[size] = {}
+        for kind in results[0][2][size]:
+            points = [(nbytes, max(r[2][size][kind][i] for r in results)) for i, nbytes in enumerate(sizes)]
+            latency, bandwidth = fit_link(kind, size, points)
+            by_size[size][kind] = {"latency_s": latency, "bandwidth": bandwidth, "points": points}
+    collectives = {"device": mesh.device.name, "ranks": ranks, "backend": "gloo",
+                   "fits": by_size.pop(ranks),
+                   "group_fits": {str(size): fits for size, fits in by_size.items()}}
     return efficiencies, measurements, collectives
 
 
@@ -260,13 +264,29 @@ def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
                            ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s)):
         measurements[label] = {"family": "latency", "seconds": seconds, "flops": 1, "bytes": 0,
                                "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
-    return efficiencies, measurements, {kind: [_collective_seconds(kind, n, budget_s) for n in sizes]
-                                        for kind in KINDS}
+    return efficiencies, measurements, _group_timings(budget_s, sizes)
 
 
-def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
-    """Median seconds one `kind` collective on a tensor of `nbytes` (full size, fp32) over the
-    default process group adds to a step, every rank running the same number of repeats.
+def _group_timings(budget_s: float, sizes: tuple[int, ...]) -> dict:
+    """{group size: {kind: seconds per size}}: the whole mesh, then groups of each smaller size
+    that divides it, consecutive ranks, every group timing at once. Point-to-point transfers are
+    timed on the whole mesh only (each is one pair whatever the group)."""
+    import torch.distributed as dist
+
+    ranks, rank = dist.get_world_size(), dist.get_rank()
+    timings = {ranks: {kind: [_collective_seconds(kind, n, budget_s) for n in sizes] for kind in KINDS}}
+    for size in (size for size in range(2, ranks) if ranks % size == 0):
+        groups = [dist.new_group(list(range(first, first + size))) for first in range(0, ranks, size)]
+        group = groups[rank // size]
+        timings[size] = {kind: [_collective_seconds(kind, n, budget_s, group) for n in sizes]
+                         for kind in KINDS if kind != "send_recv"}
+    return timings
+
+
+def _collective_seconds(kind: str, nbytes: int, budget_s: float, group=None) -> float:
+    """Median seconds one `kind` collective on a tensor of `nbytes` (full size, fp32) over
+    `group` (the default process group when None) adds to a step, every rank running the same
+    number of repeats.
 
     Timed as a training step issues it: after each rank's own compute (`_layer_of_compute`),
     less that compute's time with every rank computing at once. Where the host runs the compute,
@@ -275,16 +295,17 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float) -> float:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    ranks, rank = dist.get_world_size(), dist.get_rank()
+    ranks, rank = dist.get_world_size(group), dist.get_rank()
     full = torch.zeros(max(ranks, nbytes // 4))
     part = torch.zeros(full.numel() // ranks)
-    run = {"all_reduce": lambda: dist.all_reduce(full),
-           "all_gather": lambda: dist.all_gather_single(full[:part.numel() * ranks], part),
-           "reduce_scatter": lambda: dist.reduce_scatter_single(part, full[:part.numel() * ranks]),
+    run = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+           "all_gather": lambda: dist.all_gather_single(full[:part.numel() * ranks], part, group=group),
+           "reduce_scatter": lambda: dist.reduce_scatter_single(part, full[:part.numel() * ranks],
+                                                                group=group),
            # as DTensor's shard-to-shard redistribution runs it: through the functional
            # collective, which a CPU process group answers with an all-gather and a chunk
            "all_to_all": lambda: funcol.wait_tensor(
-               funcol.all_to_all_single(part, None, None, dist.group.WORLD)),
+               funcol.all_to_all_single(part, None, None, group or dist.group.WORLD)),
            "send_recv": lambda: _exchange(full, rank)}[kind]
     compute = _layer_of_compute()
     followed = _everywhere_seconds(lambda: (compute(), run()), budget_s)

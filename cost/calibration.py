@@ -5,11 +5,16 @@ The file (`autopar calibrate --out eff.json`) holds the fields of `Efficiencies`
 collectives were measured (`--mesh 4:cpu`), a "collectives" section:
 
     {"device": "cpu", "ranks": 4, "backend": "gloo",
-     "fits": {"all_reduce": {"latency_s": ..., "bandwidth": ..., "points": [[bytes, s], ...]}, ...}}
+     "fits": {"all_reduce": {"latency_s": ..., "bandwidth": ..., "points": [[bytes, s], ...]}, ...},
+     "group_fits": {"2": {"all_reduce": {...}, ...}}}
 
 A fit is the alpha-beta model of cost/collectives.py solved for one link from the timings of one
 collective at several sizes on `ranks` processes, alpha and bandwidth through the ring formula of
-that collective (`ring_terms`).
+that collective (`ring_terms`). "fits" are measured on the whole mesh, "group_fits" on groups of
+each smaller size that divides it, all groups at once (as tensor- and data-parallel groups run):
+where ranks share a host's cores, a pair's ring step waits on its peer longer than the whole
+mesh's step does, so one fit does not stand for every group size. A collective is priced with
+the fit of the nearest measured group size (`Link.alpha_beta`).
 """
 
 from __future__ import annotations
@@ -76,16 +81,20 @@ def calibrated(mesh: Mesh, efficiencies: Efficiencies | None,
         raise AutoparError(f"{calibration} measured collectives on {collectives.get('device')!r} "
                            f"devices, but the mesh has {mesh.device.name}; calibrate on this mesh "
                            f"or pass a file without collectives")
-    return with_measured_links(mesh, collectives["fits"]), measured
+    return with_measured_links(mesh, collectives["fits"], collectives.get("ranks", 0),
+                               collectives.get("group_fits", {})), measured
 
 
-def with_measured_links(mesh: Mesh, fits: dict) -> Mesh:
+def with_measured_links(mesh: Mesh, fits: dict, ranks: int = 0, group_fits: dict | None = None) -> Mesh:
     """`mesh` with every link replaced by one carrying the measured alpha and bandwidth per
-    collective kind (the all-reduce's as its plain figures)."""
-    unknown = set(fits) - set(KINDS)
+    collective kind and group size: `fits` measured on `ranks` (0: any size), `group_fits` by
+    group size (the whole mesh's all-reduce as the link's plain figures)."""
+    by_size = {ranks: fits, **{int(size): sized for size, sized in (group_fits or {}).items()}}
+    unknown = {kind for sized in by_size.values() for kind in sized} - set(KINDS)
     if unknown:
         raise AutoparError(f"calibration has unknown collectives {sorted(unknown)}; known: {KINDS}")
-    entries = tuple((kind, fit["latency_s"], fit["bandwidth"]) for kind, fit in fits.items())
+    entries = tuple((kind, fit["latency_s"], fit["bandwidth"], size)
+                    for size, sized in sorted(by_size.items()) for kind, fit in sized.items())
     base = fits.get("all_reduce") or next(iter(fits.values()))
 
     def measured(link: Link) -> Link:

@@ -14,7 +14,8 @@ Ring on n devices with link bandwidth bw (effective, NCCL bus bandwidth) and lat
     tree all-reduce 2 ceil(log2 n) alpha + 2 * nbytes / bw      (double binary tree: latency-bound sizes)
 
 A link calibrated on the machine (`autopar calibrate --mesh`) carries alpha and bw per collective
-kind (`Link.measured`): gloo's all-gather, say, is not its all-reduce's half.
+kind and group size (`Link.measured`): gloo's all-gather, say, is not its all-reduce's half, and
+on ranks that share a host's cores a pair's step costs more than the whole mesh's.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Group:
         total, remaining = 0.0, nbytes
         for level in self.levels:
             n = level.size
-            latency, bandwidth = level.link.alpha_beta(kind)
+            latency, bandwidth = level.link.alpha_beta(kind, n)
             total += (n - 1) * latency + (n - 1) / n * remaining / bandwidth
             remaining /= n
         return total
@@ -117,14 +118,14 @@ class Group:
         for level in self.levels:
             before, reached = reached, reached * level.size
             leaving = local * (reached - before) / devices
-            latency, bandwidth = level.link.alpha_beta("all_to_all")
+            latency, bandwidth = level.link.alpha_beta("all_to_all", level.size)
             total += (level.size - 1) * latency + leaving / bandwidth
         return total
 
 
 def _flat_all_reduce(nbytes: float, level: Level, algorithm: str) -> float:
     n = level.size
-    latency, bandwidth = level.link.alpha_beta("all_reduce")
+    latency, bandwidth = level.link.alpha_beta("all_reduce", n)
     ring = 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
     tree = 2 * math.ceil(math.log2(n)) * latency + 2 * nbytes / bandwidth
     return {"ring": ring, "tree": tree, "auto": min(ring, tree)}[algorithm]
@@ -148,5 +149,5 @@ def all_to_all_time(nbytes: float, mesh: Mesh, axes: Sequence[str]) -> float:
 
 def send_recv_time(nbytes: float, link: Link) -> float:
     """One point-to-point message (a pipeline stage's activations or gradients)."""
-    latency, bandwidth = link.alpha_beta("send_recv")
+    latency, bandwidth = link.alpha_beta("send_recv", 2)
     return latency + nbytes / bandwidth

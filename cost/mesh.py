@@ -23,8 +23,9 @@ class Link:
     bandwidth: float        # bytes/s each way, per device (what one GPU can push into the fabric)
     latency: float          # seconds per message (alpha)
     efficiency: float = 1.0  # fraction of `bandwidth` that NCCL's collectives reach (bus bandwidth)
-    # Measured (latency, bus bandwidth) per collective kind ("all_reduce", "all_gather", ...), as
-    # `autopar calibrate --mesh` fits them; kinds not listed use `latency` and `bandwidth`.
+    # Measured (kind, latency, bus bandwidth, group size) per collective kind ("all_reduce",
+    # "all_gather", ...) and size of the group it ran on, as `autopar calibrate --mesh` fits them;
+    # kinds not listed use `latency` and `bandwidth`.
     measured: tuple = ()
 
     def __post_init__(self):
@@ -38,12 +39,16 @@ class Link:
     def effective_bandwidth(self) -> float:
         return self.bandwidth * self.efficiency
 
-    def alpha_beta(self, kind: str) -> tuple[float, float]:
-        """(latency per step, bytes/s) of collective `kind` on this link."""
-        for name, latency, bandwidth in self.measured:
-            if name == kind:
-                return latency, bandwidth
-        return self.latency, self.effective_bandwidth
+    def alpha_beta(self, kind: str, ranks: int = 0) -> tuple[float, float]:
+        """(latency per step, bytes/s) of collective `kind` on a group of `ranks` over this link:
+        the fit measured on the group size nearest `ranks` (the larger on a tie), since where
+        ranks share a host's cores a pair waits on its peer differently from the whole mesh."""
+        fits = [(size, latency, bandwidth) for name, latency, bandwidth, size in self.measured
+                if name == kind]
+        if not fits:
+            return self.latency, self.effective_bandwidth
+        _, latency, bandwidth = min(fits, key=lambda fit: (abs(fit[0] - ranks), -fit[0]))
+        return latency, bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +264,10 @@ def _link(record: dict, key: str, where: str) -> Link:
     efficiency = _value(link, "efficiency", (int, float), where) if "efficiency" in link else 1.0
     return Link(name=_value(link, "name", str, where), bandwidth=_positive(link, "bandwidth", where),
                 latency=float(_value(link, "latency", (int, float), where)), efficiency=float(efficiency),
-                # measured (collective, latency, bandwidth) rows, as `autopar calibrate --mesh` fits them
-                measured=tuple(tuple(entry) for entry in link.get("measured", ())))
+                # measured (collective, latency, bandwidth, group size) rows, as `autopar calibrate
+                # --mesh` fits them; a row without a size (files before sizes) stands for any
+                measured=tuple((*entry, 0) if len(entry) == 3 else tuple(entry)
+                               for entry in link.get("measured", ())))
 
 
 def _plain(value):

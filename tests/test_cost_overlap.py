@@ -123,11 +123,33 @@ def test_measured_links_replace_the_mesh_links_per_collective(tiny_gpt, tmp_path
         estimate(tiny_gpt, Mesh.parse("4:a100-80g"), config, calibration=path)
 
 
+def test_each_group_size_is_priced_with_the_fit_measured_on_that_size():
+    mesh = Mesh.parse("4:cpu")
+    whole = {"all_reduce": {"latency_s": 1e-3, "bandwidth": 1e8}}
+    pairs = {"all_reduce": {"latency_s": 3e-3, "bandwidth": 5e7}}
+    measured = with_measured_links(mesh, whole, 4, {"2": pairs})
+    four, two = Group.strided(measured, 4, 1), Group.strided(measured, 2, 2)
+    assert four.all_reduce(1e6) == pytest.approx(6 * 1e-3 + 1.5 * 1e6 / 1e8)
+    assert two.all_reduce(1e6) == pytest.approx(2 * 3e-3 + 1.0 * 1e6 / 5e7)
+    # a kind measured on the whole mesh only (send/recv) is priced with that fit for any group
+    link = with_measured_links(mesh, {**whole, "send_recv": {"latency_s": 2e-3, "bandwidth": 1e9}},
+                               4, {"2": pairs}).device.intra_node
+    assert link.alpha_beta("send_recv", 2) == (2e-3, 1e9)
+
+
+def test_measured_rows_without_a_group_size_still_load():
+    from autopar.cost.mesh import _link
+    link = _link({"l": {"name": "gloo", "bandwidth": 1e9, "latency": 1e-5,
+                        "measured": [["all_reduce", 1e-3, 1e8]]}}, "l", "mesh")
+    assert link.alpha_beta("all_reduce", 2) == (1e-3, 1e8)
+
+
 def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, capsys):
     out = tmp_path / "eff.json"
     assert main(["calibrate", "--mesh", "2:cpu", "--out", str(out), "--budget", "0.01"]) == 0
     data = json.loads(out.read_text())
     assert set(data["collectives"]["fits"]) == set(KINDS) and data["collectives"]["ranks"] == 2
+    assert data["collectives"]["group_fits"] == {}   # two ranks: no smaller group
     assert all(fit["bandwidth"] > 0 and fit["latency_s"] >= 0
                for fit in data["collectives"]["fits"].values())
     assert data["kernel_latency_s"] > 0 and data["distributed_op_latency_s"] >= 0

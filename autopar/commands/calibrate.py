@@ -58,10 +58,14 @@ def run(args) -> int:
                        f"{m['bandwidth_fraction']:.2f}")
     Console().print(result)
     if collectives:
-        fits = table(plain(f"collectives over gloo on {collectives['ranks']} ranks"),
-                     ["collective", "latency per step us", "bandwidth MB/s"],
-                     right=("latency per step us", "bandwidth MB/s"))
-        for kind, fit in collectives["fits"].items():
-            fits.add_row(kind, f"{fit['latency_s'] * 1e6:.1f}", f"{fit['bandwidth'] / 1e6:.0f}")
+        fits = table(plain(f"collectives over gloo on {collectives['ranks']} ranks, by group size"),
+                     ["collective", "group", "latency per step us", "bandwidth MB/s"],
+                     right=("group", "latency per step us", "bandwidth MB/s"))
+        sized = {collectives["ranks"]: collectives["fits"],
+                 **{int(size): group for size, group in collectives.get("group_fits", {}).items()}}
+        for size, group in sorted(sized.items(), reverse=True):
+            for kind, fit in group.items():
+                fits.add_row(kind, str(size), f"{fit['latency_s'] * 1e6:.1f}",
+                             f"{fit['bandwidth'] / 1e6:.0f}")
         Console().print(fits)
     return 0
