@@ -259,9 +259,11 @@ def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
     efficiencies.distributed_op_latency_s = _distributed_op_latency(budget_s)
     efficiencies.pipeline_action_latency_s = _pipeline_action_latency(budget_s)
     efficiencies.data_parallel_group_latency_s = _data_parallel_group_latency(budget_s)
+    efficiencies.collective_wait_s, efficiencies.collective_wait_span_s = _collective_wait(budget_s)
     for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
                            ("pipeline schedule action, extra", efficiencies.pipeline_action_latency_s),
-                           ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s)):
+                           ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s),
+                           ("collective after a layer of compute, wait", efficiencies.collective_wait_s)):
         measurements[label] = {"family": "latency", "seconds": seconds, "flops": 1, "bytes": 0,
                                "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
     return efficiencies, measurements, _group_timings(budget_s, sizes)
@@ -312,15 +314,34 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float, group=None) -> 
     return max(followed - _everywhere_seconds(compute, budget_s), 1e-6)
 
 
-def _layer_of_compute():
-    """A fixed piece of work like a layer's backward between two collectives of a step (a few
-    milliseconds of matmuls on a CPU core)."""
+def _layer_of_compute(matmuls: int = 8):
+    """A fixed piece of work between two collectives of a step: `matmuls` small matmuls (8: about
+    a millisecond on a CPU core, what a tensor-parallel op computes between its collectives)."""
     a, b = torch.randn(160, 160), torch.randn(160, 160)
 
     def compute() -> None:
-        for _ in range(8):
+        for _ in range(matmuls):
             a @ b
     return compute
+
+
+def _collective_wait(budget_s: float, rounds: int = 5) -> tuple[float, float]:
+    """(seconds, span): what a tiny all-reduce after a layer's span of compute (48 matmuls,
+    several milliseconds) costs beyond the same all-reduce after the short span the link fits
+    were timed after (`Efficiencies.collective_wait_s`), and that span's seconds. The median
+    over `rounds` of the two timed in turn: one such difference on a shared host swings by
+    several times."""
+    import torch.distributed as dist
+
+    tiny = torch.zeros(4)
+    short, long = _layer_of_compute(8), _layer_of_compute(48)
+
+    def extra(compute) -> float:
+        return (_everywhere_seconds(lambda: (compute(), dist.all_reduce(tiny)), budget_s)
+                - _everywhere_seconds(compute, budget_s))
+    waits = sorted(extra(long) - extra(short) for _ in range(rounds))
+    span = _everywhere_seconds(long, budget_s)
+    return _agreed(max(waits[rounds // 2], 0.0), max), _agreed(span, max)
 
 
 def _exchange(tensor: torch.Tensor, rank: int) -> None:

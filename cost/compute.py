@@ -122,7 +122,22 @@ class Efficiencies:
     # measured by `autopar calibrate --mesh` where the host is the device.
     pipeline_action_latency_s: float = 0.0
     data_parallel_group_latency_s: float = 0.0
+    # Where ranks share a host's cores, a rank that reaches a blocking collective after a long
+    # stretch of compute (a layer's backward before FSDP2 reduces its gradients) waits for peers
+    # that the scheduler ran less: ranks drift apart in proportion to the compute since they last
+    # met, up to about one scheduling period. `autopar calibrate --mesh` measures the wait of a
+    # tiny collective after `collective_wait_span_s` of compute beyond its wait after the short
+    # span its link fits were timed after; shorter spans wait in proportion (`wait_after`). A
+    # GPU's ranks drift by microseconds, hence 0.
+    collective_wait_s: float = 0.0
+    collective_wait_span_s: float = 0.0
     device: str = ""                   # the device they were measured on; "" for the defaults
+
+    def wait_after(self, span_s: float) -> float:
+        """Seconds a blocking collective waits for the last rank after `span_s` of compute."""
+        if self.collective_wait_s <= 0 or self.collective_wait_span_s <= 0 or span_s <= 0:
+            return 0.0
+        return self.collective_wait_s * min(1.0, span_s / self.collective_wait_span_s)
 
     def __post_init__(self):
         for table_name in ("compute", "memory"):
@@ -148,7 +163,8 @@ class Efficiencies:
     @classmethod
     def from_dict(cls, data: dict) -> Efficiencies:
         known = {"compute", "memory", "kernel_latency_s", "distributed_op_latency_s",
-                 "pipeline_action_latency_s", "data_parallel_group_latency_s", "device"}
+                 "pipeline_action_latency_s", "data_parallel_group_latency_s",
+                 "collective_wait_s", "collective_wait_span_s", "device"}
         unknown = set(data) - known - {"measurements", "collectives"}
         if unknown:
             raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "

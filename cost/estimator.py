@@ -21,7 +21,11 @@ Per step:
   as the runtime that trains overlaps them (cost/overlap.py: `runtime=`);
   a weight tied across pipeline ranks (embedding and LM head): its copies' gradients all-reduced
   over the ranks holding them (Megatron's embedding group), after the backward, not overlapped;
-  the optimizer step, memory-bound.
+  the optimizer step, memory-bound;
+  the loss all-reduced over every rank for the mean that `step` returns (`_loss_sync`).
+Where ranks share a host's cores, each blocking collective after a group's forward or backward
+(FSDP2's reductions and gathers, the loss) also waits for the rank the scheduler ran least
+(`Efficiencies.wait_after`, measured by `autopar calibrate --mesh`; 0 on GPUs).
 A calibration file (`autopar calibrate`, `calibration=path`) replaces the efficiencies and, when it
 measured the mesh's collectives, the links' latency and bandwidth.
 Hardware FLOP/s count the recomputed forward, as Megatron-LM reports them; model FLOP/s do not.
@@ -184,7 +188,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
                             [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
                             kept_gathered=schedule == "zero-bubble",
-                            reduce_every=reduces_every_micro_batch(spec.zero, schedule))
+                            reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
         data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
                                                micro_batches=m, mesh=mesh, runtime=runtime,
                                                element_bytes=_DTYPE_BYTES[memo.dtype]))
@@ -194,23 +198,36 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
     tied = _tied_exposed(graph, memo.layout(stages[0]),
                          split.owner, stages[0], mesh, pp=len(devices))
-    step = ideal + bubble + max(data_comm) + tied + max(optimizer)
+    loss_sync = _loss_sync(mesh, eff)
+    step = ideal + bubble + max(data_comm) + tied + max(optimizer) + loss_sync
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
-                      bubble=bubble, data_comm=max(data_comm) + tied, optimizer=max(optimizer), m=m,
-                      global_batch=global_batch, memory_limit=memory_limit)
+                      bubble=bubble, data_comm=max(data_comm) + tied, loss_sync=loss_sync,
+                      optimizer=max(optimizer), m=m, global_batch=global_batch,
+                      memory_limit=memory_limit)
 
 
 def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int],
-                 stage: int, pipelined: bool, kept_gathered: bool, reduce_every: bool) -> DeviceWork:
+                 stage: int, pipelined: bool, kept_gathered: bool, reduce_every: bool,
+                 eff: Efficiencies) -> DeviceWork:
     """A pipeline rank's chunks as the data-parallel traffic sees them; its last backward runs
     while the stages after it (`stage` is its place) drain theirs."""
     backward = sum(c.backward_s + c.recompute_s for c in chunks)
+    forward = sum(c.forward_s for c in chunks)
+    units = max(1, sum(groups))
     return DeviceWork(params=sum(c.params for c in chunks), tensors=sum(c.tensors for c in chunks),
-                      blocks=sum(groups),
-                      forward_s=sum(c.forward_s for c in chunks), backward_s=backward,
+                      blocks=sum(groups), forward_s=forward, backward_s=backward,
                       drain_s=backward * (1 + stage),
                       recompute=any(s.recompute == "full" for s in stages),
-                      pipelined=pipelined, kept_gathered=kept_gathered, reduce_every=reduce_every)
+                      pipelined=pipelined, kept_gathered=kept_gathered, reduce_every=reduce_every,
+                      forward_wait_s=eff.wait_after(forward / units),
+                      backward_wait_s=eff.wait_after(backward / units))
+
+
+def _loss_sync(mesh: Mesh, eff: Efficiencies) -> float:
+    """The step's closing all-reduce of the loss over every rank (the mean that `step` returns
+    on each), waited for after the whole step's compute."""
+    return (Group.strided(mesh, mesh.world_size, 1).all_reduce(8, algorithm="auto")
+            + eff.wait_after(float("inf")))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -651,7 +668,7 @@ def _smallest(values: list):
 
 def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, per_mb: list,
                memory: list, *, step: float, ideal: float, bubble: float, data_comm: float,
-               optimizer: float, m: int, global_batch: int,
+               loss_sync: float, optimizer: float, m: int, global_batch: int,
                memory_limit: float | None) -> Estimate:
     world = mesh.world_size
     model_flops = 3 * graph.forward_flops / graph_batch(graph) * global_batch
@@ -667,10 +684,10 @@ def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, pe
         step_time_s=step,
         breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s")
                    + total("host_s"),
-                   "exposed_comm": total("tensor_comm_s") + total("send_s") + data_comm,
+                   "exposed_comm": total("tensor_comm_s") + total("send_s") + data_comm + loss_sync,
                    "bubble": bubble, "optimizer": optimizer},
         comm_breakdown={"tensor": total("tensor_comm_s"), "pipeline": total("send_s"),
-                        "data": data_comm},
+                        "data": data_comm, "loss": loss_sync},
         memory_per_gpu_bytes=totals[fullest], memory_breakdown=memory[fullest],
         tflops_per_gpu=hardware / step / world / 1e12,
         model_tflops_per_gpu=model_flops / step / world / 1e12,

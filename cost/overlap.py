@@ -91,6 +91,10 @@ class DeviceWork:
     pipelined: bool = False     # under a pipeline schedule (more than one pipeline rank)
     kept_gathered: bool = False  # a schedule under which ZeRO-3 keeps weights forward to backward
     reduce_every: bool = False  # gradients reduced after every micro-batch (autopar's ZeRO-2/3)
+    # what one blocking collective waits for the last rank after one group's forward (a ZeRO
+    # gather) or backward (a reduction) on a host whose cores the ranks share (Efficiencies.wait_after)
+    forward_wait_s: float = 0.0
+    backward_wait_s: float = 0.0
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
@@ -139,7 +143,9 @@ def _fsdp2(work: DeviceWork, group: Group, zero: int, micro_batches: int, elemen
     gather = units * group.all_gather(share)
     reductions = micro_batches if zero and work.reduce_every else 1
     if not overlap:
-        return reductions * reduce + (forward_gathers + backward_gathers) * gather
+        waits = units * ((reductions + backward_gathers) * work.backward_wait_s
+                         + forward_gathers * work.forward_wait_s)
+        return reductions * reduce + (forward_gathers + backward_gathers) * gather + waits
     # Prefetching hides each group's gather behind the previous group's compute; the first of
     # each pass waits. A reduction runs beside the rest of its backward and the next
     # micro-batch; the last one beside the last backward and the stages' drain.

@@ -154,6 +154,7 @@ def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, c
                for fit in data["collectives"]["fits"].values())
     assert data["kernel_latency_s"] > 0 and data["distributed_op_latency_s"] >= 0
     assert data["pipeline_action_latency_s"] >= 0 and data["data_parallel_group_latency_s"] >= 0
+    assert data["collective_wait_s"] >= 0 and data["collective_wait_span_s"] > 0
     capsys.readouterr()
     assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
                  "--calibration", str(out), "--json"]) == 0
@@ -200,6 +201,34 @@ def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(
     extra, result = added(Config(dp=4, global_batch=16, micro_batch=2))
     groups = round(extra / (result.micro_batches * group))
     assert groups >= 2 and extra == pytest.approx(result.micro_batches * groups * group)
+
+
+def test_blocking_collectives_wait_for_the_last_rank_in_proportion_to_the_compute_before_them(tiny_gpt):
+    """On a host whose cores the ranks share, each FSDP2 reduction (once per group, after that
+    group's backward) and the step's loss all-reduce wait the calibrated time, scaled down for
+    spans shorter than the one it was measured after; tensor and pipeline traffic does not."""
+    from autopar.cost.compute import Efficiencies
+
+    eff = Efficiencies(device="cpu", collective_wait_s=2e-3, collective_wait_span_s=1e-2)
+    assert eff.wait_after(2e-2) == pytest.approx(2e-3) and eff.wait_after(5e-3) == pytest.approx(1e-3)
+    assert eff.wait_after(0.0) == 0.0 and Efficiencies(device="cpu").wait_after(1.0) == 0.0
+    mesh = Mesh.parse("4:cpu")
+    plain = Efficiencies(device="cpu")
+    # a long measured span: every wait is a share of 2 ms, as long as its compute against 1000 s
+    slow = Efficiencies(device="cpu", collective_wait_s=2e-3, collective_wait_span_s=1e3)
+    waited = Efficiencies(device="cpu", collective_wait_s=2e-3, collective_wait_span_s=1e-9)
+    for config in (Config(tp=4, global_batch=8), Config(pp=4, global_batch=8, micro_batch=2)):
+        before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
+        after = estimate(tiny_gpt, mesh, config, efficiencies=waited)
+        assert after.step_time_s - before.step_time_s == pytest.approx(2e-3)   # the loss only
+        assert after.comm_breakdown["loss"] - before.comm_breakdown["loss"] == pytest.approx(2e-3)
+    config = Config(dp=4, global_batch=8)
+    before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
+    after = estimate(tiny_gpt, mesh, config, efficiencies=waited)
+    groups = round((after.comm_breakdown["data"] - before.comm_breakdown["data"]) / 2e-3)
+    assert groups >= 2 and after.comm_breakdown["data"] - before.comm_breakdown["data"] == pytest.approx(groups * 2e-3)
+    partly = estimate(tiny_gpt, mesh, config, efficiencies=slow)
+    assert before.step_time_s < partly.step_time_s < after.step_time_s
 
 
 def test_the_planner_prices_with_a_calibration_and_the_plan_records_that_price(tmp_path):
