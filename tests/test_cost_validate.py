@@ -33,7 +33,7 @@ def test_one_configuration_trains_on_gloo_ranks_and_is_measured():
     import torch._dynamo  # noqa: F401  (before forking)
 
     row = {"name": "dp2", "config": Config(dp=2, global_batch=4, micro_batch=1)}
-    args = Namespace(model="gpt-tiny", global_batch=4, micro_batch=1, steps=1, calibration=None)
+    args = Namespace(model="gpt-tiny", global_batch=4, micro_batch=1, steps=1, warmup=1, calibration=None)
     measure(row, args, Mesh.parse("2:cpu"))
     assert "error" not in row, row.get("error")
     assert row["measured_s"] > 0 and row["measured_mib"] >= 0

@@ -30,6 +30,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first (a rank's first steps fault in its memory and "
+                             "run slower: here 1.2-1.4x the later ones)")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="a file from `autopar calibrate --mesh` (default: published figures)")
     parser.add_argument("--png", type=Path, default=None, help="draw predicted vs measured here")
@@ -49,6 +52,9 @@ def run(args) -> int:
                            f"a CPU mesh such as 4:cpu")
     if args.steps < 1:
         raise AutoparError(f"--steps {args.steps}: time at least one step")
+    if args.warmup < 1:
+        raise AutoparError(f"--warmup {args.warmup}: take at least one untimed step (the first "
+                           f"builds the runtime's state)")
     console = Console()
     priced = capture_training_step(args.model, batch=args.micro_batch)
     rows = []
@@ -142,7 +148,7 @@ def measure(row: dict, args, mesh) -> None:
     try:
         results = autopar.launch(train_rank, mesh.world_size, args.model, str(mesh),
                                  row["config"], args.global_batch, args.micro_batch, args.steps,
-                                 args.calibration, timeout=900, pg_timeout=300)
+                                 args.calibration, args.warmup, timeout=900, pg_timeout=300)
     except LaunchError as err:
         row["error"] = str(err).splitlines()[0][:120]
         return
@@ -156,10 +162,10 @@ def measure(row: dict, args, mesh) -> None:
 
 
 def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int,
-               steps: int, calibration=None) -> dict:
+               steps: int, calibration=None, warmup: int = 3) -> dict:
     """One gloo rank: compile `spec` under `config` (the planner's plan when None, planned with
-    `calibration`), one warm-up step, then `steps` timed ones, each between barriers so that the
-    slowest rank sets it."""
+    `calibration`), `warmup` untimed steps, then `steps` timed ones, each between barriers so
+    that the slowest rank sets it."""
     import resource
     import time
 
@@ -178,7 +184,8 @@ def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int
     vocab, seq = parse_spec(spec).vocab, example_inputs[0].shape[1]
     ids = torch.randint(0, vocab, (global_batch, seq + 1), generator=generator)
     inputs, targets = ids[:, :-1], ids[:, 1:]
-    compiled.step(inputs, targets)
+    for _ in range(warmup):
+        compiled.step(inputs, targets)
     times = []
     for _ in range(steps):
         dist.barrier()
