@@ -565,7 +565,11 @@ def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
 
 def _add_sends(crossing: list[float], stages: list[StageSpec], chunks: list[_Chunk], mesh: Mesh,
                b: int) -> None:
-    """Activations crossing chunk boundaries forward, and their gradients backward."""
+    """Activations crossing chunk boundaries forward, and their gradients backward. On a GPU the
+    transfers run beside the compute and the sender's side stands for the pair; where the cores
+    that compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver
+    waits in its blocking receive as long as the sender sends."""
+    both_ends = not mesh.device.overlaps_communication
     for c in range(len(stages) - 1):
         spec = stages[c]
         per_rank = spec.tp * spec.dp
@@ -577,6 +581,8 @@ def _add_sends(crossing: list[float], stages: list[StageSpec], chunks: list[_Chu
             one_way = (send_recv_time(nbytes / spec.tp, link)
                        + Group.strided(mesh, spec.tp, 1).all_gather(nbytes))
         chunks[c].send_s += 2 * one_way
+        if both_ends:
+            chunks[c + 1].send_s += 2 * one_way
 
 
 def _chunk_time(chunk: _Chunk) -> float:

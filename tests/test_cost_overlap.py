@@ -231,6 +231,22 @@ def test_blocking_collectives_wait_for_the_last_rank_in_proportion_to_the_comput
     assert before.step_time_s < partly.step_time_s < after.step_time_s
 
 
+def test_a_pipeline_transfer_holds_both_ends_where_the_cores_that_compute_move_the_data(tiny_gpt):
+    """gloo's blocking send and receive: the stage after a boundary waits as long as the one
+    before sends (activations forward, gradients back); a GPU's transfers run beside its compute
+    and the sender's side stands for the pair."""
+    from dataclasses import replace
+
+    cpu = Mesh.parse("2:cpu")
+    beside = Mesh(replace(cpu.device, overlaps_communication=True), cpu.axes)
+    config = Config(pp=2, global_batch=8, micro_batch=2)
+    blocking = estimate(tiny_gpt, cpu, config).devices
+    overlapped = estimate(tiny_gpt, beside, config).devices
+    sender = overlapped[0]["time_per_micro_batch_s"]
+    assert blocking[0]["time_per_micro_batch_s"] == pytest.approx(sender)
+    assert blocking[1]["time_per_micro_batch_s"] > overlapped[1]["time_per_micro_batch_s"]
+
+
 def test_the_planner_prices_with_a_calibration_and_the_plan_records_that_price(tmp_path):
     """Where a pipeline action costs the host a lot (as measured), the planner plans without a
     pipeline; the plan names the file and records the price estimate_plan gives it with it."""
