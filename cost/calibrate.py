@@ -202,10 +202,12 @@ def _pipeline_action_latency(budget_s: float) -> float:
 _GROUPS = 8
 
 
-def _data_parallel_group_latency(budget_s: float) -> float:
-    """Host seconds FSDP2's hooks add per group and micro-batch: a chain of tiny layers, each its
-    own `replicate` group as the runtime wraps a stage, forward and backward without gradient
-    sync (no collective), against the same chain unwrapped."""
+def _data_parallel_group_latency(budget_s: float) -> tuple[float, float]:
+    """Host seconds FSDP2's hooks add per micro-batch: (per group, per parameter tensor in it).
+    Chains of groups, each its own `replicate` group as the runtime wraps a stage, of one tiny
+    layer (2 tensors) and of six (12), forward and backward without gradient sync (no
+    collective), against the same chains unwrapped: FSDP2 visits every parameter of a group in
+    its hooks, so a block of a dozen tensors costs more than a layer of two."""
     import copy
 
     import torch.distributed as dist
@@ -214,17 +216,23 @@ def _data_parallel_group_latency(budget_s: float) -> float:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(_GROUPS)))
-    wrapped = copy.deepcopy(plain)
-    for layer in wrapped:
-        replicate(layer, mesh=mesh)
-    replicate(wrapped, mesh=mesh)
-    wrapped.set_requires_gradient_sync(False)
     one = torch.randn(1, 8)
     run = lambda model: model(one).sum().backward()
-    extra = _seconds(lambda: run(wrapped), "cpu", budget_s) - _seconds(lambda: run(plain), "cpu",
-                                                                     budget_s)
-    return max(extra, 0.0) / (_GROUPS + 1)
+
+    def per_group(layers: int) -> float:
+        plain = nn.Sequential(*(nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
+                                for _ in range(_GROUPS)))
+        wrapped = copy.deepcopy(plain)
+        for group in wrapped:
+            replicate(group, mesh=mesh)
+        replicate(wrapped, mesh=mesh)
+        wrapped.set_requires_gradient_sync(False)
+        extra = _seconds(lambda: run(wrapped), "cpu", budget_s) - _seconds(lambda: run(plain), "cpu",
+                                                                         budget_s)
+        return max(extra, 0.0) / (_GROUPS + 1)
+    small, large = per_group(1), per_group(6)
+    per_tensor = max(large - small, 0.0) / (2 * 6 - 2)
+    return max(small - 2 * per_tensor, 0.0), per_tensor
 
 
 def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
@@ -258,11 +266,13 @@ def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
     efficiencies, measurements = calibrate("cpu", budget_s=budget_s)
     efficiencies.distributed_op_latency_s = _distributed_op_latency(budget_s)
     efficiencies.pipeline_action_latency_s = _pipeline_action_latency(budget_s)
-    efficiencies.data_parallel_group_latency_s = _data_parallel_group_latency(budget_s)
+    (efficiencies.data_parallel_group_latency_s,
+     efficiencies.data_parallel_tensor_latency_s) = _data_parallel_group_latency(budget_s)
     efficiencies.collective_wait_s, efficiencies.collective_wait_span_s = _collective_wait(budget_s)
     for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
                            ("pipeline schedule action, extra", efficiencies.pipeline_action_latency_s),
                            ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s),
+                           ("FSDP2 hooks per parameter tensor", efficiencies.data_parallel_tensor_latency_s),
                            ("collective after a layer of compute, wait", efficiencies.collective_wait_s)):
         measurements[label] = {"family": "latency", "seconds": seconds, "flops": 1, "bytes": 0,
                                "flops_fraction": 0.0, "bandwidth_fraction": 0.0}

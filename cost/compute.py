@@ -122,6 +122,7 @@ class Efficiencies:
     # measured by `autopar calibrate --mesh` where the host is the device.
     pipeline_action_latency_s: float = 0.0
     data_parallel_group_latency_s: float = 0.0
+    data_parallel_tensor_latency_s: float = 0.0     # the hooks' share of each parameter tensor
     # Where ranks share a host's cores, a rank that reaches a blocking collective after a long
     # stretch of compute (a layer's backward before FSDP2 reduces its gradients) waits for peers
     # that the scheduler ran less: ranks drift apart in proportion to the compute since they last
@@ -164,7 +165,7 @@ class Efficiencies:
     def from_dict(cls, data: dict) -> Efficiencies:
         known = {"compute", "memory", "kernel_latency_s", "distributed_op_latency_s",
                  "pipeline_action_latency_s", "data_parallel_group_latency_s",
-                 "collective_wait_s", "collective_wait_span_s", "device"}
+                 "data_parallel_tensor_latency_s", "collective_wait_s", "collective_wait_span_s", "device"}
         unknown = set(data) - known - {"measurements", "collectives"}
         if unknown:
             raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "

@@ -175,8 +175,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     split = memo.split(stages)
     for c, spec in enumerate(stages):
-        chunks[c].host_s = _host_time(spec, split.groups[c], pipelined=len(devices) > 1,
-                                      schedule=schedule, eff=eff)
+        chunks[c].host_s = _host_time(spec, split.groups[c], chunks[c].tensors,
+                                      pipelined=len(devices) > 1, schedule=schedule, eff=eff)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
@@ -590,15 +590,17 @@ def _chunk_time(chunk: _Chunk) -> float:
             + chunk.send_s + chunk.host_s)
 
 
-def _host_time(spec: StageSpec, groups: int, *, pipelined: bool, schedule: str,
+def _host_time(spec: StageSpec, groups: int, tensors: int, *, pipelined: bool, schedule: str,
                eff: Efficiencies) -> float:
     """Per micro-batch, what the runtime's machinery costs a chunk's host: under a pipeline
     schedule, its actions (a forward and a backward; zero-bubble splits the backward in two),
-    and with data parallelism, the hooks of each of its FSDP groups. Zero unless calibrated on
-    a device whose host runs the compute (`Efficiencies`)."""
+    and with data parallelism, the hooks of each of its FSDP groups, which visit every parameter
+    tensor of the group. Zero unless calibrated on a device whose host runs the compute
+    (`Efficiencies`)."""
     actions = (3 if schedule == "zero-bubble" else 2) if pipelined else 0
-    hooked = groups if spec.dp > 1 else 0
-    return actions * eff.pipeline_action_latency_s + hooked * eff.data_parallel_group_latency_s
+    hooks = (groups * eff.data_parallel_group_latency_s + tensors * eff.data_parallel_tensor_latency_s
+             if spec.dp > 1 else 0.0)
+    return actions * eff.pipeline_action_latency_s + hooks
 
 
 def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: StageSpec, mesh: Mesh,

@@ -155,6 +155,7 @@ def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, c
     assert data["kernel_latency_s"] > 0 and data["distributed_op_latency_s"] >= 0
     assert data["pipeline_action_latency_s"] >= 0 and data["data_parallel_group_latency_s"] >= 0
     assert data["collective_wait_s"] >= 0 and data["collective_wait_span_s"] > 0
+    assert data["data_parallel_tensor_latency_s"] >= 0
     capsys.readouterr()
     assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
                  "--calibration", str(out), "--json"]) == 0
@@ -201,6 +202,12 @@ def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(
     extra, result = added(Config(dp=4, global_batch=16, micro_batch=2))
     groups = round(extra / (result.micro_batches * group))
     assert groups >= 2 and extra == pytest.approx(result.micro_batches * groups * group)
+    per_tensor = Efficiencies(device="cpu", data_parallel_tensor_latency_s=1e-4)
+    config = Config(dp=4, global_batch=16, micro_batch=2)
+    before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
+    after = estimate(tiny_gpt, mesh, config, efficiencies=per_tensor)
+    tensors = (after.step_time_s - before.step_time_s) / (after.micro_batches * 1e-4)
+    assert tensors == pytest.approx(round(tensors)) and round(tensors) > groups   # every tensor once
 
 
 def test_blocking_collectives_wait_for_the_last_rank_in_proportion_to_the_compute_before_them(tiny_gpt):
