@@ -10,9 +10,11 @@ it dominates a small model's step.
 
 `calibrate_mesh` does the same on every rank of a gloo mesh at once (each rank one thread, as
 `autopar.launch` runs them, so ranks share the cores as a training run's do), then times each
-collective at several sizes and fits the alpha-beta model to it (cost/calibration.py), and times
-what the runtime's machinery costs the host: an op on a DTensor, an action of torch's pipeline
-schedule, FSDP2's hooks per group and micro-batch (`Efficiencies`).
+collective at several sizes on the whole mesh and on every smaller group size that divides it,
+and fits the alpha-beta model to each (cost/calibration.py); times how long a blocking
+collective waits for the last rank after a layer of compute; and times what the runtime's
+machinery costs the host: an op on a DTensor, an action of torch's pipeline schedule, FSDP2's
+hooks per group and per parameter tensor (`Efficiencies`).
 """
 
 from __future__ import annotations

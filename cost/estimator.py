@@ -22,7 +22,7 @@ Per step:
   a weight tied across pipeline ranks (embedding and LM head): its copies' gradients all-reduced
   over the ranks holding them (Megatron's embedding group), after the backward, not overlapped;
   the optimizer step, memory-bound;
-  the loss all-reduced over every rank for the mean that `step` returns (`_loss_sync`).
+  the loss all-reduced over every rank for the mean that `step` returns (`cost/traffic.py`).
 Where ranks share a host's cores, each blocking collective after a group's forward or backward
 (FSDP2's reductions and gathers, the loss) also waits for the rank the scheduler ran least
 (`Efficiencies.wait_after`, measured by `autopar calibrate --mesh`; 0 on GPUs).
@@ -40,18 +40,20 @@ import sympy
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.cost.calibration import calibrated
-from autopar.cost.collectives import Group, Level, send_recv_time
+from autopar.cost.collectives import Group
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
 from autopar.cost.config import Config
 from autopar.cost.layout import (_DTYPE_BYTES, GraphLayout, NodeLayout, graph_batch,
                                  graph_sequence)
-from autopar.cost.memory import (BYTES_PER_PARAM, GATHERED_GROUPS,
+from autopar.cost.memory import (GATHERED_GROUPS,
                                  OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
                                  reduces_every_micro_batch)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
 from autopar.cost.price_cache import PriceCache
+from autopar.cost.traffic import (add_sends, crossing_bytes, loss_sync, parameter_readers,
+                                  tied_exposed)
 from autopar.cost.stages import StageSpec, group_elements, selective_region, uniform_stages
 # Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
 # weight-gradient halves of the backward.
@@ -196,12 +198,12 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
     memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
-    tied = _tied_exposed(graph, memo.layout(stages[0]),
+    tied = tied_exposed(graph, memo.layout(stages[0]),
                          split.owner, stages[0], mesh, pp=len(devices))
-    loss_sync = _loss_sync(mesh, eff)
-    step = ideal + bubble + max(data_comm) + tied + max(optimizer) + loss_sync
+    closing = loss_sync(mesh, eff)
+    step = ideal + bubble + max(data_comm) + tied + max(optimizer) + closing
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
-                      bubble=bubble, data_comm=max(data_comm) + tied, loss_sync=loss_sync,
+                      bubble=bubble, data_comm=max(data_comm) + tied, loss_sync=closing,
                       optimizer=max(optimizer), m=m, global_batch=global_batch,
                       memory_limit=memory_limit)
 
@@ -221,13 +223,6 @@ def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int
                       pipelined=pipelined, kept_gathered=kept_gathered, reduce_every=reduce_every,
                       forward_wait_s=eff.wait_after(forward / units),
                       backward_wait_s=eff.wait_after(backward / units))
-
-
-def _loss_sync(mesh: Mesh, eff: Efficiencies) -> float:
-    """The step's closing all-reduce of the loss over every rank (the mean that `step` returns
-    on each), waited for after the whole step's compute."""
-    return (Group.strided(mesh, mesh.world_size, 1).all_reduce(8, algorithm="auto")
-            + eff.wait_after(float("inf")))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -256,8 +251,8 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
         chunks[c].gathered, chunks[c].largest, chunks[c].group = gathered[c]
         chunks[c].loss_per_sample = _at(loss[c], 1)
-    crossing = memo.crossing(split, stages, _crossing_bytes)
-    _add_sends([_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
+    crossing = memo.crossing(split, stages, crossing_bytes)
+    add_sends([_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
@@ -461,7 +456,7 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
     embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
     stage that reads it its own copy."""
     params, tensors = [0.0] * chunks, [0] * chunks
-    readers = _parameter_readers(graph, layout, owner)
+    readers = parameter_readers(graph, layout, owner)
     # An export lists a tied weight under each of its names and reads it through one of them:
     # the unread names hold nothing of their own.
     tied_names = {fqn for n in graph.parameters if n.tied_to for fqn in (n.param_fqn, n.tied_to)}
@@ -480,17 +475,6 @@ def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
                  max(groups.values(), default=0.0))
                 for c, groups in enumerate(group_elements(graph, owner, chunks, layout.param_local))]
     return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
-
-
-def _parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
-    """Parameter node -> the chunks of the nodes that read it."""
-    parameters = {n.name for n in graph.parameters}
-    readers: dict[str, set[int]] = {}
-    for i, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            if name in parameters:
-                readers.setdefault(name, set()).add(owner[i])
-    return readers
 
 
 def _kernels(node: NodeLayout, b: int, attention: str, dtype_bytes: int) -> tuple[list, list, float]:
@@ -543,48 +527,6 @@ def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks
     return totals
 
 
-def _crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
-                    stages: list[StageSpec]) -> list[dict]:
-    """Activation bytes per sample leaving chunk c for chunk c + 1, as {power of the sequence
-    length: bytes}. A tensor used several chunks later is relayed through every boundary between."""
-    layout = layouts[stages[0].layout_key]
-    sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
-    for i, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            j = layout.index[name]
-            if owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION:
-                sent.update((layout.storage[name], c) for c in range(owner[j], owner[i]))
-    crossing: list[dict] = [{} for _ in stages]
-    for tensor, c in sent:
-        spec = stages[c]
-        mine = layouts[spec.layout_key]
-        degree = mine.seq_degree.get(tensor, 0)
-        crossing[c][degree] = crossing[c].get(degree, 0.0) + mine.storage_bytes.get(tensor, 0.0)
-    return crossing
-
-
-def _add_sends(crossing: list[float], stages: list[StageSpec], chunks: list[_Chunk], mesh: Mesh,
-               b: int) -> None:
-    """Activations crossing chunk boundaries forward, and their gradients backward. On a GPU the
-    transfers run beside the compute and the sender's side stands for the pair; where the cores
-    that compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver
-    waits in its blocking receive as long as the sender sends."""
-    both_ends = not mesh.device.overlaps_communication
-    for c in range(len(stages) - 1):
-        spec = stages[c]
-        per_rank = spec.tp * spec.dp
-        link = mesh.device.inter_node if per_rank >= mesh.gpus_per_node else mesh.device.intra_node
-        nbytes = crossing[c] * b
-        if spec.sequence_parallel:         # already split over the tensor-parallel ranks
-            one_way = send_recv_time(nbytes, link)
-        else:                              # Megatron's scatter/gather: 1/tp each, gathered after
-            one_way = (send_recv_time(nbytes / spec.tp, link)
-                       + Group.strided(mesh, spec.tp, 1).all_gather(nbytes))
-        chunks[c].send_s += 2 * one_way
-        if both_ends:
-            chunks[c + 1].send_s += 2 * one_way
-
-
 def _chunk_time(chunk: _Chunk) -> float:
     return (chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s
             + chunk.send_s + chunk.host_s)
@@ -601,23 +543,6 @@ def _host_time(spec: StageSpec, groups: int, tensors: int, *, pipelined: bool, s
     hooks = (groups * eff.data_parallel_group_latency_s + tensors * eff.data_parallel_tensor_latency_s
              if spec.dp > 1 else 0.0)
     return actions * eff.pipeline_action_latency_s + hooks
-
-
-def _tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: StageSpec, mesh: Mesh,
-                  *, pp: int) -> float:
-    """Megatron's embedding-group all-reduce: a weight that chunks on several pipeline ranks read
-    (tied embedding and LM head) has a copy on each, whose gradients are summed over those ranks
-    after the backward, with nothing left to overlap it (copies on one rank are summed in place)."""
-    seconds = 0.0
-    for name, chunks in _parameter_readers(graph, layout, owner).items():
-        ranks = sorted({chunk % pp * spec.tp * spec.dp for chunk in chunks})
-        if len(ranks) < 2:
-            continue
-        nodes = {rank // mesh.gpus_per_node for rank in ranks}
-        link = mesh.device.intra_node if len(nodes) == 1 else mesh.device.inter_node
-        grads = layout.param_local.get(name, 0.0) * BYTES_PER_PARAM["gradients"]
-        seconds += Group((Level(len(ranks), link),)).all_reduce(grads)
-    return seconds
 
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,

@@ -1,0 +1,90 @@
+"""Traffic between ranks besides the data-parallel kind (cost/overlap.py), as the estimator
+prices it: activations and their gradients crossing pipeline boundaries, the gradients of a
+weight tied across pipeline ranks, and the step's closing all-reduce of the loss."""
+
+from __future__ import annotations
+
+from autopar.cost.collectives import Group, Level, send_recv_time
+from autopar.cost.compute import Efficiencies
+from autopar.cost.layout import GraphLayout
+from autopar.cost.memory import BYTES_PER_PARAM
+from autopar.cost.mesh import Mesh
+from autopar.cost.stages import StageSpec
+from autopar.graph import Graph, Role
+
+
+def parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
+    """Parameter node -> the chunks of the nodes that read it."""
+    parameters = {n.name for n in graph.parameters}
+    readers: dict[str, set[int]] = {}
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            if name in parameters:
+                readers.setdefault(name, set()).add(owner[i])
+    return readers
+
+
+def crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
+                   stages: list[StageSpec]) -> list[dict]:
+    """Activation bytes per sample leaving chunk c for chunk c + 1, as {power of the sequence
+    length: bytes}. A tensor used several chunks later is relayed through every boundary between."""
+    layout = layouts[stages[0].layout_key]
+    sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            j = layout.index[name]
+            if owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION:
+                sent.update((layout.storage[name], c) for c in range(owner[j], owner[i]))
+    crossing: list[dict] = [{} for _ in stages]
+    for tensor, c in sent:
+        spec = stages[c]
+        mine = layouts[spec.layout_key]
+        degree = mine.seq_degree.get(tensor, 0)
+        crossing[c][degree] = crossing[c].get(degree, 0.0) + mine.storage_bytes.get(tensor, 0.0)
+    return crossing
+
+
+def add_sends(crossing: list[float], stages: list[StageSpec], chunks: list, mesh: Mesh,
+              b: int) -> None:
+    """Activations crossing chunk boundaries forward, and their gradients backward. On a GPU the
+    transfers run beside the compute and the sender's side stands for the pair; where the cores
+    that compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver
+    waits in its blocking receive as long as the sender sends."""
+    both_ends = not mesh.device.overlaps_communication
+    for c in range(len(stages) - 1):
+        spec = stages[c]
+        per_rank = spec.tp * spec.dp
+        link = mesh.device.inter_node if per_rank >= mesh.gpus_per_node else mesh.device.intra_node
+        nbytes = crossing[c] * b
+        if spec.sequence_parallel:         # already split over the tensor-parallel ranks
+            one_way = send_recv_time(nbytes, link)
+        else:                              # Megatron's scatter/gather: 1/tp each, gathered after
+            one_way = (send_recv_time(nbytes / spec.tp, link)
+                       + Group.strided(mesh, spec.tp, 1).all_gather(nbytes))
+        chunks[c].send_s += 2 * one_way
+        if both_ends:
+            chunks[c + 1].send_s += 2 * one_way
+
+
+def tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: StageSpec, mesh: Mesh,
+                 *, pp: int) -> float:
+    """Megatron's embedding-group all-reduce: a weight that chunks on several pipeline ranks read
+    (tied embedding and LM head) has a copy on each, whose gradients are summed over those ranks
+    after the backward, with nothing left to overlap it (copies on one rank are summed in place)."""
+    seconds = 0.0
+    for name, chunks in parameter_readers(graph, layout, owner).items():
+        ranks = sorted({chunk % pp * spec.tp * spec.dp for chunk in chunks})
+        if len(ranks) < 2:
+            continue
+        nodes = {rank // mesh.gpus_per_node for rank in ranks}
+        link = mesh.device.intra_node if len(nodes) == 1 else mesh.device.inter_node
+        grads = layout.param_local.get(name, 0.0) * BYTES_PER_PARAM["gradients"]
+        seconds += Group((Level(len(ranks), link),)).all_reduce(grads)
+    return seconds
+
+
+def loss_sync(mesh: Mesh, eff: Efficiencies) -> float:
+    """The step's closing all-reduce of the loss over every rank (the mean that `step` returns
+    on each), waited for after the whole step's compute."""
+    return (Group.strided(mesh, mesh.world_size, 1).all_reduce(8, algorithm="auto")
+            + eff.wait_after(float("inf")))
