@@ -15,7 +15,7 @@ def test_candidates_cover_the_parallel_forms_the_model_and_mesh_allow():
     names = [describe(c) for c in configs]
     assert len(configs) >= 12 and len(set(configs)) == len(configs)
     for expected in ("dp4", "dp4 zero1", "dp4 zero2", "dp4 zero3", "dp2 tp2 sp", "tp4",
-                     "dp2 pp2 gpipe", "pp4 1f1b", "dp2 pp2 interleaved-1f1b v2"):
+                     "dp2 pp2 gpipe", "pp4 1f1b", "pp4 zero-bubble", "dp2 pp2 interleaved-1f1b v2"):
         assert expected in names
     assert all(c.world_size == 4 and c.global_batch == 16 for c in configs)
     # Three heads: no tensor parallelism of 2 or 4; two layers: no pipeline of 4.

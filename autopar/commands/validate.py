@@ -105,7 +105,7 @@ def candidate_configs(spec: str, world: int, global_batch: int, micro_batch: int
              dict(tp=2, dp=half), dict(tp=2, dp=half, sequence_parallel=True),
              dict(tp=world), dict(tp=world, recompute="selective"),
              dict(pp=2, dp=half), dict(pp=2, dp=half, schedule="gpipe"),
-             dict(pp=2, tp=half), dict(pp=world),
+             dict(pp=2, tp=half), dict(pp=world), dict(pp=world, schedule="zero-bubble"),
              dict(pp=2, dp=half, virtual=2, schedule="interleaved-1f1b"),
              dict(pp=world, recompute="full")]
     configs = []
