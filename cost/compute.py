@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from autopar.errors import AutoparError
@@ -163,9 +163,7 @@ class Efficiencies:
 
     @classmethod
     def from_dict(cls, data: dict) -> Efficiencies:
-        known = {"compute", "memory", "kernel_latency_s", "distributed_op_latency_s",
-                 "pipeline_action_latency_s", "data_parallel_group_latency_s",
-                 "data_parallel_tensor_latency_s", "collective_wait_s", "collective_wait_span_s", "device"}
+        known = {f.name for f in fields(cls)}
         unknown = set(data) - known - {"measurements", "collectives"}
         if unknown:
             raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "

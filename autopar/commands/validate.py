@@ -196,7 +196,6 @@ def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     plan = compiled.plan if config is None else None
     return {"times": times, "peak_mib": peak, "plan": _plan_summary(plan) if plan else "",
-            "plan_data": plan.to_dict() if plan else None,
             "predicted_s": plan.predicted.get("step_time_s") if plan else None}
 
 
