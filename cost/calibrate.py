@@ -237,10 +237,15 @@ def _data_parallel_group_latency(budget_s: float) -> tuple[float, float]:
     return max(small - 2 * per_tensor, 0.0), per_tensor
 
 
-def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
-                   sizes: tuple[int, ...] = COLLECTIVE_BYTES) -> tuple[Efficiencies, dict, dict]:
+def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
+                   rounds: int = 3) -> tuple[Efficiencies, dict, dict]:
     """Efficiencies and measurements as `calibrate` gives them, taken on rank 0 while every rank
-    of the gloo mesh computes, and the collectives section of a calibration file."""
+    of the gloo mesh computes, and the collectives section of a calibration file.
+
+    Every figure is measured `rounds` times, one round of all of them after another, and the
+    median round of each is kept: on a shared host one measurement of the same figure moved 3x
+    between two runs minutes apart, and a busy moment then falls on one round of several figures
+    rather than on every round of one."""
     from autopar.runtime.launch import launch
 
     if mesh.device.name != "cpu":
@@ -249,22 +254,61 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3,
     ranks = mesh.world_size
     if ranks < 2:
         raise AutoparError(f"--mesh {mesh} has one device: no collective to measure; give 2 or more")
-    results = launch(_rank_calibration, ranks, budget_s, sizes, timeout=600.0, pg_timeout=120.0)
-    efficiencies, measurements, _ = results[0]
+    if rounds < 1:
+        raise AutoparError(f"--rounds {rounds}: give 1 or more rounds of measurements")
+    results = launch(_rank_calibration, ranks, budget_s, sizes, rounds, timeout=300.0 * rounds,
+                     pg_timeout=120.0)
+    efficiencies = median_efficiencies([eff for eff, _, _ in results[0]])
+    measurements = median_measurements([measured for _, measured, _ in results[0]])
+    timings = [{size: {kind: [max(r[i][2][size][kind][p] for r in results) for p in range(len(sizes))]
+                       for kind in results[0][i][2][size]}
+                for size in results[0][i][2]} for i in range(rounds)]
     by_size = {}
-    for size in sorted(results[0][2]):
+    for size in sorted(timings[0]):
         by_size[size] = {}
-        for kind in results[0][2][size]:
-            points = [(nbytes, max(r[2][size][kind][i] for r in results)) for i, nbytes in enumerate(sizes)]
+        for kind in timings[0][size]:
+            points = [(nbytes, _median([t[size][kind][p] for t in timings])) for p, nbytes in enumerate(sizes)]
             latency, bandwidth = fit_link(kind, size, points)
             by_size[size][kind] = {"latency_s": latency, "bandwidth": bandwidth, "points": points}
-    collectives = {"device": mesh.device.name, "ranks": ranks, "backend": "gloo",
+    collectives = {"device": mesh.device.name, "ranks": ranks, "backend": "gloo", "rounds": rounds,
                    "fits": by_size.pop(ranks),
                    "group_fits": {str(size): fits for size, fits in by_size.items()}}
     return efficiencies, measurements, collectives
 
 
-def _rank_calibration(budget_s: float, sizes: tuple[int, ...]):
+def median_efficiencies(rounds: list[Efficiencies]) -> Efficiencies:
+    """Each figure's median over `rounds` (per family for the compute and memory tables)."""
+    merged = {}
+    for name, value in rounds[0].to_dict().items():
+        if isinstance(value, dict):
+            merged[name] = {key: _median([r.to_dict()[name][key] for r in rounds]) for key in value}
+        elif isinstance(value, float):
+            merged[name] = _median([getattr(r, name) for r in rounds])
+        else:
+            merged[name] = value
+    return Efficiencies(**merged)
+
+
+def median_measurements(rounds: list[dict]) -> dict:
+    """Each label's record from its median round, with every round's seconds beside it."""
+    merged = {}
+    for label in rounds[0]:
+        records = sorted((r[label] for r in rounds), key=lambda record: record["seconds"])
+        merged[label] = {**records[(len(records) - 1) // 2],
+                         "rounds_seconds": [r[label]["seconds"] for r in rounds]}
+    return merged
+
+
+def _median(values: list[float]) -> float:
+    """The lower median: a value that was measured (for two rounds, the smaller)."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def _rank_calibration(budget_s: float, sizes: tuple[int, ...], rounds: int) -> list:
+    return [_one_round(budget_s, sizes) for _ in range(rounds)]
+
+
+def _one_round(budget_s: float, sizes: tuple[int, ...]):
     efficiencies, measurements = calibrate("cpu", budget_s=budget_s)
     efficiencies.distributed_op_latency_s = _distributed_op_latency(budget_s)
     efficiencies.pipeline_action_latency_s = _pipeline_action_latency(budget_s)

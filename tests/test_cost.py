@@ -375,6 +375,34 @@ def test_calibrate_on_cpu_writes_a_file_estimate_reads(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["calibration"] == str(out)
 
 
+def test_a_mesh_calibration_keeps_each_figures_median_round():
+    """One round's busy moment (a figure 4x its neighbours, or 0) does not become the figure."""
+    from autopar.cost.calibrate import median_efficiencies, median_measurements
+    rounds = [Efficiencies(compute={"matmul": m}, pipeline_action_latency_s=p, device="cpu")
+              for m, p in ((0.3, 0.0), (0.5, 1e-3), (0.4, 4e-3))]
+    merged = median_efficiencies(rounds)
+    assert merged.compute["matmul"] == 0.4 and merged.pipeline_action_latency_s == 1e-3
+    assert merged.memory == rounds[0].memory and merged.device == "cpu"
+    records = [{"add": {"family": "elementwise", "seconds": s, "bandwidth_fraction": 1 / s}}
+               for s in (3.0, 1.0, 2.0)]
+    kept = median_measurements(records)["add"]
+    assert kept["seconds"] == 2.0 and kept["bandwidth_fraction"] == 0.5
+    assert kept["rounds_seconds"] == [3.0, 1.0, 2.0]
+
+
+def test_calibrate_a_mesh_writes_collectives_measured_in_rounds(tmp_path, capsys):
+    out = tmp_path / "mesh.json"
+    assert main(["calibrate", "--mesh", "2:cpu", "--out", str(out), "--budget", "0.005",
+                 "--rounds", "2"]) == 0
+    data = json.loads(out.read_text())
+    assert data["collectives"]["rounds"] == 2 and data["collectives"]["ranks"] == 2
+    assert set(data["collectives"]["fits"]) >= {"all_reduce", "send_recv"}
+    assert all(len(m["rounds_seconds"]) == 2 for m in data["measurements"].values())
+    assert "spread" in capsys.readouterr().out
+    assert main(["calibrate", "--mesh", "2:cpu", "--out", str(out), "--rounds", "0"]) == 1
+    assert "--rounds 0" in capsys.readouterr().err
+
+
 def test_tensor_parallel_degree_must_divide_query_heads_not_key_value_heads():
     """As in Megatron: query heads are split over tp; fewer key/value heads than tp (grouped-query,
     multi-query attention) are kept whole on every rank, gathered from their projection."""

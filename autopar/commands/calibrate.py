@@ -1,4 +1,4 @@
-"""`autopar calibrate [--out FILE] [--device cpu|cuda] [--mesh 4:cpu]`: time matmuls, attention,
+"""`autopar calibrate [--out FILE] [--device cpu|cuda] [--mesh 4:cpu [--rounds 3]]`: time matmuls, attention,
 elementwise ops, norms, softmax, reductions and the cost of one op on the local device, and with
 `--mesh` on every gloo rank of that mesh at once together with the mesh's collectives (latency
 and bandwidth per collective, fitted over several sizes) and the host cost of the runtime's
@@ -26,6 +26,9 @@ def add_arguments(parser) -> None:
                              "collectives included")
     parser.add_argument("--budget", type=float, default=0.3,
                         help="seconds of repeats per measured op (default 0.3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --mesh: measure every figure this many times and keep each "
+                             "one's median (default 3; a shared host's figures move between runs)")
 
 
 def run(args) -> int:
@@ -36,6 +39,8 @@ def run(args) -> int:
     check_output(args.out, "--out")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise AutoparError("--device cuda: this machine has no CUDA device; calibrate --device cpu")
+    if args.rounds < 1:
+        raise AutoparError(f"--rounds {args.rounds}: give 1 or more rounds of measurements")
     if not 0 < args.budget <= 600:
         raise AutoparError(f"--budget {args.budget}: give seconds per op above 0 and at most 600")
     console = Console(stderr=True)
@@ -43,7 +48,8 @@ def run(args) -> int:
     if args.mesh:
         mesh = Mesh.parse(args.mesh)
         with console.status(f"calibrating compute and collectives on {mesh.world_size} gloo ranks"):
-            efficiencies, measurements, collectives = calibrate_mesh(mesh, budget_s=args.budget)
+            efficiencies, measurements, collectives = calibrate_mesh(mesh, budget_s=args.budget,
+                                                                     rounds=args.rounds)
     else:
         with console.status("calibrating") as status:
             efficiencies, measurements = calibrate(
@@ -51,11 +57,11 @@ def run(args) -> int:
                 progress=lambda label: status.update(f"timing {label} on {args.device}"))
     efficiencies.save(args.out, measurements, collectives)
     result = table(plain(f"{efficiencies.device}: measured efficiencies, written to {args.out}"),
-                   ["op", "family", "ms", "of peak FLOP/s", "of HBM bandwidth"],
-                   right=("ms", "of peak FLOP/s", "of HBM bandwidth"), wrap=("op",))
+                   ["op", "family", "ms", "spread", "of peak FLOP/s", "of HBM bw"],
+                   right=("ms", "spread", "of peak FLOP/s", "of HBM bw"), wrap=("op",))
     for label, m in measurements.items():
-        result.add_row(plain(label), m["family"], f"{m['seconds'] * 1e3:.3f}", f"{m['flops_fraction']:.2f}",
-                       f"{m['bandwidth_fraction']:.2f}")
+        result.add_row(plain(label), m["family"], f"{m['seconds'] * 1e3:.3f}", _spread(m),
+                       f"{m['flops_fraction']:.2f}", f"{m['bandwidth_fraction']:.2f}")
     Console().print(result)
     if collectives:
         fits = table(plain(f"collectives over gloo on {collectives['ranks']} ranks, by group size"),
@@ -69,3 +75,13 @@ def run(args) -> int:
                              f"{fit['bandwidth'] / 1e6:.0f}")
         Console().print(fits)
     return 0
+
+
+def _spread(measurement: dict) -> str:
+    """Slowest over fastest of the rounds a figure was measured in ("" for one round)."""
+    seconds = measurement.get("rounds_seconds", [])
+    if len(seconds) < 2:
+        return ""
+    if min(seconds) <= 0:
+        return "from 0"
+    return f"{max(seconds) / min(seconds):.2f}x"
