@@ -62,7 +62,6 @@ ZERO_BUBBLE_SHARE = 1 / 3
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 _ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in _ACTIVATION_DTYPE.items()}
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def default_precision(mesh: Mesh) -> str:

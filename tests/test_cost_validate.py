@@ -23,6 +23,21 @@ def test_candidates_cover_the_parallel_forms_the_model_and_mesh_allow():
     assert all(c.tp == 1 and c.pp * c.virtual <= 2 for c in narrow)
 
 
+def test_the_planners_row_is_named_as_the_forced_rows_are():
+    """Which schedule the planner chose is what the reader compares with the forced rows."""
+    from autopar.api import plan_from_config
+    from autopar.commands.estimate import capture_training_step
+    from autopar.commands.validate import _plan_summary
+
+    graph = capture_training_step("gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128")
+    for config in (Config(pp=2, dp=2, global_batch=8, micro_batch=1, schedule="zero-bubble"),
+                   Config(pp=2, dp=2, virtual=2, global_batch=8, micro_batch=1,
+                          schedule="interleaved-1f1b"),
+                   Config(dp=4, zero=3, global_batch=8, micro_batch=1)):
+        plan = plan_from_config(graph, "4:cpu", config)
+        assert _plan_summary(plan).split() == describe(config).split()
+
+
 def test_kendall_tau():
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)

@@ -200,12 +200,18 @@ def train_rank(spec: str, mesh: str, config, global_batch: int, micro_batch: int
 
 
 def _plan_summary(plan) -> str:
+    """The plan named as the forced rows are (`describe`), from its first stage's choices: which
+    schedule and degrees the planner chose is what a reader compares with them; "rc-mixed" where
+    its stages recompute differently."""
+    from types import SimpleNamespace
+
     stage = plan.stages[0]
-    parts = [f"pp{len(plan.stages)}" if len(plan.stages) > 1 else "",
-             f"dp{stage.dp}" if stage.dp > 1 else "", f"tp{stage.tp}" if stage.tp > 1 else "",
-             f"zero{stage.zero}" if stage.zero else "",
-             f"rc-{stage.recompute}" if stage.recompute != "none" else ""]
-    return " ".join(p for p in parts if p) or "one device"
+    recompute = {s.recompute for s in plan.stages}
+    return describe(SimpleNamespace(dp=stage.dp, tp=stage.tp, pp=plan.pp, zero=stage.zero,
+                                    sequence_parallel=stage.sequence_parallel,
+                                    recompute=stage.recompute if len(recompute) == 1 else "mixed",
+                                    schedule=plan.schedule,
+                                    virtual=plan.virtual))
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
