@@ -14,7 +14,7 @@ collective at several sizes on the whole mesh and on every smaller group size th
 and fits the alpha-beta model to each (cost/calibration.py); times how long a blocking
 collective waits for the last rank after a layer of compute; and times what the runtime's
 machinery costs the host: an op on a DTensor, an action of torch's pipeline schedule, FSDP2's
-hooks per group and per parameter tensor (`Efficiencies`).
+hooks per group and per parameter tensor, zero-bubble's split of the backward (`Efficiencies`).
 """
 
 from __future__ import annotations
@@ -201,6 +201,29 @@ def _pipeline_action_latency(budget_s: float) -> float:
     return max(per_micro_batch - compute - 2 * transfer, 0.0) / 2
 
 
+def _split_backward_latency(budget_s: float) -> float:
+    """Host seconds per op that splitting a backward into input and weight halves adds, as
+    torch's zero-bubble schedules split it (`stage_backward_input`, then `stage_backward_weight`,
+    which walk the autograd graph to group the weights' gradients): `_tiny_chain`'s ops with the
+    split backward against the plain one."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    weights = [torch.ones(8, 8, requires_grad=True) for _ in range(_CHAIN)]
+    first = torch.ones(8, 8, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        y = first
+        for weight in weights:
+            y = F.gelu(F.layer_norm(y @ weight, (8,)))
+        return y.sum()
+
+    def split() -> None:
+        _, groups = stage_backward_input([forward()], None, [first], iter(weights))
+        stage_backward_weight(iter(weights), groups)
+    extra = _seconds(split, "cpu", budget_s) - _seconds(lambda: forward().backward(), "cpu", budget_s)
+    return max(extra, 0.0) / (_CHAIN * _CHAIN_OPS)
+
+
 _GROUPS = 8
 
 
@@ -315,11 +338,14 @@ def _one_round(budget_s: float, sizes: tuple[int, ...]):
     (efficiencies.data_parallel_group_latency_s,
      efficiencies.data_parallel_tensor_latency_s) = _data_parallel_group_latency(budget_s)
     efficiencies.collective_wait_s, efficiencies.collective_wait_span_s = _collective_wait(budget_s)
+    efficiencies.split_backward_op_latency_s = _split_backward_latency(budget_s)
     for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
                            ("pipeline schedule action, extra", efficiencies.pipeline_action_latency_s),
                            ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s),
                            ("FSDP2 hooks per parameter tensor", efficiencies.data_parallel_tensor_latency_s),
-                           ("collective after a layer of compute, wait", efficiencies.collective_wait_s)):
+                           ("collective after a layer of compute, wait", efficiencies.collective_wait_s),
+                           ("zero-bubble split backward per op, extra",
+                            efficiencies.split_backward_op_latency_s)):
         measurements[label] = {"family": "latency", "seconds": seconds, "flops": 1, "bytes": 0,
                                "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
     return efficiencies, measurements, _group_timings(budget_s, sizes)

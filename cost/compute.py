@@ -123,6 +123,9 @@ class Efficiencies:
     pipeline_action_latency_s: float = 0.0
     data_parallel_group_latency_s: float = 0.0
     data_parallel_tensor_latency_s: float = 0.0     # the hooks' share of each parameter tensor
+    # Zero-bubble schedules split each backward into its input and weight halves; torch finds
+    # them by walking the stage's autograd graph in Python, a cost per op of the stage.
+    split_backward_op_latency_s: float = 0.0
     # Where ranks share a host's cores, a rank that reaches a blocking collective after a long
     # stretch of compute (a layer's backward before FSDP2 reduces its gradients) waits for peers
     # that the scheduler ran less: ranks drift apart in proportion to the compute since they last

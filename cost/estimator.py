@@ -12,11 +12,16 @@ Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
   pipeline     activations and their gradients sent to the next stage over its link, split over
                the tensor-parallel ranks and all-gathered there (Megatron's scatter/gather)
   host         the runtime's machinery: each action of torch's pipeline schedule, each FSDP
-               group's hooks; measured on CPU meshes, hidden behind a GPU's kernels (`_host_time`)
+               group's hooks, zero-bubble's walk of the autograd graph to split the backward;
+               measured on CPU meshes, hidden behind a GPU's kernels (`_host_time`)
 Per step:
   m x the slowest device's time per micro-batch, plus the pipeline bubble: the fill and drain,
   (sum of the devices' times - the slowest) / v, which is (p-1)/(v m) of the ideal time when stages
-  are equal (the zero-bubble schedule leaves a third of it, ZB-H1 of Qi et al. 2023);
+  are equal. A zero-bubble schedule (ZB-H1 of Qi et al. 2023) fills the drain with the weight
+  halves of the backward, which no other stage waits for: the bubble shrinks by twice their time,
+  (sum of the devices' weight halves - the slowest's) * 2 / v. Where forward, input and weight
+  halves take equal time and transfers none, that leaves a third of it, the paper's figure; where
+  transfers or host costs are a stage's larger part, as on CPU meshes, it leaves more;
   the data-parallel traffic the computation does not hide: gradient reduction, ZeRO's gathers,
   as the runtime that trains overlaps them (cost/overlap.py: `runtime=`);
   a weight tied across pipeline ranks (embedding and LM head): its copies' gradients all-reduced
@@ -55,9 +60,9 @@ from autopar.cost.price_cache import PriceCache
 from autopar.cost.traffic import (add_sends, crossing_bytes, loss_sync, parameter_readers,
                                   tied_exposed)
 from autopar.cost.stages import StageSpec, group_elements, selective_region, uniform_stages
-# Of the bubble, the share a zero-bubble schedule (ZB-H1) leaves: it fills the drain with the
-# weight-gradient halves of the backward.
-ZERO_BUBBLE_SHARE = 1 / 3
+# Of an op with parameters, the share of its backward that computes the weight gradient (dW, as
+# long as dX): the half a zero-bubble schedule moves into the bubble.
+WEIGHT_SHARE_OF_BACKWARD = 0.5
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 _ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -99,6 +104,8 @@ class _Chunk:
     tensor_comm_s: float = 0.0
     send_s: float = 0.0
     host_s: float = 0.0             # the runtime's machinery on the host (_host_time)
+    weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
+    autograd_ops: int = 0           # ops the backward differentiates (nodes of the autograd graph)
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
@@ -176,13 +183,14 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     split = memo.split(stages)
     for c, spec in enumerate(stages):
-        chunks[c].host_s = _host_time(spec, split.groups[c], chunks[c].tensors,
+        chunks[c].host_s = _host_time(spec, split.groups[c], chunks[c],
                                       pipelined=len(devices) > 1, schedule=schedule, eff=eff)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
     if schedule == "zero-bubble":
-        bubble *= ZERO_BUBBLE_SHARE
+        weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
+        bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
     data_comm, optimizer = [], []
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
@@ -402,6 +410,8 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
         out.tensor_comm_s += comm_fwd
         if node.requires_grad:
             out.backward_s += bwd
+            out.weight_backward_s += bwd * WEIGHT_SHARE_OF_BACKWARD if node.param_bytes else 0.0
+            out.autograd_ops += 1
             out.tensor_comm_s += comm_bwd
         region = _recomputed_region(graph.nodes[i], in_block[i], paths, spec.recompute)
         if region:
@@ -531,17 +541,20 @@ def _chunk_time(chunk: _Chunk) -> float:
             + chunk.send_s + chunk.host_s)
 
 
-def _host_time(spec: StageSpec, groups: int, tensors: int, *, pipelined: bool, schedule: str,
+def _host_time(spec: StageSpec, groups: int, chunk: _Chunk, *, pipelined: bool, schedule: str,
                eff: Efficiencies) -> float:
     """Per micro-batch, what the runtime's machinery costs a chunk's host: under a pipeline
-    schedule, its actions (a forward and a backward; zero-bubble splits the backward in two),
-    and with data parallelism, the hooks of each of its FSDP groups, which visit every parameter
-    tensor of the group. Zero unless calibrated on a device whose host runs the compute
+    schedule, its actions (a forward and a backward; zero-bubble splits the backward in two, and
+    torch finds the two halves by walking the chunk's autograd graph, a cost per op), and with
+    data parallelism, the hooks of each of its FSDP groups, which visit every parameter tensor
+    of the group. Zero unless calibrated on a device whose host runs the compute
     (`Efficiencies`)."""
-    actions = (3 if schedule == "zero-bubble" else 2) if pipelined else 0
-    hooks = (groups * eff.data_parallel_group_latency_s + tensors * eff.data_parallel_tensor_latency_s
-             if spec.dp > 1 else 0.0)
-    return actions * eff.pipeline_action_latency_s + hooks
+    split = pipelined and schedule == "zero-bubble"
+    actions = (3 if split else 2) if pipelined else 0
+    hooks = (groups * eff.data_parallel_group_latency_s
+             + chunk.tensors * eff.data_parallel_tensor_latency_s if spec.dp > 1 else 0.0)
+    walk = chunk.autograd_ops * eff.split_backward_op_latency_s if split else 0.0
+    return actions * eff.pipeline_action_latency_s + hooks + walk
 
 
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,

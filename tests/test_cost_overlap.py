@@ -197,7 +197,8 @@ def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(
     assert single == 0.0                           # no schedule, no data parallelism
     for schedule, actions in (("1f1b", 2), ("gpipe", 2), ("zero-bubble", 3)):
         extra, result = added(Config(pp=4, global_batch=8, micro_batch=2, schedule=schedule))
-        slots = result.micro_batches + (4 - 1) * (1 / 3 if schedule == "zero-bubble" else 1)
+        # the host's work is no weight gradient: zero-bubble cannot move it into the bubble
+        slots = result.micro_batches + (4 - 1)
         assert extra == pytest.approx(slots * actions * action), schedule
     extra, result = added(Config(dp=4, global_batch=16, micro_batch=2))
     groups = round(extra / (result.micro_batches * group))
@@ -208,6 +209,44 @@ def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(
     after = estimate(tiny_gpt, mesh, config, efficiencies=per_tensor)
     tensors = (after.step_time_s - before.step_time_s) / (after.micro_batches * 1e-4)
     assert tensors == pytest.approx(round(tensors)) and round(tensors) > groups   # every tensor once
+
+
+def test_zero_bubbles_split_backward_costs_the_host_per_op_of_each_stage(tiny_gpt):
+    """torch splits a zero-bubble backward by walking the stage's autograd graph: charged per op
+    and micro-batch under zero-bubble only, on the slowest rank and in the bubble."""
+    from autopar.cost.compute import Efficiencies
+
+    mesh, per_op = Mesh.parse("4:cpu"), 1e-5
+    plain, walked = Efficiencies(device="cpu"), Efficiencies(device="cpu", split_backward_op_latency_s=per_op)
+    for schedule in ("1f1b", "zero-bubble"):
+        config = Config(pp=4, global_batch=8, micro_batch=2, schedule=schedule)
+        before, after = (estimate(tiny_gpt, mesh, config, efficiencies=e) for e in (plain, walked))
+        extra = after.step_time_s - before.step_time_s
+        if schedule == "1f1b":
+            assert extra == 0.0
+            continue
+        ops = extra / ((after.micro_batches + 4 - 1) * per_op)
+        assert ops == pytest.approx(round(ops)) and round(ops) > 10
+
+
+def test_zero_bubble_fills_the_bubble_with_the_weight_halves_of_the_backward():
+    """ZB-H1 leaves a third of 1F1B's bubble only where forward, input and weight halves are
+    equal and nothing else takes time; a stage whose time is mostly transfers keeps more."""
+    from autopar.commands.estimate import capture_training_step
+    from autopar.cost.compute import Efficiencies
+
+    def ratio(spec, mesh, efficiencies=None):
+        graph = capture_training_step(spec)
+        bubble = {s: estimate(graph, Mesh.parse(mesh), Config(pp=4, global_batch=8, micro_batch=1,
+                                                              schedule=s), efficiencies=efficiencies)
+                  .breakdown["bubble"] for s in ("1f1b", "zero-bubble")}
+        return bubble["zero-bubble"] / bubble["1f1b"]
+
+    compute_bound = ratio("gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192", "4:a100-80g")
+    assert 1 / 3 <= compute_bound < 0.5
+    transfer_bound = ratio("gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128", "4:cpu",
+                           Efficiencies(device="cpu"))
+    assert compute_bound < transfer_bound < 1
 
 
 def test_blocking_collectives_wait_for_the_last_rank_in_proportion_to_the_compute_before_them(tiny_gpt):
