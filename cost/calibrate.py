@@ -19,6 +19,7 @@ hooks per group and per parameter tensor, zero-bubble's split of the backward (`
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -339,6 +340,8 @@ def _one_round(budget_s: float, sizes: tuple[int, ...]):
      efficiencies.data_parallel_tensor_latency_s) = _data_parallel_group_latency(budget_s)
     efficiencies.collective_wait_s, efficiencies.collective_wait_span_s = _collective_wait(budget_s)
     efficiencies.split_backward_op_latency_s = _split_backward_latency(budget_s)
+    efficiencies.host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 0
     for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
                            ("pipeline schedule action, extra", efficiencies.pipeline_action_latency_s),
                            ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s),

@@ -126,6 +126,10 @@ class Efficiencies:
     # Zero-bubble schedules split each backward into its input and weight halves; torch finds
     # them by walking the stage's autograd graph in Python, a cost per op of the stage.
     split_backward_op_latency_s: float = 0.0
+    # Cores of the host that the calibrated ranks shared (`autopar calibrate --mesh` on a CPU);
+    # 0 where each rank has a device of its own. Where a mesh has more ranks than this, a rank
+    # idle in a pipeline's bubble lends its core to the others (cost/host.py).
+    host_cores: int = 0
     # Where ranks share a host's cores, a rank that reaches a blocking collective after a long
     # stretch of compute (a layer's backward before FSDP2 reduces its gradients) waits for peers
     # that the scheduler ran less: ranks drift apart in proportion to the compute since they last

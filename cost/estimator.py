@@ -13,7 +13,7 @@ Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
                the tensor-parallel ranks and all-gathered there (Megatron's scatter/gather)
   host         the runtime's machinery: each action of torch's pipeline schedule, each FSDP
                group's hooks, zero-bubble's walk of the autograd graph to split the backward;
-               measured on CPU meshes, hidden behind a GPU's kernels (`_host_time`)
+               measured on CPU meshes, hidden behind a GPU's kernels (cost/host.py)
 Per step:
   m x the slowest device's time per micro-batch, plus the pipeline bubble: the fill and drain,
   (sum of the devices' times - the slowest) / v, which is (p-1)/(v m) of the ideal time when stages
@@ -31,6 +31,10 @@ Per step:
 Where ranks share a host's cores, each blocking collective after a group's forward or backward
 (FSDP2's reductions and gathers, the loss) also waits for the rank the scheduler ran least
 (`Efficiencies.wait_after`, measured by `autopar calibrate --mesh`; 0 on GPUs).
+Where a mesh has more ranks than the host has cores (gloo ranks on a CPU; `host_cores` of the
+calibration), a rank idle in a pipeline's bubble lends its core to the others: the pipeline takes
+its average rank's work, or its critical path at a core per rank, whichever is longer
+(cost/host.py; the breakdown's negative "lent_cores").
 A calibration file (`autopar calibrate`, `calibration=path`) replaces the efficiencies and, when it
 measured the mesh's collectives, the links' latency and bandwidth.
 Hardware FLOP/s count the recomputed forward, as Megatron-LM reports them; model FLOP/s do not.
@@ -56,6 +60,7 @@ from autopar.cost.memory import (GATHERED_GROUPS,
                                  reduces_every_micro_batch)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
+from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.traffic import (add_sends, crossing_bytes, loss_sync, parameter_readers,
                                   tied_exposed)
@@ -103,7 +108,7 @@ class _Chunk:
     recompute_s: float = 0.0
     tensor_comm_s: float = 0.0
     send_s: float = 0.0
-    host_s: float = 0.0             # the runtime's machinery on the host (_host_time)
+    host_s: float = 0.0             # the runtime's machinery on the host (cost/host.py)
     weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
     autograd_ops: int = 0           # ops the backward differentiates (nodes of the autograd graph)
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
@@ -183,7 +188,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     split = memo.split(stages)
     for c, spec in enumerate(stages):
-        chunks[c].host_s = _host_time(spec, split.groups[c], chunks[c],
+        chunks[c].host_s = host_time(spec, split.groups[c], chunks[c],
                                       pipelined=len(devices) > 1, schedule=schedule, eff=eff)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
@@ -191,6 +196,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     if schedule == "zero-bubble":
         weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
         bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
+    lent = 0.0      # < 0 where ranks idle in the bubble lend their cores (cost/host.py)
+    if len(devices) > 1 and ranks_per_core(mesh, eff) > 1:
+        lent = shared_host_time(per_mb, m, ideal + bubble, ranks_per_core(mesh, eff)) - ideal - bubble
     data_comm, optimizer = [], []
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
@@ -208,9 +216,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     tied = tied_exposed(graph, memo.layout(stages[0]),
                          split.owner, stages[0], mesh, pp=len(devices))
     closing = loss_sync(mesh, eff)
-    step = ideal + bubble + max(data_comm) + tied + max(optimizer) + closing
+    step = ideal + bubble + lent + max(data_comm) + tied + max(optimizer) + closing
     return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
-                      bubble=bubble, data_comm=max(data_comm) + tied, loss_sync=closing,
+                      bubble=bubble, lent=lent, data_comm=max(data_comm) + tied, loss_sync=closing,
                       optimizer=max(optimizer), m=m, global_batch=global_batch,
                       memory_limit=memory_limit)
 
@@ -541,22 +549,6 @@ def _chunk_time(chunk: _Chunk) -> float:
             + chunk.send_s + chunk.host_s)
 
 
-def _host_time(spec: StageSpec, groups: int, chunk: _Chunk, *, pipelined: bool, schedule: str,
-               eff: Efficiencies) -> float:
-    """Per micro-batch, what the runtime's machinery costs a chunk's host: under a pipeline
-    schedule, its actions (a forward and a backward; zero-bubble splits the backward in two, and
-    torch finds the two halves by walking the chunk's autograd graph, a cost per op), and with
-    data parallelism, the hooks of each of its FSDP groups, which visit every parameter tensor
-    of the group. Zero unless calibrated on a device whose host runs the compute
-    (`Efficiencies`)."""
-    split = pipelined and schedule == "zero-bubble"
-    actions = (3 if split else 2) if pipelined else 0
-    hooks = (groups * eff.data_parallel_group_latency_s
-             + chunk.tensors * eff.data_parallel_tensor_latency_s if spec.dp > 1 else 0.0)
-    walk = chunk.autograd_ops * eff.split_backward_op_latency_s if split else 0.0
-    return actions * eff.pipeline_action_latency_s + hooks + walk
-
-
 def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
                    virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
     """A pipeline rank's peak (cost.memory.peak_bytes). Under ZeRO-3 a zero-bubble schedule
@@ -612,7 +604,7 @@ def _smallest(values: list):
 
 
 def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, per_mb: list,
-               memory: list, *, step: float, ideal: float, bubble: float, data_comm: float,
+               memory: list, *, step: float, ideal: float, bubble: float, lent: float, data_comm: float,
                loss_sync: float, optimizer: float, m: int, global_batch: int,
                memory_limit: float | None) -> Estimate:
     world = mesh.world_size
@@ -630,7 +622,9 @@ def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, pe
         breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s")
                    + total("host_s"),
                    "exposed_comm": total("tensor_comm_s") + total("send_s") + data_comm + loss_sync,
-                   "bubble": bubble, "optimizer": optimizer},
+                   "bubble": bubble, "optimizer": optimizer,
+                   # cores that ranks idle in the bubble lend the others, on a shared host
+                   **({"lent_cores": lent} if lent else {})},
         comm_breakdown={"tensor": total("tensor_comm_s"), "pipeline": total("send_s"),
                         "data": data_comm, "loss": loss_sync},
         memory_per_gpu_bytes=totals[fullest], memory_breakdown=memory[fullest],

@@ -229,6 +229,30 @@ def test_zero_bubbles_split_backward_costs_the_host_per_op_of_each_stage(tiny_gp
         assert ops == pytest.approx(round(ops)) and round(ops) > 10
 
 
+def test_ranks_sharing_a_hosts_cores_lend_them_while_idle_in_the_bubble(tiny_gpt):
+    """4 gloo ranks on 2 cores: a pipeline takes its average rank's work at the calibrated
+    (everyone computing) prices, not the slowest rank's path through the bubble; ranks with
+    cores of their own, and a plan without a pipeline, are priced as before."""
+    from autopar.cost.compute import Efficiencies
+
+    mesh = Mesh.parse("4:cpu")
+    own, shared = Efficiencies(device="cpu", host_cores=4), Efficiencies(device="cpu", host_cores=2)
+    pipeline = Config(pp=4, global_batch=8, micro_batch=1, schedule="1f1b")
+    alone, lent = (estimate(tiny_gpt, mesh, pipeline, efficiencies=e) for e in (own, shared))
+    assert "lent_cores" not in alone.breakdown
+    assert alone.step_time_s == estimate(tiny_gpt, mesh, pipeline).step_time_s
+    per_mb = [d["time_per_micro_batch_s"] for d in lent.devices]
+    average = lent.micro_batches * sum(per_mb) / len(per_mb)
+    pipeline_part = alone.breakdown["bubble"] + lent.breakdown["lent_cores"] + lent.micro_batches * max(per_mb)
+    assert pipeline_part == pytest.approx(max(average, (lent.micro_batches * max(per_mb)
+                                                        + alone.breakdown["bubble"]) / 2))
+    assert lent.breakdown["lent_cores"] < 0
+    assert lent.step_time_s == pytest.approx(sum(lent.breakdown.values()))
+    flat = Config(dp=4, global_batch=8, micro_batch=1)
+    assert estimate(tiny_gpt, mesh, flat, efficiencies=shared).step_time_s == \
+        estimate(tiny_gpt, mesh, flat, efficiencies=own).step_time_s
+
+
 def test_zero_bubble_fills_the_bubble_with_the_weight_halves_of_the_backward():
     """ZB-H1 leaves a third of 1F1B's bubble only where forward, input and weight halves are
     equal and nothing else takes time; a stage whose time is mostly transfers keeps more."""
