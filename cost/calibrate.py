@@ -225,6 +225,39 @@ def _split_backward_latency(budget_s: float) -> float:
     return max(extra, 0.0) / (_CHAIN * _CHAIN_OPS)
 
 
+def _checkpoint_latency(budget_s: float) -> tuple[float, float]:
+    """Host seconds a recomputed region adds beyond the forward it reruns: (per region, per op
+    in it). Chains of `_CHAIN` regions, each under a non-reentrant checkpoint as the runtime
+    wraps a recomputed layer (passes/recompute.py), of one and of four links of `_tiny_chain`'s
+    ops, against the plain chain's forward and backward and one more forward: a GPT layer of
+    some thirty ops costs several times a one-op region."""
+    from torch.utils.checkpoint import checkpoint
+
+    def extra(links: int) -> float:
+        weights = [[torch.ones(8, 8, requires_grad=True) for _ in range(links)] for _ in range(_CHAIN)]
+        first = torch.ones(4, 8, requires_grad=True)
+
+        def region(y, region_weights):
+            for weight in region_weights:
+                y = F.gelu(F.layer_norm(y @ weight, (8,)))
+            return y
+
+        def run(wrap: bool, backward: bool = True) -> None:
+            y = first
+            for region_weights in weights:
+                y = checkpoint(region, y, region_weights, use_reentrant=False) if wrap \
+                    else region(y, region_weights)
+            if backward:
+                y.sum().backward()
+        wrapped, plain = _seconds(lambda: run(True), "cpu", budget_s), _seconds(lambda: run(False), "cpu", budget_s)
+        with torch.no_grad():
+            rerun = _seconds(lambda: run(False, backward=False), "cpu", budget_s)
+        return max(wrapped - plain - rerun, 0.0) / _CHAIN
+    one, four = extra(1), extra(4)
+    per_op = max(four - one, 0.0) / (3 * _CHAIN_OPS)
+    return max(one - _CHAIN_OPS * per_op, 0.0), per_op
+
+
 _GROUPS = 8
 
 
@@ -340,6 +373,8 @@ def _one_round(budget_s: float, sizes: tuple[int, ...]):
      efficiencies.data_parallel_tensor_latency_s) = _data_parallel_group_latency(budget_s)
     efficiencies.collective_wait_s, efficiencies.collective_wait_span_s = _collective_wait(budget_s)
     efficiencies.split_backward_op_latency_s = _split_backward_latency(budget_s)
+    (efficiencies.checkpoint_region_latency_s,
+     efficiencies.checkpoint_op_latency_s) = _checkpoint_latency(budget_s)
     efficiencies.host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else os.cpu_count() or 0
     for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
@@ -348,7 +383,9 @@ def _one_round(budget_s: float, sizes: tuple[int, ...]):
                            ("FSDP2 hooks per parameter tensor", efficiencies.data_parallel_tensor_latency_s),
                            ("collective after a layer of compute, wait", efficiencies.collective_wait_s),
                            ("zero-bubble split backward per op, extra",
-                            efficiencies.split_backward_op_latency_s)):
+                            efficiencies.split_backward_op_latency_s),
+                           ("recomputed region, extra", efficiencies.checkpoint_region_latency_s),
+                           ("recomputed region per op, extra", efficiencies.checkpoint_op_latency_s)):
         measurements[label] = {"family": "latency", "seconds": seconds, "flops": 1, "bytes": 0,
                                "flops_fraction": 0.0, "bandwidth_fraction": 0.0}
     return efficiencies, measurements, _group_timings(budget_s, sizes)

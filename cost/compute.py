@@ -126,6 +126,11 @@ class Efficiencies:
     # Zero-bubble schedules split each backward into its input and weight halves; torch finds
     # them by walking the stage's autograd graph in Python, a cost per op of the stage.
     split_backward_op_latency_s: float = 0.0
+    # A recomputed region (torch.utils.checkpoint, non-reentrant) on the host, beyond the
+    # forward it runs again: the rerun's set-up per region, and per op of the region the hooks
+    # that pack and unpack what it saves.
+    checkpoint_region_latency_s: float = 0.0
+    checkpoint_op_latency_s: float = 0.0
     # Cores of the host that the calibrated ranks shared (`autopar calibrate --mesh` on a CPU);
     # 0 where each rank has a device of its own. Where a mesh has more ranks than this, a rank
     # idle in a pipeline's bubble lends its core to the others (cost/host.py).

@@ -111,6 +111,8 @@ class _Chunk:
     host_s: float = 0.0             # the runtime's machinery on the host (cost/host.py)
     weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
     autograd_ops: int = 0           # ops the backward differentiates (nodes of the autograd graph)
+    recomputed_regions: int = 0     # checkpointed regions (a block under full, its attention under selective)
+    recomputed_ops: int = 0         # the ops in them that the backward differentiates
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
@@ -428,6 +430,7 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)
             region_nodes.setdefault(region, set()).add(i)
+            out.recomputed_ops += int(node.requires_grad)
             region_block[region] = in_block[i]
         else:
             saved.update(node.saved)
@@ -438,6 +441,7 @@ def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[
         if kept and not region:
             degree = node.attention["q_seq"] + node.attention["k_seq"]
             scores[degree] = scores.get(degree, 0.0) + kept / b
+    out.recomputed_regions = len(region_saved)
     for region, keys in region_saved.items():
         inputs = _region_inputs(graph, layout, region_nodes[region])
         saved.update(inputs)

@@ -1,6 +1,6 @@
 """What the host costs a step where the host runs the compute (gloo ranks on a CPU): the
 runtime's machinery per micro-batch (`host_time`: pipeline schedule actions, FSDP2's hooks,
-zero-bubble's split of the backward) and the cores that ranks sharing a host lend each other
+zero-bubble's split of the backward, checkpoints of recomputed regions) and the cores that ranks sharing a host lend each other
 (`shared_host_time`). Every figure comes from `autopar calibrate --mesh` and is 0 on GPU meshes,
 whose kernels hide the host."""
 
@@ -35,11 +35,13 @@ def host_time(spec: StageSpec, groups: int, chunk, *, pipelined: bool, schedule:
     schedule, its actions (a forward and a backward; zero-bubble splits the backward in two, and
     torch finds the two halves by walking the chunk's autograd graph, a cost per op), and with
     data parallelism, the hooks of each of its FSDP groups, which visit every parameter tensor
-    of the group. Zero unless calibrated on a device whose host runs the compute
+    of the group, and each recomputed region's checkpoint. Zero unless calibrated on a device whose host runs the compute
     (`Efficiencies`)."""
     split = pipelined and schedule == "zero-bubble"
     actions = (3 if split else 2) if pipelined else 0
     hooks = (groups * eff.data_parallel_group_latency_s
              + chunk.tensors * eff.data_parallel_tensor_latency_s if spec.dp > 1 else 0.0)
     walk = chunk.autograd_ops * eff.split_backward_op_latency_s if split else 0.0
-    return actions * eff.pipeline_action_latency_s + hooks + walk
+    checkpoints = (chunk.recomputed_regions * eff.checkpoint_region_latency_s
+                   + chunk.recomputed_ops * eff.checkpoint_op_latency_s)
+    return actions * eff.pipeline_action_latency_s + hooks + walk + checkpoints

@@ -397,6 +397,7 @@ def test_calibrate_a_mesh_writes_collectives_measured_in_rounds(tmp_path, capsys
     data = json.loads(out.read_text())
     assert data["collectives"]["rounds"] == 2 and data["collectives"]["ranks"] == 2
     assert data["host_cores"] >= 1 and data["split_backward_op_latency_s"] >= 0
+    assert data["checkpoint_region_latency_s"] >= 0 and data["checkpoint_op_latency_s"] >= 0
     assert set(data["collectives"]["fits"]) >= {"all_reduce", "send_recv"}
     assert all(len(m["rounds_seconds"]) == 2 for m in data["measurements"].values())
     assert "spread" in capsys.readouterr().out

@@ -229,6 +229,28 @@ def test_zero_bubbles_split_backward_costs_the_host_per_op_of_each_stage(tiny_gp
         assert ops == pytest.approx(round(ops)) and round(ops) > 10
 
 
+def test_each_recomputed_region_costs_the_host_its_checkpoint(tiny_gpt):
+    """A checkpointed region costs the host a set-up and a cost per op it saves for, beyond the
+    forward it reruns: one region per layer under full recompute, one per attention under
+    selective, none without recompute."""
+    from autopar.cost.compute import Efficiencies
+
+    mesh, plain = Mesh.parse("4:cpu"), Efficiencies(device="cpu")
+    per_region = Efficiencies(device="cpu", checkpoint_region_latency_s=1e-4)
+    per_op = Efficiencies(device="cpu", checkpoint_op_latency_s=1e-5)
+
+    def extra(recompute, eff, unit):
+        config = Config(dp=4, global_batch=8, micro_batch=1, recompute=recompute)
+        base, priced = (estimate(tiny_gpt, mesh, config, efficiencies=e) for e in (plain, eff))
+        return (priced.step_time_s - base.step_time_s) / (priced.micro_batches * unit)
+
+    assert extra("none", per_region, 1e-4) == 0.0 and extra("none", per_op, 1e-5) == 0.0
+    for recompute in ("full", "selective"):
+        assert extra(recompute, per_region, 1e-4) == pytest.approx(4)      # 4 layers, 4 attentions
+    full_ops, selective_ops = extra("full", per_op, 1e-5), extra("selective", per_op, 1e-5)
+    assert full_ops == pytest.approx(round(full_ops)) and full_ops > selective_ops > 4
+
+
 def test_ranks_sharing_a_hosts_cores_lend_them_while_idle_in_the_bubble(tiny_gpt):
     """4 gloo ranks on 2 cores: a pipeline takes its average rank's work at the calibrated
     (everyone computing) prices, not the slowest rank's path through the bubble; ranks with
