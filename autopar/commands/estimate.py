@@ -205,7 +205,7 @@ def _print(console: Console, report: dict, title: str) -> None:
 
 
 def _seconds(value: float) -> str:
-    return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+    return f"{value:.3f} s" if abs(value) >= 1 else f"{value * 1e3:.3g} ms"
 
 
 def _bytes(value: float) -> str:

@@ -124,9 +124,10 @@ def rank_ranges(ranks: list[int]) -> str:
 def _fmt_s(value) -> str:
     if not _is_number(value):
         return "-" if value is None else repr(value)
-    if value >= 1:
+    # by size: a negative time (the cores idle ranks lend) reads in the unit of its magnitude
+    if abs(value) >= 1:
         return f"{value:.3f} s"
-    return f"{value * 1e3:.2f} ms" if value >= 1e-3 else f"{value * 1e6:.1f} us"
+    return f"{value * 1e3:.2f} ms" if abs(value) >= 1e-3 else f"{value * 1e6:.1f} us"
 
 
 def _fmt_gib(value) -> str:
