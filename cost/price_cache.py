@@ -82,7 +82,9 @@ class PriceCache:
               price):
         """Chunk `c` priced by `price` (the estimator's `_price_chunk`), a copy the caller may
         change. The price depends on the chunk's nodes, not on where it sits in the pipeline."""
-        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.recompute, micro_batch, attention)
+        # ZeRO-3's parameters are DTensors, whose ops cost the host more (`_price_chunk`)
+        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.recompute, spec.zero == 3,
+               micro_batch, attention)
         priced = self._get(key, lambda: price(
             self.graph, self.layout(spec),
             self._get(("blocks",), lambda: block_mask(self.graph)),

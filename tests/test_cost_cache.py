@@ -49,6 +49,28 @@ def test_a_shared_cache_gives_the_same_estimates_as_none(tiny_gpt):
     assert any(key[0] == "chunk" for key in cache if isinstance(key, tuple))
 
 
+def test_a_shared_cache_keeps_host_costs_apart_on_a_calibrated_cpu_mesh(tiny_gpt):
+    """Where the host's figures are measured, a chunk's price depends on more of its stage (ZeRO-3
+    parameters are DTensors, dearer per op): a chunk priced for an interleaved ZeRO-3 pipeline
+    and the same layers in a plain pipeline are different cache entries."""
+    from autopar.cost.compute import Efficiencies
+
+    mesh = Mesh.parse("4:cpu")
+    host = Efficiencies(device="cpu", distributed_op_latency_s=5e-5, pipeline_action_latency_s=1e-3,
+                        data_parallel_group_latency_s=5e-4, data_parallel_tensor_latency_s=5e-5,
+                        split_backward_op_latency_s=3e-5, checkpoint_region_latency_s=3e-4,
+                        checkpoint_op_latency_s=3e-5, collective_wait_s=1e-3,
+                        collective_wait_span_s=1e-2, host_cores=2)
+    cache: dict = {}
+    for fields in (dict(pp=2, dp=2, virtual=2, schedule="interleaved-1f1b", zero=3),
+                   dict(pp=4), dict(pp=4, schedule="zero-bubble", recompute="selective"),
+                   dict(pp=2, dp=2, zero=3, recompute="full"), dict(pp=2, dp=2), dict(dp=4, zero=3),
+                   dict(dp=4)):
+        fresh = estimate(tiny_gpt, mesh, _config(fields), efficiencies=host)
+        cached = estimate(tiny_gpt, mesh, _config(fields), efficiencies=host, cache=cache)
+        assert cached.to_dict() == fresh.to_dict(), fields
+
+
 def test_a_cache_is_refused_for_another_mesh_or_graph(tiny_gpt):
     cache: dict = {}
     estimate(tiny_gpt, Mesh.parse("8:a100-80g"), _config(CONFIGS[0]), cache=cache)
