@@ -47,27 +47,20 @@ from dataclasses import asdict, dataclass, field
 import sympy
 
 from autopar.errors import AutoparError
-from autopar.graph import Graph, Role
+from autopar.graph import Graph
 from autopar.cost.calibration import calibrated
-from autopar.cost.collectives import Group
-from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
-                                  gemm_utilization)
+from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
-from autopar.cost.layout import (_DTYPE_BYTES, GraphLayout, NodeLayout, graph_batch,
-                                 graph_sequence)
-from autopar.cost.memory import (GATHERED_GROUPS,
-                                 OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
+from autopar.cost.layout import _DTYPE_BYTES, graph_sequence
+from autopar.cost.memory import (OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
                                  reduces_every_micro_batch)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.traffic import (add_sends, crossing_bytes, loss_sync, parameter_readers,
-                                  tied_exposed)
-from autopar.cost.stages import StageSpec, group_elements, selective_region, uniform_stages
-# Of an op with parameters, the share of its backward that computes the weight gradient (dW, as
-# long as dX): the half a zero-bubble schedule moves into the bubble.
-WEIGHT_SHARE_OF_BACKWARD = 0.5
+from autopar.cost.chunk_price import Chunk, poly_at
+from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, tied_exposed
+from autopar.cost.stages import StageSpec, uniform_stages
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 _ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -98,41 +91,6 @@ class Estimate:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass(kw_only=True, slots=True)
-class _Chunk:
-    """What one chunk costs one of its devices for one micro-batch."""
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    recompute_s: float = 0.0
-    tensor_comm_s: float = 0.0
-    send_s: float = 0.0
-    host_s: float = 0.0             # the runtime's machinery on the host (cost/host.py)
-    weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
-    autograd_ops: int = 0           # ops the backward differentiates (nodes of the autograd graph)
-    recomputed_regions: int = 0     # checkpointed regions (a block under full, its attention under selective)
-    recomputed_ops: int = 0         # the ops in them that the backward differentiates
-    recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
-    params: float = 0.0             # elements on this device
-    gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
-    group: float = 0.0              # elements of its largest FSDP group
-    largest: float = 0.0            # elements of its largest parameter tensor
-    tensors: int = 0                # parameter tensors on this device
-    saved_per_sample: float = 0.0   # activation bytes kept per sample
-    peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed region)
-    loss_per_sample: float = 0.0
-    # The same three as polynomials in the sequence length over the captured one, {power: bytes}
-    # (the peak one per recomputed region), for memory at another sequence length.
-    saved_poly: dict = field(default_factory=dict)
-    peak_polys: list = field(default_factory=list)
-    loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
-    flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
-    sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
-    # What the backward of one block frees: the activations of the block instance that keeps the
-    # fewest (its own and those of its recomputed regions' inputs), and how many blocks it has.
-    block_kept_poly: dict = field(default_factory=dict)
-    blocks: int = 0
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
@@ -215,17 +173,17 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
     memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
-    tied = tied_exposed(graph, memo.layout(stages[0]),
-                         split.owner, stages[0], mesh, pp=len(devices))
+    tied = tied_exposed(memo.readers(split), memo.layout(stages[0]), stages[0], mesh,
+                        pp=len(devices))
     closing = loss_sync(mesh, eff)
     step = ideal + bubble + lent + max(data_comm) + tied + max(optimizer) + closing
-    return _summarize(graph, mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
+    return _summarize(memo.model_flops_per_sample(), mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
                       bubble=bubble, lent=lent, data_comm=max(data_comm) + tied, loss_sync=closing,
                       optimizer=max(optimizer), m=m, global_batch=global_batch,
                       memory_limit=memory_limit)
 
 
-def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int],
+def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int],
                  stage: int, pipelined: bool, kept_gathered: bool, reduce_every: bool,
                  eff: Efficiencies) -> DeviceWork:
     """A pipeline rank's chunks as the data-parallel traffic sees them; its last backward runs
@@ -244,7 +202,7 @@ def _device_work(chunks: list[_Chunk], stages: list[StageSpec], groups: list[int
 
 @dataclass(kw_only=True, slots=True)
 class _Pipeline:
-    chunks: list[_Chunk]
+    chunks: list[Chunk]
     devices: list[list[int]]        # pipeline rank -> its chunks
     micro_batches: int
 
@@ -261,15 +219,15 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         raise AutoparError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a "
                            f"multiple of the {pp} pipeline ranks; change the global or micro-batch")
     split = memo.split(stages)
-    chunks = [memo.chunk(split, c, s, micro_batch, attention, _price_chunk)
+    chunks = [memo.chunk(split, c, s, micro_batch, attention)
               for c, s in enumerate(stages)]
     for c, s in enumerate(stages):
-        params, loss, tensors, gathered = memo.states(split, s, _chunk_states)
+        params, loss, tensors, gathered = memo.states(split, s)
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
         chunks[c].gathered, chunks[c].largest, chunks[c].group = gathered[c]
-        chunks[c].loss_per_sample = _at(loss[c], 1)
+        chunks[c].loss_per_sample = poly_at(loss[c], 1)
     crossing = memo.crossing(split, stages, crossing_bytes)
-    add_sends([_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
+    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
@@ -387,173 +345,12 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
     return pp, stages[0].dp
 
 
-def _price_chunk(graph: Graph, layout: GraphLayout, in_block: list, nodes: list[NodeLayout],
-                 spec: StageSpec, mesh: Mesh, b: int, eff: Efficiencies, attention: str) -> _Chunk:
-    """Time, flops and kept activations of a chunk whose nodes are `nodes`; its parameters and
-    loss buffers are `_chunk_states`'."""
-    device = mesh.device
-    tp_group = Group.strided(mesh, spec.tp, 1)
-    out = _Chunk()
-    saved: set[str] = set()
-    region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
-    region_nodes: dict[str, set[int]] = {}
-    block_saved: dict[tuple, set[str]] = {}    # block instance -> what its own nodes keep
-    region_block: dict[str, tuple] = {}
-    paths = {(inst.start, inst.stop): inst.module_path for kind in graph.blocks for inst in kind.instances}
-    widest = (0.0, 0)                   # the largest output the backward differentiates
-    distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
-    scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
-    for node in nodes:
-        i = layout.index[node.name]
-        forward, backward, kept = _kernels(node, b, attention, _DTYPE_BYTES[layout.dtype])
-        use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device) if node.gemm else 1.0
-        fwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
-                  for fam, f, by in forward)
-        bwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
-                  for fam, f, by in backward)
-        comm_fwd = _collectives_time(tp_group, node.comm_forward, b)
-        comm_bwd = _collectives_time(tp_group, node.comm_backward, b)
-        if distributed:
-            fwd += eff.distributed_op_latency_s
-            bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
-        out.forward_s += fwd
-        out.tensor_comm_s += comm_fwd
-        if node.requires_grad:
-            out.backward_s += bwd
-            out.weight_backward_s += bwd * WEIGHT_SHARE_OF_BACKWARD if node.param_bytes else 0.0
-            out.autograd_ops += 1
-            out.tensor_comm_s += comm_bwd
-        region = _recomputed_region(graph.nodes[i], in_block[i], paths, spec.recompute)
-        if region:
-            out.recompute_s += fwd
-            out.tensor_comm_s += comm_fwd
-            out.recomputed_flops += graph.nodes[i].flops / layout.batch
-            region_saved.setdefault(region, set()).update(node.saved)
-            region_nodes.setdefault(region, set()).add(i)
-            out.recomputed_ops += int(node.requires_grad)
-            region_block[region] = in_block[i]
-        else:
-            saved.update(node.saved)
-        if in_block[i] is not None:
-            block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
-        if node.requires_grad and node.family != "view":
-            widest = max(widest, (node.out_bytes, layout.seq_degree.get(layout.storage[node.name], 0)))
-        if kept and not region:
-            degree = node.attention["q_seq"] + node.attention["k_seq"]
-            scores[degree] = scores.get(degree, 0.0) + kept / b
-    out.recomputed_regions = len(region_saved)
-    for region, keys in region_saved.items():
-        inputs = _region_inputs(graph, layout, region_nodes[region])
-        saved.update(inputs)
-        block_saved[region_block[region]].update(inputs)
-        out.peak_polys.append(_poly(keys, layout))
-    if block_saved:
-        out.block_kept_poly = min((_poly(keys, layout) for keys in block_saved.values()),
-                                  key=lambda poly: _at(poly, 1))
-    out.blocks = len(block_saved)
-    out.peak_per_sample = max((_at(p, 1) for p in out.peak_polys), default=0.0)
-    out.saved_poly = _poly(saved, layout)
-    for degree, value in scores.items():
-        out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
-    out.saved_per_sample = _at(out.saved_poly, 1)
-    # the widest op's backward holds the gradient it receives and the one it gives; the output
-    # it kept for the next op's backward (as large) is freed by then
-    out.flowing_poly = {widest[1]: widest[0]}
-    return out
-
-
-def _collectives_time(group: Group, collectives: tuple, b: int) -> float:
-    """A node's collectives over the tensor-parallel group, (kind, bytes, per sample) each."""
-    return sum(getattr(group, kind)(nbytes * b if per_sample else nbytes)
-               for kind, nbytes, per_sample in collectives)
-
-
-def _chunk_states(graph: Graph, layout: GraphLayout, owner: list[int],
-                  chunks: int) -> tuple[list[float], list[dict], list[int], list[float]]:
-    """Per chunk: the parameter elements one of its devices holds, its outputs' elements per
-    sample, the number of parameter tensors, and the elements of its GATHERED_GROUPS largest
-    FSDP groups (what ZeRO-3 holds gathered at once) with those of its largest parameter and
-    of its largest group. A weight that several chunks read (a tied
-    embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
-    stage that reads it its own copy."""
-    params, tensors = [0.0] * chunks, [0] * chunks
-    readers = parameter_readers(graph, layout, owner)
-    # An export lists a tied weight under each of its names and reads it through one of them:
-    # the unread names hold nothing of their own.
-    tied_names = {fqn for n in graph.parameters if n.tied_to for fqn in (n.param_fqn, n.tied_to)}
-    unread_ties = {n.name for n in graph.parameters if n.param_fqn in tied_names and n.name not in readers}
-    for name, count in layout.param_local.items():
-        if name in unread_ties:
-            continue
-        for chunk in readers.get(name) or {owner[layout.index[name]]}:
-            params[chunk] += count
-            tensors[chunk] += 1
-    largest = [0.0] * chunks
-    for name, count in layout.param_local.items():
-        chunk = owner[layout.index[name]]
-        largest[chunk] = max(largest[chunk], count)
-    gathered = [(sum(sorted(groups.values())[-GATHERED_GROUPS:]), largest[c],
-                 max(groups.values(), default=0.0))
-                for c, groups in enumerate(group_elements(graph, owner, chunks, layout.param_local))]
-    return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
-
-
-def _kernels(node: NodeLayout, b: int, attention: str, dtype_bytes: int) -> tuple[list, list, float]:
-    if node.family == "attention" and node.attention:
-        return attention_kernels(node.attention, b, attention, dtype_bytes)
-    if node.family == "view" or (node.act_bytes == 0 and node.flops == 0):
-        return [], [], 0.0
-    flops, moved = node.flops * b, node.act_bytes * b + node.param_bytes
-    flops_factor, bytes_factor = BACKWARD[node.family]
-    return ([(node.family, flops, moved)],
-            [(node.family, flops * flops_factor, moved * bytes_factor)], 0.0)
-
-
-def _recomputed_region(node, block: tuple | None, paths: dict, recompute: str) -> str | None:
-    """The region of the graph that reruns in the backward holding `node`, as the runtime
-    checkpoints: its whole block under "full", its block's attention module under "selective"
-    (cost.stages.selective_region); None when the node's activations are kept."""
-    if block is None or recompute == "none":
-        return None
-    path = paths.get(block, str(block))
-    return path if recompute == "full" else selective_region(node.module_path, path)
-
-
-def _region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[str]:
-    """What a recomputed region keeps: the activations it reads from outside itself."""
-    inside = {graph.nodes[i].name for i in members}
-    kept = set()
-    for i in members:
-        for name in graph.nodes[i].inputs:
-            if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
-                kept.add(layout.storage[name])
-    return kept
-
-
-def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
-    """Per chunk, the elements of the floating outputs (logits) it returns, as {power of the
-    sequence length: elements per sample}. Whole on every tensor-parallel rank: a stage hands
-    its outputs on replicated, and the loss runs on them."""
-    totals: list[dict] = [{} for _ in range(chunks)]
-    for i, node in enumerate(graph.nodes):
-        if node.target != "output":
-            continue
-        for name in node.inputs:
-            out = graph.nodes[layout.index[name]]
-            if not out.dtype.startswith(("float", "bfloat")):
-                continue
-            degree = layout.seq_degree.get(layout.storage[name], 0)
-            value = out.bytes / layout.batch / _DTYPE_BYTES[out.dtype]
-            totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + value
-    return totals
-
-
-def _chunk_time(chunk: _Chunk) -> float:
+def _chunk_time(chunk: Chunk) -> float:
     return (chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s
             + chunk.send_s + chunk.host_s)
 
 
-def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
+def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
                    virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
     """A pipeline rank's peak (cost.memory.peak_bytes). Under ZeRO-3 a zero-bubble schedule
     keeps the weights gathered from forward to backward (its weight backward runs after the
@@ -564,35 +361,21 @@ def _device_memory(chunks: list[_Chunk], spec: StageSpec, b, schedule: str, *, p
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its
     # outputs for their backward
-    per_chunk = sum(_at(c.saved_poly, seq_ratio) + _at(c.sent_poly, seq_ratio)
+    per_chunk = sum(poly_at(c.saved_poly, seq_ratio) + poly_at(c.sent_poly, seq_ratio)
                     for c in chunks) / len(chunks)
-    recomputed = _largest([_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
-    flowing = _largest([_at(c.flowing_poly, seq_ratio) for c in chunks])
+    recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
+    flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
     return peak_bytes(params=params, gathered=gathered, group=max(c.group for c in chunks),
                       weight=max(c.largest for c in chunks),
                       zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
                       reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                       held=held, pipelined=pp > 1, activations=held * per_chunk * b,
-                      logits=sum(_at(c.loss_poly, seq_ratio) for c in chunks) * b,
+                      logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
                       recomputed=recomputed * b, flowing=flowing * b,
                       blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own
-                      block_kept=_smallest([_at(c.block_kept_poly, seq_ratio) for c in chunks
+                      block_kept=_smallest([poly_at(c.block_kept_poly, seq_ratio) for c in chunks
                                             if c.blocks]) * b)
-
-
-def _poly(keys, layout: GraphLayout) -> dict[int, float]:
-    """Bytes per sample of storage `keys` by their power of the sequence length."""
-    poly: dict[int, float] = {}
-    for key in keys:
-        degree = layout.seq_degree.get(key, 0)
-        poly[degree] = poly.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
-    return poly
-
-
-def _at(poly: dict, ratio):
-    """A {power: bytes} polynomial at `ratio` = sequence length / captured sequence length."""
-    return sum(value * ratio ** degree for degree, value in sorted(poly.items()))
 
 
 def _largest(values: list):
@@ -607,12 +390,12 @@ def _smallest(values: list):
     return min(values) if numbers else sympy.Min(*values)
 
 
-def _summarize(graph: Graph, mesh: Mesh, chunks: list[_Chunk], devices: list, per_mb: list,
+def _summarize(model_flops_per_sample: float, mesh: Mesh, chunks: list[Chunk], devices: list, per_mb: list,
                memory: list, *, step: float, ideal: float, bubble: float, lent: float, data_comm: float,
                loss_sync: float, optimizer: float, m: int, global_batch: int,
                memory_limit: float | None) -> Estimate:
     world = mesh.world_size
-    model_flops = 3 * graph.forward_flops / graph_batch(graph) * global_batch
+    model_flops = model_flops_per_sample * global_batch
     hardware = model_flops + sum(c.recomputed_flops for c in chunks) * global_batch
     slowest = max(range(len(devices)), key=lambda d: per_mb[d])
     cs = [chunks[c] for c in devices[slowest]]

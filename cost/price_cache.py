@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.cost.layout import GraphLayout, infer_layout
+from autopar.cost.chunk_price import (Chunk, chunk_states, node_prices, price_chunk,
+                                     recomputed_regions)
+from autopar.cost.layout import GraphLayout, graph_batch, infer_layout
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_groups
+from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
 
@@ -61,6 +64,11 @@ class PriceCache:
                          lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
                                               compute_dtype=self.dtype, placements=placements))
 
+    def model_flops_per_sample(self) -> float:
+        """A training step's model FLOPs per sample: 3x the forward (backward = 2x)."""
+        return self._get(("model_flops",),
+                         lambda: 3 * self.graph.forward_flops / graph_batch(self.graph))
+
     def layouts(self, stages: list[StageSpec]) -> dict:
         return {s.layout_key: self.layout(s) for s in stages}
 
@@ -78,27 +86,41 @@ class PriceCache:
         return Split(key=key, owner=owner, node_sets=node_sets,
                      groups=sharding_groups(self.graph, owner, len(stages)))
 
-    def chunk(self, split: Split, c: int, spec: StageSpec, micro_batch: int, attention: str,
-              price):
-        """Chunk `c` priced by `price` (the estimator's `_price_chunk`), a copy the caller may
-        change. The price depends on the chunk's nodes, not on where it sits in the pipeline."""
-        # ZeRO-3's parameters are DTensors, whose ops cost the host more (`_price_chunk`)
+    def chunk(self, split: Split, c: int, spec: StageSpec, micro_batch: int, attention: str) -> Chunk:
+        """Chunk `c` priced (`chunk_price.price_chunk`), a copy the caller may change. The price
+        depends on the chunk's nodes, not on where it sits in the pipeline."""
+        # ZeRO-3's parameters are DTensors, whose ops cost the host more (`node_prices`)
         key = ("chunk", split.node_sets[c], *spec.layout_key, spec.recompute, spec.zero == 3,
                micro_batch, attention)
-        priced = self._get(key, lambda: price(
-            self.graph, self.layout(spec),
-            self._get(("blocks",), lambda: block_mask(self.graph)),
-            self._members(split, spec)[c], spec, self.mesh, micro_batch, self.efficiencies,
-            attention))
+        priced = self._get(key, lambda: price_chunk(
+            self.graph, self.layout(spec), self._blocks(), self._regions(spec.recompute),
+            self._members(split, spec)[c], self._node_prices(spec, micro_batch, attention),
+            micro_batch))
         return replace(priced)
 
-    def states(self, split: Split, spec: StageSpec, states_of) -> tuple[list, list]:
-        """Every chunk's parameters and loss buffers under `spec`'s layout, by `states_of` (the
-        estimator's): a tied weight counts once or twice depending on the whole split."""
+    def _blocks(self) -> list:
+        return self._get(("blocks",), lambda: block_mask(self.graph))
+
+    def _regions(self, recompute: str) -> list:
+        return self._get(("regions", recompute),
+                         lambda: recomputed_regions(self.graph, self._blocks(), recompute))
+
+    def _node_prices(self, spec: StageSpec, micro_batch: int, attention: str) -> dict:
+        key = ("node_prices", *spec.layout_key, spec.tp > 1 or spec.zero == 3, micro_batch, attention)
+        return self._get(key, lambda: node_prices(self.layout(spec), spec, self.mesh, micro_batch,
+                                                  self.efficiencies, attention))
+
+    def readers(self, split: Split) -> dict[str, set[int]]:
+        """Parameter node -> the chunks of `split` that read it (`traffic.parameter_readers`)."""
+        reads = self._get(("parameter_reads",), lambda: parameter_reads(self.graph))
+        return self._get(("readers", split.key), lambda: parameter_readers(reads, split.owner))
+
+    def states(self, split: Split, spec: StageSpec) -> tuple[list, list, list, list]:
+        """Every chunk's parameters and loss buffers under `spec`'s layout
+        (`chunk_price.chunk_states`): a tied weight counts once or twice depending on the whole split."""
         key = ("states", split.key, *spec.layout_key)
-        return self._get(key, lambda: states_of(
-            self.graph, self.layout(spec), split.owner,
-            len(split.node_sets)))
+        return self._get(key, lambda: chunk_states(
+            self.graph, self.layout(spec), split.owner, len(split.node_sets), self.readers(split)))
 
     def _members(self, split: Split, spec: StageSpec) -> list:
         """Each chunk's node layouts, in graph order."""

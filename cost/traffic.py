@@ -13,14 +13,17 @@ from autopar.cost.stages import StageSpec
 from autopar.graph import Graph, Role
 
 
-def parameter_readers(graph: Graph, layout: GraphLayout, owner: list[int]) -> dict[str, set[int]]:
-    """Parameter node -> the chunks of the nodes that read it."""
+def parameter_reads(graph: Graph) -> list[tuple[str, int]]:
+    """(parameter node, index of a node that reads it), in graph order."""
     parameters = {n.name for n in graph.parameters}
+    return [(name, i) for i, node in enumerate(graph.nodes) for name in node.inputs if name in parameters]
+
+
+def parameter_readers(reads: list[tuple[str, int]], owner: list[int]) -> dict[str, set[int]]:
+    """Parameter node -> the chunks of the nodes that read it (`reads`: `parameter_reads`)."""
     readers: dict[str, set[int]] = {}
-    for i, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            if name in parameters:
-                readers.setdefault(name, set()).add(owner[i])
+    for name, i in reads:
+        readers.setdefault(name, set()).add(owner[i])
     return readers
 
 
@@ -66,13 +69,16 @@ def add_sends(crossing: list[float], stages: list[StageSpec], chunks: list, mesh
             chunks[c + 1].send_s += 2 * one_way
 
 
-def tied_exposed(graph: Graph, layout: GraphLayout, owner: list[int], spec: StageSpec, mesh: Mesh,
+def tied_exposed(readers: dict[str, set[int]], layout: GraphLayout, spec: StageSpec, mesh: Mesh,
                  *, pp: int) -> float:
     """Megatron's embedding-group all-reduce: a weight that chunks on several pipeline ranks read
     (tied embedding and LM head) has a copy on each, whose gradients are summed over those ranks
-    after the backward, with nothing left to overlap it (copies on one rank are summed in place)."""
+    after the backward, with nothing left to overlap it (copies on one rank are summed in place).
+    `readers`: `parameter_readers`."""
     seconds = 0.0
-    for name, chunks in parameter_readers(graph, layout, owner).items():
+    for name, chunks in readers.items():
+        if len(chunks) < 2:
+            continue
         ranks = sorted({chunk % pp * spec.tp * spec.dp for chunk in chunks})
         if len(ranks) < 2:
             continue

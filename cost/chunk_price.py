@@ -1,0 +1,251 @@
+"""What one chunk of a pipeline costs one of its devices per micro-batch: the estimator's
+per-op pricing (cost/estimator.py describes the whole model).
+
+Every op's forward and backward by roofline (cost/compute.py), its tensor-parallel collectives,
+the forward again where a recomputed region reruns it, what it keeps for backward. An op's price
+does not depend on the chunk that holds it, so `node_prices` prices every op of a layout once
+(per micro-batch size and attention kernel) and a chunk sums its ops' prices: a planner that
+prices a thousand stage splits of the same layers pays for each op once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.cost.collectives import Group
+from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
+                                  gemm_utilization)
+from autopar.cost.layout import _DTYPE_BYTES, GraphLayout, NodeLayout
+from autopar.cost.mesh import Mesh
+from autopar.cost.stages import StageSpec, group_elements, selective_region
+from autopar.cost.memory import GATHERED_GROUPS
+from autopar.graph import Graph, Role
+
+# Of an op with parameters, the share of its backward that computes the weight gradient (dW, as
+# long as dX): the half a zero-bubble schedule moves into the bubble.
+WEIGHT_SHARE_OF_BACKWARD = 0.5
+
+
+@dataclass(kw_only=True, slots=True)
+class Chunk:
+    """What one chunk costs one of its devices for one micro-batch."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    recompute_s: float = 0.0
+    tensor_comm_s: float = 0.0
+    send_s: float = 0.0
+    host_s: float = 0.0             # the runtime's machinery on the host (cost/host.py)
+    weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
+    autograd_ops: int = 0           # ops the backward differentiates (nodes of the autograd graph)
+    recomputed_regions: int = 0     # checkpointed regions (a block under full, its attention under selective)
+    recomputed_ops: int = 0         # the ops in them that the backward differentiates
+    recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
+    params: float = 0.0             # elements on this device
+    gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
+    group: float = 0.0              # elements of its largest FSDP group
+    largest: float = 0.0            # elements of its largest parameter tensor
+    tensors: int = 0                # parameter tensors on this device
+    saved_per_sample: float = 0.0   # activation bytes kept per sample
+    peak_per_sample: float = 0.0    # extra bytes live while the backward runs (recomputed region)
+    loss_per_sample: float = 0.0
+    # The same three as polynomials in the sequence length over the captured one, {power: bytes}
+    # (the peak one per recomputed region), for memory at another sequence length.
+    saved_poly: dict = field(default_factory=dict)
+    peak_polys: list = field(default_factory=list)
+    loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
+    flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
+    sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
+    # What the backward of one block frees: the activations of the block instance that keeps the
+    # fewest (its own and those of its recomputed regions' inputs), and how many blocks it has.
+    block_kept_poly: dict = field(default_factory=dict)
+    blocks: int = 0
+
+
+def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: int, eff: Efficiencies,
+                attention: str) -> dict[str, tuple]:
+    """Node name -> (forward s, backward s, forward collectives s, backward collectives s, bytes of
+    unfused attention scores kept) for micro-batch `b`, the same in whichever chunk holds it."""
+    device = mesh.device
+    tp_group = Group.strided(mesh, spec.tp, 1)
+    distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
+    prices = {}
+    for node in layout.nodes:
+        forward, backward, kept = _kernels(node, b, attention, _DTYPE_BYTES[layout.dtype])
+        use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device) if node.gemm else 1.0
+        fwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
+                  for fam, f, by in forward)
+        bwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
+                  for fam, f, by in backward)
+        if distributed:
+            fwd += eff.distributed_op_latency_s
+            bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
+        prices[node.name] = (fwd, bwd, _collectives_time(tp_group, node.comm_forward, b),
+                             _collectives_time(tp_group, node.comm_backward, b), kept)
+    return prices
+
+
+def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list, nodes: list[NodeLayout],
+                prices: dict[str, tuple], b: int) -> Chunk:
+    """Time, flops and kept activations of a chunk whose nodes are `nodes`, from their
+    `node_prices` and `recomputed_regions`; its parameters and loss buffers are `chunk_states`'."""
+    out = Chunk()
+    saved: set[str] = set()
+    region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
+    region_nodes: dict[str, set[int]] = {}
+    block_saved: dict[tuple, set[str]] = {}    # block instance -> what its own nodes keep
+    region_block: dict[str, tuple] = {}
+    widest = (0.0, 0)                   # the largest output the backward differentiates
+    scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
+    for node in nodes:
+        i = layout.index[node.name]
+        fwd, bwd, comm_fwd, comm_bwd, kept = prices[node.name]
+        out.forward_s += fwd
+        out.tensor_comm_s += comm_fwd
+        if node.requires_grad:
+            out.backward_s += bwd
+            out.weight_backward_s += bwd * WEIGHT_SHARE_OF_BACKWARD if node.param_bytes else 0.0
+            out.autograd_ops += 1
+            out.tensor_comm_s += comm_bwd
+        region = regions[i]
+        if region:
+            out.recompute_s += fwd
+            out.tensor_comm_s += comm_fwd
+            out.recomputed_flops += graph.nodes[i].flops / layout.batch
+            region_saved.setdefault(region, set()).update(node.saved)
+            region_nodes.setdefault(region, set()).add(i)
+            out.recomputed_ops += int(node.requires_grad)
+            region_block[region] = in_block[i]
+        else:
+            saved.update(node.saved)
+        if in_block[i] is not None:
+            block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
+        if node.requires_grad and node.family != "view":
+            widest = max(widest, (node.out_bytes, layout.seq_degree.get(layout.storage[node.name], 0)))
+        if kept and not region:
+            degree = node.attention["q_seq"] + node.attention["k_seq"]
+            scores[degree] = scores.get(degree, 0.0) + kept / b
+    out.recomputed_regions = len(region_saved)
+    for region, keys in region_saved.items():
+        inputs = _region_inputs(graph, layout, region_nodes[region])
+        saved.update(inputs)
+        block_saved[region_block[region]].update(inputs)
+        out.peak_polys.append(_poly(keys, layout))
+    if block_saved:
+        out.block_kept_poly = min((_poly(keys, layout) for keys in block_saved.values()),
+                                  key=lambda poly: poly_at(poly, 1))
+    out.blocks = len(block_saved)
+    out.peak_per_sample = max((poly_at(p, 1) for p in out.peak_polys), default=0.0)
+    out.saved_poly = _poly(saved, layout)
+    for degree, value in scores.items():
+        out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
+    out.saved_per_sample = poly_at(out.saved_poly, 1)
+    # the widest op's backward holds the gradient it receives and the one it gives; the output
+    # it kept for the next op's backward (as large) is freed by then
+    out.flowing_poly = {widest[1]: widest[0]}
+    return out
+
+
+def _collectives_time(group: Group, collectives: tuple, b: int) -> float:
+    """A node's collectives over the tensor-parallel group, (kind, bytes, per sample) each."""
+    return sum(getattr(group, kind)(nbytes * b if per_sample else nbytes)
+               for kind, nbytes, per_sample in collectives)
+
+
+def chunk_states(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int,
+                 readers: dict[str, set[int]]) -> tuple[list[float], list[dict], list[int], list[float]]:
+    """Per chunk: the parameter elements one of its devices holds, its outputs' elements per
+    sample, the number of parameter tensors, and the elements of its GATHERED_GROUPS largest
+    FSDP groups (what ZeRO-3 holds gathered at once) with those of its largest parameter and
+    of its largest group. A weight that several chunks read (a tied
+    embedding and LM head, one parameter in the graph) counts in each: the pipeline gives every
+    stage that reads it its own copy. `readers`: `cost.traffic.parameter_readers`."""
+    params, tensors = [0.0] * chunks, [0] * chunks
+    # An export lists a tied weight under each of its names and reads it through one of them:
+    # the unread names hold nothing of their own.
+    tied_names = {fqn for n in graph.parameters if n.tied_to for fqn in (n.param_fqn, n.tied_to)}
+    unread_ties = {n.name for n in graph.parameters if n.param_fqn in tied_names and n.name not in readers}
+    for name, count in layout.param_local.items():
+        if name in unread_ties:
+            continue
+        for chunk in readers.get(name) or {owner[layout.index[name]]}:
+            params[chunk] += count
+            tensors[chunk] += 1
+    largest = [0.0] * chunks
+    for name, count in layout.param_local.items():
+        chunk = owner[layout.index[name]]
+        largest[chunk] = max(largest[chunk], count)
+    gathered = [(sum(sorted(groups.values())[-GATHERED_GROUPS:]), largest[c],
+                 max(groups.values(), default=0.0))
+                for c, groups in enumerate(group_elements(graph, owner, chunks, layout.param_local))]
+    return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
+
+
+def _kernels(node: NodeLayout, b: int, attention: str, dtype_bytes: int) -> tuple[list, list, float]:
+    if node.family == "attention" and node.attention:
+        return attention_kernels(node.attention, b, attention, dtype_bytes)
+    if node.family == "view" or (node.act_bytes == 0 and node.flops == 0):
+        return [], [], 0.0
+    flops, moved = node.flops * b, node.act_bytes * b + node.param_bytes
+    flops_factor, bytes_factor = BACKWARD[node.family]
+    return ([(node.family, flops, moved)],
+            [(node.family, flops * flops_factor, moved * bytes_factor)], 0.0)
+
+
+def recomputed_regions(graph: Graph, in_block: list, recompute: str) -> list[str | None]:
+    """Per node, the region of the graph that reruns in the backward holding it, as the runtime
+    checkpoints: its whole block under "full", its block's attention module under "selective"
+    (cost.stages.selective_region); None where the node's activations are kept."""
+    paths = {(inst.start, inst.stop): inst.module_path for kind in graph.blocks for inst in kind.instances}
+    return [_recomputed_region(node, block, paths, recompute) for node, block in zip(graph.nodes, in_block)]
+
+
+def _recomputed_region(node, block: tuple | None, paths: dict, recompute: str) -> str | None:
+    if block is None or recompute == "none":
+        return None
+    path = paths.get(block, str(block))
+    return path if recompute == "full" else selective_region(node.module_path, path)
+
+
+def _region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[str]:
+    """What a recomputed region keeps: the activations it reads from outside itself."""
+    inside = {graph.nodes[i].name for i in members}
+    kept = set()
+    for i in members:
+        for name in graph.nodes[i].inputs:
+            if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
+                kept.add(layout.storage[name])
+    return kept
+
+
+def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
+    """Per chunk, the elements of the floating outputs (logits) it returns, as {power of the
+    sequence length: elements per sample}. Whole on every tensor-parallel rank: a stage hands
+    its outputs on replicated, and the loss runs on them."""
+    totals: list[dict] = [{} for _ in range(chunks)]
+    for i, node in enumerate(graph.nodes):
+        if node.target != "output":
+            continue
+        for name in node.inputs:
+            out = graph.nodes[layout.index[name]]
+            if not out.dtype.startswith(("float", "bfloat")):
+                continue
+            degree = layout.seq_degree.get(layout.storage[name], 0)
+            value = out.bytes / layout.batch / _DTYPE_BYTES[out.dtype]
+            totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + value
+    return totals
+
+
+
+def _poly(keys, layout: GraphLayout) -> dict[int, float]:
+    """Bytes per sample of storage `keys` by their power of the sequence length."""
+    poly: dict[int, float] = {}
+    for key in keys:
+        degree = layout.seq_degree.get(key, 0)
+        poly[degree] = poly.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
+    return poly
+
+
+def poly_at(poly: dict, ratio):
+    """A {power: bytes} polynomial at `ratio` = sequence length / captured sequence length."""
+    return sum(value * ratio ** degree for degree, value in sorted(poly.items()))
+
+
