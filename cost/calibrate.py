@@ -13,14 +13,13 @@ it dominates a small model's step.
 collective at several sizes on the whole mesh and on every smaller group size that divides it,
 and fits the alpha-beta model to each (cost/calibration.py); times how long a blocking
 collective waits for the last rank after a layer of compute; and times what the runtime's
-machinery costs the host: an op on a DTensor, an action of torch's pipeline schedule, FSDP2's
-hooks per group and per parameter tensor, zero-bubble's split of the backward (`Efficiencies`).
+machinery costs the host (cost/host_probes.py: an op on a DTensor, an action of torch's pipeline
+schedule, FSDP2's hooks, zero-bubble's split of the backward, a checkpointed region).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -28,7 +27,11 @@ import torch.nn.functional as F
 
 from autopar.cost.calibration import KINDS, fit_link
 from autopar.cost.compute import Efficiencies
+from autopar.cost.host_probes import (checkpoint_latency, data_parallel_group_latency,
+                                      distributed_op_latency, pipeline_action_latency,
+                                      split_backward_latency, tiny_op_latency)
 from autopar.cost.mesh import DEVICES, DeviceSpec, Mesh
+from autopar.cost.timing import agreed, everywhere_seconds, exchange, median_seconds
 from autopar.errors import AutoparError
 
 # Collective sizes timed (bytes of the full tensor): from latency-bound to bandwidth-bound.
@@ -49,21 +52,6 @@ def local_device_spec(device: str) -> DeviceSpec:
         if key in name:
             return DEVICES[spec]
     raise AutoparError(f"no device spec for {name!r}; known devices: {', '.join(DEVICES)}")
-
-
-def _seconds(fn: Callable[[], object], device: str, budget_s: float) -> float:
-    """Median seconds of `fn` over repeats that fit `budget_s` (after one warm-up call)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def _cases(device: str, dtype: torch.dtype, scale: int) -> list[tuple]:
@@ -111,7 +99,7 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
         for family, label, fn, flops, moved in _cases(device, dtype, scale):
             if progress:
                 progress(label)
-            seconds = _seconds(fn, device, budget_s)
+            seconds = median_seconds(fn, device, budget_s)
             flop_rate = flops / seconds / spec.flops(str(dtype).removeprefix("torch."))
             byte_rate = moved / seconds / spec.hbm_bandwidth
             measurements[label] = {"family": family, "seconds": seconds, "flops": flops,
@@ -121,8 +109,7 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
                 compute[family] = max(compute.get(family, 0.0), flop_rate)
             else:
                 memory[family] = max(memory.get(family, 0.0), byte_rate)
-    latency = _seconds(lambda: _tiny_chain(device, dtype), device, budget_s) / (
-        2 * _CHAIN * _CHAIN_OPS)
+    latency = tiny_op_latency(device, dtype, budget_s)
     measurements["tiny op, forward and backward"] = {
         "family": "latency", "seconds": latency, "flops": 1, "bytes": 0, "flops_fraction": 0.0,
         "bandwidth_fraction": 0.0}
@@ -130,168 +117,6 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
     efficiencies = Efficiencies(compute=clip(compute), memory=clip(memory), device=spec.name,
                                 kernel_latency_s=latency)
     return efficiencies, measurements
-
-
-_CHAIN = 16
-_CHAIN_OPS = 3      # per link of the chain: a matmul, a layer norm, a GELU
-
-
-def _tiny_chain(device: str, dtype: torch.dtype) -> None:
-    """`_CHAIN` links of tiny matmul, layer norm and GELU (8 x 8) and their backward: each op
-    costs what launching it in a training step costs (dispatch, autograd's bookkeeping), and
-    almost nothing else."""
-    weight = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
-    y = torch.ones(8, 8, device=device, dtype=dtype)
-    for _ in range(_CHAIN):
-        y = F.gelu(F.layer_norm(y @ weight, (8,)))
-    y.sum().backward()
-
-
-def _distributed_op_latency(budget_s: float) -> float:
-    """Seconds an op on a sharded DTensor adds over the same op on a plain tensor, forward and
-    backward, on the default process group's ranks (a DTensor op that needs no communication)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-
-    def chain(tensor) -> None:
-        y = tensor
-        for _ in range(_CHAIN):
-            y = y * 1.0001
-        y.sum().backward()
-
-    plain = torch.ones(mesh.size() * 4, 8, requires_grad=True)
-    sharded = distribute_tensor(torch.ones(mesh.size() * 4, 8), mesh, [Shard(0)])
-    sharded.requires_grad_(True)
-    extra = _seconds(lambda: chain(sharded), "cpu", budget_s) - _seconds(lambda: chain(plain),
-                                                                        "cpu", budget_s)
-    return max(extra, 0.0) / (2 * _CHAIN)
-
-
-def _pipeline_action_latency(budget_s: float) -> float:
-    """Host seconds of one action of torch's pipeline schedule, beyond its compute and transfer:
-    every rank runs one stage of a tiny module under Schedule1F1B, at two micro-batch counts. In
-    the steady state each micro-batch adds a forward and a backward of the slowest stage, each
-    with one transfer; less the tiny module's own forward and backward and two transfers (timed
-    as `_exchange` times them), half of that growth is one action's cost."""
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    rank, ranks = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(8, 8), nn.GELU())
-
-    def pipeline_step(micro_batches: int):
-        stage = PipelineStage(module, rank, ranks, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.pow(2).mean())
-        batch = torch.randn(micro_batches, 8)
-        if rank == 0:
-            return lambda: schedule.step(batch)
-        if rank == ranks - 1:
-            return lambda: schedule.step(target=batch, losses=[])
-        return schedule.step
-
-    counts = (ranks, 4 * ranks)         # 1F1B needs as many micro-batches as stages
-    few, many = (_everywhere_seconds(pipeline_step(n), budget_s) for n in counts)
-    per_micro_batch = (many - few) / (counts[1] - counts[0])
-    one = torch.randn(1, 8, requires_grad=True)
-    compute = _seconds(lambda: module(one).sum().backward(), "cpu", budget_s)
-    transfer = _everywhere_seconds(lambda: _exchange(torch.zeros(1, 8), rank), budget_s)
-    return max(per_micro_batch - compute - 2 * transfer, 0.0) / 2
-
-
-def _split_backward_latency(budget_s: float) -> float:
-    """Host seconds per op that splitting a backward into input and weight halves adds, as
-    torch's zero-bubble schedules split it (`stage_backward_input`, then `stage_backward_weight`,
-    which walk the autograd graph to group the weights' gradients): `_tiny_chain`'s ops with the
-    split backward against the plain one."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    weights = [torch.ones(8, 8, requires_grad=True) for _ in range(_CHAIN)]
-    first = torch.ones(8, 8, requires_grad=True)
-
-    def forward() -> torch.Tensor:
-        y = first
-        for weight in weights:
-            y = F.gelu(F.layer_norm(y @ weight, (8,)))
-        return y.sum()
-
-    def split() -> None:
-        _, groups = stage_backward_input([forward()], None, [first], iter(weights))
-        stage_backward_weight(iter(weights), groups)
-    extra = _seconds(split, "cpu", budget_s) - _seconds(lambda: forward().backward(), "cpu", budget_s)
-    return max(extra, 0.0) / (_CHAIN * _CHAIN_OPS)
-
-
-def _checkpoint_latency(budget_s: float) -> tuple[float, float]:
-    """Host seconds a recomputed region adds beyond the forward it reruns: (per region, per op
-    in it). Chains of `_CHAIN` regions, each under a non-reentrant checkpoint as the runtime
-    wraps a recomputed layer (passes/recompute.py), of one and of four links of `_tiny_chain`'s
-    ops, against the plain chain's forward and backward and one more forward: a GPT layer of
-    some thirty ops costs several times a one-op region."""
-    from torch.utils.checkpoint import checkpoint
-
-    def extra(links: int) -> float:
-        weights = [[torch.ones(8, 8, requires_grad=True) for _ in range(links)] for _ in range(_CHAIN)]
-        first = torch.ones(4, 8, requires_grad=True)
-
-        def region(y, region_weights):
-            for weight in region_weights:
-                y = F.gelu(F.layer_norm(y @ weight, (8,)))
-            return y
-
-        def run(wrap: bool, backward: bool = True) -> None:
-            y = first
-            for region_weights in weights:
-                y = checkpoint(region, y, region_weights, use_reentrant=False) if wrap \
-                    else region(y, region_weights)
-            if backward:
-                y.sum().backward()
-        wrapped, plain = _seconds(lambda: run(True), "cpu", budget_s), _seconds(lambda: run(False), "cpu", budget_s)
-        with torch.no_grad():
-            rerun = _seconds(lambda: run(False, backward=False), "cpu", budget_s)
-        return max(wrapped - plain - rerun, 0.0) / _CHAIN
-    one, four = extra(1), extra(4)
-    per_op = max(four - one, 0.0) / (3 * _CHAIN_OPS)
-    return max(one - _CHAIN_OPS * per_op, 0.0), per_op
-
-
-_GROUPS = 8
-
-
-def _data_parallel_group_latency(budget_s: float) -> tuple[float, float]:
-    """Host seconds FSDP2's hooks add per micro-batch: (per group, per parameter tensor in it).
-    Chains of groups, each its own `replicate` group as the runtime wraps a stage, of one tiny
-    layer (2 tensors) and of six (12), forward and backward without gradient sync (no
-    collective), against the same chains unwrapped: FSDP2 visits every parameter of a group in
-    its hooks, so a block of a dozen tensors costs more than a layer of two."""
-    import copy
-
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    one = torch.randn(1, 8)
-    run = lambda model: model(one).sum().backward()
-
-    def per_group(layers: int) -> float:
-        plain = nn.Sequential(*(nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
-                                for _ in range(_GROUPS)))
-        wrapped = copy.deepcopy(plain)
-        for group in wrapped:
-            replicate(group, mesh=mesh)
-        replicate(wrapped, mesh=mesh)
-        wrapped.set_requires_gradient_sync(False)
-        extra = _seconds(lambda: run(wrapped), "cpu", budget_s) - _seconds(lambda: run(plain), "cpu",
-                                                                         budget_s)
-        return max(extra, 0.0) / (_GROUPS + 1)
-    small, large = per_group(1), per_group(6)
-    per_tensor = max(large - small, 0.0) / (2 * 6 - 2)
-    return max(small - 2 * per_tensor, 0.0), per_tensor
 
 
 def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
@@ -317,9 +142,7 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3, sizes: tuple[int, ...] 
                      pg_timeout=120.0)
     efficiencies = median_efficiencies([eff for eff, _, _ in results[0]])
     measurements = median_measurements([measured for _, measured, _ in results[0]])
-    timings = [{size: {kind: [max(r[i][2][size][kind][p] for r in results) for p in range(len(sizes))]
-                       for kind in results[0][i][2][size]}
-                for size in results[0][i][2]} for i in range(rounds)]
+    timings = [_slowest_rank([rank_rounds[i][2] for rank_rounds in results]) for i in range(rounds)]
     by_size = {}
     for size in sorted(timings[0]):
         by_size[size] = {}
@@ -333,12 +156,21 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3, sizes: tuple[int, ...] 
     return efficiencies, measurements, collectives
 
 
+def _slowest_rank(timings: list[dict]) -> dict:
+    """One round's {group size: {kind: seconds per size}} of every rank: the slowest rank's, a
+    collective being done when its last rank is."""
+    return {size: {kind: [max(points) for points in zip(*(t[size][kind] for t in timings))]
+                   for kind in timings[0][size]}
+            for size in timings[0]}
+
+
 def median_efficiencies(rounds: list[Efficiencies]) -> Efficiencies:
     """Each figure's median over `rounds` (per family for the compute and memory tables)."""
+    tables = [r.to_dict() for r in rounds]
     merged = {}
-    for name, value in rounds[0].to_dict().items():
+    for name, value in tables[0].items():
         if isinstance(value, dict):
-            merged[name] = {key: _median([r.to_dict()[name][key] for r in rounds]) for key in value}
+            merged[name] = {key: _median([table[name][key] for table in tables]) for key in value}
         elif isinstance(value, float):
             merged[name] = _median([getattr(r, name) for r in rounds])
         else:
@@ -367,14 +199,14 @@ def _rank_calibration(budget_s: float, sizes: tuple[int, ...], rounds: int) -> l
 
 def _one_round(budget_s: float, sizes: tuple[int, ...]):
     efficiencies, measurements = calibrate("cpu", budget_s=budget_s)
-    efficiencies.distributed_op_latency_s = _distributed_op_latency(budget_s)
-    efficiencies.pipeline_action_latency_s = _pipeline_action_latency(budget_s)
+    efficiencies.distributed_op_latency_s = distributed_op_latency(budget_s)
+    efficiencies.pipeline_action_latency_s = pipeline_action_latency(budget_s)
     (efficiencies.data_parallel_group_latency_s,
-     efficiencies.data_parallel_tensor_latency_s) = _data_parallel_group_latency(budget_s)
+     efficiencies.data_parallel_tensor_latency_s) = data_parallel_group_latency(budget_s)
     efficiencies.collective_wait_s, efficiencies.collective_wait_span_s = _collective_wait(budget_s)
-    efficiencies.split_backward_op_latency_s = _split_backward_latency(budget_s)
+    efficiencies.split_backward_op_latency_s = split_backward_latency(budget_s)
     (efficiencies.checkpoint_region_latency_s,
-     efficiencies.checkpoint_op_latency_s) = _checkpoint_latency(budget_s)
+     efficiencies.checkpoint_op_latency_s) = checkpoint_latency(budget_s)
     efficiencies.host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else os.cpu_count() or 0
     for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
@@ -430,10 +262,10 @@ def _collective_seconds(kind: str, nbytes: int, budget_s: float, group=None) -> 
            # collective, which a CPU process group answers with an all-gather and a chunk
            "all_to_all": lambda: funcol.wait_tensor(
                funcol.all_to_all_single(part, None, None, group or dist.group.WORLD)),
-           "send_recv": lambda: _exchange(full, rank)}[kind]
+           "send_recv": lambda: exchange(full, rank)}[kind]
     compute = _layer_of_compute()
-    followed = _everywhere_seconds(lambda: (compute(), run()), budget_s)
-    return max(followed - _everywhere_seconds(compute, budget_s), 1e-6)
+    followed = everywhere_seconds(lambda: (compute(), run()), budget_s)
+    return max(followed - everywhere_seconds(compute, budget_s), 1e-6)
 
 
 def _layer_of_compute(matmuls: int = 8):
@@ -459,51 +291,8 @@ def _collective_wait(budget_s: float, rounds: int = 5) -> tuple[float, float]:
     short, long = _layer_of_compute(8), _layer_of_compute(48)
 
     def extra(compute) -> float:
-        return (_everywhere_seconds(lambda: (compute(), dist.all_reduce(tiny)), budget_s)
-                - _everywhere_seconds(compute, budget_s))
+        return (everywhere_seconds(lambda: (compute(), dist.all_reduce(tiny)), budget_s)
+                - everywhere_seconds(compute, budget_s))
     waits = sorted(extra(long) - extra(short) for _ in range(rounds))
-    span = _everywhere_seconds(long, budget_s)
-    return _agreed(max(waits[rounds // 2], 0.0), max), _agreed(span, max)
-
-
-def _exchange(tensor: torch.Tensor, rank: int) -> None:
-    """As a pipeline schedule moves activations: every rank sends to the next and receives from
-    the one before at once (torch.distributed.pipelining's batched isend/irecv), so that the
-    transfer is timed with every rank busy, as in a running pipeline, not with one pair alone."""
-    import torch.distributed as dist
-
-    ranks = dist.get_world_size()
-    incoming = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, (rank + 1) % ranks),
-           dist.P2POp(dist.irecv, incoming, (rank - 1) % ranks)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-
-
-def _everywhere_seconds(fn: Callable[[], object], budget_s: float) -> float:
-    """Median seconds of `fn`, a step every rank takes together, each repeat between barriers
-    and the same number of repeats on every rank; the slowest rank's median."""
-    import torch.distributed as dist
-
-    fn()
-    repeats = int(_agreed(max(3, min(30, int(budget_s / max(_timed(fn), 1e-6)))), min))
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        times.append(_timed(fn))
-    return _agreed(sorted(times)[len(times) // 2], max)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _agreed(value: float, pick) -> float:
-    """The same number on every rank (the smallest, with pick=min), so all run equal repeats."""
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return pick(values)
+    span = everywhere_seconds(long, budget_s)
+    return agreed(max(waits[rounds // 2], 0.0), max), agreed(span, max)

@@ -157,8 +157,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
         bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
     lent = 0.0      # < 0 where ranks idle in the bubble lend their cores (cost/host.py)
-    if len(devices) > 1 and ranks_per_core(mesh, eff) > 1:
-        lent = shared_host_time(per_mb, m, ideal + bubble, ranks_per_core(mesh, eff)) - ideal - bubble
+    sharing = ranks_per_core(mesh, eff)
+    if len(devices) > 1 and sharing > 1:
+        lent = shared_host_time(per_mb, m, ideal + bubble, sharing) - ideal - bubble
     data_comm, optimizer = [], []
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]

@@ -6,6 +6,7 @@ whose kernels hide the host."""
 
 from __future__ import annotations
 
+from autopar.cost.chunk_price import Chunk
 from autopar.cost.compute import Efficiencies
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec
@@ -29,7 +30,7 @@ def shared_host_time(per_mb: list[float], m: int, critical: float, sharing: floa
     return max(m * sum(per_mb) / len(per_mb), critical / sharing)
 
 
-def host_time(spec: StageSpec, groups: int, chunk, *, pipelined: bool, schedule: str,
+def host_time(spec: StageSpec, groups: int, chunk: Chunk, *, pipelined: bool, schedule: str,
               eff: Efficiencies) -> float:
     """Per micro-batch, what the runtime's machinery costs a chunk's host: under a pipeline
     schedule, its actions (a forward and a backward; zero-bubble splits the backward in two, and

@@ -1,0 +1,183 @@
+"""What the runtime's machinery costs the host, measured on every rank of a gloo mesh at once
+(`autopar calibrate --mesh`): an op on a DTensor, an action of torch's pipeline schedule, FSDP2's
+hooks per group and per parameter tensor, zero-bubble's split of the backward, a checkpointed
+region. Each is the difference between a chain of tiny ops with the machinery and without it,
+so that the ops' own compute cancels (`Efficiencies`, cost/host.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autopar.cost.timing import everywhere_seconds, exchange, median_seconds
+
+_CHAIN = 16
+_CHAIN_OPS = 3      # per link of the chain: a matmul, a layer norm, a GELU
+
+
+def tiny_op_latency(device: str, dtype: torch.dtype, budget_s: float) -> float:
+    """Seconds of one tiny op, forward or backward, in `tiny_chain`: what launching an op costs."""
+    return median_seconds(lambda: tiny_chain(device, dtype), device, budget_s) / (2 * _CHAIN * _CHAIN_OPS)
+
+
+def tiny_chain(device: str, dtype: torch.dtype) -> None:
+    """`_CHAIN` links of tiny matmul, layer norm and GELU (8 x 8) and their backward: each op
+    costs what launching it in a training step costs (dispatch, autograd's bookkeeping), and
+    almost nothing else."""
+    weight = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+    y = torch.ones(8, 8, device=device, dtype=dtype)
+    for _ in range(_CHAIN):
+        y = _link(y, weight)
+    y.sum().backward()
+
+
+def _link(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One link of the calibration's chains: a tiny matmul, layer norm and GELU."""
+    return F.gelu(F.layer_norm(y @ weight, (8,)))
+
+
+def distributed_op_latency(budget_s: float) -> float:
+    """Seconds an op on a sharded DTensor adds over the same op on a plain tensor, forward and
+    backward, on the default process group's ranks (a DTensor op that needs no communication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+    def chain(tensor) -> None:
+        y = tensor
+        for _ in range(_CHAIN):
+            y = y * 1.0001
+        y.sum().backward()
+
+    plain = torch.ones(mesh.size() * 4, 8, requires_grad=True)
+    sharded = distribute_tensor(torch.ones(mesh.size() * 4, 8), mesh, [Shard(0)])
+    sharded.requires_grad_(True)
+    extra = median_seconds(lambda: chain(sharded), "cpu", budget_s) - median_seconds(lambda: chain(plain),
+                                                                        "cpu", budget_s)
+    return max(extra, 0.0) / (2 * _CHAIN)
+
+
+def pipeline_action_latency(budget_s: float) -> float:
+    """Host seconds of one action of torch's pipeline schedule, beyond its compute and transfer:
+    every rank runs one stage of a tiny module under Schedule1F1B, at two micro-batch counts. In
+    the steady state each micro-batch adds a forward and a backward of the slowest stage, each
+    with one transfer; less the tiny module's own forward and backward and two transfers (timed
+    as `exchange` times them), half of that growth is one action's cost."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+    def pipeline_step(micro_batches: int):
+        stage = PipelineStage(module, rank, ranks, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.pow(2).mean())
+        batch = torch.randn(micro_batches, 8)
+        if rank == 0:
+            return lambda: schedule.step(batch)
+        if rank == ranks - 1:
+            return lambda: schedule.step(target=batch, losses=[])
+        return schedule.step
+
+    counts = (ranks, 4 * ranks)         # 1F1B needs as many micro-batches as stages
+    few, many = (everywhere_seconds(pipeline_step(n), budget_s) for n in counts)
+    per_micro_batch = (many - few) / (counts[1] - counts[0])
+    one = torch.randn(1, 8, requires_grad=True)
+    compute = median_seconds(lambda: module(one).sum().backward(), "cpu", budget_s)
+    transfer = everywhere_seconds(lambda: exchange(torch.zeros(1, 8), rank), budget_s)
+    return max(per_micro_batch - compute - 2 * transfer, 0.0) / 2
+
+
+def split_backward_latency(budget_s: float) -> float:
+    """Host seconds per op that splitting a backward into input and weight halves adds, as
+    torch's zero-bubble schedules split it (`stage_backward_input`, then `stage_backward_weight`,
+    which walk the autograd graph to group the weights' gradients): `tiny_chain`'s ops with the
+    split backward against the plain one."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    weights = [torch.ones(8, 8, requires_grad=True) for _ in range(_CHAIN)]
+    first = torch.ones(8, 8, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        y = first
+        for weight in weights:
+            y = _link(y, weight)
+        return y.sum()
+
+    def split() -> None:
+        _, groups = stage_backward_input([forward()], None, [first], iter(weights))
+        stage_backward_weight(iter(weights), groups)
+    extra = median_seconds(split, "cpu", budget_s) - median_seconds(lambda: forward().backward(), "cpu", budget_s)
+    return max(extra, 0.0) / (_CHAIN * _CHAIN_OPS)
+
+
+def checkpoint_latency(budget_s: float) -> tuple[float, float]:
+    """Host seconds a recomputed region adds beyond the forward it reruns: (per region, per op
+    in it). Chains of `_CHAIN` regions, each under a non-reentrant checkpoint as the runtime
+    wraps a recomputed layer (passes/recompute.py), of one and of four links of `tiny_chain`'s
+    ops, against the plain chain's forward and backward and one more forward: a GPT layer of
+    some thirty ops costs several times a one-op region."""
+    from torch.utils.checkpoint import checkpoint
+
+    def extra(links: int) -> float:
+        weights = [[torch.ones(8, 8, requires_grad=True) for _ in range(links)] for _ in range(_CHAIN)]
+        first = torch.ones(4, 8, requires_grad=True)
+
+        def region(y, region_weights):
+            for weight in region_weights:
+                y = _link(y, weight)
+            return y
+
+        def run(wrap: bool, backward: bool = True) -> None:
+            y = first
+            for region_weights in weights:
+                y = checkpoint(region, y, region_weights, use_reentrant=False) if wrap \
+                    else region(y, region_weights)
+            if backward:
+                y.sum().backward()
+        wrapped, plain = median_seconds(lambda: run(True), "cpu", budget_s), median_seconds(lambda: run(False), "cpu", budget_s)
+        with torch.no_grad():
+            rerun = median_seconds(lambda: run(False, backward=False), "cpu", budget_s)
+        return max(wrapped - plain - rerun, 0.0) / _CHAIN
+    one, four = extra(1), extra(4)
+    per_op = max(four - one, 0.0) / (3 * _CHAIN_OPS)
+    return max(one - _CHAIN_OPS * per_op, 0.0), per_op
+
+
+_GROUPS = 8
+
+
+def data_parallel_group_latency(budget_s: float) -> tuple[float, float]:
+    """Host seconds FSDP2's hooks add per micro-batch: (per group, per parameter tensor in it).
+    Chains of groups, each its own `replicate` group as the runtime wraps a stage, of one tiny
+    layer (2 tensors) and of six (12), forward and backward without gradient sync (no
+    collective), against the same chains unwrapped: FSDP2 visits every parameter of a group in
+    its hooks, so a block of a dozen tensors costs more than a layer of two."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    one = torch.randn(1, 8)
+    run = lambda model: model(one).sum().backward()
+
+    def per_group(layers: int) -> float:
+        plain = nn.Sequential(*(nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
+                                for _ in range(_GROUPS)))
+        wrapped = copy.deepcopy(plain)
+        for group in wrapped:
+            replicate(group, mesh=mesh)
+        replicate(wrapped, mesh=mesh)
+        wrapped.set_requires_gradient_sync(False)
+        extra = median_seconds(lambda: run(wrapped), "cpu", budget_s) - median_seconds(lambda: run(plain), "cpu",
+                                                                         budget_s)
+        return max(extra, 0.0) / (_GROUPS + 1)
+    small, large = per_group(1), per_group(6)
+    per_tensor = max(large - small, 0.0) / (2 * 6 - 2)
+    return max(small - 2 * per_tensor, 0.0), per_tensor
