@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from autopar.cost.calibration import KINDS, fit_link
 from autopar.cost.compute import Efficiencies
 from autopar.cost.host_probes import (checkpoint_latency, data_parallel_group_latency,
-                                      distributed_op_latency, pipeline_action_latency,
+                                      data_parallel_reduce_latency, distributed_op_latency, pipeline_action_latency,
                                       split_backward_latency, tiny_op_latency)
 from autopar.cost.mesh import DEVICES, DeviceSpec, Mesh
 from autopar.cost.timing import agreed, everywhere_seconds, exchange, median_seconds
@@ -203,6 +203,8 @@ def _one_round(budget_s: float, sizes: tuple[int, ...]):
     efficiencies.pipeline_action_latency_s = pipeline_action_latency(budget_s)
     (efficiencies.data_parallel_group_latency_s,
      efficiencies.data_parallel_tensor_latency_s) = data_parallel_group_latency(budget_s)
+    (efficiencies.data_parallel_reduce_group_s, efficiencies.data_parallel_reduce_byte_s,
+     efficiencies.sharded_reduce_group_s) = data_parallel_reduce_latency(budget_s)
     efficiencies.collective_wait_s, efficiencies.collective_wait_span_s = _collective_wait(budget_s)
     efficiencies.split_backward_op_latency_s = split_backward_latency(budget_s)
     (efficiencies.checkpoint_region_latency_s,
@@ -213,6 +215,12 @@ def _one_round(budget_s: float, sizes: tuple[int, ...]):
                            ("pipeline schedule action, extra", efficiencies.pipeline_action_latency_s),
                            ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s),
                            ("FSDP2 hooks per parameter tensor", efficiencies.data_parallel_tensor_latency_s),
+                           ("FSDP2 reduction per group, beyond its collective",
+                            efficiencies.data_parallel_reduce_group_s),
+                           ("FSDP2 reduction per MiB of a buffer, beyond its collective",
+                            efficiencies.data_parallel_reduce_byte_s * 2**20),
+                           ("FSDP2 ZeRO reduction per group, beyond its collective",
+                            efficiencies.sharded_reduce_group_s),
                            ("collective after a layer of compute, wait", efficiencies.collective_wait_s),
                            ("zero-bubble split backward per op, extra",
                             efficiencies.split_backward_op_latency_s),

@@ -123,6 +123,15 @@ class Efficiencies:
     pipeline_action_latency_s: float = 0.0
     data_parallel_group_latency_s: float = 0.0
     data_parallel_tensor_latency_s: float = 0.0     # the hooks' share of each parameter tensor
+    # FSDP2's reduction of a group's gradients beyond the collective itself, per reduction: it
+    # copies them into a buffer it allocates for the call, reduces, and hands each parameter a
+    # view of the result (a cost per group), and on a CPU the fresh buffers' pages are faulted in
+    # as the copies first touch them (a cost per byte of each buffer: cost/overlap.py counts
+    # them). Hidden behind a GPU's kernels; measured by `autopar calibrate --mesh` where the
+    # host is the device.
+    data_parallel_reduce_group_s: float = 0.0     # replicate: plain data parallelism
+    data_parallel_reduce_byte_s: float = 0.0
+    sharded_reduce_group_s: float = 0.0           # fully_shard: ZeRO's reduce-scatter
     # Zero-bubble schedules split each backward into its input and weight halves; torch finds
     # them by walking the stage's autograd graph in Python, a cost per op of the stage.
     split_backward_op_latency_s: float = 0.0

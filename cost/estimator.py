@@ -12,8 +12,9 @@ Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
   pipeline     activations and their gradients sent to the next stage over its link, split over
                the tensor-parallel ranks and all-gathered there (Megatron's scatter/gather)
   host         the runtime's machinery: each action of torch's pipeline schedule, each FSDP
-               group's hooks, zero-bubble's walk of the autograd graph to split the backward;
-               measured on CPU meshes, hidden behind a GPU's kernels (cost/host.py)
+               group's hooks, zero-bubble's walk of the autograd graph to split the backward,
+               the copies of each FSDP2 reduction (cost/overlap.py); measured on CPU meshes,
+               hidden behind a GPU's kernels (cost/host.py)
 Per step:
   m x the slowest device's time per micro-batch, plus the pipeline bubble: the fill and drain,
   (sum of the devices' times - the slowest) / v, which is (p-1)/(v m) of the ideal time when stages
@@ -198,7 +199,10 @@ def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int]
                       recompute=any(s.recompute == "full" for s in stages),
                       pipelined=pipelined, kept_gathered=kept_gathered, reduce_every=reduce_every,
                       forward_wait_s=eff.wait_after(forward / units),
-                      backward_wait_s=eff.wait_after(backward / units))
+                      backward_wait_s=eff.wait_after(backward / units),
+                      reduce_group_s=(eff.sharded_reduce_group_s if stages[0].zero
+                                      else eff.data_parallel_reduce_group_s),
+                      reduce_byte_s=eff.data_parallel_reduce_byte_s)
 
 
 @dataclass(kw_only=True, slots=True)

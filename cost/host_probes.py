@@ -181,3 +181,61 @@ def data_parallel_group_latency(budget_s: float) -> tuple[float, float]:
     small, large = per_group(1), per_group(6)
     per_tensor = max(large - small, 0.0) / (2 * 6 - 2)
     return max(small - 2 * per_tensor, 0.0), per_tensor
+
+
+def data_parallel_reduce_latency(budget_s: float) -> tuple[float, float, float]:
+    """Host seconds FSDP2's gradient reduction adds beyond its collective: (per group under
+    `replicate`, per byte of each of the two buffers it fills with a group's gradients, per group
+    under `fully_shard` with the runtime's in-place reduce-scatter on CPUs, as ZeRO reduces).
+    `_reduce_extra` of 8 x 8 and 512 x 512 layers (1 MiB of gradients) under replicate, of
+    8 x 8 ones under fully_shard."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
+
+    def shard(module, mesh) -> None:
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        reduce_in_place_on_cpu(module)
+    replicate_over = lambda module, mesh: replicate(module, mesh=mesh)
+    (small, small_bytes), (large, large_bytes) = (_reduce_extra(replicate_over, width, budget_s)
+                                                  for width in (8, 512))
+    # replicate copies the gradients into one buffer and reduces them in a second (cost/overlap.py)
+    per_byte = max(large - small, 0.0) / (large_bytes - small_bytes) / 2
+    sharded, sharded_bytes = _reduce_extra(shard, 8, budget_s)
+    return (max(small - 2 * per_byte * small_bytes, 0.0), per_byte,
+            max(sharded - 2 * per_byte * sharded_bytes, 0.0))
+
+
+def _reduce_extra(wrap, width: int, budget_s: float, rounds: int = 3) -> tuple[float, int]:
+    """(seconds, bytes of gradients) per group: what gradient sync adds to the forward and
+    backward of a chain of `_GROUPS` layers each wrapped by `wrap(layer, mesh)`, less what the same
+    all-reduces add to the unwrapped chain, each issued by hand into a buffer that exists already
+    as its layer's gradients are ready (so that both wait alike for the ranks the scheduler ran
+    less). The median over `rounds`."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plain = nn.Sequential(*(nn.Linear(width, width) for _ in range(_GROUPS)))
+    wrapped = copy.deepcopy(plain)
+    for layer in wrapped:
+        wrap(layer, mesh)
+    wrap(wrapped, mesh)
+    one, grads = torch.randn(1, width), torch.zeros(width * width + width)
+    by_hand = [False]
+    for layer in plain:
+        layer.weight.register_post_accumulate_grad_hook(
+            lambda _: dist.all_reduce(grads) if by_hand[0] else None)
+
+    def step(model, sync: bool) -> float:
+        if model is wrapped:
+            model.set_requires_gradient_sync(sync)
+        by_hand[0] = sync
+        return everywhere_seconds(lambda: model(one).sum().backward(), budget_s)
+    extras = sorted((step(wrapped, True) - step(wrapped, False)
+                     - step(plain, True) + step(plain, False)) / _GROUPS for _ in range(rounds))
+    return max(extras[rounds // 2], 0.0), grads.numel() * grads.element_size()

@@ -13,7 +13,9 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
                    ZeRO-3 gathers them again for every backward, except under zero-bubble
                    schedules, where they are kept from forward to backward. Weights are
                    gathered in the plan's precision, gradients reduced in fp32 (FSDP2's reduce
-                   dtype). Overlapped as "torch" below is.
+                   dtype). Overlapped as "torch" below is. Each reduction also copies a
+                   group's gradients through a buffer allocated for it, which costs a CPU
+                   host per group and per byte (calibrated; 0 on GPUs).
   torch            plain PyTorch: DDP (or FSDP2's ZeRO-1/2) reduces
                    gradients in 25 MiB buckets while the backward of the LAST micro-batch runs (the
                    others accumulate locally, `no_sync`), and while the later pipeline stages drain;
@@ -95,6 +97,10 @@ class DeviceWork:
     # gather) or backward (a reduction) on a host whose cores the ranks share (Efficiencies.wait_after)
     forward_wait_s: float = 0.0
     backward_wait_s: float = 0.0
+    # what FSDP2's reduction costs the host beyond its collective, per group and per byte of
+    # gradients (Efficiencies.data_parallel_reduce_group_s, _byte_s)
+    reduce_group_s: float = 0.0
+    reduce_byte_s: float = 0.0
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
@@ -109,7 +115,7 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
     if not mesh.device.overlaps_communication:
         runtime = replace(runtime, overlap=False)
     if runtime.fsdp2:
-        return _fsdp2(work, group, zero, micro_batches, element, runtime.overlap)
+        return _fsdp2(work, group, dp, zero, micro_batches, element, runtime.overlap)
     if zero == 3:
         return micro_batches * _zero3_per_micro_batch(work, group, runtime, element)
     grads = work.params * element
@@ -124,7 +130,7 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
     return reduce + after_step
 
 
-def _fsdp2(work: DeviceWork, group: Group, zero: int, micro_batches: int, element: int,
+def _fsdp2(work: DeviceWork, group: Group, dp: int, zero: int, micro_batches: int, element: int,
            overlap: bool) -> float:
     """autopar's FSDP2, one call per group and collective: the gradients reduced once per step
     (all-reduced, or reduce-scattered under ZeRO) or after every micro-batch, the weights
@@ -142,6 +148,10 @@ def _fsdp2(work: DeviceWork, group: Group, zero: int, micro_batches: int, elemen
         backward_gathers = micro_batches if zero == 3 and not work.kept_gathered else 0
     gather = units * group.all_gather(share)
     reductions = micro_batches if zero and work.reduce_every else 1
+    # each reduction copies a group's gradients into a buffer allocated for it and reduces into
+    # another: of the same size for replicate, which all-reduces, of a 1/dp share under ZeRO
+    buffers = 2.0 if zero == 0 else 1.0 + 1.0 / dp
+    reduce += units * work.reduce_group_s + buffers * work.params * GRADIENT_BYTES * work.reduce_byte_s
     if not overlap:
         waits = units * ((reductions + backward_gathers) * work.backward_wait_s
                          + forward_gathers * work.forward_wait_s)

@@ -386,3 +386,47 @@ def test_autopar_fsdp2_gathers_as_often_as_it_frees_the_weights_and_reduces_as_i
     assert exposed(2, 8, pipelined=True) == pytest.approx(8 * scatter + gather)
     assert exposed(3, 8) == pytest.approx(8 * scatter + 16 * gather)
     assert exposed(3, 8, "zero-bubble", pipelined=True) == pytest.approx(scatter + gather)
+
+
+def test_each_fsdp2_reduction_costs_the_host_per_group_and_per_byte_of_gradients():
+    """FSDP2 copies each group's gradients into a buffer of its own for every reduction and
+    reduces into another, as large for replicate (plain data parallelism), a 1/dp share under
+    ZeRO: once a step under plain data parallelism and ZeRO-1, every micro-batch under ZeRO-2/3.
+    The calibrated cost per group and per byte of those buffers is added as often, and not at
+    all without data parallelism."""
+    mesh = Mesh.parse("4:cpu")
+    autopar = RUNTIMES["autopar"]
+    per_group, per_byte = 1e-3, 1e-9
+    fp32_grads = 1e6 * 4
+
+    def added(zero, m, dp=4):
+        def exposed(**costs):
+            work = _work(params=1e6, blocks=6, recompute=False,
+                         reduce_every=reduces_every_micro_batch(zero, "1f1b"), **costs)
+            return exposed_data_parallel(work, dp=dp, tp=1, zero=zero, micro_batches=m, mesh=mesh,
+                                         runtime=autopar)
+        return exposed(reduce_group_s=per_group, reduce_byte_s=per_byte) - exposed()
+
+    replicate = 6 * per_group + 2 * fp32_grads * per_byte
+    sharded = 6 * per_group + (1 + 1 / 4) * fp32_grads * per_byte
+    assert added(0, 8) == pytest.approx(replicate)
+    assert added(1, 8) == pytest.approx(sharded)
+    assert added(2, 8) == pytest.approx(8 * sharded)
+    assert added(3, 8) == pytest.approx(8 * sharded)
+    assert added(0, 8, dp=1) == 0.0
+
+
+def test_the_reduction_cost_reaches_the_step_from_a_calibration(tiny_gpt):
+    """`Efficiencies.data_parallel_reduce_*` price a data-parallel step on a CPU mesh and leave a
+    GPU mesh's (no host figures there) and a step without data parallelism alone."""
+    from autopar.cost.compute import Efficiencies
+
+    plain = Efficiencies(device="cpu")
+    hosted = Efficiencies(device="cpu", data_parallel_reduce_group_s=1e-3,
+                          data_parallel_reduce_byte_s=1e-9)
+    step = lambda config, eff: estimate(tiny_gpt, Mesh.parse("4:cpu"), config,
+                                        efficiencies=eff).step_time_s
+    dp = Config(dp=4, global_batch=16, micro_batch=2)
+    assert step(dp, hosted) > step(dp, plain)
+    tp = Config(tp=4, global_batch=16, micro_batch=2)
+    assert step(tp, hosted) == step(tp, plain)
