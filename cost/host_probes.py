@@ -203,8 +203,10 @@ def data_parallel_reduce_latency(budget_s: float) -> tuple[float, float, float]:
     # replicate copies the gradients into one buffer and reduces them in a second (cost/overlap.py)
     per_byte = max(large - small, 0.0) / (large_bytes - small_bytes) / 2
     sharded, sharded_bytes = _reduce_extra(shard, 8, budget_s)
+    # ZeRO's reduction fills one buffer as large and one of a 1/dp share (cost/overlap.py)
+    sharded_buffers = 1 + 1 / torch.distributed.get_world_size()
     return (max(small - 2 * per_byte * small_bytes, 0.0), per_byte,
-            max(sharded - 2 * per_byte * sharded_bytes, 0.0))
+            max(sharded - sharded_buffers * per_byte * sharded_bytes, 0.0))
 
 
 def _reduce_extra(wrap, width: int, budget_s: float, rounds: int = 3) -> tuple[float, int]:

@@ -97,8 +97,8 @@ class DeviceWork:
     # gather) or backward (a reduction) on a host whose cores the ranks share (Efficiencies.wait_after)
     forward_wait_s: float = 0.0
     backward_wait_s: float = 0.0
-    # what FSDP2's reduction costs the host beyond its collective, per group and per byte of
-    # gradients (Efficiencies.data_parallel_reduce_group_s, _byte_s)
+    # what FSDP2's reduction costs the host beyond its collective, per group and per byte of each
+    # buffer it fills (Efficiencies.data_parallel_reduce_group_s or sharded_reduce_group_s, _byte_s)
     reduce_group_s: float = 0.0
     reduce_byte_s: float = 0.0
 

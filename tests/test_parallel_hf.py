@@ -95,11 +95,11 @@ def on_2_ranks(model_name):
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("form", FORMS_ON_4)
-def test_forms_on_4_ranks(on_4_ranks, form, recompute, check_form):
-    check_form(on_4_ranks, (form, recompute))
+def test_forms_on_4_ranks(on_4_ranks, form, recompute, form_problems):
+    assert form_problems(on_4_ranks, (form, recompute)) == []
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("form", FORMS_ON_2)
-def test_forms_on_2_ranks(on_2_ranks, form, recompute, check_form):
-    check_form(on_2_ranks, (form, recompute))
+def test_forms_on_2_ranks(on_2_ranks, form, recompute, form_problems):
+    assert form_problems(on_2_ranks, (form, recompute)) == []
