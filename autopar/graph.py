@@ -92,6 +92,16 @@ class Graph:
     def forward_flops(self) -> int:
         return sum(n.flops for n in self.nodes)
 
+    def requiring_grad(self) -> set[str]:
+        """Nodes whose value has a gradient in training: the parameters and every value computed
+        from one. Inputs and buffers (a rotary table, a mask) and what derives from them alone do
+        not, so nothing of their backward is priced."""
+        found: set[str] = set()
+        for node in self.nodes:
+            if node.role is Role.PARAMETER or any(name in found for name in node.inputs):
+                found.add(node.name)
+        return found
+
     def fingerprint(self) -> str:
         """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same
         model and input shapes, different when any of them change."""

@@ -151,3 +151,32 @@ def test_tying_shares_variables_across_layers(small_gpt):
     assert tied.objective_s == pytest.approx(untied.objective_s, rel=1e-2)
     block = [n for n in tied.problem.nodes if n.tie is not None]
     assert len(block) >= 3 * len({n.tie for n in block})      # layers 1-3 tied to layer 0
+
+
+@pytest.mark.parametrize("spec", ["llama:layers=2,hidden=192,heads=6,kv_heads=2,seq=48,vocab=768",
+                                  "llama:layers=2,hidden=256,heads=8,kv_heads=8,seq=64,vocab=512"])
+def test_rotary_models_get_megatron_on_the_tensor_axis(spec):
+    """A rotary table is a buffer: its gradient is never computed, so reading it from heads split
+    over ranks costs no all-reduce in the backward. Priced as if it did, the ILP kept queries and
+    keys whole through the rotation (an all-gather or a reduce-scatter per layer)."""
+    model, inputs = build_model(spec, batch=2)
+    graph = autopar.capture(model, inputs)
+    solution = solve_intra_op(graph, Mesh.parse("2:cpu"), roles={"gpu": "tensor"})
+    for fqn, used in solution.parameter_use_placements.items():
+        if fqn.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")):
+            assert used == ["S(0)"], (fqn, used)          # column-parallel
+        if fqn.endswith(("wo.weight", "w2.weight")):
+            assert used == ["S(1)"], (fqn, used)          # row-parallel
+    problem = build_problem(graph, Mesh.parse("2:cpu"), roles={"gpu": "tensor"})
+    grad, nodes = graph.requiring_grad(), {node.name: node for node in problem.nodes}
+    read_whole = 0
+    for edge in problem.edges:
+        if edge.src in grad:
+            continue
+        src, dst = nodes[edge.src], nodes[edge.dst]
+        for i, made in enumerate(src.strategies):
+            for j, used in enumerate(dst.strategies):
+                if made.output == ["R"] and used.inputs[edge.arg] == ["R"]:
+                    read_whole += 1
+                    assert edge.cost[edge.src_class[i]][edge.dst_class[j]] == 0.0, (edge.src, edge.dst)
+    assert read_whole    # the rotary tables' reads were checked

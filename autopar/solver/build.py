@@ -86,6 +86,7 @@ class _Builder:
         self.edge_cache: dict[tuple, tuple] = {}
         self.kept = self._kept_inputs()
         self.outputs = {name for n in graph.nodes if n.target == "output" for name in n.inputs}
+        self.requiring_grad = graph.requiring_grad()
 
     def build(self, memory_limit: float | None, tie_blocks: bool) -> Problem:
         if tie_blocks:
@@ -269,7 +270,9 @@ class _Builder:
             src_node = self.by_name[name]
             one_tensor = src_node.dtype != ""     # a multi-output producer: price the piece read
             nbytes = src_node.bytes if one_tensor else node.bytes
-            differentiable = (src_node.dtype if one_tensor else node.dtype) not in NOT_DIFFERENTIABLE
+            # a buffer's gradient (a rotary table read by sharded heads) is never reduced
+            differentiable = (name in self.requiring_grad and
+                              (src_node.dtype if one_tensor else node.dtype) not in NOT_DIFFERENTIABLE)
             is_param = src_node.role is Role.PARAMETER
             key = (id(made[name].strategies), id(dst.strategies), k, nbytes, differentiable)
             if key not in self.edge_cache:
