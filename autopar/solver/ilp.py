@@ -266,8 +266,11 @@ class _Model:
               memory_limit: float | None) -> Assignment:
         self.solver.SetNumThreads(1)
         self.solver.SuppressOutput()
-        if self.relax_first:        # HiGHS prints a banner on every solve unless told not to
-            self.solver.SetSolverSpecificParametersAsString("output_flag=false")
+        if self.relax_first:        # HiGHS prints a banner on every solve unless told not to;
+            # OR-Tools does not hand it RELATIVE_MIP_GAP, and its own default (1e-4) would stop
+            # the MIP short of an optimum closer than that
+            self.solver.SetSolverSpecificParametersAsString(
+                f"output_flag=false\nmip_rel_gap={relative_gap!r}")
         deadline = start + time_limit
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, relative_gap)
