@@ -126,15 +126,16 @@ def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit:
 
 
 def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: float = 60.0,
-                     precision: str | None = None):
+                     precision: str | None = None, calibration=None):
     """A forced Megatron-style `Config` as a Plan: uniform stages, the estimator's predictions, and
-    per-op placements from the ILP with the config's roles (data axis, tensor axis)."""
+    per-op placements from the ILP with the config's roles (data axis, tensor axis), both priced
+    with `calibration` (a file from `autopar calibrate`) when one is given."""
     from autopar.solver.pipeline_plan import plan_config
 
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     check_precision(precision)
     return plan_config(graph, _as_mesh(mesh), config, memory_limit=limit, time_limit=time_limit,
-                       precision=precision)
+                       precision=precision, calibration=calibration)
 
 
 def check_precision(precision: str | None) -> None:
@@ -175,7 +176,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     shards or a DCP checkpoint; names as in model.state_dict()) or `init(module)` (applied like
     model.apply, seeded per module name from `seed`: the same values under every plan).
     `load_from`/`init` also overwrite a real model's values.
-    `calibration`: a file from `autopar calibrate` that the planner prices with (when it plans)."""
+    `calibration`: a file from `autopar calibrate` that the planner prices and places with (a free
+    plan or a forced `Config`)."""
     import torch.distributed as dist
 
     from autopar.tracer import capture
@@ -206,7 +208,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     batch = global_batch or example_inputs[0].shape[0]
     if isinstance(plan, Config):
-        plan = _plan_for_config(graph, mesh, plan, time_limit, precision)
+        plan = _plan_for_config(graph, mesh, plan, time_limit, precision, calibration)
     elif plan is None:
         plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision, calibration)
     else:
@@ -272,11 +274,12 @@ def _load_plan(plan):
     return Plan.load(plan)
 
 
-def _plan_for_config(graph, mesh, config, time_limit, precision):
+def _plan_for_config(graph, mesh, config, time_limit, precision, calibration):
     """A forced configuration as the planner places it (the ILP with the config's axis roles, the
     same placements a free plan of that shape gets), made on rank 0."""
     return _plan_on_rank0(lambda: plan_from_config(graph, mesh, config, time_limit=time_limit,
-                                                   precision=precision), time_limit)
+                                                   precision=precision, calibration=calibration),
+                          time_limit)
 
 
 def _plan_freely(graph, mesh, global_batch, memory_limit, time_limit, precision, calibration):

@@ -87,7 +87,8 @@ def price_config(graph, mesh, config, calibration):
     from autopar.api import plan_from_config
     from autopar.cost.plan_estimate import estimate_plan
 
-    return estimate_plan(graph, plan_from_config(graph, mesh, config), calibration=calibration)
+    return estimate_plan(graph, plan_from_config(graph, mesh, config, calibration=calibration),
+                         calibration=calibration)
 
 
 def candidate_configs(spec: str, world: int, global_batch: int, micro_batch: int) -> list:

@@ -19,6 +19,7 @@ from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph
 from autopar.solver.build import build_problem
 from autopar.solver.ilp import Assignment, solve
+from autopar.solver.pricing import Pricer
 from autopar.solver.problem import Problem
 
 
@@ -56,12 +57,15 @@ class IntraOpSolution:
 
 def solve_intra_op(graph: Graph, mesh: Mesh, *, memory_limit: float | None = None,
                    roles: Mapping[str, str] | None = None, time_limit: float = 10.0,
-                   backend: str = "highs", tie_blocks: bool = True) -> IntraOpSolution:
+                   backend: str = "highs", tie_blocks: bool = True,
+                   efficiencies=None) -> IntraOpSolution:
     """Choose every op's placement on every axis of `mesh`, fastest within `memory_limit` bytes
     per device (None: the device's memory). `roles` pins what an axis may do ({"node": "data",
-    "gpu": "tensor"}). Raises InfeasibleError when nothing fits."""
+    "gpu": "tensor"}). `efficiencies` (a calibration's) price the ops' compute; the mesh's links
+    price their communication. Raises InfeasibleError when nothing fits."""
     limit = mesh.device.memory_bytes if memory_limit is None else memory_limit
-    problem = build_problem(graph, mesh, memory_limit=limit, roles=roles, tie_blocks=tie_blocks)
+    problem = build_problem(graph, mesh, memory_limit=limit, roles=roles, tie_blocks=tie_blocks,
+                            pricer=Pricer(mesh, efficiencies))
     found = solve(problem, time_limit=time_limit, backend=backend)
     if found.status == "infeasible":
         raise _infeasible(problem, mesh, limit, time_limit, backend)

@@ -105,9 +105,13 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
 
 
 def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float | None = None,
-                time_limit: float = 60.0, precision: str | None = None) -> Plan:
-    """A forced uniform configuration as a Plan, priced by `estimate`, placements by the ILP."""
+                time_limit: float = 60.0, precision: str | None = None, calibration=None) -> Plan:
+    """A forced uniform configuration as a Plan, priced by `estimate`, placements by the ILP; with
+    a `calibration` file both use what it measured, as a free plan's do (`plan_and_search`)."""
     started = time.monotonic()
+    efficiencies = None
+    if calibration is not None:
+        mesh, efficiencies = calibrated(mesh, None, calibration)
     if config.world_size != mesh.world_size:
         raise AutoparError(f"config tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = "
                            f"{config.world_size} devices, but mesh {mesh} has {mesh.world_size}")
@@ -115,7 +119,8 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         raise AutoparError(f"tp={config.tp} must divide the {mesh.gpus_per_node} devices of a node: "
                            f"tensor parallelism stays inside a node")
     limit = memory_limit or mesh.device.memory_bytes
-    search = new_search(graph, mesh, config.global_batch, limit, started + time_limit, precision)
+    search = new_search(graph, mesh, config.global_batch, limit, started + time_limit, precision,
+                        efficiencies)
     cuts = _megatron_cuts(search.units, config.pp * config.virtual)
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
@@ -131,7 +136,8 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
                                                      "and hidden size")
         raise AutoparError(f"the estimator cannot price {config}: {reason}")
     return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
-        "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1},
+        "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1,
+        **({"calibration": str(calibration)} if calibration is not None else {})},
         pricer=search.pricer)
 
 

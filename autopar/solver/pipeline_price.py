@@ -103,8 +103,10 @@ class Pricer:
         from autopar.solver import solve_intra_op
 
         axis = Mesh(self.mesh.device, (MeshAxis("tp", tp, self.mesh.device.intra_node),))
+        # the calibrated mesh's own link and efficiencies: the prices the estimator uses
         intra = solve_intra_op(graph, axis, roles={"tp": AxisRole.TENSOR}, memory_limit=float("inf"),
-                               time_limit=max(1.0, self.deadline - time.monotonic()))
+                               time_limit=max(1.0, self.deadline - time.monotonic()),
+                               efficiencies=self.efficiencies)
         solved = {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
                   "replicated_ops": list(intra.replicated_ops),
                   "stats": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
