@@ -357,6 +357,26 @@ def test_the_planner_prices_with_a_calibration_and_the_plan_records_that_price(t
     assert measured.predicted["step_time_s"] == pytest.approx(again.step_time_s)
 
 
+def test_a_forced_configuration_is_placed_and_priced_with_the_calibration(tmp_path):
+    """`validate` and `compile(plan=Config, calibration=...)` run the plan `plan_from_config`
+    makes with the file: it names the file and records the price estimate_plan gives it."""
+    from autopar.api import plan_from_config
+    from autopar.commands.estimate import capture_training_step
+    from autopar.cost.plan_estimate import estimate_plan
+
+    graph = capture_training_step("gpt-tiny", batch=2)
+    path = tmp_path / "eff.json"
+    path.write_text(json.dumps({"device": "cpu", "pipeline_action_latency_s": 1.0}))
+    config = Config(pp=2, tp=2, global_batch=8, micro_batch=2)
+    published = plan_from_config(graph, "4:cpu", config)
+    measured = plan_from_config(graph, "4:cpu", config, calibration=path)
+    assert "calibration" not in published.solver and measured.solver["calibration"] == str(path)
+    again = estimate_plan(graph, measured, calibration=path)
+    assert measured.predicted["step_time_s"] == pytest.approx(again.step_time_s)
+    # two actions per micro-batch on each of 2 stages' critical path, at least
+    assert measured.predicted["step_time_s"] > published.predicted["step_time_s"] + 2 * 2
+
+
 def test_autopar_fsdp2_gathers_as_often_as_it_frees_the_weights_and_reduces_as_its_zero_stage_says():
     """On a CPU mesh (nothing overlaps) the autopar runtime's FSDP2 issues each collective once per
     layer group; ZeRO-1/2 gather before every micro-batch on one stage, once per step under a
