@@ -102,6 +102,22 @@ class Graph:
                 found.add(node.name)
         return found
 
+    def norm_inputs(self) -> list[str]:
+        """The residual stream where it enters a norm module: activations a norm reads from
+        outside its own module. Sequence parallelism splits these on the sequence dim between the
+        tensor-parallel regions; without it they are whole on every tensor-parallel rank."""
+        by_name = self._by_name()
+        found: list[str] = []
+        for node in self.nodes:
+            if not node.module_type.endswith("Norm"):
+                continue
+            for name in node.inputs:
+                source = by_name[name]
+                if (source.role is Role.ACTIVATION and name not in found
+                        and not source.module_path.startswith(node.module_path)):
+                    found.append(name)
+        return found
+
     def fingerprint(self) -> str:
         """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same
         model and input shapes, different when any of them change."""

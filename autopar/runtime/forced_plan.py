@@ -106,18 +106,9 @@ def _zero3_placement(shape: tuple, tensor_placement: str | None, config: Config)
 
 def _norm_inputs(graph: Graph, tp: int, stream: str) -> list[str]:
     """Activations entering a norm module (with a sequence dim that tp divides, to split it)."""
-    by_name = {n.name: n for n in graph.nodes}
-    result = []
-    for node in graph.nodes:
-        if not node.module_type.endswith("Norm"):
-            continue
-        for name in node.inputs:
-            source = by_name[name]
-            if (source.role is Role.ACTIVATION and not source.module_path.startswith(node.module_path)
-                    and (stream == "R" or len(source.shape) == 3 and source.shape[1] % tp == 0)
-                    and name not in result):
-                result.append(name)
-    return result
+    shapes = {node.name: node.shape for node in graph.nodes}
+    return [name for name in graph.norm_inputs()
+            if stream == "R" or len(shapes[name]) == 3 and shapes[name][1] % tp == 0]
 
 
 def _units(graph: Graph) -> list[str]:

@@ -48,15 +48,22 @@ from autopar.solver.problem import Edge, Problem, ProblemNode, Strategy
 
 ROLES = AXIS_ROLES
 SKIPPED = ("output",)
+SEQUENCE_DIM = 1        # of the residual stream, [batch, sequence, hidden]
 
 
 def build_problem(graph: Graph, mesh: Mesh, *, memory_limit: float | None = None,
                   roles: Mapping[str, str] | None = None, tie_blocks: bool = True,
-                  overlap: bool = False, pricer: Pricer | None = None) -> Problem:
+                  overlap: bool = False, pricer: Pricer | None = None,
+                  sequence_parallel: bool | None = None) -> Problem:
     """`overlap`: parameter and gradient traffic (gradient reduction, ZeRO gathers) hides behind
-    the backward's compute and only the excess counts; off, every byte counts."""
+    the backward's compute and only the excess counts; off, every byte counts.
+    `sequence_parallel` (a forced configuration's): on a tensor axis, the residual stream entering
+    each norm is split on its sequence dim (True) or whole (False); None leaves it to the ILP."""
     roles = check_roles(mesh, roles)
     builder = _Builder(graph, mesh, roles, pricer or Pricer(mesh), overlap)
+    if sequence_parallel is not None:
+        builder.stream = {name: S(SEQUENCE_DIM) if sequence_parallel else R
+                          for name in graph.norm_inputs()}
     return builder.build(memory_limit, tie_blocks)
 
 
@@ -87,6 +94,7 @@ class _Builder:
         self.kept = self._kept_inputs()
         self.outputs = {name for n in graph.nodes if n.target == "output" for name in n.inputs}
         self.requiring_grad = graph.requiring_grad()
+        self.stream: dict = {}      # node -> its placement on a tensor axis, where forced
 
     def build(self, memory_limit: float | None, tie_blocks: bool) -> Problem:
         if tie_blocks:
@@ -131,7 +139,8 @@ class _Builder:
                 Strategy(output=[placement_str(s.output) for s in c], inputs=[]) for c in combos])
         one_axis = axis_strategies(self.views[node.name])
         kind = "op" if one_axis is not None else "replicated"
-        per_axis = [self._allowed(node, one_axis or [], role) for role in self.roles]
+        per_axis = [self._allowed(node, one_axis or [], role, size)
+                    for role, size in zip(self.roles, self.sizes)]
         combos = combine(per_axis, self.sizes, node.shape, self.views[node.name].input_shapes)
         return ProblemNode(name=node.name, kind=kind, label=label,
                            strategies=[self._op_strategy(node, c) for c in combos])
@@ -145,18 +154,35 @@ class _Builder:
             dims = [d for d in dims if d != batch]
         return [OpStrategy(R, ())] + [OpStrategy(S(d), ()) for d in dims]
 
-    def _allowed(self, node: Node, one_axis: list[OpStrategy], role: str | None) -> list[OpStrategy]:
+    def _allowed(self, node: Node, one_axis: list[OpStrategy], role: str | None,
+                 size: int) -> list[OpStrategy]:
         replicated = OpStrategy(R, tuple(R for _ in node.inputs))
         if role is None:
             return one_axis or [replicated]
         if role == AxisRole.TENSOR:
             allowed = [replicated] + [s for s in one_axis[1:] if not any(self._on_batch(node, s))]
+            if node.name in self.stream:
+                allowed = self._forced_stream(node, allowed, size)
             # matrices are used where they are stored, split (see _parameter_strategies)
             split = [s for s in allowed if not self._uses_whole_matrix(node, s)]
             return split or allowed
         # a data axis splits the batch wherever there is one, and only the batch
         split = [s for s in one_axis[1:] if self._batch_split(node, s, self._on_batch(node, s))]
         return split or [replicated]
+
+    def _forced_stream(self, node: Node, allowed: list[OpStrategy], size: int) -> list[OpStrategy]:
+        wanted = self.stream[node.name]
+        kept = [s for s in allowed if s.output == wanted]
+        if wanted != R and (len(node.shape) <= SEQUENCE_DIM or node.shape[SEQUENCE_DIM] % size):
+            kept = []
+        if not kept:
+            split = "split on the sequence" if wanted != R else "whole"
+            raise AutoparError(
+                f"sequence parallelism: {node.name} (shape {list(node.shape)}, from "
+                f"{node.module_path or 'the top level'}, read by a norm) cannot be {split} on the "
+                f"tensor-parallel axis: use a sequence length that the tensor-parallel degree "
+                f"divides, or leave sequence_parallel off")
+        return kept
 
     def _uses_whole_matrix(self, node: Node, strategy: OpStrategy) -> bool:
         return any(p == R and self.by_name[name].role is Role.PARAMETER

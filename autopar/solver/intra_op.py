@@ -58,14 +58,16 @@ class IntraOpSolution:
 def solve_intra_op(graph: Graph, mesh: Mesh, *, memory_limit: float | None = None,
                    roles: Mapping[str, str] | None = None, time_limit: float = 10.0,
                    backend: str = "highs", tie_blocks: bool = True,
-                   efficiencies=None) -> IntraOpSolution:
+                   efficiencies=None, sequence_parallel: bool | None = None) -> IntraOpSolution:
     """Choose every op's placement on every axis of `mesh`, fastest within `memory_limit` bytes
     per device (None: the device's memory). `roles` pins what an axis may do ({"node": "data",
     "gpu": "tensor"}). `efficiencies` (a calibration's) price the ops' compute; the mesh's links
-    price their communication. Raises InfeasibleError when nothing fits."""
+    price their communication. `sequence_parallel` forces the residual stream entering each norm
+    split on the sequence (True) or whole (False) on a tensor axis (`build_problem`). Raises
+    InfeasibleError when nothing fits."""
     limit = mesh.device.memory_bytes if memory_limit is None else memory_limit
     problem = build_problem(graph, mesh, memory_limit=limit, roles=roles, tie_blocks=tie_blocks,
-                            pricer=Pricer(mesh, efficiencies))
+                            pricer=Pricer(mesh, efficiencies), sequence_parallel=sequence_parallel)
     found = solve(problem, time_limit=time_limit, backend=backend)
     if found.status == "infeasible":
         raise _infeasible(problem, mesh, limit, time_limit, backend)

@@ -119,8 +119,9 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         raise AutoparError(f"tp={config.tp} must divide the {mesh.gpus_per_node} devices of a node: "
                            f"tensor parallelism stays inside a node")
     limit = memory_limit or mesh.device.memory_bytes
+    # the config's sequence parallelism is the placements' (the ILP's is free in a free plan)
     search = new_search(graph, mesh, config.global_batch, limit, started + time_limit, precision,
-                        efficiencies)
+                        efficiencies, config.sequence_parallel if config.tp > 1 else None)
     cuts = _megatron_cuts(search.units, config.pp * config.virtual)
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
@@ -159,11 +160,13 @@ def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
 
 
 def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float,
-               precision: str | None = None, efficiencies=None) -> Search:
+               precision: str | None = None, efficiencies=None,
+               sequence_parallel: bool | None = None) -> Search:
     if global_batch < 1:
         raise AutoparError(f"global batch {global_batch} must be at least 1")
     pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit,
-                    precision=precision, deadline=deadline, efficiencies=efficiencies)
+                    precision=precision, deadline=deadline, efficiencies=efficiencies,
+                    sequence_parallel=sequence_parallel)
     units = pipeline_units(graph)
     return Search(pricer=pricer, units=units, deadline=deadline,
                   skipping=skipping_pairs(graph, [unit.layers for unit in units]))

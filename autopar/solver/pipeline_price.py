@@ -33,6 +33,7 @@ class Pricer:
     memory_limit: float
     precision: str | None = None    # the plan's (bf16, fp16, fp32); None: the device's training dtype
     efficiencies: object = None     # a calibration's Efficiencies; None: the device's published ones
+    sequence_parallel: bool | None = None   # a forced configuration's; None: the ILP chooses
     cache: dict = field(default_factory=dict)       # candidate -> Priced, or None if refused
     estimates: dict = field(default_factory=dict)   # the estimator's own cache, for this search
     refusals: dict = field(default_factory=dict)    # the estimator's reason -> how many candidates
@@ -106,7 +107,8 @@ class Pricer:
         # the calibrated mesh's own link and efficiencies: the prices the estimator uses
         intra = solve_intra_op(graph, axis, roles={"tp": AxisRole.TENSOR}, memory_limit=float("inf"),
                                time_limit=max(1.0, self.deadline - time.monotonic()),
-                               efficiencies=self.efficiencies)
+                               efficiencies=self.efficiencies,
+                               sequence_parallel=self.sequence_parallel)
         solved = {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
                   "replicated_ops": list(intra.replicated_ops),
                   "stats": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
