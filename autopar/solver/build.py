@@ -16,7 +16,8 @@ Roles. `roles={"node": "data", "gpu": "tensor"}` restricts axes: a data axis sha
 activation that has a batch dim on it and nothing else, its ops see parameters replicated (stored
 R, Z or S: ZeRO); a tensor axis never shards the batch, and stores every matrix parameter
 sharded on it (what a tensor-parallel degree means to the estimator and to a user who forces one). The batch dim of every tensor is found by following the graph inputs'
-dim 0 through the rules.
+dim 0 through the rules. A forced configuration also fixes sequence parallelism: the residual
+stream that each norm reads is split on the sequence on the tensor axis, or whole.
 
 Memory (per device, alive at the peak of a training step, no recompute): parameters, gradients
 and Adam state (two fp32 moments, plus an fp32 master copy of 16-bit weights) under their storage
