@@ -211,7 +211,7 @@ def _one_round(budget_s: float, sizes: tuple[int, ...]):
      efficiencies.checkpoint_op_latency_s) = checkpoint_latency(budget_s)
     efficiencies.host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else os.cpu_count() or 0
-    for label, seconds in (("one-element op on a DTensor, extra", efficiencies.distributed_op_latency_s),
+    for label, seconds in (("op on a DTensor, placed, extra", efficiencies.distributed_op_latency_s),
                            ("pipeline schedule action, extra", efficiencies.pipeline_action_latency_s),
                            ("FSDP2 group hooks per micro-batch", efficiencies.data_parallel_group_latency_s),
                            ("FSDP2 hooks per parameter tensor", efficiencies.data_parallel_tensor_latency_s),

@@ -66,7 +66,7 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: int, eff: E
     unfused attention scores kept) for micro-batch `b`, the same in whichever chunk holds it."""
     device = mesh.device
     tp_group = Group.strided(mesh, spec.tp, 1)
-    distributed = spec.tp > 1 or spec.zero == 3      # the runtime's ops on DTensors
+    distributed = spec.tp > 1      # the runtime's ops on DTensors (FSDP2 computes on plain ones)
     prices = {}
     for node in layout.nodes:
         forward, backward, kept = _kernels(node, b, attention, _DTYPE_BYTES[layout.dtype])

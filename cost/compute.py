@@ -110,10 +110,11 @@ class Efficiencies:
     compute: dict[str, float] = field(default_factory=_default_compute)
     memory: dict[str, float] = field(default_factory=_default_memory)
     kernel_latency_s: float = 4e-6     # launch and tail of one GPU kernel: a floor for tiny ops
-    # What an op on distributed tensors (DTensor: tensor parallelism, ZeRO-3 parameters) adds on
-    # the host: sharding propagation and dispatch. A GPU's kernels run asynchronously behind the
-    # host, which hides it for models large enough to keep the GPU busy, hence 0; on a CPU the
-    # host is the device, and `autopar calibrate --mesh` measures it.
+    # What an op of a tensor-parallel stage adds on the host: DTensor's sharding propagation and
+    # dispatch, and the runtime placing its output where the plan puts it. (ZeRO-3's ops do not
+    # pay it: FSDP2 computes on the gathered weights as plain tensors.) A GPU's kernels run
+    # asynchronously behind the host, which hides it for models large enough to keep the GPU
+    # busy, hence 0; on a CPU the host is the device, and `autopar calibrate --mesh` measures it.
     distributed_op_latency_s: float = 0.0
     # The same for the runtime's own machinery, per micro-batch: one action of torch's pipeline
     # schedule (a stage's forward or backward, its send and receive posted and waited for) beyond

@@ -1,5 +1,5 @@
 """What the runtime's machinery costs the host, measured on every rank of a gloo mesh at once
-(`autopar calibrate --mesh`): an op on a DTensor, an action of torch's pipeline schedule, FSDP2's
+(`autopar calibrate --mesh`): an op of a tensor-parallel stage, an action of torch's pipeline schedule, FSDP2's
 hooks per group and per parameter tensor, zero-bubble's split of the backward, a checkpointed
 region. Each is the difference between a chain of tiny ops with the machinery and without it,
 so that the ops' own compute cancels (`Efficiencies`, cost/host.py)."""
@@ -37,24 +37,31 @@ def _link(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def distributed_op_latency(budget_s: float) -> float:
-    """Seconds an op on a sharded DTensor adds over the same op on a plain tensor, forward and
-    backward, on the default process group's ranks (a DTensor op that needs no communication)."""
+    """Seconds an op of a tensor-parallel stage adds over the same op on a plain tensor, forward
+    and backward, on the default process group's ranks: its dispatch on a sharded DTensor and the
+    runtime's placing of its output where the plan puts it (`passes.collectives.Redistribute`,
+    after every op the plan places), where no communication is needed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    # the runtime's own pass, measured as the runtime runs it
+    from autopar.passes.collectives import Redistribute
 
-    def chain(tensor) -> None:
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    place = Redistribute(mesh, (Shard(0),))
+
+    def chain(tensor, placed: bool) -> None:
         y = tensor
         for _ in range(_CHAIN):
             y = y * 1.0001
+            y = place(y) if placed else y
         y.sum().backward()
 
     plain = torch.ones(mesh.size() * 4, 8, requires_grad=True)
     sharded = distribute_tensor(torch.ones(mesh.size() * 4, 8), mesh, [Shard(0)])
     sharded.requires_grad_(True)
-    extra = median_seconds(lambda: chain(sharded), "cpu", budget_s) - median_seconds(lambda: chain(plain),
-                                                                        "cpu", budget_s)
+    extra = median_seconds(lambda: chain(sharded, True), "cpu", budget_s) - median_seconds(
+        lambda: chain(plain, False), "cpu", budget_s)
     return max(extra, 0.0) / (2 * _CHAIN)
 
 

@@ -89,9 +89,7 @@ class PriceCache:
     def chunk(self, split: Split, c: int, spec: StageSpec, micro_batch: int, attention: str) -> Chunk:
         """Chunk `c` priced (`chunk_price.price_chunk`), a copy the caller may change. The price
         depends on the chunk's nodes, not on where it sits in the pipeline."""
-        # ZeRO-3's parameters are DTensors, whose ops cost the host more (`node_prices`)
-        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.recompute, spec.zero == 3,
-               micro_batch, attention)
+        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.recompute, micro_batch, attention)
         priced = self._get(key, lambda: price_chunk(
             self.graph, self.layout(spec), self._blocks(), self._regions(spec.recompute),
             self._members(split, spec)[c], self._node_prices(spec, micro_batch, attention),
@@ -106,7 +104,7 @@ class PriceCache:
                          lambda: recomputed_regions(self.graph, self._blocks(), recompute))
 
     def _node_prices(self, spec: StageSpec, micro_batch: int, attention: str) -> dict:
-        key = ("node_prices", *spec.layout_key, spec.tp > 1 or spec.zero == 3, micro_batch, attention)
+        key = ("node_prices", *spec.layout_key, micro_batch, attention)
         return self._get(key, lambda: node_prices(self.layout(spec), spec, self.mesh, micro_batch,
                                                   self.efficiencies, attention))
 
