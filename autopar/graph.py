@@ -102,21 +102,25 @@ class Graph:
                 found.add(node.name)
         return found
 
-    def norm_inputs(self) -> list[str]:
-        """The residual stream where it enters a norm module: activations a norm reads from
-        outside its own module. Sequence parallelism splits these on the sequence dim between the
-        tensor-parallel regions; without it they are whole on every tensor-parallel rank."""
+    def norm_reads(self) -> list[tuple[str, int, str]]:
+        """(norm node, input index, value) where a norm module reads the residual stream: an
+        activation from outside its own module. Sequence parallelism splits these reads on the
+        sequence dim between the tensor-parallel regions; without it they are whole on every
+        tensor-parallel rank."""
         by_name = self._by_name()
-        found: list[str] = []
+        found = []
         for node in self.nodes:
             if not node.module_type.endswith("Norm"):
                 continue
-            for name in node.inputs:
+            for k, name in enumerate(node.inputs):
                 source = by_name[name]
-                if (source.role is Role.ACTIVATION and name not in found
-                        and not source.module_path.startswith(node.module_path)):
-                    found.append(name)
+                if source.role is Role.ACTIVATION and not source.module_path.startswith(node.module_path):
+                    found.append((node.name, k, name))
         return found
+
+    def norm_inputs(self) -> list[str]:
+        """The values of `norm_reads`, each once."""
+        return list(dict.fromkeys(value for _, _, value in self.norm_reads()))
 
     def fingerprint(self) -> str:
         """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same

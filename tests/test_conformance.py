@@ -19,9 +19,11 @@ pytestmark = pytest.mark.multiprocess
 
 # (architecture, form): learned positions and tied embeddings under the planner's own plan; rotary
 # GQA under data x tensor parallelism; an encoder-only masked LM under tensor parallelism + ZeRO-3;
-# an encoder-decoder cut into a pipeline (values crossing stages); x @ W.T linears under dp x tp.
+# an encoder-decoder cut into a pipeline (values crossing stages); x @ W.T linears under dp x tp;
+# ALiBi with sequence parallelism and a tied embedding split on the vocabulary in the first and
+# the last stage (the copies' gradients once left in different layouts).
 SLICE = [("gpt2", "plan 4:cpu"), ("llama", "dp2 x tp2"), ("bert-mlm", "tp2 x zero3 x dp2"),
-         ("t5", "pp2 x dp2 1f1b"), ("falcon", "dp2 x tp2")]
+         ("t5", "pp2 x dp2 1f1b"), ("falcon", "dp2 x tp2"), ("bloom", "tp2 x pp2 sp")]
 # Each once failed inside a tensor-parallel stage: a Shard kept through views that the local tensor
 # could not take (llama), an op DTensor has no rule for (mixtral's grouped expert matmul), a per-head
 # float mask passed to attention as a keyword (t5), linears computed as x @ w.T (falcon), a

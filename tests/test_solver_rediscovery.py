@@ -185,19 +185,20 @@ def test_rotary_models_get_megatron_on_the_tensor_axis(spec):
 @pytest.mark.parametrize("spec", ["gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128",
                                   "llama:layers=2,hidden=64,heads=4,kv_heads=2,seq=16,vocab=128"])
 def test_a_forced_configuration_gets_the_sequence_parallelism_it_asks_for(spec):
-    """Config(sequence_parallel=...) decides the residual stream at every norm on the tensor axis:
-    split on the sequence with it, whole without; the ILP places the rest."""
+    """Config(sequence_parallel=...) decides how every norm reads the residual stream on the
+    tensor axis: split on the sequence with it, whole without; the ILP places the rest."""
     from autopar.api import plan_from_config
     from autopar.cost.config import Config
 
     model, inputs = build_model(spec, batch=2)
     graph = autopar.capture(model, inputs)
-    stream = graph.norm_inputs()
-    assert len(stream) == 2 * 2 + 1          # two norms per block, the final norm
+    norms = [norm for norm, _, _ in graph.norm_reads()]
+    assert len(norms) == 2 * 2 + 1          # two norms per block, the final norm
     for sequence_parallel, wanted in ((True, "S(1)"), (False, "R")):
         config = Config(dp=2, tp=2, global_batch=4, micro_batch=2, sequence_parallel=sequence_parallel)
         plan = plan_from_config(graph, "4:cpu", config)
-        assert {plan.nodes[name][1] for name in stream} == {wanted}, sequence_parallel
+        # a norm reads its input as it writes its output (it normalizes the hidden dim)
+        assert {plan.nodes[norm][1] for norm in norms} == {wanted}, sequence_parallel
 
 
 def test_sequence_parallelism_that_cannot_split_the_sequence_is_refused_at_plan_time():
@@ -208,5 +209,5 @@ def test_sequence_parallelism_that_cannot_split_the_sequence_is_refused_at_plan_
     model, inputs = build_model("gpt:layers=2,hidden=64,heads=4,seq=15,vocab=128", batch=2)
     graph = autopar.capture(model, inputs)
     config = Config(dp=2, tp=2, global_batch=4, micro_batch=2, sequence_parallel=True)
-    with pytest.raises(AutoparError, match=r"sequence parallelism: .*shape \[2, 15, 64\].*divides"):
+    with pytest.raises(AutoparError, match=r"sequence parallelism: .*shape \[2, 15, 64\].*sequence of 15, which 2 .* divide"):
         plan_from_config(graph, "4:cpu", config)

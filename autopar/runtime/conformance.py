@@ -55,6 +55,7 @@ FORMS: dict[str, Form] = {
     "dp2 x tp2 x pp2": Form("8:cpu", _config(dp=2, tp=2, pp=2, micro_batch=2)),
     "pp2 interleaved 1f1b": Form("2:cpu", _config(pp=2, virtual=2, micro_batch=2,
                                                   schedule="interleaved-1f1b")),
+    "tp2 x pp2 sp": Form("4:cpu", _config(tp=2, pp=2, micro_batch=2, sequence_parallel=True)),
 }
 
 

@@ -66,7 +66,15 @@ class TiedWeights:
 
 
 def _local_grad(param: nn.Parameter) -> torch.Tensor:
+    """This rank's part of `param`'s gradient, laid out as the parameter is. DTensor may leave a
+    gradient in another placement than its parameter's (an embedding's backward from whole
+    activations writes a whole gradient for a vocabulary-split weight); the copies in other stages
+    are summed shard by shard, so each is first brought to its parameter's placement."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     grad = param.grad
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if grad.placements != param.placements:
+        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()

@@ -17,7 +17,8 @@ activation that has a batch dim on it and nothing else, its ops see parameters r
 R, Z or S: ZeRO); a tensor axis never shards the batch, and stores every matrix parameter
 sharded on it (what a tensor-parallel degree means to the estimator and to a user who forces one). The batch dim of every tensor is found by following the graph inputs'
 dim 0 through the rules. A forced configuration also fixes sequence parallelism: the residual
-stream that each norm reads is split on the sequence on the tensor axis, or whole.
+stream is read by each norm split on the sequence on the tensor axis, or whole (where it is
+split is left to the ILP: a reshape may not keep the sequence split, a norm reading it can).
 
 Memory (per device, alive at the peak of a training step, no recompute): parameters, gradients
 and Adam state (two fp32 moments, plus an fp32 master copy of 16-bit weights) under their storage
@@ -63,8 +64,9 @@ def build_problem(graph: Graph, mesh: Mesh, *, memory_limit: float | None = None
     roles = check_roles(mesh, roles)
     builder = _Builder(graph, mesh, roles, pricer or Pricer(mesh), overlap)
     if sequence_parallel is not None:
-        builder.stream = {name: S(SEQUENCE_DIM) if sequence_parallel else R
-                          for name in graph.norm_inputs()}
+        wanted = S(SEQUENCE_DIM) if sequence_parallel else R
+        for norm, k, value in graph.norm_reads():
+            builder.stream.setdefault(norm, {})[k] = (value, wanted)
     return builder.build(memory_limit, tie_blocks)
 
 
@@ -95,7 +97,7 @@ class _Builder:
         self.kept = self._kept_inputs()
         self.outputs = {name for n in graph.nodes if n.target == "output" for name in n.inputs}
         self.requiring_grad = graph.requiring_grad()
-        self.stream: dict = {}      # node -> its placement on a tensor axis, where forced
+        self.stream: dict = {}      # norm node -> {input index: (value, its forced placement on a tensor axis)}
 
     def build(self, memory_limit: float | None, tie_blocks: bool) -> Problem:
         if tie_blocks:
@@ -172,17 +174,17 @@ class _Builder:
         return split or [replicated]
 
     def _forced_stream(self, node: Node, allowed: list[OpStrategy], size: int) -> list[OpStrategy]:
-        wanted = self.stream[node.name]
-        kept = [s for s in allowed if s.output == wanted]
-        if wanted != R and (len(node.shape) <= SEQUENCE_DIM or node.shape[SEQUENCE_DIM] % size):
-            kept = []
-        if not kept:
-            split = "split on the sequence" if wanted != R else "whole"
-            raise AutoparError(
-                f"sequence parallelism: {node.name} (shape {list(node.shape)}, from "
-                f"{node.module_path or 'the top level'}, read by a norm) cannot be {split} on the "
-                f"tensor-parallel axis: use a sequence length that the tensor-parallel degree "
-                f"divides, or leave sequence_parallel off")
+        """The strategies of a norm that read the residual stream as the forced configuration says."""
+        reads = self.stream[node.name]
+        kept = [s for s in allowed if all(s.inputs[k] == wanted for k, (_, wanted) in reads.items())]
+        for value, wanted in reads.values():
+            shape = self.by_name[value].shape
+            if wanted != R and (len(shape) <= SEQUENCE_DIM or shape[SEQUENCE_DIM] % size):
+                kept = []
+            if not kept:
+                raise AutoparError(f"sequence parallelism: {value} (shape {list(shape)}, read by "
+                                   f"the norm {node.module_path or node.name}) "
+                                   f"{_unsplittable(shape, size)}")
         return kept
 
     def _uses_whole_matrix(self, node: Node, strategy: OpStrategy) -> bool:
@@ -383,3 +385,15 @@ def _classes(keys: list) -> dict:
     for key in keys:
         ids.setdefault(key, len(ids))
     return ids
+
+
+def _unsplittable(shape: tuple, size: int) -> str:
+    """Why a norm cannot read its input split on the sequence over `size` tensor-parallel ranks,
+    and what to do."""
+    if len(shape) != 3:
+        return ("is not [batch, sequence, hidden]: the model reshapes the stream before this norm, "
+                "so there is no sequence dim to split; leave sequence_parallel off")
+    if shape[SEQUENCE_DIM] % size:
+        return (f"has a sequence of {shape[SEQUENCE_DIM]}, which {size} tensor-parallel ranks do "
+                f"not divide; use a sequence length that they divide, or leave sequence_parallel off")
+    return "cannot be read split on its sequence dim by this norm; leave sequence_parallel off"
