@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from autopar.cost.calibration import KINDS, fit_link
 from autopar.cost.compute import Efficiencies
 from autopar.cost.host_probes import (checkpoint_latency, data_parallel_group_latency,
-                                      data_parallel_reduce_latency, distributed_op_latency, pipeline_action_latency,
-                                      split_backward_latency, tiny_op_latency)
+                                      data_parallel_reduce_latency, distributed_op_latency,
+                                      pipeline_action_latency, split_backward_latency,
+                                      tiny_op_latency)
 from autopar.cost.mesh import DEVICES, DeviceSpec, Mesh
 from autopar.cost.timing import agreed, everywhere_seconds, exchange, median_seconds
 from autopar.errors import AutoparError

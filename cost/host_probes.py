@@ -1,14 +1,16 @@
 """What the runtime's machinery costs the host, measured on every rank of a gloo mesh at once
-(`autopar calibrate --mesh`): an op of a tensor-parallel stage, an action of torch's pipeline schedule, FSDP2's
-hooks per group and per parameter tensor, zero-bubble's split of the backward, a checkpointed
-region. Each is the difference between a chain of tiny ops with the machinery and without it,
-so that the ops' own compute cancels (`Efficiencies`, cost/host.py)."""
+(`autopar calibrate --mesh`): an op of a tensor-parallel stage, an action of torch's pipeline
+schedule, FSDP2's hooks per group and per parameter tensor and its gradient reduction,
+zero-bubble's split of the backward, a checkpointed region. Each is the difference between a
+chain of tiny ops with the machinery and without it, so that the ops' own compute cancels
+(`Efficiencies`, cost/host.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from autopar.cost.overlap import reduction_buffers
 from autopar.cost.timing import everywhere_seconds, exchange, median_seconds
 
 _CHAIN = 16
@@ -201,18 +203,20 @@ def data_parallel_reduce_latency(budget_s: float) -> tuple[float, float, float]:
 
     from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
 
+    def replicate_over(module, mesh) -> None:
+        replicate(module, mesh=mesh)
+
     def shard(module, mesh) -> None:
         fully_shard(module, mesh=mesh, reshard_after_forward=False)
         reduce_in_place_on_cpu(module)
-    replicate_over = lambda module, mesh: replicate(module, mesh=mesh)
+
     (small, small_bytes), (large, large_bytes) = (_reduce_extra(replicate_over, width, budget_s)
                                                   for width in (8, 512))
-    # replicate copies the gradients into one buffer and reduces them in a second (cost/overlap.py)
-    per_byte = max(large - small, 0.0) / (large_bytes - small_bytes) / 2
+    buffers = reduction_buffers(0, 1)       # as the estimator counts them
+    per_byte = max(large - small, 0.0) / (large_bytes - small_bytes) / buffers
     sharded, sharded_bytes = _reduce_extra(shard, 8, budget_s)
-    # ZeRO's reduction fills one buffer as large and one of a 1/dp share (cost/overlap.py)
-    sharded_buffers = 1 + 1 / torch.distributed.get_world_size()
-    return (max(small - 2 * per_byte * small_bytes, 0.0), per_byte,
+    sharded_buffers = reduction_buffers(1, torch.distributed.get_world_size())
+    return (max(small - buffers * per_byte * small_bytes, 0.0), per_byte,
             max(sharded - sharded_buffers * per_byte * sharded_bytes, 0.0))
 
 

@@ -130,6 +130,13 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
     return reduce + after_step
 
 
+def reduction_buffers(zero: int, dp: int) -> float:
+    """Buffers, in units of a group's gradients, that one FSDP2 reduction fills: it copies the
+    gradients into one allocated for the call and reduces into another, of the same size for
+    replicate (an all-reduce), of a 1/dp share under ZeRO (a reduce-scatter)."""
+    return 2.0 if zero == 0 else 1.0 + 1.0 / dp
+
+
 def _fsdp2(work: DeviceWork, group: Group, dp: int, zero: int, micro_batches: int, element: int,
            overlap: bool) -> float:
     """autopar's FSDP2, one call per group and collective: the gradients reduced once per step
@@ -148,10 +155,8 @@ def _fsdp2(work: DeviceWork, group: Group, dp: int, zero: int, micro_batches: in
         backward_gathers = micro_batches if zero == 3 and not work.kept_gathered else 0
     gather = units * group.all_gather(share)
     reductions = micro_batches if zero and work.reduce_every else 1
-    # each reduction copies a group's gradients into a buffer allocated for it and reduces into
-    # another: of the same size for replicate, which all-reduces, of a 1/dp share under ZeRO
-    buffers = 2.0 if zero == 0 else 1.0 + 1.0 / dp
-    reduce += units * work.reduce_group_s + buffers * work.params * GRADIENT_BYTES * work.reduce_byte_s
+    reduce += (units * work.reduce_group_s
+               + reduction_buffers(zero, dp) * work.params * GRADIENT_BYTES * work.reduce_byte_s)
     if not overlap:
         waits = units * ((reductions + backward_gathers) * work.backward_wait_s
                          + forward_gathers * work.forward_wait_s)

@@ -87,3 +87,16 @@ def test_forms_on_2_ranks(on_2_ranks, form, recompute, form_problems):
 
 def test_comparison_detects_a_different_run(on_2_ranks):
     assert on_2_ranks[0]["control"], "a run with another learning rate passed the comparison"
+
+
+def test_form_problems_names_each_fault(form_problems):
+    """The forms' check finds a mismatch, ranks that disagree and missing recompute regions."""
+    good = {("dp", "full"): ([1.0, 0.5], [], 2)}
+    assert form_problems([good, good], ("dp", "full")) == []
+    mismatched = {("dp", "full"): ([1.0, 0.5], ["w: max diff 1e-3"], 2)}
+    other_losses = {("dp", "full"): ([1.0, 0.6], [], 2)}
+    no_regions = {("dp", "full"): ([1.0, 0.5], [], 0)}
+    problems = form_problems([good, mismatched, other_losses, no_regions], ("dp", "full"))
+    assert len(problems) == 3
+    assert "rank 1" in problems[0] and "rank 2 returned losses" in problems[1]
+    assert "rank 3: 0 recomputed regions" in problems[2]
