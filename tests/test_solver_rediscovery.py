@@ -209,5 +209,5 @@ def test_sequence_parallelism_that_cannot_split_the_sequence_is_refused_at_plan_
     model, inputs = build_model("gpt:layers=2,hidden=64,heads=4,seq=15,vocab=128", batch=2)
     graph = autopar.capture(model, inputs)
     config = Config(dp=2, tp=2, global_batch=4, micro_batch=2, sequence_parallel=True)
-    with pytest.raises(AutoparError, match=r"sequence parallelism: .*shape \[2, 15, 64\].*sequence of 15, which 2 .* divide"):
+    with pytest.raises(AutoparError, match=r"sequence parallelism: .*shape \[2, 15, 64\].*sequence of 15, which 2 .* divide: use a sequence length .*, or leave sequence_parallel off"):
         plan_from_config(graph, "4:cpu", config)

@@ -389,11 +389,12 @@ def _classes(keys: list) -> dict:
 
 def _unsplittable(shape: tuple, size: int) -> str:
     """Why a norm cannot read its input split on the sequence over `size` tensor-parallel ranks,
-    and what to do."""
+    and what to do. (No semicolons: a forced configuration's refusal keeps the reason up to the
+    first one.)"""
     if len(shape) != 3:
         return ("is not [batch, sequence, hidden]: the model reshapes the stream before this norm, "
-                "so there is no sequence dim to split; leave sequence_parallel off")
+                "so there is no sequence dim to split, and sequence_parallel must stay off")
     if shape[SEQUENCE_DIM] % size:
         return (f"has a sequence of {shape[SEQUENCE_DIM]}, which {size} tensor-parallel ranks do "
-                f"not divide; use a sequence length that they divide, or leave sequence_parallel off")
-    return "cannot be read split on its sequence dim by this norm; leave sequence_parallel off"
+                f"not divide: use a sequence length that they divide, or leave sequence_parallel off")
+    return "cannot be read split on its sequence dim by this norm: leave sequence_parallel off"
