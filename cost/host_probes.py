@@ -40,31 +40,52 @@ def _link(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def distributed_op_latency(budget_s: float) -> float:
     """Seconds an op of a tensor-parallel stage adds over the same op on a plain tensor, forward
-    and backward, on the default process group's ranks: its dispatch on a sharded DTensor and the
-    runtime's placing of its output where the plan puts it (`passes.collectives.Redistribute`,
-    after every op the plan places), where no communication is needed."""
+    and backward, on the default process group's ranks: its dispatch on a sharded DTensor (the
+    sharding propagation of its kind of op) and the runtime's placing of its output where the
+    plan puts it (`passes.collectives.Redistribute`, after every op the plan places), where no
+    communication is needed. The ops are those of an attention on values split by head, so
+    that the mix is a layer's: matmuls, a softmax, transposes whose strided outputs the runtime
+    makes dense, views, elementwise ops; a chain of one elementwise op measured half of this."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     # the runtime's own pass, measured as the runtime runs it
     from autopar.passes.collectives import Redistribute
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    place = Redistribute(mesh, (Shard(0),))
+    ranks = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (ranks,))
+    placed = (Redistribute(mesh, (Shard(1),)), Redistribute(mesh, (Shard(2),)))
+    unplaced = (_unchanged, _unchanged)
 
-    def chain(tensor, placed: bool) -> None:
-        y = tensor
+    def chain(h, places) -> None:
         for _ in range(_CHAIN):
-            y = y * 1.0001
-            y = place(y) if placed else y
-        y.sum().backward()
+            h = _head_link(h, *places)
+        h.sum().backward()
 
-    plain = torch.ones(mesh.size() * 4, 8, requires_grad=True)
-    sharded = distribute_tensor(torch.ones(mesh.size() * 4, 8), mesh, [Shard(0)])
+    plain = torch.ones(2, 2 * ranks, 4, 4, requires_grad=True)
+    sharded = distribute_tensor(torch.ones(2, 2 * ranks, 4, 4), mesh, [Shard(1)])
     sharded.requires_grad_(True)
-    extra = median_seconds(lambda: chain(sharded, True), "cpu", budget_s) - median_seconds(
-        lambda: chain(plain, False), "cpu", budget_s)
-    return max(extra, 0.0) / (2 * _CHAIN)
+    extra = median_seconds(lambda: chain(sharded, placed), "cpu", budget_s) - median_seconds(
+        lambda: chain(plain, unplaced), "cpu", budget_s)
+    return max(extra, 0.0) / (2 * _CHAIN * _HEAD_LINK_OPS)
+
+
+_HEAD_LINK_OPS = 10
+
+
+def _head_link(h: torch.Tensor, on_heads, on_hidden) -> torch.Tensor:
+    """An attention's ops on `h` [batch, heads, seq, head dim], split by head, each output placed
+    by `on_heads` (split on dim 1) or `on_hidden` (dim 2): none of them communicates."""
+    batch, heads, seq, dim = h.shape
+    scores = on_heads(torch.softmax(on_heads(h @ on_heads(h.transpose(-2, -1))), -1))
+    y = on_heads(scores @ h)
+    y = on_hidden(on_hidden(y.transpose(1, 2)).reshape(batch, seq, heads * dim))
+    y = on_hidden(on_hidden(F.gelu(y)) * 1.0001)
+    return on_heads(on_hidden(y.view(batch, seq, heads, dim)).transpose(1, 2))
+
+
+def _unchanged(value: torch.Tensor) -> torch.Tensor:
+    return value
 
 
 def pipeline_action_latency(budget_s: float) -> float:

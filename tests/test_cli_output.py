@@ -136,3 +136,21 @@ def test_timeline_of_thousands_of_micro_batches_is_drawn(tmp_path):
     done = piped(["explain", str(path), "--png", str(png)], timeout=200)
     assert done.returncode == 0, done.stderr
     assert png.stat().st_size > 10_000
+
+
+def test_validate_table_fits_80_columns_without_cutting_names():
+    from rich.console import Console
+
+    from autopar.commands.validate import show
+
+    rows = [{"name": "dp2 pp2 interleaved-1f1b v2", "config": object(), "predicted_s": 0.25,
+             "measured_s": 0.28, "predicted_mib": 12.0, "measured_mib": 62.3},
+            {"name": "tp4 rc-selective", "config": object(), "predicted_s": 3.8, "measured_s": 4.4,
+             "predicted_mib": 4.7, "measured_mib": 62.3},
+            {"name": "planner: pp4 1f1b", "config": None, "predicted_s": 0.08, "measured_s": 0.087,
+             "measured_mib": 60.0}]
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    show(console, rows)
+    text = console.export_text()
+    assert_fits_80(text)
+    assert "dp2 pp2 interleaved-1f1b v2" in text and "median |error| 12%" in text
