@@ -135,7 +135,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         # the one candidate priced: its refusal is the only reason recorded
         reason = next(iter(search.pricer.refusals), "check the degrees against the model's heads "
                                                      "and hidden size")
-        raise AutoparError(f"the estimator cannot price {config}: {reason}")
+        raise AutoparError(f"autopar cannot plan {config}: {reason}")
     return _assemble(graph, mesh, priced, search.units, global_batch=config.global_batch, solver={
         "seconds": time.monotonic() - started, "status": "forced", "gap": 0.0, "candidates": 1,
         **({"calibration": str(calibration)} if calibration is not None else {})},
