@@ -154,3 +154,26 @@ def test_validate_table_fits_80_columns_without_cutting_names():
     text = console.export_text()
     assert_fits_80(text)
     assert "dp2 pp2 interleaved-1f1b v2" in text and "median |error| 12%" in text
+
+
+def test_bench_table_keeps_every_header_word_whole_at_80_columns():
+    from rich.console import Console
+
+    from autopar.commands.bench import Row, table
+
+    row = Row(model="gpt:layers=6,hidden=256,heads=8,seq=128,vocab=1024", cluster="128x8:a100-80g",
+              global_batch=1536, grid_config="tp=8 pp=16 dp=8 interleaved-1f1b v=2 mbs=1 m=192 "
+              "recompute=selective zero=1", grid_step_s=20.0, grid_tflops=150.2,
+              grid_samples_per_s=76.8, autopar_plan="tp=4 pp=8 dp=32 zero-bubble v=4 mbs=1 m=48 "
+              "recompute=none zero=1", autopar_step_s=18.2, autopar_tflops=181.3,
+              autopar_samples_per_s=84.2, ratio=1.015, solve_s=7.3, capture_s=7.0, grid_configs=40,
+              why="uneven stages (3/4/4/3 blocks: the embedding and head are not free); "
+                  "zero-bubble schedule")
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(table([row]))
+    text = console.export_text()
+    assert_fits_80(text)
+    words = set(text.replace("┃", " ").replace("│", " ").split())
+    for header in ("model", "cluster", "grid best", "grid TFLOP/s", "autopar plan",
+                   "autopar TFLOP/s", "ratio", "solve s", "why"):
+        assert set(header.split()) <= words, f"header {header!r} was cut: {text}"

@@ -174,8 +174,7 @@ def table(rows: list[Row]) -> Table:
     result = new_table("autopar vs the best Megatron-style grid configuration (same estimator)",
                        ["model", "cluster", "grid best", "grid TFLOP/s", "autopar plan",
                         "autopar TFLOP/s", "ratio", "solve s", "why"],
-                       right=("grid TFLOP/s", "autopar TFLOP/s", "ratio", "solve s"),
-                       wrap=("model", "cluster", "grid best", "autopar plan", "why"))
+                       right=("grid TFLOP/s", "autopar TFLOP/s", "ratio", "solve s"))
     for r in rows:
         result.add_row(r.model, r.cluster, r.grid_config, f"{r.grid_tflops:.1f}", r.autopar_plan,
                        f"{r.autopar_tflops:.1f}", f"{r.ratio:.3f}", f"{r.solve_s:.1f}", r.why)
