@@ -271,3 +271,22 @@ def test_stage_pricing_of_uniform_cuts_equals_estimate(graph):
         staged = search.pricer.stages_estimate(candidate, search.units)
         assert staged.step_time_s == uniform.step_time_s
         assert staged.memory_per_gpu_bytes == uniform.memory_bytes
+
+
+def test_a_plans_sequence_parallelism_is_what_its_placements_do(graph):
+    """A free plan's stages say sequence parallelism where the ILP split every value its norms
+    read on the tensor axis, not wherever tp > 1; a forced configuration's say what it asked."""
+    from autopar.solver.pipeline import Shape
+    from autopar.solver.pipeline_price import Pricer
+
+    shape = Shape(2, 1, 1, 1, "1f1b", 1, True)
+    reads = graph.norm_inputs()
+    assert reads
+    for placed, expected in (("R", False), ("S(1)", True)):
+        pricer = Pricer(graph=graph, mesh=Mesh.parse("2:cpu"), global_batch=8, memory_limit=2**40)
+        pricer.solved[2] = ({"nodes": {value: [placed] for value in reads}}, None)
+        assert pricer.splits_stream(shape) is expected
+        forced = Pricer(graph=graph, mesh=Mesh.parse("2:cpu"), global_batch=8, memory_limit=2**40,
+                        sequence_parallel=not expected)
+        assert forced.splits_stream(shape) is (not expected)
+    assert pricer.splits_stream(Shape(1, 2, 1, 1, "1f1b", 1, False)) is False

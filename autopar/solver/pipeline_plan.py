@@ -236,7 +236,7 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
                     ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
                     tp=shape.tp, dp=shape.dp, recompute=candidate.recompute[i], zero=candidate.zero[i],
-                    sequence_parallel=shape.sequence_parallel)
+                    sequence_parallel=pricer.splits_stream(shape))
               for i in range(candidate.chunks)]
     batch = _batch_nodes(graph)
     shapes = {n.name: n.shape for n in graph.nodes}

@@ -67,14 +67,14 @@ class Pricer:
         return Config(tp=shape.tp, pp=shape.pp, dp=shape.dp, virtual=shape.virtual,
                       global_batch=self.global_batch, micro_batch=shape.micro_batch,
                       recompute=candidate.recompute[0], zero=candidate.zero[0],
-                      sequence_parallel=shape.sequence_parallel, schedule=shape.schedule)
+                      sequence_parallel=self.splits_stream(shape), schedule=shape.schedule)
 
     def stages_estimate(self, candidate: Candidate, units: list[Unit]):
         shape = candidate.shape
         specs = [StageSpec(layers=[u.ref for u in units[candidate.cuts[i]:candidate.cuts[i + 1]]],
                            tp=shape.tp, dp=shape.dp,
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
-                           sequence_parallel=shape.sequence_parallel,
+                           sequence_parallel=self.splits_stream(shape),
                            placements=self.placements(shape.tp))
                  for i in range(candidate.chunks)]
         return estimate_stages(self.graph, self.mesh, specs, global_batch=self.global_batch,
@@ -82,6 +82,19 @@ class Pricer:
                                virtual=shape.virtual, cache=self.estimates, precision=self.precision,
                                efficiencies=self.efficiencies)
 
+
+    def splits_stream(self, shape) -> bool:
+        """Whether `shape`'s stages run sequence parallelism: a forced configuration's as asked
+        (its norms read the stream as it says), a free plan's where the ILP placed every value
+        the norms read split on the tensor axis, as Megatron's sequence parallelism does. What
+        the plan records and what prices its transfers between stages."""
+        if shape.tp == 1:
+            return False
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel
+        placed = self.tensor_axis(shape.tp)[0]["nodes"]
+        reads = self.graph.norm_inputs()
+        return bool(reads) and all(placed.get(value, ["R"])[0] != "R" for value in reads)
 
     def placements(self, tp: int) -> TensorPlacements | None:
         """The ILP's placements on a tensor-parallel axis of `tp` devices; None for tp = 1."""
