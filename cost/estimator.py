@@ -145,7 +145,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
     memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision])
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
-                           virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
+                           virtual=virtual, efficiencies=eff, attention=attention, memo=memo,
+                           whole_sends=runtime.whole_stage_sends)
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     split = memo.split(stages)
     for c, spec in enumerate(stages):
@@ -214,7 +215,7 @@ class _Pipeline:
 
 def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, virtual: int, efficiencies: Efficiencies,
-                    attention: str, memo: PriceCache) -> _Pipeline:
+                    attention: str, memo: PriceCache, whole_sends: bool = False) -> _Pipeline:
     pp, dp = _pipeline_shape(stages, virtual, mesh)
     if global_batch % (dp * micro_batch):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
@@ -232,7 +233,8 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         chunks[c].gathered, chunks[c].largest, chunks[c].group = gathered[c]
         chunks[c].loss_per_sample = poly_at(loss[c], 1)
     crossing = memo.crossing(split, stages, crossing_bytes)
-    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch)
+    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch,
+              whole=whole_sends)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]

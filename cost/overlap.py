@@ -58,11 +58,15 @@ class Runtime:
     gather_unit: str            # ZeRO-3's collective per "block" or per parameter "tensor"
     regather_on_recompute: bool  # ZeRO-3 gathers again for a recomputed forward
     fsdp2: bool = False         # autopar's FSDP2: per-group calls, counts by micro-batch (above)
+    # Between pipeline stages every tensor-parallel rank sends each value whole, and a value split
+    # over them is gathered first (autopar's TensorParallelStage hands on replicated tensors); False:
+    # Megatron's, which sends a split value's chunks and scatters a whole one (cost/traffic.py).
+    whole_stage_sends: bool = False
 
 
 RUNTIMES = {
     "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
-                       fsdp2=True),
+                       fsdp2=True, whole_stage_sends=True),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
                               regather_on_recompute=True),

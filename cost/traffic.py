@@ -48,22 +48,29 @@ def crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
 
 
 def add_sends(crossing: list[float], stages: list[StageSpec], chunks: list, mesh: Mesh,
-              b: int) -> None:
+              b: int, *, whole: bool = False) -> None:
     """Activations crossing chunk boundaries forward, and their gradients backward. On a GPU the
     transfers run beside the compute and the sender's side stands for the pair; where the cores
     that compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver
-    waits in its blocking receive as long as the sender sends."""
+    waits in its blocking receive as long as the sender sends. `whole`: the runtime hands values
+    on whole (`Runtime.whole_stage_sends`): every tensor-parallel rank sends the whole value, and
+    a stream split on the sequence is gathered first, by the sender in the forward and by the
+    receiver for the gradient it sends back."""
     both_ends = not mesh.device.overlaps_communication
     for c in range(len(stages) - 1):
         spec = stages[c]
         per_rank = spec.tp * spec.dp
         link = mesh.device.inter_node if per_rank >= mesh.gpus_per_node else mesh.device.intra_node
-        nbytes = crossing[c] * b
-        if spec.sequence_parallel:         # already split over the tensor-parallel ranks
+        nbytes = crossing[c] * b           # on one tensor-parallel rank
+        gather = Group.strided(mesh, spec.tp, 1).all_gather
+        if whole:
+            split = spec.sequence_parallel and spec.tp > 1
+            value = nbytes * spec.tp if split else nbytes
+            one_way = send_recv_time(value, link) + (gather(value) if split else 0.0)
+        elif spec.sequence_parallel:       # already split over the tensor-parallel ranks
             one_way = send_recv_time(nbytes, link)
         else:                              # Megatron's scatter/gather: 1/tp each, gathered after
-            one_way = (send_recv_time(nbytes / spec.tp, link)
-                       + Group.strided(mesh, spec.tp, 1).all_gather(nbytes))
+            one_way = send_recv_time(nbytes / spec.tp, link) + gather(nbytes)
         chunks[c].send_s += 2 * one_way
         if both_ends:
             chunks[c + 1].send_s += 2 * one_way
