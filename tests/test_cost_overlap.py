@@ -145,9 +145,17 @@ def test_measured_rows_without_a_group_size_still_load():
 
 
 def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, capsys):
+    """Every figure measured in each of `--rounds` rounds (the median kept, the spread shown),
+    the collectives fitted, and `estimate --calibration` pricing with the file."""
     out = tmp_path / "eff.json"
-    assert main(["calibrate", "--mesh", "2:cpu", "--out", str(out), "--budget", "0.01"]) == 0
+    assert main(["calibrate", "--mesh", "2:cpu", "--out", str(out), "--budget", "0.005",
+                 "--rounds", "2"]) == 0
     data = json.loads(out.read_text())
+    assert "spread" in capsys.readouterr().out
+    assert data["collectives"]["rounds"] == 2
+    assert all(len(m["rounds_seconds"]) == 2 for m in data["measurements"].values())
+    assert data["host_cores"] >= 1 and data["split_backward_op_latency_s"] >= 0
+    assert data["checkpoint_region_latency_s"] >= 0 and data["checkpoint_op_latency_s"] >= 0
     assert set(data["collectives"]["fits"]) == set(KINDS) and data["collectives"]["ranks"] == 2
     assert data["collectives"]["group_fits"] == {}   # two ranks: no smaller group
     assert all(fit["bandwidth"] > 0 and fit["latency_s"] >= 0
@@ -160,6 +168,8 @@ def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, c
     assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
                  "--calibration", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
+    assert main(["calibrate", "--mesh", "2:cpu", "--out", str(out), "--rounds", "0"]) == 1
+    assert "--rounds 0" in capsys.readouterr().err
 
 
 def test_ops_on_distributed_tensors_pay_the_measured_host_latency(tiny_gpt):

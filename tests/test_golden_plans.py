@@ -27,13 +27,9 @@ def test_golden_plans_record_their_own_price(name):
     import json
 
     from autopar.cost import estimate_plan
-    from autopar.models import build_model
     from autopar.plans import Plan
-    from autopar.tracer import capture
 
-    spec = golden.PROBLEMS[name][0]
-    model, inputs = build_model(spec)
-    graph = capture(model, example_inputs=inputs)
+    graph = golden.captured(golden.PROBLEMS[name][0])
     plan = Plan.from_dict(json.loads(golden.path_of(name).read_text()))
     priced = estimate_plan(graph, plan).to_dict()
     devices = priced.pop("devices")

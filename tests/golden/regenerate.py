@@ -13,6 +13,7 @@ that no search stops at it: a plan cut short by the clock would depend on the ma
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -35,18 +36,26 @@ def without_measurements(data: dict) -> dict:
     return {**data, "solver": solver}
 
 
+@functools.lru_cache(maxsize=None)
+def captured(spec: str):
+    """The graph of model `spec`, captured once per process (the 175B capture takes seconds, and
+    the tests plan and price each problem)."""
+    from autopar.models import build_model
+    from autopar.tracer import capture
+
+    model, inputs = build_model(spec)
+    return capture(model, example_inputs=inputs)
+
+
 def golden_json(name: str) -> str:
     """The golden text of problem `name`, planned now."""
     import json
 
     from autopar.api import plan_graph
     from autopar.cost.mesh import Mesh
-    from autopar.models import build_model
-    from autopar.tracer import capture
 
     spec, mesh, batch = PROBLEMS[name]
-    model, inputs = build_model(spec)
-    graph = capture(model, example_inputs=inputs)
+    graph = captured(spec)
     plan = plan_graph(graph, Mesh.parse(mesh), global_batch=batch, time_limit=TIME_LIMIT)
     return json.dumps(without_measurements(plan.to_dict()), indent=1) + "\n"
 
