@@ -9,8 +9,10 @@ Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
                for recomputed layers; attention as the kernels that run it (flash or unfused)
   tensor par.  the all-reduces the layout needs (2 per layer forward, 2 backward, 2 more when
                the forward is recomputed), on the tensor-parallel group's links, not overlapped
-  pipeline     activations and their gradients sent to the next stage over its link, split over
-               the tensor-parallel ranks and all-gathered there (Megatron's scatter/gather)
+  pipeline     activations and their gradients sent to the next stage over its link, as the
+               runtime sends them (cost/traffic.py add_sends): autopar's whole from every
+               tensor-parallel rank, a sequence-split stream gathered first; Megatron's split
+               over the tensor-parallel ranks and all-gathered there (scatter/gather)
   host         the runtime's machinery: each action of torch's pipeline schedule, each FSDP
                group's hooks, zero-bubble's walk of the autograd graph to split the backward,
                the copies of each FSDP2 reduction (cost/overlap.py); measured on CPU meshes,
