@@ -3,6 +3,7 @@ solvers' wall seconds). A failure here means plans changed: if the change is mea
 `python tests/golden/regenerate.py` and explain the new plans in the commit."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,6 @@ def test_plan_equals_its_golden_json(name):
 @pytest.mark.parametrize("name", sorted(golden.PROBLEMS))
 def test_golden_plans_record_their_own_price(name):
     """A saved plan priced again by `estimate_plan` gives the figures it records."""
-    import json
-
     from autopar.cost import estimate_plan
     from autopar.plans import Plan
 
@@ -36,6 +35,15 @@ def test_golden_plans_record_their_own_price(name):
     assert priced == {k: v for k, v in plan.predicted.items() if k != "simulated_bubble_fraction"}
     assert [{k: v for k, v in s.predicted.items() if k != "chunk_time_per_micro_batch_s"}
             for s in plan.stages] == [devices[s.index % plan.pp] for s in plan.stages]
+
+
+def test_a_plan_cut_short_by_the_clock_is_not_written_as_golden():
+    data = json.loads(golden.path_of("gpt-tiny-4cpu").read_text())
+    golden.check_reproducible("gpt-tiny-4cpu", data)
+    for key, status in (("status", "time_limit"), ("intra_op", {"status": "feasible"})):
+        cut = {**data, "solver": {**data["solver"], key: status}}
+        with pytest.raises(RuntimeError, match="cannot be a golden plan"):
+            golden.check_reproducible("gpt-tiny-4cpu", cut)
 
 
 def test_planning_twice_gives_the_same_json():

@@ -277,16 +277,16 @@ def test_a_plans_sequence_parallelism_is_what_its_placements_do(graph):
     """A free plan's stages say sequence parallelism where the ILP split every value its norms
     read on the tensor axis, not wherever tp > 1; a forced configuration's say what it asked."""
     from autopar.solver.pipeline import Shape
-    from autopar.solver.pipeline_price import Pricer
+    from autopar.solver.pipeline_price import Pricer, stream_is_split
 
-    shape = Shape(2, 1, 1, 1, "1f1b", 1, True)
     reads = graph.norm_inputs()
     assert reads
-    for placed, expected in (("R", False), ("S(1)", True)):
-        pricer = Pricer(graph=graph, mesh=Mesh.parse("2:cpu"), global_batch=8, memory_limit=2**40)
-        pricer.solved[2] = ({"nodes": {value: [placed] for value in reads}}, None)
-        assert pricer.splits_stream(shape) is expected
+    assert not stream_is_split(graph, {value: ["R"] for value in reads})
+    assert stream_is_split(graph, {value: ["S(1)"] for value in reads})
+    assert not stream_is_split(graph, {value: ["S(1)"] for value in reads[1:]})   # one whole
+    shape = Shape(2, 1, 1, 1, "1f1b", 1, True)
+    for asked in (True, False):
         forced = Pricer(graph=graph, mesh=Mesh.parse("2:cpu"), global_batch=8, memory_limit=2**40,
-                        sequence_parallel=not expected)
-        assert forced.splits_stream(shape) is (not expected)
-    assert pricer.splits_stream(Shape(1, 2, 1, 1, "1f1b", 1, False)) is False
+                        sequence_parallel=asked)
+        assert forced.splits_stream(shape) is asked
+    assert forced.splits_stream(Shape(1, 2, 1, 1, "1f1b", 1, False)) is False

@@ -82,19 +82,17 @@ class Pricer:
                                virtual=shape.virtual, cache=self.estimates, precision=self.precision,
                                efficiencies=self.efficiencies)
 
-
     def splits_stream(self, shape) -> bool:
         """Whether `shape`'s stages run sequence parallelism: a forced configuration's as asked
         (its norms read the stream as it says), a free plan's where the ILP placed every value
-        the norms read split on the tensor axis, as Megatron's sequence parallelism does. What
-        the plan records and what prices its transfers between stages."""
+        the norms read split on the tensor axis, as Megatron's sequence parallelism does (decided
+        once per degree, with the placements). What the plan records and what prices its
+        transfers between stages."""
         if shape.tp == 1:
             return False
         if self.sequence_parallel is not None:
             return self.sequence_parallel
-        placed = self.tensor_axis(shape.tp)[0]["nodes"]
-        reads = self.graph.norm_inputs()
-        return bool(reads) and all(placed.get(value, ["R"])[0] != "R" for value in reads)
+        return self.tensor_axis(shape.tp)[0]["splits_stream"]
 
     def placements(self, tp: int) -> TensorPlacements | None:
         """The ILP's placements on a tensor-parallel axis of `tp` devices; None for tp = 1."""
@@ -123,6 +121,7 @@ class Pricer:
                                efficiencies=self.efficiencies,
                                sequence_parallel=self.sequence_parallel)
         solved = {"parameters": dict(intra.parameter_placements), "nodes": dict(intra.node_placements),
+                  "splits_stream": stream_is_split(graph, intra.node_placements),
                   "replicated_ops": list(intra.replicated_ops),
                   "stats": {"seconds": intra.seconds, "status": intra.status, "gap": intra.gap,
                             "variables": intra.variables, "constraints": intra.constraints,
@@ -131,6 +130,13 @@ class Pricer:
         return solved, TensorPlacements(
             nodes={name: placement[0] for name, placement in intra.node_placements.items()},
             parameters={fqns[fqn]: placement[0] for fqn, placement in intra.parameter_placements.items()})
+
+
+def stream_is_split(graph: Graph, node_placements: dict) -> bool:
+    """Whether placements on a tensor axis (node -> [placement]) split every value the graph's
+    norms read, as Megatron's sequence parallelism does; False for a graph without norms."""
+    reads = graph.norm_inputs()
+    return bool(reads) and all(node_placements.get(value, ["R"])[0] != "R" for value in reads)
 
 
 def chunk_layers(units: list[Unit], candidate: Candidate, index: int) -> list[str]:

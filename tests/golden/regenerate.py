@@ -57,7 +57,21 @@ def golden_json(name: str) -> str:
     spec, mesh, batch = PROBLEMS[name]
     graph = captured(spec)
     plan = plan_graph(graph, Mesh.parse(mesh), global_batch=batch, time_limit=TIME_LIMIT)
-    return json.dumps(without_measurements(plan.to_dict()), indent=1) + "\n"
+    data = plan.to_dict()
+    check_reproducible(name, data)
+    return json.dumps(without_measurements(data), indent=1) + "\n"
+
+
+def check_reproducible(name: str, data: dict) -> None:
+    """Refuse a plan that another machine could plan differently: one whose stage search or
+    sharding ILP stopped at the clock rather than at its optimum."""
+    solver = data["solver"]
+    stopped = [what for what, status in (("the stage search", solver["status"]),
+                                         ("the sharding ILP", solver["intra_op"].get("status")))
+               if status in ("time_limit", "feasible")]
+    if stopped:
+        raise RuntimeError(f"{name}: {' and '.join(stopped)} stopped at the {TIME_LIMIT:.0f} s limit, "
+                           f"so the plan depends on this machine's speed; it cannot be a golden plan")
 
 
 def path_of(name: str) -> Path:
