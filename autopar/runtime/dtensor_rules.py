@@ -8,6 +8,8 @@ Registered once, on import.
 
 Any other op that DTensor has no rule for (a model's custom op, such as the grouped matmul of
 mixture-of-experts layers) runs replicated inside a tensor-parallel stage: `replicate_ops_without_rule`.
+So does an op whose DTensor support covers only some placements (`PARTIAL_RULES`), unless the
+plan places it by one of autopar's own strategies, which `RunByStrategy` runs on local shards.
 """
 
 from __future__ import annotations
@@ -15,11 +17,19 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 aten = torch.ops.aten
+
+# Ops that DTensor supports for some placements only. Convolutions go to DTensor's halo-exchange
+# handler, which splits the input's width with the weight whole: a weight split on its output
+# channels meets a whole bias there (ViT's patch embedding under tensor parallelism failed so).
+# conv1d/2d/3d decompose into `convolution` inside DTensor, so they are listed too.
+PARTIAL_RULES = frozenset({aten.convolution.default, aten.conv1d.default, aten.conv2d.default,
+                           aten.conv3d.default, aten.conv1d.padding, aten.conv2d.padding,
+                           aten.conv3d.padding})
 
 
 def _mask_placement(attn_mask, dim: int):
@@ -57,6 +67,8 @@ def has_dtensor_rule(op) -> bool:
     or a composite kernel that DTensor decomposes into ops that have rules."""
     if not isinstance(op, torch._ops.OpOverload):
         return True         # Python functions and operator.getitem see DTensors as values
+    if op in PARTIAL_RULES:
+        return False
     dispatcher = DTensor._op_dispatcher
     propagator = dispatcher.sharding_propagator
     return (op in propagator.op_strategy_funcs or op in propagator.op_to_rules
@@ -91,6 +103,46 @@ class RunReplicated(nn.Module):
 
     def extra_repr(self) -> str:
         return f"op={self.op}"
+
+
+class RunByStrategy(nn.Module):
+    """Runs `op` on local shards by one of autopar's strategies for it (cost.strategies): its
+    tensor inputs, in the order they appear in the call, moved to `inputs`, the op run on their
+    local tensors, the result placed as `output`. For ops whose DTensor support does not cover the
+    plan's placements (PARTIAL_RULES)."""
+
+    def __init__(self, op, mesh: DeviceMesh, inputs: tuple[Placement, ...], output: Placement):
+        super().__init__()
+        self.op, self.mesh, self.inputs, self.output = op, mesh, tuple(inputs), output
+
+    def forward(self, *args, **kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor)]
+        for position, placement in zip(positions, self.inputs, strict=True):
+            flat[position] = self._local(flat[position], placement)
+        args, kwargs = tree_unflatten(flat, spec)
+        return DTensor.from_local(self.op(*args, **kwargs), self.mesh, (self.output,), run_check=False)
+
+    def _local(self, value: torch.Tensor, placement: Placement) -> torch.Tensor:
+        """This rank's part of `value` in `placement`, differentiably, with the placement of the
+        gradient that the local op gives it: a shard's gradient is that shard's; a whole input's
+        is whole where every rank computes the whole output, and each rank's contribution (a
+        partial sum) where the ranks compute parts of it. A whole value read as a partial sum (a
+        convolution's bias when the input channels are split) is kept by the first rank and zero
+        elsewhere, so its gradient is the first rank's; a partial sum's gradient is whole."""
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+        if placement.is_partial() and not value.placements[0].is_partial():
+            local = value.redistribute(self.mesh, (Replicate(),)).to_local(grad_placements=(placement,))
+            return local if self.mesh.get_local_rank() == 0 else local * 0
+        if placement.is_partial() or placement.is_replicate() and self.output.is_replicate():
+            grad = Replicate()
+        else:
+            grad = Partial() if placement.is_replicate() else placement
+        return value.redistribute(self.mesh, (placement,)).to_local(grad_placements=(grad,))
+
+    def extra_repr(self) -> str:
+        return f"op={self.op}, inputs={self.inputs}, output={self.output}"
 
 
 class CheckLocal(nn.Module):
