@@ -6,7 +6,9 @@ partial sum), so the runtime runs convolutions by those rules on local shards (R
 checked here on 2 ranks against the plain op, values and gradients, for every strategy. A value
 written in place (a key assembled into a `new_empty` buffer, as DeepSeek-V3's latent attention
 does) keeps DTensor's placement: a redistribution inserted at it would copy the buffer before the
-write and lose the written value's gradient (`written_nodes`).
+write and lose the written value's gradient (`written_nodes`). An op that autopar has no rule for
+runs replicated, as the planner priced it, even where DTensor has a rule of its own: that rule
+may fail inside (adaptive_avg_pool1d decomposes into an in-place squeeze DTensor cannot run).
 """
 
 import pytest
@@ -100,3 +102,47 @@ class _Module(torch.nn.Module):
 
     def forward(self, *args):
         return self.fn(*args)
+
+
+class PooledClassifier(torch.nn.Module):
+    """Tokens projected, averaged over the sequence by adaptive_avg_pool1d, classified. DTensor
+    has a rule for that pooling, but runs it as a decomposition with an in-place squeeze that it
+    has no rule for (as Swin's classifier pools): autopar has none, so it runs replicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, tokens):
+        hidden = self.proj(tokens).relu().transpose(1, 2)
+        return self.head(torch.nn.functional.adaptive_avg_pool1d(hidden, 1).flatten(1))
+
+
+def _pooled_classifier_under_tp() -> list[str]:
+    from autopar.runtime.equivalence import mismatches, train_single_process
+
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 6, 16, generator=generator), torch.randn(8, 4, generator=generator))
+            for _ in range(3)]
+
+    def make():
+        torch.manual_seed(0)
+        return PooledClassifier()
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out, target)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    cm = autopar.compile(make(), "2:cpu", example_inputs=(data[0][0],), loss_fn=loss_fn,
+                         optimizer=sgd, plan=autopar.Config(tp=2, global_batch=8, micro_batch=8))
+    losses = [cm.step(*batch) for batch in data]
+    sharded = sum(not placements[1] == "R" for placements in cm.plan.parameters.values())
+    found = mismatches(train_single_process(make(), data, loss_fn, sgd), losses, cm.full_state_dict())
+    return found + ([] if sharded else ["the plan shards no parameter over tp"])
+
+
+@pytest.mark.multiprocess
+def test_an_op_whose_dtensor_rule_fails_inside_runs_replicated():
+    assert autopar.launch(_pooled_classifier_under_tp, 2, timeout=240)[0] == []

@@ -7,9 +7,11 @@ sharded on batch (dim 0). A mask is sharded along with the inputs unless it broa
 Registered once, on import.
 
 Any other op that DTensor has no rule for (a model's custom op, such as the grouped matmul of
-mixture-of-experts layers) runs replicated inside a tensor-parallel stage: `replicate_ops_without_rule`.
-So does an op whose DTensor support covers only some placements (`PARTIAL_RULES`), unless the
-plan places it by one of autopar's own strategies, which `RunByStrategy` runs on local shards.
+mixture-of-experts layers), or that autopar's rules (cost.strategies) do not cover and the planner
+therefore priced as replicated, runs replicated inside a tensor-parallel stage:
+`replicate_ops_without_rule`. So does an op whose DTensor support covers only some placements
+(`PARTIAL_RULES`), unless the plan places it by one of autopar's own strategies, which
+`RunByStrategy` runs on local shards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from autopar.cost.strategies import OpView, axis_strategies
+from autopar.errors import AutoparError
+from autopar.tracer import plain_arguments
 
 aten = torch.ops.aten
 
@@ -155,18 +161,45 @@ class CheckLocal(nn.Module):
         return aten._assert_tensor_metadata.default(local, dtype=dtype, **checks)
 
 
+def op_view(node: fx.Node) -> OpView | None:
+    """What autopar's rules see of an ATen op node (cost.strategies); None for anything else."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    return OpView(target=str(node.target), args=plain_arguments(node.args),
+                  input_shapes=tuple(node_shape(i) for i in node.all_input_nodes),
+                  output_shape=node_shape(node))
+
+
+def node_shape(node: fx.Node) -> tuple[int, ...]:
+    value = node.meta.get("val")
+    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
 def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """Every op of `module`'s graphs that DTensor has no rule for runs replicated (RunReplicated)
-    instead of failing at its first call; returns the ops, by name."""
+    """Every op of `module`'s graphs that autopar's rules or DTensor's do not cover runs
+    replicated (RunReplicated): as the planner priced it, and instead of failing at its first
+    call or inside DTensor's decomposition of it (Swin's adaptive_avg_pool1d decomposes into an
+    in-place squeeze that DTensor has no rule for). An op that writes its input or returns a view
+    of it keeps DTensor's own rule (a gathered copy would take the write); without one it is
+    refused. Returns the ops run replicated, by name."""
     replaced = []
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         for node in list(graph_module.graph.nodes):
             # ops that create a tensor from nothing see no DTensor (replicate_created_tensors)
-            if node.op != "call_function" or not node.all_input_nodes or has_dtensor_rule(node.target):
+            if node.op != "call_function" or not node.all_input_nodes:
+                continue
+            view = op_view(node)
+            ruled = view is None or axis_strategies(view) is not None
+            if has_dtensor_rule(node.target) and (ruled or _aliases(node.target)):
                 continue
             if node.target == aten._assert_tensor_metadata.default:
                 name = f"check_{node.name}"
                 graph_module.add_submodule(name, CheckLocal())
+            elif _aliases(node.target):
+                raise AutoparError(
+                    f"{node.target} ({node.name}) writes its input or returns a view of it, and "
+                    f"DTensor has no rule to run it on sharded values; plan this stage without "
+                    f"tensor parallelism (tp=1)")
             else:
                 name = f"replicated_{node.name}"
                 graph_module.add_submodule(name, RunReplicated(node.target, mesh))
@@ -174,3 +207,11 @@ def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]
             node.op, node.target = "call_module", name
         graph_module.recompile()
     return sorted(set(replaced))
+
+
+def _aliases(op) -> bool:
+    """Whether `op` writes one of its inputs or returns a view of one."""
+    schema = op._schema
+    return any(argument.alias_info is not None and argument.alias_info.is_write
+               for argument in schema.arguments) or any(
+        value.alias_info is not None for value in schema.returns)

@@ -25,13 +25,13 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.utils._pytree import tree_map
 
-from autopar.runtime.dtensor_rules import PARTIAL_RULES, RunByStrategy, replicate_ops_without_rule
+from autopar.runtime.dtensor_rules import (PARTIAL_RULES, RunByStrategy, op_view,
+                                           replicate_ops_without_rule)
 from autopar.errors import PlanMismatchError
 from autopar.passes.collectives import Redistribute
 from autopar.cost.reshard import cheapest_inputs
-from autopar.cost.strategies import OpView, axis_strategies, parse_placement, placement_str
+from autopar.cost.strategies import axis_strategies, parse_placement, placement_str
 from autopar.runtime.pipeline_split import TensorRef
-from autopar.tracer import plain_arguments
 
 
 class TensorParallelStage(nn.Module):
@@ -406,9 +406,7 @@ def _read_placements(node: fx.Node, placed: dict[str, str], size: int) -> tuple[
             or node.name not in placed:
         return ()
     inputs = node.all_input_nodes
-    view = OpView(target=str(node.target), args=plain_arguments(node.args),
-                  input_shapes=tuple(_shape(i) for i in inputs), output_shape=_shape(node))
-    strategies = axis_strategies(view)
+    strategies = axis_strategies(op_view(node))
     if strategies is None:          # run replicated (replicate_ops_without_rule)
         return ()
     output = placed[node.name]
@@ -439,11 +437,6 @@ def run_by_plan(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
         graph_module.recompile()
 
 
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    value = node.meta.get("val")
-    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
-
-
 def _bytes(node: fx.Node) -> float:
     value = node.meta.get("val")
     return float(value.numel() * value.element_size()) if isinstance(value, torch.Tensor) else 0.0
@@ -472,12 +465,13 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
             ref.value = nn.Parameter(tensor, requires_grad=ref.value.requires_grad)
         else:
             ref.value = tensor
-    # before the shared redistributions: it reads the plan's placements of the ops' producers
+    # these three first: they read the traced shapes and placements of the ops' producers, which
+    # the nodes inserted after them do not have
     run_by_plan(module, mesh, parameters, nodes, tp_axis)
-    share_redistributions(module, mesh, parameters, nodes, tp_axis)
     drop_metadata_checks(module)
-    replicate_created_tensors(module, mesh)
     replicate_ops_without_rule(module, mesh)
+    share_redistributions(module, mesh, parameters, nodes, tp_axis)
+    replicate_created_tensors(module, mesh)
     place_attention(module, mesh, nodes, tp_axis)
     settle_lookups(module, mesh)
     place_nodes(module, mesh, nodes, tp_axis)
