@@ -141,6 +141,25 @@ def test_cross_entropy_batch_and_vocab_parallel():
     assert found == {("R", ("R", "R")), ("P", ("S(0)", "S(0)")), ("P", ("S(1)", "R"))}
 
 
+def test_convolution_splits_batch_output_channels_with_the_bias_or_input_channels_into_sums():
+    x, w, out = (4, 3, 32, 32), (64, 3, 8, 8), (4, 64, 4, 4)
+    found = strategies("aten.conv2d.default", [x, w, (64,)], out, args=(None, None, None, [8, 8]))
+    assert found == {("R", ("R", "R", "R")), ("S(0)", ("S(0)", "R", "R")),
+                     ("S(1)", ("R", "S(0)", "S(0)")), ("P", ("S(1)", "S(1)", "P"))}
+    assert ("P", ("S(1)", "S(1)")) in strategies("aten.conv1d.default", [(4, 8, 16), (16, 8, 3)],
+                                                 (4, 16, 14))
+    # grouped (depthwise) and transposed convolutions split the batch only; an unbatched input
+    # has channels first and no batch
+    grouped = strategies("aten.conv2d.default", [(4, 8, 6, 6), (8, 1, 3, 3)], (4, 8, 4, 4),
+                         args=(None, None, None, [1, 1], [0, 0], [1, 1], 8))
+    assert grouped == {("R", ("R", "R")), ("S(0)", ("S(0)", "R"))}
+    transposed = strategies("aten.convolution.default", [(4, 8, 6, 6), (8, 4, 3, 3)], (4, 4, 8, 8),
+                            args=(None, None, None, [1, 1], [0, 0], [1, 1], True, [0, 0], 1))
+    assert transposed == {("R", ("R", "R")), ("S(0)", ("S(0)", "R"))}
+    unbatched = strategies("aten.conv2d.default", [(3, 32, 32), (64, 3, 8, 8)], (64, 4, 4))
+    assert unbatched == {("R", ("R", "R")), ("S(0)", ("R", "S(0)")), ("P", ("S(0)", "S(1)"))}
+
+
 def test_unknown_op_has_no_rule():
     assert strategies("aten.sort.default", [(4, 4)], ()) is None
 

@@ -8,8 +8,9 @@
 
 Every model has 4 layers, hidden size 64, 4 heads, a vocabulary of 128 and sequences of 16, and
 covers one kind the conformance matrix needs: learned, rotary or ALiBi positions; multi-head,
-grouped-query or multi-query attention; tied or untied embeddings; decoder-only, encoder-only
-(masked LM) or encoder-decoder; dense or mixture-of-experts MLPs. `config.use_cache=False` makes the
+grouped-query, multi-query or multi-head latent attention; tied or untied embeddings; decoder-only,
+encoder-only (masked LM) or encoder-decoder; dense or mixture-of-experts MLPs; and one image
+classifier (a ViT: 32x32 images in 8x8 patches, 10 classes). `config.use_cache=False` makes the
 models return logits alone, so no extra keyword is needed to call them. Needs `transformers`.
 """
 
@@ -23,6 +24,7 @@ import torch
 from autopar.errors import AutoparError
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, FFN = 4, 64, 4, 128, 16, 128
+CHANNELS, IMAGE, PATCH, CLASSES = 3, 32, 8, 10          # the image classifier's inputs
 # every model gets these; token ids inside the vocabulary
 COMMON = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=0, eos_token_id=1, pad_token_id=2,
               tie_word_embeddings=None)
@@ -36,6 +38,7 @@ class Architecture:
     kind: str                     # what it covers, for the conformance table
     config: dict                  # keyword arguments of the config, beyond COMMON
     encoder_decoder: bool = False
+    images: bool = False          # takes pixel_values and class labels instead of token ids
 
     def build(self, model_class=None) -> torch.nn.Module:
         """The model from seed 0, in eval mode. `model_class` from `resolve` saves the import."""
@@ -51,6 +54,9 @@ class Architecture:
         """(*inputs, targets) for one step: token ids and next-token (or masked-token) targets.
         An encoder-decoder takes (input_ids, attention_mask, decoder_input_ids), its forward's
         positional order."""
+        if self.images:
+            pixels = torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=generator)
+            return pixels, torch.randint(0, CLASSES, (batch,), generator=generator)
         ids = torch.randint(3, VOCAB, (batch, SEQ), generator=generator)
         targets = torch.randint(3, VOCAB, (batch, SEQ), generator=generator)
         if not self.encoder_decoder:
@@ -60,8 +66,9 @@ class Architecture:
 
 
 def loss_fn(outputs, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of every position's logits against its target."""
-    return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
+    """Mean cross-entropy of every position's logits against its target (of each image's logits
+    against its class)."""
+    return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, -2), targets.flatten())
 
 
 def _decoder(**extra) -> dict:
@@ -109,6 +116,21 @@ _ARCHS = [
                  "MoE (4 experts, top 2) with a shared expert",
                  _decoder(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=FFN // 2, shared_expert_intermediate_size=FFN)),
+    Architecture("deepseek-v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
+                 "multi-head latent attention (low-rank q and kv, split rope/nope heads), MoE",
+                 _decoder(num_key_value_heads=HEADS, q_lora_rank=32, kv_lora_rank=16,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                          n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                          moe_intermediate_size=FFN // 2, first_k_dense_replace=1)),
+    Architecture("olmo2", "Olmo2ForCausalLM", "Olmo2Config",
+                 "RoPE, q/k RMSNorm over the whole projection, norms after attention and MLP",
+                 _decoder(num_key_value_heads=2)),
+    Architecture("vit", "ViTForImageClassification", "ViTConfig",
+                 "image classifier: Conv2d patch embedding, class token, learned positions",
+                 dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                      intermediate_size=FFN, image_size=IMAGE, patch_size=PATCH,
+                      num_channels=CHANNELS, num_labels=CLASSES),
+                 images=True),
 ]
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in _ARCHS}
 

@@ -7,7 +7,11 @@ sharded on batch (dim 0). A mask is sharded along with the inputs unless it broa
 Registered once, on import.
 
 Any other op that DTensor has no rule for (a model's custom op, such as the grouped matmul of
-mixture-of-experts layers) runs replicated inside a tensor-parallel stage: `replicate_ops_without_rule`.
+mixture-of-experts layers), or that autopar's rules (cost.strategies) do not cover and the planner
+therefore priced as replicated, runs replicated inside a tensor-parallel stage:
+`replicate_ops_without_rule`. So does an op whose DTensor support covers only some placements
+(`PARTIAL_RULES`), unless the plan places it by one of autopar's own strategies, which
+`RunByStrategy` runs on local shards.
 """
 
 from __future__ import annotations
@@ -15,11 +19,23 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from autopar.cost.strategies import OpView, axis_strategies
+from autopar.errors import AutoparError
+from autopar.tracer import plain_arguments
 
 aten = torch.ops.aten
+
+# Ops that DTensor supports for some placements only. Convolutions go to DTensor's halo-exchange
+# handler, which splits the input's width with the weight whole: a weight split on its output
+# channels meets a whole bias there (ViT's patch embedding under tensor parallelism failed so).
+# conv1d/2d/3d decompose into `convolution` inside DTensor, so they are listed too.
+PARTIAL_RULES = frozenset({aten.convolution.default, aten.conv1d.default, aten.conv2d.default,
+                           aten.conv3d.default, aten.conv1d.padding, aten.conv2d.padding,
+                           aten.conv3d.padding})
 
 
 def _mask_placement(attn_mask, dim: int):
@@ -57,6 +73,8 @@ def has_dtensor_rule(op) -> bool:
     or a composite kernel that DTensor decomposes into ops that have rules."""
     if not isinstance(op, torch._ops.OpOverload):
         return True         # Python functions and operator.getitem see DTensors as values
+    if op in PARTIAL_RULES:
+        return False
     dispatcher = DTensor._op_dispatcher
     propagator = dispatcher.sharding_propagator
     return (op in propagator.op_strategy_funcs or op in propagator.op_to_rules
@@ -93,6 +111,46 @@ class RunReplicated(nn.Module):
         return f"op={self.op}"
 
 
+class RunByStrategy(nn.Module):
+    """Runs `op` on local shards by one of autopar's strategies for it (cost.strategies): its
+    tensor inputs, in the order they appear in the call, moved to `inputs`, the op run on their
+    local tensors, the result placed as `output`. For ops whose DTensor support does not cover the
+    plan's placements (PARTIAL_RULES)."""
+
+    def __init__(self, op, mesh: DeviceMesh, inputs: tuple[Placement, ...], output: Placement):
+        super().__init__()
+        self.op, self.mesh, self.inputs, self.output = op, mesh, tuple(inputs), output
+
+    def forward(self, *args, **kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor)]
+        for position, placement in zip(positions, self.inputs, strict=True):
+            flat[position] = self._local(flat[position], placement)
+        args, kwargs = tree_unflatten(flat, spec)
+        return DTensor.from_local(self.op(*args, **kwargs), self.mesh, (self.output,), run_check=False)
+
+    def _local(self, value: torch.Tensor, placement: Placement) -> torch.Tensor:
+        """This rank's part of `value` in `placement`, differentiably, with the placement of the
+        gradient that the local op gives it: a shard's gradient is that shard's; a whole input's
+        is whole where every rank computes the whole output, and each rank's contribution (a
+        partial sum) where the ranks compute parts of it. A whole value read as a partial sum (a
+        convolution's bias when the input channels are split) is kept by the first rank and zero
+        elsewhere, so its gradient is the first rank's; a partial sum's gradient is whole."""
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+        if placement.is_partial() and not value.placements[0].is_partial():
+            local = value.redistribute(self.mesh, (Replicate(),)).to_local(grad_placements=(placement,))
+            return local if self.mesh.get_local_rank() == 0 else local * 0
+        if placement.is_partial() or placement.is_replicate() and self.output.is_replicate():
+            grad = Replicate()
+        else:
+            grad = Partial() if placement.is_replicate() else placement
+        return value.redistribute(self.mesh, (placement,)).to_local(grad_placements=(grad,))
+
+    def extra_repr(self) -> str:
+        return f"op={self.op}, inputs={self.inputs}, output={self.output}"
+
+
 class CheckLocal(nn.Module):
     """`_assert_tensor_metadata` (which export puts before dtype casts) on a DTensor: its dtype,
     device and layout are its local tensor's; its size and stride are global, so those are left to
@@ -103,18 +161,45 @@ class CheckLocal(nn.Module):
         return aten._assert_tensor_metadata.default(local, dtype=dtype, **checks)
 
 
+def op_view(node: fx.Node) -> OpView | None:
+    """What autopar's rules see of an ATen op node (cost.strategies); None for anything else."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    return OpView(target=str(node.target), args=plain_arguments(node.args),
+                  input_shapes=tuple(node_shape(i) for i in node.all_input_nodes),
+                  output_shape=node_shape(node))
+
+
+def node_shape(node: fx.Node) -> tuple[int, ...]:
+    value = node.meta.get("val")
+    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
 def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """Every op of `module`'s graphs that DTensor has no rule for runs replicated (RunReplicated)
-    instead of failing at its first call; returns the ops, by name."""
+    """Every op of `module`'s graphs that autopar's rules or DTensor's do not cover runs
+    replicated (RunReplicated): as the planner priced it, and instead of failing at its first
+    call or inside DTensor's decomposition of it (Swin's adaptive_avg_pool1d decomposes into an
+    in-place squeeze that DTensor has no rule for). An op that writes its input or returns a view
+    of it keeps DTensor's own rule (a gathered copy would take the write); without one it is
+    refused. Returns the ops run replicated, by name."""
     replaced = []
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         for node in list(graph_module.graph.nodes):
             # ops that create a tensor from nothing see no DTensor (replicate_created_tensors)
-            if node.op != "call_function" or not node.all_input_nodes or has_dtensor_rule(node.target):
+            if node.op != "call_function" or not node.all_input_nodes:
+                continue
+            view = op_view(node)
+            ruled = view is None or axis_strategies(view) is not None
+            if has_dtensor_rule(node.target) and (ruled or _aliases(node.target)):
                 continue
             if node.target == aten._assert_tensor_metadata.default:
                 name = f"check_{node.name}"
                 graph_module.add_submodule(name, CheckLocal())
+            elif _aliases(node.target):
+                raise AutoparError(
+                    f"{node.target} ({node.name}) writes its input or returns a view of it, and "
+                    f"DTensor has no rule to run it on sharded values; plan this stage without "
+                    f"tensor parallelism (tp=1)")
             else:
                 name = f"replicated_{node.name}"
                 graph_module.add_submodule(name, RunReplicated(node.target, mesh))
@@ -122,3 +207,11 @@ def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]
             node.op, node.target = "call_module", name
         graph_module.recompile()
     return sorted(set(replaced))
+
+
+def _aliases(op) -> bool:
+    """Whether `op` writes one of its inputs or returns a view of one."""
+    schema = op._schema
+    return any(argument.alias_info is not None and argument.alias_info.is_write
+               for argument in schema.arguments) or any(
+        value.alias_info is not None for value in schema.returns)

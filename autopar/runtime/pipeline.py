@@ -336,7 +336,8 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
         mixed.autocast_stage(p.module, device, plan.precision)
     loss_fn = mixed.autocast_loss(loss_fn, device, plan.precision)
     scaler = mixed.loss_scaler(plan.precision, device)
-    tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"))
+    tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"),
+                       zero=[stage.zero for stage in plan.stages], dp=layout.dp)
     # the split's record of what each stage takes and returns spares torch a forward to learn it
     stages = None if len(plan.stages) == 1 else [
         _stage_class(plan, p.index, layout.dp)(

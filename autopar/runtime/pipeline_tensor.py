@@ -15,6 +15,8 @@ all those readers share (`share_redistributions`).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 from torch import fx, nn
@@ -23,13 +25,13 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.utils._pytree import tree_map
 
-from autopar.runtime.dtensor_rules import replicate_ops_without_rule
+from autopar.runtime.dtensor_rules import (PARTIAL_RULES, RunByStrategy, op_view,
+                                           replicate_ops_without_rule)
 from autopar.errors import PlanMismatchError
 from autopar.passes.collectives import Redistribute
 from autopar.cost.reshard import cheapest_inputs
-from autopar.cost.strategies import OpView, axis_strategies, parse_placement, placement_str
+from autopar.cost.strategies import axis_strategies, parse_placement, placement_str
 from autopar.runtime.pipeline_split import TensorRef
-from autopar.tracer import plain_arguments
 
 
 class TensorParallelStage(nn.Module):
@@ -293,12 +295,49 @@ def settle_lookups(module: nn.Module, mesh: DeviceMesh) -> None:
         _apply_after(graph_module, lookups, "settled_lookup", SettledLookup(mesh))
 
 
+def written_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The values whose storage an in-place op writes into (`copy_`'s self, `index_put_`'s self,
+    ...), with every view of the same storage.
+
+    A key assembled as `buffer = new_empty(...); buffer[..., :8].copy_(k)` is read through
+    `buffer` after the write: a redistribution inserted after `buffer` or its view (or before the
+    write, for a reader) copies it before the write or writes into the copy, and the written
+    value's gradient is lost (DeepSeek-V3's latent attention under tensor parallelism left its
+    keys' projection without one). Such values keep the placement DTensor gives them, which its
+    in-place rules preserve, and their readers' redistributions stay inside DTensor's dispatch,
+    where they happen at the read."""
+    base: dict[fx.Node, fx.Node] = {}
+    written = set()
+    for node in graph.nodes:
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if source is not None and (node.target is operator.getitem or _returns_alias(node)):
+            base[node] = base.get(source, source)
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            for index, argument in enumerate(node.target._schema.arguments):
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    value = node.args[index] if index < len(node.args) \
+                        else node.kwargs.get(argument.name)
+                    if isinstance(value, fx.Node):
+                        written.add(base.get(value, value))
+    return {node for node in graph.nodes if base.get(node, node) in written}
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """Whether `node` is an ATen op whose output aliases its first input (a view, an in-place op)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
+
+
 def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]], tp_axis: int) -> None:
-    """After each node the plan places on `tp_axis`, move its value to that placement."""
+    """After each node the plan places on `tp_axis`, move its value to that placement (but for
+    values written in place: `written_nodes`)."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        written = written_nodes(graph_module.graph)
         for node in list(graph_module.graph.nodes):
             texts = nodes.get(node.name)
-            if node.op != "call_function" or texts is None \
+            if node.op != "call_function" or texts is None or node in written \
                     or not isinstance(node.meta.get("val"), torch.Tensor):
                 continue
             placement = parse_placement(texts[tp_axis])
@@ -324,13 +363,16 @@ def share_redistributions(module: nn.Module, mesh: DeviceMesh, parameters: dict[
     the gather is recorded once: its readers save the gathered value and their gradients are
     summed before its one reverse collective. Which placement an op reads is the cost model's
     choice (`cost.reshard.cheapest_inputs`), so what runs is what the plan was priced with.
-    Partial reads (R -> P, a local zeroing) are left to DTensor."""
+    Partial reads (R -> P, a local zeroing) and values written in place (`written_nodes`) are
+    left to DTensor."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         placed = _planned_placements(graph_module, parameters, nodes, tp_axis)
+        written = written_nodes(graph_module.graph)
         readers: dict[tuple[fx.Node, str], list[fx.Node]] = {}
         for node in graph_module.graph.nodes:
             for source, read in zip(node.all_input_nodes, _read_placements(node, placed, mesh.size())):
-                value = source.op in ("call_function", "placeholder") and source.name in nodes
+                value = source.op in ("call_function", "placeholder") and source.name in nodes \
+                    and source not in written
                 if value and read not in (placed[source.name], "P"):
                     readers.setdefault((source, read), []).append(node)
         for (source, read), users in readers.items():
@@ -364,9 +406,7 @@ def _read_placements(node: fx.Node, placed: dict[str, str], size: int) -> tuple[
             or node.name not in placed:
         return ()
     inputs = node.all_input_nodes
-    view = OpView(target=str(node.target), args=plain_arguments(node.args),
-                  input_shapes=tuple(_shape(i) for i in inputs), output_shape=_shape(node))
-    strategies = axis_strategies(view)
+    strategies = axis_strategies(op_view(node))
     if strategies is None:          # run replicated (replicate_ops_without_rule)
         return ()
     output = placed[node.name]
@@ -376,9 +416,25 @@ def _read_placements(node: fx.Node, placed: dict[str, str], size: int) -> tuple[
                            [_bytes(i) for i in inputs], size)
 
 
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    value = node.meta.get("val")
-    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
+def run_by_plan(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[str]],
+                nodes: dict[str, list[str]], tp_axis: int) -> None:
+    """Every op whose DTensor support is partial (PARTIAL_RULES) and that the plan places runs by
+    the strategy the plan priced: its output's placement, its inputs read as `_read_placements`
+    says. The others of those ops run replicated (replicate_ops_without_rule)."""
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        placed = _planned_placements(graph_module, parameters, nodes, tp_axis)
+        for node in list(graph_module.graph.nodes):
+            if node.op != "call_function" or node.target not in PARTIAL_RULES:
+                continue
+            reads = _read_placements(node, placed, mesh.size())
+            if not reads or len(reads) != len(node.all_input_nodes):
+                continue
+            name = f"by_strategy_{node.name}"
+            graph_module.add_submodule(name, RunByStrategy(
+                node.target, mesh, tuple(parse_placement(p) for p in reads),
+                parse_placement(placed[node.name])))
+            node.op, node.target = "call_module", name
+        graph_module.recompile()
 
 
 def _bytes(node: fx.Node) -> float:
@@ -409,10 +465,13 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
             ref.value = nn.Parameter(tensor, requires_grad=ref.value.requires_grad)
         else:
             ref.value = tensor
-    share_redistributions(module, mesh, parameters, nodes, tp_axis)
+    # these three first: they read the traced shapes and placements of the ops' producers, which
+    # the nodes inserted after them do not have
+    run_by_plan(module, mesh, parameters, nodes, tp_axis)
     drop_metadata_checks(module)
-    replicate_created_tensors(module, mesh)
     replicate_ops_without_rule(module, mesh)
+    share_redistributions(module, mesh, parameters, nodes, tp_axis)
+    replicate_created_tensors(module, mesh)
     place_attention(module, mesh, nodes, tp_axis)
     settle_lookups(module, mesh)
     place_nodes(module, mesh, nodes, tp_axis)

@@ -1,4 +1,5 @@
-"""Contractions: the matmul family from einsum equations, attention, and embedding lookups."""
+"""Contractions: the matmul family from einsum equations, attention, embedding lookups and
+convolutions."""
 
 from __future__ import annotations
 
@@ -125,4 +126,33 @@ def embedding(view: OpView) -> list[OpStrategy]:
     found = [OpStrategy(Shard(d), (Replicate(), Shard(d))) for d in range(ids_rank)]
     found.append(OpStrategy(Shard(ids_rank), (Shard(1), Replicate())))
     found.append(OpStrategy(Partial(), (Shard(0), Replicate())))
+    return found
+
+
+CONVOLUTIONS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
+                "aten.conv1d.padding", "aten.conv2d.padding", "aten.conv3d.padding")
+
+
+@rule(*CONVOLUTIONS, "aten.convolution.default")
+def convolution(view: OpView) -> list[OpStrategy]:
+    """input [batch, in_channels, *spatial], weight [out_channels, in_channels, *kernel], bias
+    [out_channels]: the batch sharded (the weight whole); the output channels sharded with the
+    weight's rows and the bias; or the input channels sharded on the input and the weight's
+    columns, each rank convolving its channels into a partial sum (the bias added on one rank).
+    Channels are split only without groups and for a convolution that is not transposed (whose
+    weight is laid out [in, out]); an input without a batch dim has no batch to split."""
+    input_shape, weight_shape = view.input_shapes[:2]
+    with_bias = len(view.input_shapes) == 3
+    if view.target == "aten.convolution.default":
+        transposed, groups = view.arg(6, False), view.arg(8, 1)
+    else:
+        transposed, groups = False, view.arg(6, 1)
+    batched = len(input_shape) == len(weight_shape)
+    channel = 1 if batched else 0
+    found = [OpStrategy(Shard(0), (Shard(0), Replicate()) + ((Replicate(),) if with_bias else ()))] \
+        if batched else []
+    if transposed or groups != 1:
+        return found
+    found.append(OpStrategy(Shard(channel), (Replicate(), Shard(0)) + ((Shard(0),) if with_bias else ())))
+    found.append(OpStrategy(Partial(), (Shard(channel), Shard(1)) + ((Partial(),) if with_bias else ())))
     return found
