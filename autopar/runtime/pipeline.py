@@ -255,10 +255,11 @@ class CompiledModel:
         `path`, atomically. A collective: every rank calls it."""
         return checkpoint.save(self, path, extra)
 
-    def load(self, path) -> dict | None:
+    def load(self, path, strict: bool = True) -> dict | None:
         """Restore a checkpoint saved under any plan; returns the `extra` saved with it. A
-        collective: every rank calls it."""
-        return checkpoint.load(self, path)
+        collective: every rank calls it. A checkpoint of another model (tensors missing or
+        unexpected) is refused unless `strict=False` asks for a partial load."""
+        return checkpoint.load(self, path, strict)
 
 
 def state_aliases(model: nn.Module) -> dict[str, list[str]]:
