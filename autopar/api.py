@@ -7,6 +7,7 @@ on the mesh's device specs, and the result is a `Plan` that can be saved, read a
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import time
 from collections.abc import Callable
@@ -95,6 +96,7 @@ def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=
 
     check_planning(global_batch, time_limit, memory_limit)
     check_precision(precision)
+    check_example_tuple(example_inputs)
     mesh = _as_mesh(mesh)
     started = time.monotonic()
     graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
@@ -182,10 +184,11 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
 
     from autopar.tracer import capture
     from autopar.cost.config import Config
-    from autopar.runtime.launch import init_default_group
+    from autopar.runtime.materialize import check_sources
     from autopar.runtime.pipeline import build_runtime
     from autopar.solver.pipeline_plan import at_precision
 
+    # Every argument first: a mistake is named before any process group or collective.
     mesh = _as_mesh(mesh)
     _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs)
     check_precision(precision)
@@ -193,16 +196,19 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         check_planning(global_batch or 1, time_limit, memory_limit)
     elif global_batch is not None:
         check_planning(global_batch, time_limit, None)
+    if not isinstance(plan, Config) and plan is not None:
+        plan = _load_plan(plan)
+    check_sources(model, load_from, init)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise AutoparError(f"seed={seed!r} must be an integer (it seeds init= per module)")
     if mesh.device.name != "cpu":
         _use_local_gpu(mesh)
     if not dist.is_initialized():
-        # from torchrun's environment, safe across its restarts (launch.init_default_group)
-        init_default_group("gloo" if mesh.device.name == "cpu" else "nccl")
+        _start_ranks(mesh)
     if mesh.world_size != dist.get_world_size():
         raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
                         f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
                         f"mesh of {dist.get_world_size()}")
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     example_kwargs = dict(example_kwargs or {})
     if graph is None:
         graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
@@ -211,8 +217,6 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         plan = _plan_for_config(graph, mesh, plan, time_limit, precision, calibration)
     elif plan is None:
         plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision, calibration)
-    else:
-        plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
     _check_batch(plan, global_batch)
     if precision is not None:
@@ -224,11 +228,41 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
                          load_from=load_from, init=init, seed=seed)
 
 
+# What torch's env:// rendezvous reads; torchrun and autopar.launch set them for every rank.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _start_ranks(mesh) -> None:
+    """The default process group: from a launcher's environment (torchrun, autopar.launch), or,
+    in a process no launcher started, a world of this one process when the mesh has one device.
+    A larger mesh needs one process per device, which only a launcher starts."""
+    import torch.distributed as dist
+
+    from autopar.runtime.launch import init_default_group
+
+    backend = "gloo" if mesh.device.name == "cpu" else "nccl"
+    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
+    if not missing:
+        # from torchrun's environment, safe across its restarts (launch.init_default_group)
+        init_default_group(backend)
+    elif len(missing) < len(LAUNCHER_VARIABLES):
+        raise AutoparError(f"this process has {', '.join(n for n in LAUNCHER_VARIABLES if n not in missing)} "
+                           f"in its environment but not {', '.join(missing)}: start it with torchrun "
+                           f"or autopar.launch, which set all of them")
+    elif mesh.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        raise AutoparError(
+            f"mesh {mesh} has {mesh.world_size} devices, one process each, but this process was not "
+            f"started by a launcher (no {', '.join(LAUNCHER_VARIABLES)} in its environment): run "
+            f"the script with `torchrun --nproc-per-node {mesh.world_size} script.py`, or call "
+            f"autopar.launch(train, {mesh.world_size}, ...) with a function that compiles and trains; "
+            f"a mesh of one device (\"1:{mesh.device.name}\") runs in this process")
+
+
 def _use_local_gpu(mesh) -> None:
     """Make this rank's GPU the current device (torchrun's LOCAL_RANK; the rank modulo the node's
     GPUs otherwise) before NCCL starts: the runtime puts the model and batches there."""
-    import os
-
     import torch
 
     if not torch.cuda.is_available():
@@ -256,7 +290,8 @@ def _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs) -
     if not callable(loss_fn):
         raise AutoparError(f"loss_fn must be a function loss_fn(outputs, targets) -> scalar tensor; "
                            f"got {type(loss_fn).__name__}")
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    check_example_tuple(example_inputs)
+    inputs = example_inputs
     if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
         raise AutoparError("example_inputs must start with a tensor whose first dimension is the "
                            "batch (one micro-batch's inputs), e.g. example_inputs=(ids,)")
@@ -266,11 +301,21 @@ def _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs) -
     check_example_kwargs(dict(example_kwargs or {}), inputs)
 
 
+def check_example_tuple(example_inputs) -> None:
+    if not isinstance(example_inputs, tuple):
+        raise AutoparError(f"example_inputs must be a tuple of the forward's positional inputs for one "
+                           f"micro-batch, e.g. example_inputs=(ids,); got a {type(example_inputs).__name__}")
+
+
 def _load_plan(plan):
+    """A Plan, or one read from a path (every rank reads the file before any collective)."""
     from autopar.plans import Plan
 
     if isinstance(plan, Plan):
         return plan
+    if not isinstance(plan, (str, os.PathLike)):
+        raise AutoparError(f"plan={plan!r} is not a plan: pass an autopar.Plan, a path to a saved plan "
+                           f"(plan.json), a forced autopar.Config, or None to plan here")
     return Plan.load(plan)
 
 

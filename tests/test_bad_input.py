@@ -325,6 +325,17 @@ COMPILE_CASES = [
          r"example_kwargs\['scale'\] has shape \[\]"),
     Case("compile-kwargs-not-dict", compile_with(example_kwargs=[("mask", 1)]),
          "example_kwargs must be a dict"),
+    # Arguments are checked before the process group starts: in a plain process (as pytest's),
+    # each gets its own message, not torch's "environment variable RANK expected".
+    Case("compile-plan-number", compile_with(plan=42), "plan=42 is not a plan.*autopar.Plan"),
+    Case("compile-inputs-not-tuple", compile_with(example_inputs=torch.ones(2, 2)),
+         r"example_inputs must be a tuple.*\(ids,\); got a Tensor"),
+    Case("compile-plan-file-missing", lambda s: compile_with(plan=s / "none.json")(s), "no plan file"),
+    Case("compile-load-from-missing", lambda s: compile_with(load_from=s / "none.safetensors")(s),
+         "load_from=.*does not exist"),
+    Case("compile-seed-string", compile_with(seed="1"), "seed='1' must be an integer"),
+    Case("compile-no-launcher", compile_with(),
+         r"not started by a launcher.*torchrun --nproc-per-node 2.*autopar.launch.*\"1:cpu\""),
     Case("launch-no-ranks", lambda s: autopar.launch(print, 0), "world_size must be an integer"),
     Case("launch-negative-timeout", lambda s: autopar.launch(print, 1, timeout=-1), "timeout"),
 ]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -122,12 +123,43 @@ def resume_and_refuse_another_model(cases: list[tuple], directory: str, stop: in
     """save_then_resume, then a checkpoint of the tiny GPT loaded into a wider one: refused on
     every rank with the reason, before any rank waits in a collective."""
     reports = save_then_resume(cases, directory, stop)
+    saved = Path(directory) / cases[0][2]
     cm = compiled(make_plan(CUT, pp=2), spec=SPEC.replace("vocab=64", "vocab=128"))
     with pytest.raises(CheckpointError, match=r"tok_emb.weight has shape \(64, 32\) in .* but \(128, 32\)"):
-        cm.load(Path(directory) / cases[0][2])
+        cm.load(saved)
     with pytest.raises(CheckpointError, match="does not exist"):
         cm.load(Path(directory) / "missing")
+    check_other_depths(saved)
     return reports
+
+
+def check_other_depths(saved: Path) -> None:
+    """A checkpoint of the 2-layer GPT into a 1-layer and a 3-layer one: refused, naming the
+    tensors one side lacks, unless strict=False asks for a partial load, which takes the tensors
+    both have and leaves the others as they were."""
+    stored = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    for layers, words in ((1, r"it holds \['layers.1.ln1"), (3, r"this model's \['layers.2.ln1")):
+        spec = SPEC.replace("layers=2", f"layers={layers}")
+        units = [*UNITS[:3], *(f"layers.{i}" for i in range(layers)), *UNITS[-2:]]
+        cm = build_runtime(build_model(spec, device="cpu", batch=2)[0], make_plan([units], pp=1, dp=2),
+                           example_inputs=gpt(spec=spec)[1], loss_fn=lm_loss, optimizer=adamw)
+        before = cm.full_state_dict()
+        with pytest.raises(CheckpointError, match=f"another model or optimizer: .*{words}.*strict=False"):
+            cm.load(saved)
+        with pytest.warns(UserWarning, match="partial load") if dist.get_rank() == 0 else nullcontext():
+            cm.load(saved, strict=False)
+        state = cm.full_state_dict()
+        expected = {name: dcp_tensor(saved, name, tensor) if f"model.{name}" in stored else before[name]
+                    for name, tensor in state.items()}
+        assert all(torch.equal(state[name], expected[name]) for name in state), layers
+        assert cm.steps == 3
+
+
+def dcp_tensor(directory: Path, name: str, like: torch.Tensor) -> torch.Tensor:
+    """One model tensor of a checkpoint, read in this process alone."""
+    holder = {"model": {name: torch.empty_like(like)}}
+    dcp.load(holder, checkpoint_id=directory, no_dist=True)
+    return holder["model"][name]
 
 
 def test_resume_under_the_same_and_other_plans_and_fewer_ranks(tmp_path):
@@ -182,7 +214,9 @@ def train_resuming(directory: str) -> dict:
     """A training script that survives restarts: it resumes from `last` when there is one, saves
     every 2 steps, and logs each step it takes. Faults, by attempt: the first kills rank 1 after
     step 5 (a checkpoint of step 4 exists); the second kills rank 1 in the save after step 6, once
-    its shard is written and before the checkpoint is finished (a crash mid-save)."""
+    its shard is written and before the checkpoint is finished (a crash mid-save); the third kills
+    rank 0 in that save between the two steps of the switch (the new version complete and its link
+    made, `last` not yet replaced), where an earlier two-rename swap left no `last` at all."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -197,6 +231,13 @@ def train_resuming(directory: str) -> dict:
             write(self, plan, planner).wait()
             os.kill(os.getpid(), signal.SIGKILL)
         FileSystemWriter.write_data = write_then_die
+    if attempt == 2 and dist.get_rank() == 0:
+        symlink_to = Path.symlink_to
+
+        def link_then_die(self, target, *args, **kwargs):
+            symlink_to(self, target, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        Path.symlink_to = link_then_die
     for inputs, targets in batches()[start:]:
         losses.append(cm.step(inputs, targets))
         with open(Path(directory) / f"steps-rank{dist.get_rank()}.log", "a") as log:
@@ -210,10 +251,10 @@ def train_resuming(directory: str) -> dict:
 
 
 def test_killed_ranks_restart_from_the_last_checkpoint(tmp_path):
-    results = autopar.launch(train_resuming, 2, str(tmp_path), max_restarts=2, timeout=120, pg_timeout=20)
+    results = autopar.launch(train_resuming, 2, str(tmp_path), max_restarts=3, timeout=120, pg_timeout=20)
     reference = uninterrupted()
     final = results[0]
-    assert final["start"] == 4       # the second attempt's save never finished: step 4's stood
+    assert final["start"] == 4       # the later attempts' saves never finished: step 4's stood
     report = differences(reference, final["losses"], final["state"])
     print(f"killed and restarted twice: largest loss difference {report['loss']:.2e}, "
           f"parameter {report['parameter']:.2e}")
@@ -221,8 +262,12 @@ def test_killed_ranks_restart_from_the_last_checkpoint(tmp_path):
     # each attempt took the steps after the checkpoint it found, and stopped where it was killed
     for rank in range(2):
         log = (tmp_path / f"steps-rank{rank}.log").read_text().split("\n")
-        assert log[:-1] == ["0 1", "0 2", "0 3", "0 4", "0 5", "1 5", "1 6", "2 5", "2 6"], log
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "steps-rank0.log", "steps-rank1.log"]
+        assert log[:-1] == ["0 1", "0 2", "0 3", "0 4", "0 5", "1 5", "1 6", "2 5", "2 6", "3 5", "3 6"], log
+    # the last save cleared what the interrupted ones left: `last` links to its one version
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0] == "last" and names[1].startswith("last.v-") and names[2:] == ["steps-rank0.log",
+                                                                                   "steps-rank1.log"]
+    assert (tmp_path / "last").is_symlink() and os.readlink(tmp_path / "last") == names[1]
 
 
 @pytest.mark.slow
@@ -314,6 +359,32 @@ def test_an_unfinished_checkpoint_is_refused_and_an_interrupted_replace_is_read(
     previous.mkdir()
     (previous / ".metadata").write_bytes(b"")
     assert readable(tmp_path / "last") == previous
+
+
+def test_a_save_switches_the_path_to_its_version_in_one_rename(tmp_path):
+    """`path` becomes a link to the new version by os.replace; a checkpoint directory an earlier
+    autopar wrote there is replaced, and what interrupted saves left beside it is removed."""
+    from autopar.runtime.checkpoint import _point
+
+    def checkpoint_dir(name: str) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(b"")
+        return tmp_path / name
+
+    checkpoint_dir("last")                                  # an earlier autopar's checkpoint
+    left = [checkpoint_dir("last.v-dead"), checkpoint_dir("last.old-dead")]   # interrupted saves
+    (tmp_path / "last.link-dead").symlink_to("last.v-dead")
+    version = checkpoint_dir("last.v-new")
+    _point(tmp_path / "last", version, "new")
+    assert os.readlink(tmp_path / "last") == "last.v-new" and readable_names(tmp_path) == ["last", "last.v-new"]
+    assert not any(p.exists() for p in left)
+    newer = checkpoint_dir("last.v-newer")
+    _point(tmp_path / "last", newer, "newer")
+    assert os.readlink(tmp_path / "last") == "last.v-newer" and readable_names(tmp_path) == ["last", "last.v-newer"]
+
+
+def readable_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
 
 
 def test_export_refuses_bad_arguments_before_reading(tmp_path, capsys):

@@ -110,3 +110,33 @@ def test_sampler_splits_the_dataset_over_data_parallel_ranks(results_by_rank):
     assert sorted(rows[0] + rows[1]) == list(range(12)) and not set(rows[0]) & set(rows[1])
     for results in results_by_rank:
         assert results["local"] == []
+
+
+ONE_RANK = """
+import torch, autopar
+from autopar.models import build_model
+from autopar.models.gpt import lm_loss
+from autopar.runtime.equivalence import mismatches, train_single_process
+model, (ids,) = build_model("{spec}", device="cpu", batch=4)
+data = [(ids, ids.roll(-1, 1))] * 2
+sgd = lambda params: torch.optim.SGD(params, lr=0.2)
+reference = train_single_process(build_model("{spec}", device="cpu")[0], data, lm_loss, sgd)
+cm = autopar.compile(model, "1:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd)
+losses = [cm.step(*batch) for batch in data]
+print(torch.distributed.get_world_size(), mismatches(reference, losses, cm.full_state_dict()))
+"""
+
+
+def test_compile_in_a_plain_process_runs_a_world_of_one_rank():
+    """No torchrun, no autopar.launch: a mesh of one device trains in the process itself (a
+    larger mesh is refused with how to start its ranks: test_bad_input's compile-no-launcher)."""
+    import os
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", ONE_RANK.format(spec=SPEC)], env=environment,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "1 []"

@@ -20,15 +20,24 @@ One checkpoint directory holds, flattened by DCP:
 - `rng.<rank>.*`: each rank's random number generator states.
 plus `plan.json`, the same plan, for `autopar explain`.
 
-A save is atomic: it is written beside the target (`<path>.tmp-<id>`) and renamed over it on rank 0
-after every rank has written, so a crash or kill while saving leaves the previous checkpoint at
-`path` as it was. Replacing a directory takes two renames (old away, new in); a crash between them
-leaves the previous checkpoint at `<path>.old-<id>`, which `load` then reads.
+A save is atomic: every rank writes a new version beside the target (`<path>.v-<id>`), and once all
+have written, rank 0 points `path` at it: `path` is a symbolic link (to the version's name, so the
+folder can be moved whole) replaced by one `os.replace`, which is atomic. At every instant `path` is
+the previous complete checkpoint or the new one, never absent: a script that resumes when
+`Path(path).exists()` cannot start over and overwrite finished work after a kill mid-save. Older
+versions are removed after the switch. (A checkpoint directory an earlier autopar wrote at `path`
+is moved to `<path>.old-<id>` before the first switch; `load` reads such a directory when `path`
+is missing, as that earlier two-rename swap could leave it.)
+
+`load(..., strict=True)` refuses a checkpoint whose model tensors are not exactly this model's,
+naming the missing and the unexpected ones; `strict=False` loads what both have (explicitly
+partial: fine-tuning a model grown from a smaller one) and warns with what it left out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import shutil
@@ -63,6 +72,7 @@ class StageNames:
     def __init__(self, cm):
         modules = nn.ModuleList(program.module for program in cm.programs)
         name_of = _canonical_names(cm.state_aliases)
+        self.name_of = name_of                    # every name of the model's tensors -> its first
         self.modules = modules
         self.model_name: dict[str, str] = {}      # local key -> the model's name
         self.saved: dict[str, str] = {}           # the model's name -> the local key that writes it
@@ -101,7 +111,8 @@ class StageNames:
         return renamed
 
     def local_optimizer(self, loaded: dict, template: dict) -> dict:
-        """The loaded entries back under this rank's local keys (every tied copy gets its weight's)."""
+        """The loaded entries back under this rank's local keys (every tied copy gets its weight's);
+        `loaded` holds every entry of this rank's tensors."""
         result = {}
         for key in template:
             section, local, option = _split_optimizer_key(key)
@@ -133,10 +144,13 @@ def save(cm, path: str | Path, extra: dict | None = None) -> Path:
     payload = _pickled(extra)       # refused before any collective when it cannot be stored
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} is a file; a checkpoint is a directory: choose another path")
+    if path.is_dir() and not path.is_symlink() and not (path / ".metadata").is_file() and any(path.iterdir()):
+        raise CheckpointError(f"{path} is a directory that is not a checkpoint, which a save would "
+                              f"replace; choose another path")
     names = StageNames(cm)
     token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
-    aside = path.with_name(f"{path.name}.tmp-{token[0]}")
+    version = path.with_name(f"{path.name}.v-{token[0]}")
     # an optimizer that never stepped (every step so far skipped by fp16's scaler) has no state
     stepped = cm.steps > cm.skipped_steps
     if stepped:
@@ -153,12 +167,18 @@ def save(cm, path: str | Path, extra: dict | None = None) -> Path:
         if cm.scaler is not None:
             state["autopar"]["scaler"] = pickle.dumps({"state": cm.scaler.state_dict(),
                                                        "skipped": cm.skipped_steps})
-    dcp.save(state, checkpoint_id=aside)
+    dcp.save(state, checkpoint_id=version)
     # dcp.save returns after rank 0 wrote the metadata, which it does once every rank has written
+    outcome = [None]
     if dist.get_rank() == 0:
-        (aside / "plan.json").write_text(cm.plan.to_json())
-        _replace(aside, path, token[0])
-    dist.barrier()
+        (version / "plan.json").write_text(cm.plan.to_json())
+        try:
+            _point(path, version, token[0])
+        except CheckpointError as err:    # raised on every rank
+            outcome[0] = str(err)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointError(outcome[0])
     return path
 
 
@@ -170,17 +190,28 @@ def _pickled(extra) -> bytes:
                               f"tensors): {type(err).__name__}: {err}") from err
 
 
-def _replace(aside: Path, path: Path, token: str) -> None:
-    """Put the finished checkpoint at `path`, then remove what earlier interrupted saves left."""
-    if path.exists():
-        old = path.with_name(f"{path.name}.old-{token}")
-        path.rename(old)
-        aside.rename(path)
-        shutil.rmtree(old)
-    else:
-        aside.rename(path)
-    for stale in [*path.parent.glob(f"{path.name}.tmp-*"), *path.parent.glob(f"{path.name}.old-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
+def _point(path: Path, version: Path, token: str) -> None:
+    """Make `path` the link to the finished `version` in one atomic rename, then remove what
+    earlier versions and interrupted saves left beside it."""
+    if path.is_dir() and not path.is_symlink():
+        # an earlier autopar's checkpoint directory: a link cannot replace a directory
+        path.rename(path.with_name(f"{path.name}.old-{token}"))
+    link = path.with_name(f"{path.name}.link-{token}")
+    try:
+        link.symlink_to(version.name)
+    except OSError as err:
+        shutil.rmtree(version, ignore_errors=True)
+        raise CheckpointError(f"cannot save {path}: this file system refuses a symbolic link beside it "
+                              f"({err.strerror}), which an atomic switch of checkpoints needs; save on a "
+                              f"POSIX file system (local disk, NFS, Lustre)") from None
+    os.replace(link, path)
+    left = [*path.parent.glob(f"{path.name}.v-*"), *path.parent.glob(f"{path.name}.old-*"),
+            *path.parent.glob(f"{path.name}.tmp-*"), *path.parent.glob(f"{path.name}.link-*")]
+    for stale in left:
+        if stale.is_symlink():
+            stale.unlink()
+        elif stale != version:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _rng_state() -> dict:
@@ -190,9 +221,13 @@ def _rng_state() -> dict:
     return state
 
 
-def load(cm, path: str | Path) -> dict | None:
+def load(cm, path: str | Path, strict: bool = True) -> dict | None:
     """Restore a checkpoint under cm's plan (any plan, any world size may have saved it) and
-    return the `extra` saved with it. A collective: every rank calls it with the same path."""
+    return the `extra` saved with it. A collective: every rank calls it with the same path.
+    `strict`: the checkpoint's model tensors must be exactly this model's (names missing on either
+    side are refused, named); False loads those both have and leaves the rest as they are."""
+    if not isinstance(strict, bool):
+        raise CheckpointError(f"strict={strict!r} must be True or False")
     path = readable(path)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     names = StageNames(cm)
@@ -201,9 +236,7 @@ def load(cm, path: str | Path) -> dict | None:
         model_state, optim_state = get_state_dict(names.modules, cm.optimizer, options=OPTIONS)
     else:
         model_state, optim_state = get_model_state_dict(names.modules, options=OPTIONS), {}
-    model = names.rename_model(model_state, saving=False)
-    optim = names.rename_optimizer(optim_state, saving=False)
-    _agree(_problem(path, metadata, model, optim))
+    model, optim = _matched(path, metadata, names, model_state, optim_state, strict)
     rank = str(dist.get_rank())
     rng_rank = rank if f"rng.{rank}.torch" in metadata else "0"
     rng = {"torch": torch.get_rng_state(), "python": b""}
@@ -216,11 +249,14 @@ def load(cm, path: str | Path) -> dict | None:
     if optim:
         state["optim"] = optim
     dcp.load(state, checkpoint_id=path)
-    local_model = {local: state["model"][name] for local, name in names.model_name.items()}
+    # what a partial load left out keeps this run's values
+    local_model = {local: state["model"].get(name, model_state[local])
+                   for local, name in names.model_name.items()}
     local_model.update({k: v for k, v in model_state.items() if k not in names.model_name})
     if stepped:
+        loaded = {**names.rename_optimizer(optim_state, saving=False), **state.get("optim", {})}
         set_state_dict(names.modules, cm.optimizer, model_state_dict=local_model,
-                       optim_state_dict=names.local_optimizer(state["optim"], optim_state), options=OPTIONS)
+                       optim_state_dict=names.local_optimizer(loaded, optim_state), options=OPTIONS)
     else:
         set_model_state_dict(names.modules, local_model, options=OPTIONS)
         cm.optimizer.state.clear()      # the saving run had not stepped: nor has this one now
@@ -242,8 +278,9 @@ def _restore_scaler(cm, saved: dict | None) -> None:
 
 
 def readable(path: str | Path) -> Path:
-    """The checkpoint directory at `path`, or the previous one a save interrupted between its
-    two renames left beside it."""
+    """The checkpoint directory at `path` (or the link there), or, when `path` is missing, the
+    previous checkpoint an earlier autopar's save, interrupted between its two renames, left
+    beside it."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         left = sorted(path.parent.glob(f"{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
@@ -255,31 +292,59 @@ def readable(path: str | Path) -> Path:
     return path
 
 
-def _problem(path: Path, metadata: dict, model: dict, optim: dict) -> str | None:
+def _matched(path: Path, metadata: dict, names: StageNames, model_state: dict, optim_state: dict,
+             strict: bool) -> tuple[dict, dict]:
+    """This rank's {model name: tensor} and {optimizer key: value} to read from the checkpoint:
+    all of them, or under strict=False those the checkpoint has. Checked on every rank before
+    any loading collective; a partial load warns (on rank 0) with what it leaves out."""
+    model = names.rename_model(model_state, saving=False)
+    optim = names.rename_optimizer(optim_state, saving=False)
+    missing = [name for name in model if f"model.{name}" not in metadata]
+    missing += [key for key in optim if f"optim.{key}" not in metadata]
+    # names of no tensor of this model, and optimizer entries of this rank's tensors that its
+    # optimizer does not have (another optimizer saved them)
+    known = set(names.name_of)
+    unexpected = [key[len("model."):] for key in metadata
+                  if key.startswith("model.") and key[len("model."):] not in known]
+    if optim:
+        held = {name.partition(".")[2].rpartition(".")[0] for name in optim}
+        unexpected += [key[len("optim."):] for key in metadata if key.startswith("optim.")
+                       and key.partition(".")[2].partition(".")[2].rpartition(".")[0] in held
+                       and key[len("optim."):] not in optim]
+    problem = _problem(path, metadata, model, missing, unexpected, strict)
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (problem, missing, unexpected))
+    found = next((report[0] for report in reports if report[0] is not None), None)
+    if found is not None:
+        raise CheckpointError(found)
+    left_out = sorted({name for report in reports for name in report[1]})
+    ignored = sorted({name for report in reports for name in report[2]})
+    if (left_out or ignored) and dist.get_rank() == 0:
+        warnings.warn(f"partial load of {path} (strict=False): {len(left_out)} entries of this model "
+                      f"not in it keep their values {left_out[:6]}; {len(ignored)} entries of it are "
+                      f"not this model's {ignored[:6]}", stacklevel=3)
+    return ({name: t for name, t in model.items() if f"model.{name}" in metadata},
+            {key: v for key, v in optim.items() if f"optim.{key}" in metadata})
+
+
+def _problem(path: Path, metadata: dict, model: dict, missing: list[str], unexpected: list[str],
+             strict: bool) -> str | None:
     """Why this rank cannot load the checkpoint into its tensors, or None."""
     if "autopar.step" not in metadata:
         return f"{path} is a DCP checkpoint but not one of CompiledModel.save (no autopar.step)"
-    missing = [name for name in model if f"model.{name}" not in metadata]
-    missing += [key for key in optim if f"optim.{key}" not in metadata]
-    if missing:
-        return (f"{path} has no {missing[:3]} ({len(missing)} missing): it was saved from another "
-                f"model or with another optimizer")
+    if strict and (missing or unexpected):
+        parts = ([f"this model's {missing[:4]} ({len(missing)}) are not in it"] if missing else []) + \
+            ([f"it holds {unexpected[:4]} ({len(unexpected)}), which this model does not"] if unexpected else [])
+        return (f"{path} is a checkpoint of another model or optimizer: {'; '.join(parts)}. Load "
+                f"it with strict=False to take only the tensors both have")
     for name, tensor in model.items():
+        if f"model.{name}" not in metadata:
+            continue
         shape = tuple(tensor.shape)
         saved = tuple(metadata[f"model.{name}"].size)
         if shape != saved:
             return f"{name} has shape {saved} in {path} but {shape} in this model"
     return None
-
-
-def _agree(problem: str | None) -> None:
-    """Raise on every rank if any rank found a problem (before the loading collectives, so that
-    no rank waits for one that gave up)."""
-    problems: list = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    found = next((p for p in problems if p is not None), None)
-    if found is not None:
-        raise CheckpointError(found)
 
 
 

@@ -32,11 +32,13 @@ import zlib
 from pathlib import Path
 
 import torch
-from torch import fx, nn
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.errors import AutoparError
+from autopar.runtime.hf_checkpoint import own_initializer, stored_names
 from autopar.runtime.pipeline_split import TensorRef
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,48 +64,98 @@ def check_sources(model: nn.Module, load_from, init) -> None:
                            f"the model's _init_weights")
 
 
-def meta_inputs(inputs: tuple) -> tuple:
-    """Example inputs on meta, for exporting a meta model (real inputs beside meta weights mix
-    devices)."""
-    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+def export_meta_model(model: nn.Module, inputs: tuple, kwargs: dict, device: torch.device):
+    """The ExportedProgram of a meta model as if its tensors were on `device`: the export runs on
+    fake tensors of `device`, as torch.export runs a real model (it wraps real tensors as fake
+    ones). An export on meta would record device='meta' in ops that create tensors (a position
+    `arange`, `x.to(inv_freq.device)`) and leave constants created in forward (Falcon's
+    `torch.tensor([-2], device=x.device)` index) without values. The model's tensors are swapped
+    for fake ones while it exports, and put back after."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}     # by the meta tensor: a tied weight stays one tensor
 
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in fakes:
+            with mode:
+                value = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+            fakes[id(tensor)] = (nn.Parameter(value, requires_grad=tensor.requires_grad)
+                                 if isinstance(tensor, nn.Parameter) else value)
+        return fakes[id(tensor)]
 
-def retarget_devices(module: fx.GraphModule, device: torch.device) -> None:
-    """An export on meta records device='meta' in ops that create tensors (a position `arange`)
-    and in its metadata checks: point them at this rank's device."""
-    changed = False
-    for node in module.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "meta":
-            node.kwargs = {**node.kwargs, "device": device}
-            changed = True
-    if changed:
-        module.recompile()
+    swapped = []
+    try:
+        for module in model.modules():
+            for slots in (module._parameters, module._buffers):
+                for name, tensor in slots.items():
+                    if tensor is not None and tensor.is_meta:
+                        swapped.append((slots, name, tensor))
+                        slots[name] = fake(tensor)
+        as_fake = lambda x: fake(x) if isinstance(x, torch.Tensor) else x
+        return torch.export.export(model, tuple(as_fake(x) for x in inputs),
+                                   {k: as_fake(v) for k, v in kwargs.items()}, strict=False)
+    finally:
+        for slots, name, tensor in reversed(swapped):
+            slots[name] = tensor
 
 
 def fill_stages(modules: list[nn.Module], model: nn.Module, device: torch.device, *, load_from=None,
                 init=None, seed: int = 0) -> None:
     """Give the stages' meta tensors storage for this rank's shards only and fill them: from the
-    model where it holds real values, then `init`, then `load_from`. A collective when loading a
-    DCP checkpoint: call on every rank."""
+    model where it holds real values, then `init`, then `load_from`, then the model's own
+    initializer for non-persistent buffers still unfilled (what HuggingFace's loading does: they
+    are never in a checkpoint). A collective when loading a DCP checkpoint: call on every rank."""
+    refs = [ref for module in modules for ref in module.modules() if isinstance(ref, TensorRef)]
+    # constants created in forward hold the values the export recorded; to_empty drops them
+    constants = {ref.fqn: ref.value.detach().clone() for ref in refs if not ref.value.is_meta}
     for module in modules:
         if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             module.to_empty(device=device)
-    refs = [ref for module in modules for ref in module.modules() if isinstance(ref, TensorRef)]
     unfilled = {ref.fqn for ref in refs}
     with torch.no_grad():
+        for ref in refs:
+            if ref.fqn in constants:
+                _copy_local(ref.value, constants[ref.fqn])
+                unfilled.discard(ref.fqn)
         for ref in refs:
             source = model_tensor(model, ref.fqn)
             if source is not None and not source.is_meta:
                 _copy_local(ref.value, source)
                 unfilled.discard(ref.fqn)
         if init is not None:
-            unfilled -= _initialize(refs, model, init, seed)
+            unfilled -= _initialize(refs, model, lambda owner: init, seed)
         if load_from is not None:
             unfilled -= _load(refs, model, Path(load_from))
+        buffers = [ref for ref in refs if ref.fqn in unfilled and _non_persistent(model, ref.fqn)]
+        unfilled -= _initialize(buffers, model, lambda owner: own_initializer(model, owner), seed)
     if unfilled:
-        raise AutoparError(f"no values for {sorted(unfilled)[:6]} ({len(unfilled)} tensors): they are on "
-                           f"the meta device and {'not in ' + str(load_from) if load_from else 'init left them'}; "
-                           f"save them in the checkpoint, or pass an init= that sets them")
+        raise AutoparError(unfilled_message(sorted(unfilled), model, load_from, init))
+
+
+def _non_persistent(model: nn.Module, fqn: str) -> bool:
+    owner, _, name = fqn.rpartition(".")
+    try:
+        return name in model.get_submodule(owner)._non_persistent_buffers_set
+    except AttributeError:
+        return False
+
+
+def unfilled_message(names: list[str], model: nn.Module, load_from, init) -> str:
+    """What is missing and the fix: tensors a checkpoint should hold, or non-persistent buffers
+    (never saved) that the model does not compute itself."""
+    buffers = [name for name in names if _non_persistent(model, name)]
+    saved = [name for name in names if name not in buffers]
+    parts = []
+    if saved:
+        source = f"not in {load_from}" if load_from is not None else "left unset by init="
+        parts.append(f"{saved[:6]} ({len(saved)} tensors) are on the meta device and {source}: load "
+                     f"a checkpoint of this model (names as in model.state_dict()), or pass an init= "
+                     f"that sets them")
+    if buffers:
+        parts.append(f"{buffers[:6]} ({len(buffers)} tensors) are non-persistent buffers (never in a "
+                     f"checkpoint) on the meta device that {'init= left unset and ' if init else ''}the "
+                     f"model does not compute itself (no HuggingFace _init_weights sets them): pass "
+                     f"init=, a function of one module that sets them, as model.apply takes")
+    return "no values for " + "; and ".join(parts)
 
 
 def local_region(value: torch.Tensor) -> tuple[slice, ...]:
@@ -123,9 +175,10 @@ def _copy_local(target: torch.Tensor, whole: torch.Tensor) -> None:
     _local(target).copy_(whole[local_region(target)])
 
 
-def _initialize(refs: list[TensorRef], model: nn.Module, init, seed: int) -> set[str]:
-    """Run `init` on each owning module with its own tensors whole, seeded by its name; keep the
-    local slices."""
+def _initialize(refs: list[TensorRef], model: nn.Module, initializer_of, seed: int) -> set[str]:
+    """Run `initializer_of(owner)` (a function of one module, or None) on each owning module with
+    its own tensors whole, seeded by its name; keep the local slices of the tensors it set. A
+    tensor it leaves as it was is not counted as set (its storage would be garbage)."""
     by_owner: dict[str, list[TensorRef]] = {}
     for ref in refs:
         by_owner.setdefault(ref.fqn.rpartition(".")[0], []).append(ref)
@@ -135,17 +188,47 @@ def _initialize(refs: list[TensorRef], model: nn.Module, init, seed: int) -> set
             module = model.get_submodule(owner)
         except AttributeError:
             continue                      # a constant the export lifted: no module to initialize
+        initializer = initializer_of(owner)
+        if initializer is None:
+            continue
         whole = _materialized(module)
+        before = {name: _unset_marker(tensor) for name, tensor in _own_tensors(whole).items()}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * 1_000_003 + zlib.crc32(owner.encode()))
-            init(whole)
+            initializer(whole)
         for ref in owned:
             name = ref.fqn.rpartition(".")[2]
             tensor = getattr(whole, name, None)
-            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta and _was_set(tensor, before.get(name)):
                 _copy_local(ref.value, tensor.detach())
                 done.add(ref.fqn)
     return done
+
+
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in [*module._parameters.items(), *module._buffers.items()] if t is not None}
+
+
+def _unset_marker(tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """Fill a new tensor with a value no initializer writes everywhere (NaN, an integer type's
+    largest value) so that one left unset is told from one set: `tensor.data.normal_()` and
+    attribute assignment escape version counters."""
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.fill_(float("nan"))
+        elif tensor.dtype != torch.bool:
+            tensor.fill_(torch.iinfo(tensor.dtype).max)
+    return tensor, tensor.detach().clone() if tensor.dtype != torch.bool else None
+
+
+def _was_set(tensor: torch.Tensor, marker) -> bool:
+    """Whether an initializer wrote `tensor`: a new object, or no element still the marker."""
+    original, unset = marker if marker is not None else (None, None)
+    if tensor is not original or unset is None:
+        return True
+    if tensor.is_floating_point() or tensor.is_complex():
+        return not bool(torch.isnan(tensor).any())
+    return tensor.numel() == 0 or not torch.equal(tensor, unset)
 
 
 def _materialized(module: nn.Module) -> nn.Module:
@@ -174,15 +257,25 @@ def _load(refs: list[TensorRef], model: nn.Module, path: Path) -> set[str]:
     if path.is_dir() and (path / ".metadata").exists():
         return _load_dcp(refs, aliases, path)
     files = _safetensors_files(path)
+    names_of = {ref.fqn: aliases.get(ref.fqn, [ref.fqn]) for ref in refs}
+    # a HuggingFace directory may store a tensor under another name (transformers' renaming rules)
+    renamed, converted = stored_names(model, list(files), {n for names in names_of.values() for n in names})
     done = set()
     for ref in refs:
-        name = next((a for a in aliases.get(ref.fqn, [ref.fqn]) if a in files), None)
-        if name is None and ref.fqn in files:
-            name = ref.fqn
+        names = names_of[ref.fqn]
+        name = next((n for n in names if n in files), None) or next(
+            (renamed[n] for n in names if n in renamed), None)
         if name is None:
             continue
         _read_slice(ref, files[name], name)
         done.add(ref.fqn)
+    merged = sorted(fqn for fqn in names_of if fqn not in done and any(n in converted for n in names_of[fqn]))
+    if merged:
+        raise AutoparError(
+            f"{merged[:4]} ({len(merged)} tensors) are stored in {path} as several tensors that "
+            f"transformers merges when it loads them (e.g. {converted[next(n for n in names_of[merged[0]] if n in converted)]!r}); "
+            f"autopar reads each tensor's slices by the model's names: save the model's own "
+            f"state_dict() names once (from_pretrained, then safetensors' save_file(model.state_dict()))")
     return done
 
 

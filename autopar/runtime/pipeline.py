@@ -255,10 +255,11 @@ class CompiledModel:
         `path`, atomically. A collective: every rank calls it."""
         return checkpoint.save(self, path, extra)
 
-    def load(self, path) -> dict | None:
+    def load(self, path, strict: bool = True) -> dict | None:
         """Restore a checkpoint saved under any plan; returns the `extra` saved with it. A
-        collective: every rank calls it."""
-        return checkpoint.load(self, path)
+        collective: every rank calls it. A checkpoint of another model (tensors missing or
+        unexpected) is refused unless `strict=False` asks for a partial load."""
+        return checkpoint.load(self, path, strict)
 
 
 def state_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -305,17 +306,14 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
     micro_kwargs = {name: _micro_batch(value, plan.micro_batch_size) if isinstance(value, torch.Tensor)
                     else value for name, value in example_kwargs.items()}
-    # --- meta models: exported on meta, sharded on meta, then only local shards get storage ---
+    # --- meta models: exported on fake tensors, sharded on meta, then only local shards get storage ---
     meta = materialize.is_meta_model(model)
     if meta:
-        program, micro = None, materialize.meta_inputs(micro)
-        micro_kwargs = dict(zip(micro_kwargs, materialize.meta_inputs(tuple(micro_kwargs.values()))))
-    if program is None:
+        program = materialize.export_meta_model(model, micro, micro_kwargs, device)
+    elif program is None:
         program = torch.export.export(model, micro, micro_kwargs, strict=False)
     check_buffers(program, layout.dp)
     exported = export_for_pipeline(model, (), program)
-    if meta:
-        materialize.retarget_devices(exported, device)
     keywords = signature(exported)[1]
     tensors = [name for name, value in example_kwargs.items() if isinstance(value, torch.Tensor)]
     if sorted(keywords) != sorted(tensors):
@@ -392,6 +390,8 @@ def _stage_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layo
     programs = [_materialize(programs[s], model, device, meta) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
+        if mixed.compute_dtype(plan.precision) is not None:   # FSDP2 may hand weights in 16 bits
+            mixed.follow_weight_dtypes(program.module)
         if tp_axis is not None and _sharded_on(program, plan, tp_axis):
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, plan.nodes, tp_axis)
         if layout.dp > 1:
@@ -504,7 +504,7 @@ def _materialize(program: StageProgram, model: nn.Module, device: torch.device,
             source = materialize.model_tensor(model, ref.fqn)
             # constants the export lifted out of the forward are not the model's attributes
             source = ref.value if source is None else source
-            if meta:
+            if meta and source is not ref.value:    # constants keep the export's values
                 copy = torch.empty_like(source.detach(), device="meta")
             elif source.is_meta:
                 raise AutoparError(
