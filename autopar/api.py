@@ -157,7 +157,7 @@ def check_precision(precision: str | None) -> None:
 def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_kwargs: dict | None = None,
             global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = 60.0,
             graph=None, precision: str | None = None, load_from=None, init=None, seed: int = 0,
-            calibration=None):
+            calibration=None, sync_batchnorm: bool = False):
     """Train `model` on this process's rank of `mesh` under a plan; returns a `CompiledModel`.
 
     `plan` is a Plan, a path to a saved one, a forced `Config`, or None: then rank 0 plans (for
@@ -179,7 +179,13 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     model.apply, seeded per module name from `seed`: the same values under every plan).
     `load_from`/`init` also overwrite a real model's values.
     `calibration`: a file from `autopar calibrate` that the planner prices and places with (a free
-    plan or a forced `Config`)."""
+    plan or a forced `Config`).
+    BatchNorm in training mode follows DDP: each data-parallel replica normalizes over its own
+    samples and keeps its own running statistics (`full_state_dict()` and checkpoints hold the
+    first replica's); `sync_batchnorm=True` normalizes over the samples of all replicas, as
+    torch.nn.SyncBatchNorm does, which trains exactly as one process on the global batch. Such
+    models run one micro-batch per replica (more would normalize over fewer samples): a free plan
+    does so, and a plan with more micro-batches is refused."""
     import torch.distributed as dist
 
     from autopar.tracer import capture
@@ -191,6 +197,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     # Every argument first: a mistake is named before any process group or collective.
     mesh = _as_mesh(mesh)
     _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs)
+    if not isinstance(sync_batchnorm, bool):
+        raise AutoparError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}")
     check_precision(precision)
     if plan is None:
         check_planning(global_batch or 1, time_limit, memory_limit)
@@ -225,7 +233,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     # One runtime: splitting into stages is the first lowering step; a single-stage plan is one stage.
     return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                         load_from=load_from, init=init, seed=seed)
+                         load_from=load_from, init=init, seed=seed, sync_batchnorm=sync_batchnorm)
 
 
 # What torch's env:// rendezvous reads; torchrun and autopar.launch set them for every rank.

@@ -14,6 +14,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+# ATen ops (by packet) that normalize over the batch (BatchNorm) when their `training` argument,
+# args[5], is true, and the norms that then also write their running statistics (args 3 and 4)
+# without saying so in their schema (instance norm's args[5] is `use_input_stats`).
+BATCH_STATISTICS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit")
+RUNNING_STATISTICS = (*BATCH_STATISTICS, "instance_norm")
+
 
 class Role(str, enum.Enum):
     PARAMETER = "parameter"
@@ -40,6 +46,7 @@ class Node:
     kwargs: dict[str, Any] = field(default_factory=dict)   # keyword arguments, plain like args
     tied_to: str | None = None      # a parameter shared with an earlier one (tied embeddings): its fqn
     effect: bool = False            # an op that runs even when nothing reads it (torch's is_impure)
+    writes: tuple[str, ...] = ()    # inputs the op writes in place (running statistics, relu_)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,12 +129,37 @@ class Graph:
         """The values of `norm_reads`, each once."""
         return list(dict.fromkeys(value for _, _, value in self.norm_reads()))
 
+    def batch_coupling(self) -> str | None:
+        """Why this model computes other numbers when a replica's batch is cut into micro-batches
+        (None when it does not): a BatchNorm in training mode normalizes over the samples it is
+        given, and a buffer written in forward (running statistics) is written once per forward,
+        so once per micro-batch where one process writes it once per step."""
+        by_name = self._by_name()
+        norms = [node.module_path or node.name for node in self.nodes
+                 if node.target.removeprefix("aten.").partition(".")[0] in BATCH_STATISTICS
+                 and node.target.startswith("aten.") and len(node.args) > 5 and node.args[5] is True]
+        written = [by_name[name].param_fqn for node in self.nodes for name in node.writes
+                   if by_name[name].role is Role.BUFFER]
+        reasons = []
+        if norms:
+            reasons.append(f"batch norms in training mode normalize over the samples of each "
+                           f"micro-batch ({_listed(norms)})")
+        if written:
+            reasons.append(f"the forward writes buffers once per micro-batch "
+                           f"({_listed(sorted(set(written)))})")
+        return "; ".join(reasons) or None
+
     def fingerprint(self) -> str:
         """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same
         model and input shapes, different when any of them change."""
         parts = [(n.name, n.target, list(n.shape), n.dtype, list(n.inputs), n.param_fqn)
                  for n in self.nodes]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _listed(names: list[str], shown: int = 3) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -39,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopar.cost.flops import forward_flops
 from autopar.errors import CaptureError
-from autopar.graph import BlockInstance, BlockKind, Graph, Node, Role
+from autopar.graph import RUNNING_STATISTICS, BlockInstance, BlockKind, Graph, Node, Role
 
 _INPUT_ROLES = {InputKind.PARAMETER: Role.PARAMETER, InputKind.BUFFER: Role.BUFFER,
                 InputKind.CONSTANT_TENSOR: Role.BUFFER, InputKind.USER_INPUT: Role.INPUT}
@@ -161,8 +161,33 @@ def _nodes(program, tied: dict[str, str]) -> tuple[list[Node], list[tuple[tuple[
             module_path=module_path, module_type=module_type, flops=forward_flops(fx_node),
             param_fqn=fqn, tied_to=tied.get(fqn), args=plain_arguments(fx_node.args),
             kwargs=plain_arguments(dict(fx_node.kwargs)),
-            effect=fx_node.op == "call_function" and fx_node.is_impure()))
+            effect=fx_node.op == "call_function" and fx_node.is_impure(),
+            writes=tuple(n.name for n in written_inputs(fx_node))))
     return nodes, stacks
+
+
+def program_nodes(program) -> list[Node]:
+    """An ExportedProgram's nodes as a Graph's, without finding its blocks."""
+    return _nodes(program, {})[0]
+
+
+def written_inputs(fx_node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The inputs an op writes in place. torch.export's training IR keeps the writes of a
+    forward in place (its graph signature lists no buffer mutation until the graph is
+    functionalized): an op whose schema marks an argument written (`add_` of a BatchNorm's
+    num_batches_tracked), and a norm that updates its running statistics (args 3 and 4) when
+    args[5] is true, which its schema does not say."""
+    if fx_node.op != "call_function":
+        return []
+    written = []
+    schema = getattr(fx_node.target, "_schema", None)
+    for i, argument in enumerate(schema.arguments if schema else ()):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.append(fx_node.args[i] if i < len(fx_node.args) else fx_node.kwargs.get(argument.name))
+    packet = getattr(getattr(fx_node.target, "overloadpacket", None), "__name__", "")
+    if packet in RUNNING_STATISTICS and len(fx_node.args) > 5 and fx_node.args[5] is True:
+        written.extend(fx_node.args[3:5])
+    return [arg for arg in written if isinstance(arg, torch.fx.Node)]
 
 
 def _target_name(fx_node: torch.fx.Node) -> str:

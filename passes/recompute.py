@@ -2,24 +2,69 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
+import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from autopar.cost.stages import selective_region
+from autopar.tracer import written_inputs
 
 
 class Recomputed(nn.Module):
-    """Runs `region` under a non-reentrant checkpoint: only its inputs stay alive for backward."""
+    """Runs `region` under a non-reentrant checkpoint: only its inputs stay alive for backward.
+
+    The recomputation runs the region's forward again, writes to buffers included (BatchNorm's
+    running statistics and num_batches_tracked): the buffers the region writes are put back as
+    they were before it, so they are written once per forward, as without recompute."""
 
     def __init__(self, region: nn.Module):
         super().__init__()
         self.region = region
+        # where the written tensors are, not the tensors: a stage gets its own copies later
+        self.written = written_paths(region)
 
     def forward(self, *args):
-        return checkpoint(self.region, *args, use_reentrant=False)
+        if not self.written:
+            return checkpoint(self.region, *args, use_reentrant=False)
+        return checkpoint(self.region, *args, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), self.restoring()))
+
+    @contextlib.contextmanager
+    def restoring(self):
+        tensors = [_tensor_at(self.region, path) for path in self.written]
+        saved = [tensor.detach().clone() for tensor in tensors]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, before in zip(tensors, saved):
+                    tensor.copy_(before)
+
+
+def written_paths(module: nn.Module) -> list[tuple[str, str]]:
+    """(module path, attribute) of each tensor that the graphs in `module` write in place: a
+    `get_attr`, or the `value` of a module that holds one tensor (the runtime's TensorRef)."""
+    found: dict[tuple[str, str], None] = {}
+    for prefix, graph_module in module.named_modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        for node in graph_module.graph.nodes:
+            for written in written_inputs(node):
+                path = ".".join(p for p in (prefix, str(written.target)) if p)
+                if written.op == "get_attr":
+                    found[tuple(path.rpartition(".")[::2])] = None
+                elif written.op == "call_module":
+                    found[(path, "value")] = None
+    return list(found)
+
+
+def _tensor_at(module: nn.Module, path: tuple[str, str]) -> torch.Tensor:
+    owner, attribute = path
+    return getattr(module.get_submodule(owner), attribute)
 
 
 def _is_attribute_read(node: fx.Node) -> bool:

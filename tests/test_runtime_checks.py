@@ -6,8 +6,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.runtime.checks import (check_buffers, check_loss, check_loss_reduction, check_optimizer,
-                                    check_step_inputs, loss_reduction, updated_buffers)
+from autopar.graph import Graph
+from autopar.plans import Plan, Stage
+from autopar.runtime.checks import (check_loss, check_loss_reduction, check_micro_batching,
+                                    check_optimizer, check_step_inputs, loss_reduction)
+from autopar.tracer import program_nodes
 
 
 def _lm_outputs(batch=4, seq=8, vocab=16):
@@ -82,39 +85,29 @@ def _program(model):
     return torch.export.export(model, (torch.randn(3, 4),), strict=False)
 
 
-def test_buffers_updated_in_forward_are_found_and_refused_under_dp():
+def _plan(micro_batches: int, dp: int = 1):
+    stage = Stage(index=0, layers=["fc", "bn"], ranks=list(range(dp)), dp=dp)
+    return Plan(fingerprint="", mesh={}, axes=[["dp", dp], ["tp", 1]], stages=[stage],
+                global_batch=3 * micro_batches * dp, micro_batches=micro_batches, micro_batch_size=3,
+                schedule="1f1b")
+
+
+def test_batch_statistics_and_buffer_writes_refuse_micro_batches_only():
+    """Data parallelism keeps statistics per replica, as DDP does: not refused. Micro-batches
+    would normalize over fewer samples than one process and write the statistics once per
+    micro-batch: refused, naming the norm, the buffers and the micro-batch size that runs."""
     program = _program(_WithBatchNorm().train())
-    assert updated_buffers(program) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
-    check_buffers(program, dp=1)
-    with pytest.raises(AutoparError, match=r"updates buffers in forward \(bn.num_batches_tracked.*"
-                                           r"2 data-parallel ranks.*LayerNorm"):
-        check_buffers(program, dp=2)
+    reason = Graph(nodes=program_nodes(program), blocks=[]).batch_coupling()
+    assert "(bn)" in reason and "(bn.num_batches_tracked, bn.running_mean, bn.running_var)" in reason
+    check_micro_batching(program, _plan(micro_batches=1, dp=8))
+    with pytest.raises(AutoparError, match=r"each replica's 6 samples into 2 micro-batches of 3, "
+                                           r"but batch norms in training mode .*micro_batch=6"):
+        check_micro_batching(program, _plan(micro_batches=2, dp=4))
 
 
 @pytest.mark.parametrize("model", [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
                                    _WithBatchNorm().eval()], ids=["layernorm", "batchnorm-eval"])
-def test_model_without_updated_statistics_passes(model):
+def test_model_without_batch_statistics_takes_micro_batches(model):
     program = _program(model)
-    assert updated_buffers(program) == []
-    check_buffers(program, dp=8)
-
-
-def test_step_keyword_inputs():
-    example = {"attention_mask": torch.ones(2, 8), "use_cache": False}
-    mask = torch.zeros(6, 8)
-    assert check_step_inputs(example, {"attention_mask": mask, "use_cache": False}, 6) == {"attention_mask": mask}
-    assert check_step_inputs(example, {"attention_mask": mask}, 6) == {"attention_mask": mask}
-    with pytest.raises(AutoparError, match=r"keyword input\(s\) \['mask'\], which were not captured"):
-        check_step_inputs(example, {"mask": torch.ones(2, 8), "attention_mask": mask}, 6)
-    with pytest.raises(AutoparError, match=r"missing the keyword input\(s\) \['attention_mask'\]"):
-        check_step_inputs(example, {"use_cache": False}, 6)
-    with pytest.raises(AutoparError, match=r"'attention_mask' has shape \[2, 9\].*only the batch"):
-        check_step_inputs(example, {"attention_mask": torch.ones(2, 9), "use_cache": False}, 2)
-    with pytest.raises(AutoparError, match=r"'attention_mask' has a batch dimension of 2 but the inputs need 6"):
-        check_step_inputs(example, {"attention_mask": torch.ones(2, 8)}, 6)
-    with pytest.raises(AutoparError, match=r"'attention_mask' is torch.int64, but torch.float32"):
-        check_step_inputs(example, {"attention_mask": torch.ones(6, 8, dtype=torch.long)}, 6)
-    with pytest.raises(AutoparError, match="'use_cache' is True, but False was captured"):
-        check_step_inputs(example, {"attention_mask": mask, "use_cache": True}, 6)
-    with pytest.raises(AutoparError, match="'attention_mask' is a list"):
-        check_step_inputs(example, {"attention_mask": [1, 1], "use_cache": False}, 6)
+    assert Graph(nodes=program_nodes(program), blocks=[]).batch_coupling() is None
+    check_micro_batching(program, _plan(micro_batches=4, dp=8))

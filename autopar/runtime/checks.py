@@ -9,9 +9,8 @@ rank reaches the same verdict from the same inputs and raises before the first c
 - `loss_reduction` / `check_loss_reduction`: the loss averages over the batch. autopar splits the
   batch into micro-batches and data-parallel shards and averages their gradients, which is exact
   for a mean and halves a sum once per split.
-- `updated_buffers` / `check_buffers`: buffers written in forward (BatchNorm running statistics).
-  Each data-parallel rank sees a different shard of the batch, so its statistics would differ from
-  every other rank's and from one process's.
+- `check_micro_batching`: micro-batches change the numbers of a model with BatchNorm in
+  training mode or buffers written in forward (running statistics).
 - `check_example_kwargs` / `check_step_inputs`: keyword inputs of a step (attention masks) have the names, dtypes and
   shapes that were captured, and the batch dimension of the step.
 """
@@ -24,13 +23,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
+from autopar.graph import Graph
+from autopar.tracer import program_nodes
 
 # |sum-check| and |mean-check| tolerance relative to the loss's size: float32 sums of a batch
 # split in two differ from the whole in the last bits only.
 REDUCTION_RTOL = 1e-4
-# Norms that write running statistics into their args 3 and 4 when args[5] (training or
-# use_input_stats) is true, without saying so in their schema.
-RUNNING_STATS_OPS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "instance_norm")
 
 
 def check_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -97,39 +95,23 @@ def check_loss_reduction(loss_fn, outputs, targets) -> None:
                            "the batch and averages, which is exact only for a mean over samples")
 
 
-def updated_buffers(program) -> list[str]:
-    """Names of the buffers that the captured forward writes: BatchNorm's running_mean,
-    running_var and num_batches_tracked. torch.export's training IR leaves these writes in place
-    (its graph signature lists no mutation until the graph is functionalized, which costs seconds
-    on a large model), so they are read from the graph: an op whose schema writes an argument,
-    and the norms that update their running statistics (args 3 and 4) when args[5] is true."""
-    buffers = program.graph_signature.inputs_to_buffers
-    written = set()
-    for node in program.graph.nodes:
-        if node.op != "call_function":
-            continue
-        schema = getattr(node.target, "_schema", None)
-        for i, argument in enumerate(schema.arguments if schema else ()):
-            if argument.alias_info is not None and argument.alias_info.is_write and i < len(node.args):
-                written.add(node.args[i])
-        packet = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
-        if packet in RUNNING_STATS_OPS and len(node.args) > 5 and node.args[5] is True:
-            written.update(node.args[3:5])
-    return sorted(buffers[arg.name] for arg in written
-                  if getattr(arg, "op", None) == "placeholder" and arg.name in buffers)
-
-
-def check_buffers(program, dp: int) -> None:
-    """Refuse buffers updated in forward under data parallelism, where each rank would update
-    its copy from its own shard of the batch."""
-    names = updated_buffers(program)
-    if dp > 1 and names:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        raise AutoparError(
-            f"the model updates buffers in forward ({shown}), as BatchNorm's running statistics "
-            f"are; with {dp} data-parallel ranks each would keep statistics of its own shard of "
-            f"the batch. Use a norm without running statistics (LayerNorm, GroupNorm), "
-            f"track_running_stats=False, or a plan without data parallelism")
+def check_micro_batching(program, plan, graph: Graph | None = None) -> None:
+    """Refuse micro-batches where they would change the numbers: a BatchNorm in training mode
+    normalizes over the samples of each micro-batch, and buffers written in forward are written
+    once per micro-batch (autopar.graph.Graph.batch_coupling of `graph`, the capture, or of the
+    exported `program`). Data parallelism is not refused: each replica normalizes over its own
+    samples and keeps its own running statistics, as DDP does (compile's sync_batchnorm=True
+    normalizes over all replicas' samples instead)."""
+    reason = (graph or Graph(nodes=program_nodes(program), blocks=[])).batch_coupling()
+    if reason is None or plan.micro_batches == 1:
+        return
+    share = plan.global_batch // plan.stages[0].dp
+    raise AutoparError(
+        f"the plan cuts each replica's {share} samples into {plan.micro_batches} micro-batches of "
+        f"{plan.micro_batch_size}, but {reason}: the model would train on other numbers than one "
+        f"process on the same batch. Plan one micro-batch per replica (micro_batch={share}; a "
+        f"free plan does so for this model), or use norms without batch statistics (GroupNorm, "
+        f"LayerNorm, or BatchNorm in eval mode)")
 
 
 def check_example_kwargs(kwargs: dict, example_inputs: tuple) -> None:

@@ -36,16 +36,18 @@ from torch.utils.data.distributed import DistributedSampler
 
 from autopar.cost.memory import reduces_every_micro_batch
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
+from autopar.passes.batch_norm import batch_norms_over
 from autopar.plans import Plan
 from autopar.runtime import checkpoint, materialize
 from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
 from autopar.runtime import precision as mixed
-from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_loss, check_loss_reduction,
-                                   check_optimizer, check_step_inputs)
+from autopar.runtime.checks import (check_example_kwargs, check_loss, check_loss_reduction,
+                                   check_micro_batching, check_optimizer, check_step_inputs)
 from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                             signature, split_stages)
 from autopar.runtime.pipeline_tensor import TensorParallelStage, reduce_partial_gradients, shard_stage
 from autopar.runtime.schedule import ReducingStage, ReshardingStage, build_schedule
+from autopar.runtime.stage_state import broadcast_from_first_rank, hold_unread_buffers
 from autopar.runtime.tied import TiedWeights
 from autopar.solver.schedules import relay_error
 
@@ -275,7 +277,8 @@ def state_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
                   example_kwargs: dict | None = None, device: torch.device | str | None = None,
-                  graph=None, load_from=None, init=None, seed: int = 0) -> CompiledModel:
+                  graph=None, load_from=None, init=None, seed: int = 0,
+                  sync_batchnorm: bool = False) -> CompiledModel:
     """This rank's CompiledModel for `plan`. Call on every rank with the default process group up.
 
     `optimizer` is a function from a list of parameters to a torch.optim optimizer. `graph` is the
@@ -284,7 +287,10 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     are keyword arguments of the model's forward: constants (`use_cache=False`) are fixed in the
     exported program, tensors (an `attention_mask` for one micro-batch) are inputs given again at
     every step. A model on the meta device, or `load_from`/`init`, fill each
-    rank's shards only (materialize.py); the plan's precision runs mixed precision (precision.py)."""
+    rank's shards only (materialize.py); the plan's precision runs mixed precision (precision.py).
+    Otherwise each stage starts from the values its first rank's `model` has (stage_state.py).
+    `sync_batchnorm`: BatchNorm in training mode normalizes over the samples of all data-parallel
+    replicas, not each replica's own (passes/batch_norm.py)."""
     example_kwargs = dict(example_kwargs or {})
     check_example_kwargs(example_kwargs, example_inputs)
     materialize.check_sources(model, load_from, init)
@@ -312,7 +318,7 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
         program = materialize.export_meta_model(model, micro, micro_kwargs, device)
     elif program is None:
         program = torch.export.export(model, micro, micro_kwargs, strict=False)
-    check_buffers(program, layout.dp)
+    check_micro_batching(program, plan, graph)
     exported = export_for_pipeline(model, (), program)
     keywords = signature(exported)[1]
     tensors = [name for name, value in example_kwargs.items() if isinstance(value, torch.Tensor)]
@@ -320,7 +326,9 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
         raise PlanMismatchError(f"the graph takes the keyword inputs {list(keywords)} but example_kwargs "
                                 f"has the tensors {tensors}; capture the graph with the example_kwargs "
                                 f"given to compile")
-    programs = _stage_programs(exported, model, plan, layout, mesh, own, device, meta)
+    programs = _stage_programs(exported, model, plan, layout, mesh, own, device, meta,
+                               from_model=not meta and load_from is None and init is None,
+                               sync_batchnorm=sync_batchnorm)
     # the planner never emits this (autopar.solver.stage_flow finds the same values); a plan
     # written by hand, or for other stages, may
     relay_refusal = relay_error(plan.schedule, programs[0].relayed if programs else ())
@@ -379,19 +387,27 @@ def _device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
 
 
 def _stage_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout: PipelineLayout,
-                    mesh: DeviceMesh, own: list[int], device: torch.device,
-                    meta: bool = False) -> list[StageProgram]:
+                    mesh: DeviceMesh, own: list[int], device: torch.device, meta: bool = False, *,
+                    from_model: bool = False, sync_batchnorm: bool = False) -> list[StageProgram]:
     """This rank's stages, in order: cut the export into the plan's stages (with recompute per
-    layer); keep our stages and copy only their tensors; shard parameters over tp (DTensor needs
-    whole tensors to distribute); then over dp (FSDP shards what TP left, so it comes last)."""
-    programs = split_stages(exported, [s.layers for s in plan.stages], [s.recompute for s in plan.stages],
+    layer), each buffer of the model held by one; keep our stages and copy only their tensors
+    (`from_model`: the first rank's copies); batch norms per replica or over all (sync); shard
+    parameters over tp (DTensor needs whole tensors to distribute); then over dp (FSDP shards
+    what TP left, so it comes last)."""
+    layers = [s.layers for s in plan.stages]
+    programs = split_stages(exported, layers, [s.recompute for s in plan.stages],
                             blocks=_repeated_layers(model, plan),
                             boundary_dtype=mixed.compute_dtype(plan.precision))
+    hold_unread_buffers(programs, model, layers)
     programs = [_materialize(programs[s], model, device, meta) for s in own]
     tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
     for program in programs:
         if mixed.compute_dtype(plan.precision) is not None:   # FSDP2 may hand weights in 16 bits
             mixed.follow_weight_dtypes(program.module)
+        if from_model:
+            broadcast_from_first_rank(program.module, mesh)
+        batch_norms_over(program.module, mesh["dp"].get_group() if sync_batchnorm and layout.dp > 1
+                         else None)
         if tp_axis is not None and _sharded_on(program, plan, tp_axis):
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, plan.nodes, tp_axis)
         if layout.dp > 1:

@@ -172,7 +172,11 @@ def interface_examples(stages: list[fx.GraphModule], inputs: list) -> list[tuple
     with mode:
         values = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype) for x in inputs)
         for stage in stages:
-            output = stage(*values)
+            # on fake copies of the stage's tensors: fake mode runs some in-place ops (BatchNorm's
+            # num_batches_tracked.add_) on the real tensor they are given, the model's own
+            state = {name: mode.from_tensor(tensor) for name, tensor in
+                     [*stage.named_parameters(), *stage.named_buffers()]}
+            output = torch.func.functional_call(stage, state, values)
             outputs = output if isinstance(output, tuple) else (output,)
             examples.append((values, tuple(x for x in outputs if isinstance(x, torch.Tensor))))
             values = outputs

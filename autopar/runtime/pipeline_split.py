@@ -42,6 +42,7 @@ from autopar.passes.recompute import Recomputed, checkpoint_regions
 from autopar.runtime.pipeline_flow import interface_examples, order_interfaces, pass_along
 from autopar.solver.stage_flow import (BUFFER, FUNCTION, INPUT, OTHER, OUTPUT, PARAMETER, FlowNode,
                                        assign_units, dead, reader_unit, shared_values)
+from autopar.tracer import written_inputs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,6 +133,9 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
 
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
+    for unit in by_unit.children():
+        if isinstance(unit, fx.GraphModule):
+            _no_writes_to_inputs(unit)
     recompute = recompute or ["none"] * len(stage_layers)
     _wrap_recomputed_units(by_unit, units, unit_stage, recompute, set(units) if blocks is None else blocks)
 
@@ -266,7 +270,8 @@ def flow_nodes(module: fx.GraphModule) -> list[FlowNode]:
         nodes.append(FlowNode(name=node.name, kind=kind,
                               inputs=tuple(n.name for n in node.all_input_nodes),
                               module_path=paths[-1] if paths else "", target=str(node.target),
-                              effect=kind not in (INPUT, OUTPUT) and node.is_impure()))
+                              effect=kind not in (INPUT, OUTPUT) and node.is_impure(),
+                              writes=bool(written_inputs(node))))
     return nodes
 
 
@@ -299,6 +304,32 @@ def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, in
 
 def _is_ref(module: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_module" and isinstance(module.get_submodule(node.target), TensorRef)
+
+
+def _no_writes_to_inputs(unit: fx.GraphModule) -> None:
+    """An in-place op on what the unit takes from another unit (a residual `+=` or a `relu_`
+    on the previous module's output, when a CNN is cut between modules) writes a new tensor
+    instead: FSDP2 hands a unit's outputs over as views of its backward hook, which refuses
+    in-place writes. The op's out-of-place form where nothing reads the input after it, else
+    a copy of the input that it and its later readers take."""
+    graph = unit.graph
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        for written in [w for w in written_inputs(node) if w.op == "placeholder"]:
+            later = [user for user in written.users if order.get(user, -1) > order[node]]
+            packet = node.target.overloadpacket.__name__
+            functional = getattr(getattr(torch.ops.aten, packet[:-1], None), node.target._overloadname,
+                                 None) if packet.endswith("_") else None
+            if functional is not None and not later and node.args[0] is written:
+                node.target = functional
+                continue
+            with graph.inserting_before(node):
+                copy = graph.call_function(torch.ops.aten.clone.default, (written,))
+            copy.meta = dict(written.meta)
+            for user in [node, *later]:
+                user.replace_input_with(written, copy)
+    graph.lint()
+    unit.recompile()
 
 
 def _check_order(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]):

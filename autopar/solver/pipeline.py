@@ -1,7 +1,8 @@
 """Inter-op planning: pipeline stage cuts, sub-meshes, micro-batches, schedule, recompute and ZeRO.
 
-The model is a sequence of units: the embedding (every node before the first repeated block), each
-block instance, and the head (every node after the last block). A plan cuts that sequence into
+The model is a sequence of units (autopar.solver.units): the embedding (every node before the first
+repeated block), each block instance, and the head (every node after the last block); a model
+without repeated blocks, its modules. A plan cuts that sequence into
 pp * v contiguous chunks (v chunks per pipeline rank when interleaved); every chunk runs on a
 dp x tp sub-mesh, tensor parallelism inside a node, data parallelism next, pipeline ranks outermost
 (Megatron's rank order, which the collective costs assume).
@@ -22,6 +23,9 @@ What the runtime cannot run is never generated (`layout_error`): the global batc
 dp x micro-batch x count, and torch.distributed.pipelining runs the schedule with that count on
 pp ranks of v chunks (the rules are in autopar.solver.schedules); and zero-bubble is no candidate
 for cuts that make an activation skip a stage (`Search.relay_error`, autopar.solver.stage_flow).
+A model whose numbers change with micro-batching (BatchNorm in training mode, buffers written in
+forward: `Graph.batch_coupling`) gets one micro-batch per replica (`whole_batch`), which the
+runtime requires of it.
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from autopar.cost.compute import compute_time, op_family
-from autopar.graph import Graph, Role
+from autopar.solver.units import Unit, pipeline_units, unit_weights  # noqa: F401 (the planner's API)
 from autopar.solver.schedules import relay_error, runs, schedule_error
 from autopar.solver.stage_flow import skips_a_stage
 
@@ -40,21 +43,6 @@ GRID_VIRTUAL = (2, 3, 4, 6, 8)
 GRID_MICRO_BATCH = (1, 2, 4, 8, 16)
 MAX_MICRO_BATCH = 32
 MAX_TP = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Unit:
-    name: str                   # "embedding", "layers.3", "head"
-    layers: tuple[str, ...]     # module paths of the unit, in order
-    start: int                  # node index range in Graph.nodes
-    stop: int
-    block: bool = False         # a repeated block instance
-
-    @property
-    def ref(self) -> tuple[int, int]:
-        """How the estimator's StageSpec names the unit: its node range (a path would be ambiguous
-        for a block module that runs more than once)."""
-        return (self.start, self.stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,77 +78,23 @@ class Priced:
     estimate: object = field(default=None, repr=False)
 
 
-def layout_error(shape: Shape, global_batch: int) -> str | None:
+def layout_error(shape: Shape, global_batch: int, coupling: str | None = None) -> str | None:
     """Why the runtime cannot run a device layout for this global batch (None when it can): the
-    batch must divide into dp replicas of m micro-batches of `micro_batch` sequences, and torch
-    must run the schedule with m micro-batches on pp ranks of `virtual` chunks (one stage per
-    rank when pp == 1, where no schedule is built). Every generator below keeps to it, so the
-    search never prices what the runtime would refuse."""
+    batch must divide into dp replicas of m micro-batches of `micro_batch` sequences (m = 1 for
+    a model whose `coupling`, Graph.batch_coupling, says why micro-batches change its numbers),
+    and torch must run the schedule with m micro-batches on pp ranks of `virtual` chunks (one
+    stage per rank when pp == 1, where no schedule is built). Every generator below keeps to
+    it, so the search never prices what the runtime would refuse."""
     per_step = shape.dp * shape.micro_batch
     if global_batch % per_step:
         return (f"global batch {global_batch} is not divisible by dp x micro-batch = "
                 f"{shape.dp} x {shape.micro_batch}")
+    if coupling is not None and global_batch != per_step:
+        return (f"{coupling}: each replica runs its {global_batch // shape.dp} samples as one "
+                f"micro-batch, not {global_batch // per_step} of {shape.micro_batch}")
     if shape.pp == 1:
         return None if shape.virtual == 1 else "one pipeline rank holds one stage"
     return schedule_error(shape.schedule, shape.pp, global_batch // per_step, shape.virtual)
-
-
-def pipeline_units(graph: Graph) -> list[Unit]:
-    """Embedding, block instances in order, head: the pieces stage cuts may not split."""
-    instances = sorted((inst for kind in graph.blocks for inst in kind.instances), key=lambda i: i.start)
-    blocks = {inst.module_path for inst in instances}
-    if not instances:
-        return [Unit(name="model", layers=_top_modules(graph, 0, len(graph.nodes), blocks), start=0,
-                     stop=len(graph.nodes))]
-    units = []
-    first, last = instances[0], instances[-1]
-    # an embedding or head with no ops of its own (only parameter placeholders) is no unit
-    embedding = _top_modules(graph, 0, first.start, blocks)
-    if embedding:
-        units.append(Unit(name="embedding", layers=embedding, start=0, stop=first.start))
-    for inst, following in zip(instances, instances[1:] + [None]):
-        # nodes between two blocks run with the block before: a residual add at the top level, or
-        # whole modules that are no repeated block (an encoder's final norm, a decoder's first
-        # block that differs from the others, the decoder's embedding): the unit names them all,
-        # so that every module's nodes belong to some unit
-        stop = following.start if following is not None else inst.stop
-        between = _top_modules(graph, inst.stop, stop, blocks)
-        units.append(Unit(name=inst.module_path, layers=(inst.module_path, *between), start=inst.start,
-                          stop=stop, block=True))
-    head = _top_modules(graph, last.stop, len(graph.nodes), blocks)
-    if head:
-        units.append(Unit(name="head", layers=head, start=last.stop, stop=len(graph.nodes)))
-    return units
-
-
-def _top_modules(graph: Graph, start: int, stop: int, block_paths: set[str]) -> tuple[str, ...]:
-    """The outermost modules of the ops in a node range that hold no block (for a model nested as
-    `transformer.wte`, `transformer.h.0`: `transformer.wte`, not `transformer`), in first-use order."""
-    seen: dict[str, None] = {}
-    for node in graph.nodes[start:stop]:
-        if node.role is not Role.ACTIVATION or not node.module_path:
-            continue
-        parts = node.module_path.split(".")
-        for depth in range(1, len(parts) + 1):
-            path = ".".join(parts[:depth])
-            if not any(block == path or block.startswith(path + ".") for block in block_paths):
-                seen.setdefault(path, None)
-                break
-    return tuple(seen)
-
-
-def unit_weights(graph: Graph, units: list[Unit], mesh, tp: int) -> list[float]:
-    """Seconds of forward and backward of each unit on one device of a tp group, by the cost
-    model's roofline: the proposal weights of the cut dynamic program (the estimator decides)."""
-    weights = []
-    for unit in units:
-        seconds = 0.0
-        for node in graph.nodes[unit.start:unit.stop]:
-            if node.role is Role.ACTIVATION:
-                family = op_family(node.target)
-                seconds += 3 * compute_time(node.flops / tp, 3 * node.bytes / tp, mesh.device, family)
-        weights.append(seconds)
-    return weights
 
 
 def balanced_cuts(weights: list[float], chunks: int) -> tuple[int, ...] | None:
@@ -200,11 +134,17 @@ def uniform_cuts(units: list[Unit], chunks: int) -> tuple[int, ...] | None:
     return (0, *inner, len(units))
 
 
+def micro_batch_sizes(per_replica: int, whole_batch: bool = False) -> list[int]:
+    """The grid's micro-batch sizes that divide a replica's batch; with `whole_batch`, the batch."""
+    return [per_replica] if whole_batch else [b for b in GRID_MICRO_BATCH if per_replica % b == 0]
+
+
 def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int,
-                    pp_divides_blocks: bool = True) -> list[Shape]:
+                    pp_divides_blocks: bool = True, whole_batch: bool = False) -> list[Shape]:
     """The grid's device layouts: TP within a node, PP (dividing the blocks when asked), DP the
-    rest; micro-batch sizes that divide each replica's batch; interleaving with v chunks when the
-    micro-batches fill the pipeline (m % pp == 0) and the blocks divide into pp * v."""
+    rest; micro-batch sizes that divide each replica's batch (`micro_batch_sizes`); interleaving
+    with v chunks when the micro-batches fill the pipeline (m % pp == 0) and the blocks divide
+    into pp * v."""
     shapes = []
     for tp in [t for t in range(1, min(MAX_TP, gpus_per_node) + 1) if gpus_per_node % t == 0]:
         for pp in [p for p in range(1, world // tp + 1) if (world // tp) % p == 0]:
@@ -213,7 +153,7 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            for mbs in [b for b in GRID_MICRO_BATCH if (global_batch // dp) % b == 0]:
+            for mbs in micro_batch_sizes(global_batch // dp, whole_batch):
                 m = global_batch // (dp * mbs)
                 sp = tp > 1
                 if pp == 1:
@@ -228,14 +168,25 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
     return shapes
 
 
-def autopar_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int) -> list[Shape]:
+def autopar_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int,
+                   whole_batch: bool = False) -> list[Shape]:
     """Layouts outside the grid whose PP does not divide the blocks: uneven stages."""
     return [shape for shape in megatron_shapes(blocks, world, gpus_per_node, global_batch,
-                                               pp_divides_blocks=False)
+                                               pp_divides_blocks=False, whole_batch=whole_batch)
             if shape.virtual == 1 and blocks % shape.pp]
 
 
-def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int) -> list[Shape]:
+def module_shapes(units: int, world: int, gpus_per_node: int, global_batch: int,
+                  whole_batch: bool = False) -> list[Shape]:
+    """Pipelines of a model without repeated blocks, cut between its `units` (modules) by cost:
+    every depth from 2 to the units, one chunk per rank."""
+    return [shape for shape in megatron_shapes(units, world, gpus_per_node, global_batch,
+                                               pp_divides_blocks=False, whole_batch=whole_batch)
+            if shape.virtual == 1 and shape.pp > 1]
+
+
+def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int,
+                          whole_batch: bool = False) -> list[Shape]:
     """Pipelines with fewer micro-batches than stages, which only GPipe runs: a bubble of at least
     the whole ideal step, so the planner tries them only when nothing else fits (a small global
     batch on many devices)."""
@@ -245,7 +196,7 @@ def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_ba
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            for mbs in [b for b in GRID_MICRO_BATCH if (global_batch // dp) % b == 0]:
+            for mbs in micro_batch_sizes(global_batch // dp, whole_batch):
                 if global_batch // (dp * mbs) < pp:
                     shapes.append(Shape(tp, pp, dp, mbs, "gpipe", 1, tp > 1))
     return shapes
@@ -259,6 +210,7 @@ class Search:
     deadline: float
     # (unit computing, furthest unit reading) -> an activation: stage_flow.skipping_pairs
     skipping: dict[tuple[int, int], str]
+    coupling: str | None = None     # why micro-batches would change the model's numbers
     best: Priced | None = None
     least_memory: Priced | None = None
     timed_out: bool = False
@@ -267,7 +219,8 @@ class Search:
         """Price with the estimator; None when the candidate is not a valid plan for it. The
         generators propose only layouts the runtime runs; this guard keeps any other out of
         `best` and counts it among the refusals."""
-        error = layout_error(candidate.shape, self.pricer.global_batch) or self.relay_error(candidate)
+        error = layout_error(candidate.shape, self.pricer.global_batch, self.coupling) \
+            or self.relay_error(candidate)
         if error is not None:
             reason = f"not runnable: {error}"
             self.pricer.refusals[reason] = self.pricer.refusals.get(reason, 0) + 1
@@ -403,6 +356,8 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
     current = start
     for move in (_schedule_moves, _micro_batch_moves, _schedule_moves, _balanced_move,
                  _boundary_moves, _recompute_moves, _zero_moves, _boundary_moves):
+        if move is _micro_batch_moves and search.coupling is not None:
+            continue        # one micro-batch per replica (layout_error)
         improved = True
         while improved and not search.out_of_time():
             improved = False

@@ -27,9 +27,9 @@ from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 from autopar.plans import Plan, Stage
 from autopar.solver.pipeline import (MAX_TP, Candidate, Priced, Search, Shape, autopar_shapes,
-                                     grid_phase, layout_error, megatron_shapes,
-                                     pipeline_units, refine, short_pipeline_shapes, uneven_phase,
-                                     uniform_cuts, unit_weights)
+                                     balanced_cuts, grid_phase, layout_error, megatron_shapes,
+                                     module_shapes, pipeline_units, refine, short_pipeline_shapes,
+                                     uneven_phase, uniform_cuts, unit_weights)
 from autopar.solver.pipeline_price import Pricer, chunk_layers
 from autopar.solver.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
@@ -80,7 +80,8 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     search = new_search(graph, mesh, global_batch, limit, deadline, precision, efficiencies)
     weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
     blocks = sum(1 for unit in search.units if unit.block)
-    grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch)
+    whole = search.coupling is not None
+    grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch, whole_batch=whole)
     _report(progress, "Megatron grid", 0, 3)
     # ZeRO-1 moves the bytes of ZeRO-0's all-reduce (reduce-scatter, then all-gather) and steps
     # the optimizer on 1/dp of the parameters: never slower, less memory. The grid's ZeRO-0 points
@@ -89,13 +90,16 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     # the estimator decides whether their extra collectives cost time.
     grid_phase(search, grid, zero_levels=(1, 2, 3))
     _report(progress, "uneven stages", 1, 3)
-    uneven_phase(search, autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch),
-                 weights_for)
+    # a model without repeated blocks is cut between its modules (balanced by cost) at any depth
+    uneven = autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch, whole) if blocks \
+        else module_shapes(len(search.units), mesh.world_size, mesh.gpus_per_node, global_batch, whole)
+    uneven_phase(search, uneven, weights_for)
     if search.best is None:
         # a pipeline with fewer micro-batches than stages (GPipe only) is all bubble: tried
         # only when nothing else fits
-        uneven_phase(search, short_pipeline_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
-                                                   global_batch), weights_for)
+        uneven_phase(search, short_pipeline_shapes(blocks or len(search.units), mesh.world_size,
+                                                   mesh.gpus_per_node, global_batch, whole),
+                     weights_for)
     _report(progress, "refining", 2, 3)
     for seed in _seeds(search):
         refine(search, seed, weights_for)
@@ -122,15 +126,18 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
     # the config's sequence parallelism is the placements' (the ILP's is free in a free plan)
     search = new_search(graph, mesh, config.global_batch, limit, started + time_limit, precision,
                         efficiencies, config.sequence_parallel if config.tp > 1 else None)
-    cuts = _megatron_cuts(search.units, config.pp * config.virtual)
+    # Megatron's uniform stages over repeated blocks; a model without them cut between modules
+    uniform = any(unit.block for unit in search.units)
+    cuts = _megatron_cuts(search.units, config.pp * config.virtual) if uniform else \
+        _module_cuts(graph, mesh, search.units, config)
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
                   config.virtual, config.sequence_parallel)
     candidate = Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks)
-    error = layout_error(shape, config.global_batch) or search.relay_error(candidate)
+    error = layout_error(shape, config.global_batch, search.coupling) or search.relay_error(candidate)
     if error is not None:
         raise AutoparError(f"autopar cannot run {config}: {error}")
-    priced = search.price(candidate, uniform=True)
+    priced = search.price(candidate, uniform=uniform)
     if priced is None:
         # the one candidate priced: its refusal is the only reason recorded
         reason = next(iter(search.pricer.refusals), "check the degrees against the model's heads "
@@ -159,6 +166,18 @@ def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
     return (0, *inner, len(units))
 
 
+def _module_cuts(graph: Graph, mesh: Mesh, units, config: Config) -> tuple[int, ...]:
+    """The stages of a model without repeated blocks: its modules cut where the pipeline's
+    ranks get the most even compute (balanced_cuts), as a free plan's are."""
+    chunks = config.pp * config.virtual
+    cuts = balanced_cuts(unit_weights(graph, units, mesh, config.tp), chunks)
+    if cuts is None:
+        raise AutoparError(f"this model has no repeated blocks and {len(units)} modules that can "
+                           f"stand as pipeline stages ({', '.join(u.name for u in units[:4])}), "
+                           f"too few for {chunks} pipeline chunks; use fewer stages")
+    return cuts
+
+
 def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadline: float,
                precision: str | None = None, efficiencies=None,
                sequence_parallel: bool | None = None) -> Search:
@@ -169,7 +188,8 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
                     sequence_parallel=sequence_parallel)
     units = pipeline_units(graph)
     return Search(pricer=pricer, units=units, deadline=deadline,
-                  skipping=skipping_pairs(graph, [unit.layers for unit in units]))
+                  skipping=skipping_pairs(graph, [unit.layers for unit in units]),
+                  coupling=graph.batch_coupling())
 
 
 def _seeds(search: Search) -> list[Priced]:

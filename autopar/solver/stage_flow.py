@@ -11,10 +11,11 @@ their nodes as `FlowNode`s.
 A unit is a module path ("embed", "layers.0", "head"), in model order; `unit_stage[u]` is the
 pipeline stage of unit u. The rules:
 - nodes no output depends on are dropped, and with them checks of constants and the export's
-  `_assert_tensor_metadata`; other nodes with an effect stay (`dead`);
+  `_assert_tensor_metadata`; other nodes with an effect stay (`dead`), writes to a buffer among
+  them (BatchNorm's `num_batches_tracked.add_(1)`, which nothing reads);
 - parameters, buffers and what is computed from buffers and constants alone (rotary tables, a
   position `arange`) are "shared": every unit that reads one has its own copy, so none is ever
-  sent from stage to stage (`shared_values`);
+  sent from stage to stage (`shared_values`); a write to a buffer is no such computation;
 - every other node belongs to the layer its module path is in (the first such layer at or after
   its inputs' units, for a module that runs in several places); glue outside every layer follows
   its latest input, and glue that reads only the model's inputs goes with its first reader
@@ -47,6 +48,7 @@ class FlowNode:
     module_path: str = ""           # the innermost module it ran in; "" at the top level
     target: str = ""                # "aten.mm.default" for an op
     effect: bool = False            # it must run even when nothing reads it (torch's is_impure)
+    writes: bool = False            # it writes one of its inputs in place (running statistics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +68,17 @@ def graph_flow(graph: Graph) -> list[FlowNode]:
     """A captured Graph's nodes as the rules see them (the same as the runtime's export)."""
     kinds = {Role.INPUT: INPUT, Role.PARAMETER: PARAMETER, Role.BUFFER: BUFFER, Role.OUTPUT: OUTPUT}
     return [FlowNode(name=node.name, inputs=node.inputs, module_path=node.module_path,
-                     target=node.target, effect=node.effect,
+                     target=node.target, effect=node.effect, writes=bool(node.writes),
                      kind=kinds.get(node.role) or (OTHER if node.target == "get_attr" else FUNCTION))
             for node in graph.nodes]
 
 
 def constants(nodes: Sequence[FlowNode]) -> set[str]:
-    """Buffers, and ops computed from nothing but buffers and constants."""
+    """Buffers, and ops computed from nothing but buffers and constants (not those writing one)."""
     found: set[str] = set()
     for node in nodes:
-        if node.kind == BUFFER or node.kind == FUNCTION and all(n in found for n in node.inputs):
+        if node.kind == BUFFER or node.kind == FUNCTION and not node.writes \
+                and all(n in found for n in node.inputs):
             found.add(node.name)
     return found
 
@@ -87,7 +90,8 @@ def shared_values(nodes: Sequence[FlowNode]) -> set[str]:
 
 def dead(nodes: Sequence[FlowNode]) -> list[str]:
     """The nodes to drop, last first: what no output depends on, but for ops with an effect on
-    an activation (a check of a constant, or the export's metadata check, is dropped)."""
+    an activation or a write to a buffer (a check of a constant, or the export's metadata check,
+    is dropped)."""
     constant = constants(nodes)
     users = _users(nodes)
     count = {name: len(readers) for name, readers in users.items()}
@@ -95,7 +99,7 @@ def dead(nodes: Sequence[FlowNode]) -> list[str]:
     for node in reversed(nodes):
         if node.kind in (INPUT, OUTPUT) or count[node.name]:
             continue
-        if node.name in constant or not node.effect or node.target == ASSERT_METADATA:
+        if node.name in constant or not (node.effect or node.writes) or node.target == ASSERT_METADATA:
             dropped.append(node.name)
             for name in node.inputs:
                 count[name] -= 1

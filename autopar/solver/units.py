@@ -1,0 +1,160 @@
+"""Pipeline units: the pieces of a model that stage cuts may not split, and their weights.
+
+A transformer is cut between its blocks: the embedding (every node before the first repeated
+block), each block instance, and the head (every node after the last block). A model without
+repeated blocks (an MLP, a CNN) is cut between modules: the units start as the model's outermost
+modules, in the order they run, and the heaviest unit (by forward FLOPs) is replaced by its child
+modules while it weighs more than `MAX_UNIT_SHARE` of the model and its children can stand as
+units. Children can when each runs as one contiguous range of the graph's ops (a module called at
+two places, such as one ReLU used after every convolution of a ResNet block, cannot): the
+pipeline runs units in order. The ops of the parent itself (a residual add between two children)
+run with the child before them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.compute import compute_time, op_family
+from autopar.graph import Graph, Role
+
+# A unit weighs at most this share of the model where its modules allow: pipelines of up to
+# eight stages can then be balanced by the cut search (autopar.solver.pipeline.balanced_cuts).
+MAX_UNIT_SHARE = 1 / 8
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    name: str                   # "embedding", "layers.3", "head"
+    layers: tuple[str, ...]     # module paths of the unit, in order
+    start: int                  # node index range in Graph.nodes
+    stop: int
+    block: bool = False         # a repeated block instance
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """How the estimator's StageSpec names the unit: its node range (a path would be ambiguous
+        for a block module that runs more than once)."""
+        return (self.start, self.stop)
+
+
+def pipeline_units(graph: Graph) -> list[Unit]:
+    """Embedding, block instances in order, head: the pieces stage cuts may not split; for a
+    model without repeated blocks, its modules (`module_units`)."""
+    instances = sorted((inst for kind in graph.blocks for inst in kind.instances), key=lambda i: i.start)
+    blocks = {inst.module_path for inst in instances}
+    if not instances:
+        return [Unit(name=layers[0] if len(layers) == 1 else "model", layers=layers, start=start,
+                     stop=stop) for layers, start, stop in module_units(graph)]
+    units = []
+    first, last = instances[0], instances[-1]
+    # an embedding or head with no ops of its own (only parameter placeholders) is no unit
+    embedding = _top_modules(graph, 0, first.start, blocks)
+    if embedding:
+        units.append(Unit(name="embedding", layers=embedding, start=0, stop=first.start))
+    for inst, following in zip(instances, instances[1:] + [None]):
+        # nodes between two blocks run with the block before: a residual add at the top level, or
+        # whole modules that are no repeated block (an encoder's final norm, a decoder's first
+        # block that differs from the others, the decoder's embedding): the unit names them all,
+        # so that every module's nodes belong to some unit
+        stop = following.start if following is not None else inst.stop
+        between = _top_modules(graph, inst.stop, stop, blocks)
+        units.append(Unit(name=inst.module_path, layers=(inst.module_path, *between), start=inst.start,
+                          stop=stop, block=True))
+    head = _top_modules(graph, last.stop, len(graph.nodes), blocks)
+    if head:
+        units.append(Unit(name="head", layers=head, start=last.stop, stop=len(graph.nodes)))
+    return units
+
+
+def _top_modules(graph: Graph, start: int, stop: int, block_paths: set[str]) -> tuple[str, ...]:
+    """The outermost modules of the ops in a node range that hold no block (for a model nested as
+    `transformer.wte`, `transformer.h.0`: `transformer.wte`, not `transformer`), in first-use order."""
+    seen: dict[str, None] = {}
+    for node in graph.nodes[start:stop]:
+        if node.role is not Role.ACTIVATION or not node.module_path:
+            continue
+        parts = node.module_path.split(".")
+        for depth in range(1, len(parts) + 1):
+            path = ".".join(parts[:depth])
+            if not any(block == path or block.startswith(path + ".") for block in block_paths):
+                seen.setdefault(path, None)
+                break
+    return tuple(seen)
+
+
+def unit_weights(graph: Graph, units: list[Unit], mesh, tp: int) -> list[float]:
+    """Seconds of forward and backward of each unit on one device of a tp group, by the cost
+    model's roofline: the proposal weights of the cut dynamic program (the estimator decides)."""
+    weights = []
+    for unit in units:
+        seconds = 0.0
+        for node in graph.nodes[unit.start:unit.stop]:
+            if node.role is Role.ACTIVATION:
+                family = op_family(node.target)
+                seconds += 3 * compute_time(node.flops / tp, 3 * node.bytes / tp, mesh.device, family)
+        weights.append(seconds)
+    return weights
+
+
+def module_units(graph: Graph) -> list[tuple[tuple[str, ...], int, int]]:
+    """(module paths, first node, one past the last node) of each unit, in model order, covering
+    every node of the graph. The model is one unit of all its outermost modules when they
+    cannot stand as units."""
+    ops = [i for i, node in enumerate(graph.nodes) if node.role is Role.ACTIVATION and node.module_path]
+    ranges = _ranges(graph, ops)
+    flops = [node.flops for node in graph.nodes]
+    total = sum(flops) or 1
+    ranges[""] = (0, len(graph.nodes) - 1)
+    units = [""]
+    while True:
+        weights = {path: sum(flops[ranges[path][0]:ranges[path][1] + 1]) for path in units}
+        splittable = [path for path in units if weights[path] > MAX_UNIT_SHARE * total
+                      and _standalone(graph, ranges, _children(ranges, path))]
+        if not splittable:
+            break
+        heaviest = max(splittable, key=weights.__getitem__)
+        at = units.index(heaviest)
+        units[at:at + 1] = _children(ranges, heaviest)
+    if units == [""]:
+        return [(tuple(_children(ranges, "")), 0, len(graph.nodes))]
+    starts = [0 if k == 0 else ranges[path][0] for k, path in enumerate(units)]
+    return [((path,), start, stop) for path, start, stop in zip(units, starts, [*starts[1:], len(graph.nodes)])]
+
+
+def _ranges(graph: Graph, ops: list[int]) -> dict[str, tuple[int, int]]:
+    """Every module path (and each of its parents) -> (first, last) index of its ops."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for i in ops:
+        parts = graph.nodes[i].module_path.split(".")
+        for depth in range(1, len(parts) + 1):
+            path = ".".join(parts[:depth])
+            first, _ = ranges.get(path, (i, i))
+            ranges[path] = (first, i)
+    return ranges
+
+
+def _children(ranges: dict[str, tuple[int, int]], parent: str) -> list[str]:
+    """The modules directly under `parent` ("" for the model), in the order they start; through
+    a module with one child (an encoder holding a ModuleList of stages), that child's."""
+    prefix = parent + "." if parent else ""
+    found = [path for path in ranges if path and path.startswith(prefix) and "." not in path[len(prefix):]]
+    if len(found) == 1:
+        return _children(ranges, found[0])
+    return sorted(found, key=lambda path: ranges[path][0])
+
+
+def _standalone(graph: Graph, ranges: dict[str, tuple[int, int]], children: list[str]) -> bool:
+    """Whether each of `children` (two or more) runs as one range holding only its own ops."""
+    if len(children) < 2:
+        return False
+    for path in children:
+        first, last = ranges[path]
+        if any(node.role is Role.ACTIVATION and not _under(node.module_path, path)
+               for node in graph.nodes[first:last + 1]):
+            return False
+    return True
+
+
+def _under(module_path: str, path: str) -> bool:
+    return module_path == path or module_path.startswith(path + ".")
