@@ -29,7 +29,7 @@ FAMILIES = ("matmul", "attention", "norm", "softmax", "elementwise", "reduction"
             "loss", "view")
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "addmv", "mv", "dot",
-           "einsum", "_scaled_mm", "convolution", "conv1d", "conv2d", "conv3d", "_convolution"}
+           "einsum", "_scaled_mm", "_grouped_mm", "convolution", "conv1d", "conv2d", "conv3d", "_convolution"}
 _ATTENTION_PREFIX = ("_scaled_dot_product", "scaled_dot_product", "_flash_attention",
                      "_efficient_attention", "_cudnn_attention", "flex_attention")
 _NORM = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
@@ -59,8 +59,16 @@ BACKWARD = {"matmul": (2.0, 2.0), "attention": (2.5, 2.0), "norm": (2.0, 2.0),
             "embedding": (0.0, 2.0), "loss": (1.0, 1.5), "view": (0.0, 0.0)}
 
 
+# Ops of autopar's own library (autopar/models/experts.py) that run kernels: the experts of a
+# mixture-of-experts layer as one grouped matmul.
+_OWN_OPS = {"autopar.grouped_mm": "matmul"}
+
+
 def op_family(target: str) -> str:
     """The family of an ATen op target such as "aten.mm.default" (or its packet, "aten.mm")."""
+    own = _OWN_OPS.get(target.rsplit(".", 1)[0] if target.count(".") == 2 else target)
+    if own is not None:
+        return own
     name = target.split(".")[1] if target.startswith("aten.") and "." in target else target.split(".")[-1]
     name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
     if name in _MATMUL:

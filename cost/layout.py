@@ -48,7 +48,7 @@ _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64"
 
 def op_name(target: str) -> str:
     parts = target.split(".")
-    return parts[1] if target.startswith("aten.") and len(parts) > 1 else parts[-1]
+    return parts[1] if target.startswith(("aten.", "autopar.")) and len(parts) > 1 else parts[-1]
 
 
 @dataclass(kw_only=True, slots=True)
