@@ -162,6 +162,9 @@ class Efficiencies:
     # GPU's ranks drift by microseconds, hence 0.
     collective_wait_s: float = 0.0
     collective_wait_span_s: float = 0.0
+    # Bytes/s an optimizer step streams on the host (offloaded states: cost/offload.py), measured
+    # by `autopar calibrate` where it ran; 0 for the device's published host figure.
+    host_optimizer_bytes_per_s: float = 0.0
     device: str = ""                   # the device they were measured on; "" for the defaults
 
     def wait_after(self, span_s: float) -> float:
@@ -242,18 +245,26 @@ def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, family: s
 GEMM_TILES = ((256, 128), (128, 256))
 
 
-def gemm_utilization(rows: float, cols: float, device: DeviceSpec) -> float:
+# A grouped GEMM (the experts of a mixture-of-experts layer) runs every group's tiles in one
+# persistent kernel (CUTLASS's grouped GEMM, which Transformer Engine and torch._grouped_mm use),
+# whose tiles are 128 x 128 as often as larger.
+GROUPED_GEMM_TILES = GEMM_TILES + ((128, 128),)
+
+
+def gemm_utilization(rows: float, cols: float, device: DeviceSpec, groups: int = 1) -> float:
     """The share of a GPU's streaming multiprocessors that an output of `rows` x `cols` keeps busy
-    over its waves of tiles, with the better of cuBLAS's tile orientations; 1 on a device without
+    over its waves of tiles, with the better of cuBLAS's tile orientations; with `groups` > 1,
+    of that many such outputs computed together by one grouped kernel (their tiles share the
+    waves, each group's last row and column tiles partly empty). 1 on a device without
     multiprocessors (a CPU) or for an empty shape."""
-    if not device.multiprocessors or rows < 1 or cols < 1:
+    if not device.multiprocessors or rows <= 0 or cols < 1:
         return 1.0
     units = device.multiprocessors
     best = 0.0
-    for tile_rows, tile_cols in GEMM_TILES:
-        tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
+    for tile_rows, tile_cols in GROUPED_GEMM_TILES if groups > 1 else GEMM_TILES:
+        tiles = groups * math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
         waves = math.ceil(tiles / units)
-        best = max(best, rows * cols / (tile_rows * tile_cols) / (waves * units))
+        best = max(best, groups * rows * cols / (tile_rows * tile_cols) / (waves * units))
     return best
 
 

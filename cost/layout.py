@@ -69,7 +69,11 @@ class NodeLayout:
     comm_backward: tuple = ()
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa
-    gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns)
+    gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns),
+                                   # and for grouped matmuls the GEMMs run together (cost/experts.py)
+    expert: bool = False           # runs on a mixture-of-experts layer's rows (cost/experts.py)
+    exchange_bytes: float = 0.0    # bytes per sample this rank sends into an expert all-to-all,
+                                   # in the forward and again in the backward
 
 
 @dataclass(kw_only=True, slots=True, eq=False)

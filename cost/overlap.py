@@ -105,6 +105,7 @@ class DeviceWork:
     # buffer it fills (Efficiencies.data_parallel_reduce_group_s or sharded_reduce_group_s, _byte_s)
     reduce_group_s: float = 0.0
     reduce_byte_s: float = 0.0
+    expert_params: float = 0.0  # of `params`, experts' under expert parallelism (own group)
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
