@@ -100,7 +100,11 @@ class Estimate:
     host_memory_bytes: float = 0.0  # offloaded model states one device keeps on its host
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain data; the host's bytes only where the states are offloaded."""
+        data = asdict(self)
+        if not self.host_memory_bytes:
+            del data["host_memory_bytes"]
+        return data
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,

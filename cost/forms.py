@@ -85,5 +85,5 @@ def offload_step(work: DeviceWork, spec, *, micro_batches: int, schedule: str, m
                         gathers=gathers, reductions=reductions,
                         compute_s=micro_batches * (work.forward_s + work.backward_s),
                         device=mesh.device,
-                        host_devices=min(mesh.device.gpus_per_host, mesh.gpus_per_node),
+                        host_devices=min(mesh.device.host_figures.gpus, mesh.gpus_per_node),
                         efficiencies=eff)

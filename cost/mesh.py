@@ -52,6 +52,17 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class HostSpec:
+    """The host of a device, for offloaded model states: the link to it (PCIe, or Grace's
+    NVLink-C2C), and what the host's memory streams and its cores compute for an optimizer step,
+    shared by the `gpus` devices it serves."""
+    link: Link
+    bandwidth: float            # bytes/s a CPU Adam step streams through the host's DRAM
+    flops: float                # the host's FLOP/s for it
+    gpus: int
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceSpec:
     name: str
     peak_flops: dict        # dtype name -> dense FLOP/s ("bfloat16", "float16", "float32")
@@ -62,16 +73,15 @@ class DeviceSpec:
     multiprocessors: int = 0  # streaming multiprocessors (GEMM tiles run in waves of them); 0: a CPU
     training_dtype: str = "bfloat16"   # what activations, weights and gradients are held in
     overlaps_communication: bool = True  # collectives run beside compute (a GPU's own engines)
-    # The host, for offloaded model states (cost/offload.py): the link to it (PCIe, or Grace's
-    # NVLink-C2C), and what the host's memory streams and its cores compute for an optimizer
-    # step, shared by the `gpus_per_host` devices it serves.
-    host_link: Link = Link("pcie4", 32e9, 10e-6, 0.8)
-    host_bandwidth: float = 100e9       # bytes/s a CPU Adam step streams through the host's DRAM
-    host_flops: float = 2e12
-    gpus_per_host: int = 8
+    # The host, for offloaded model states (cost/offload.py); None: the known device's (HOSTS)
+    host: HostSpec | None = None
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    @property
+    def host_figures(self) -> HostSpec:
+        return self.host or HOSTS.get(self.name, DEFAULT_HOST)
 
 
 GB = 1e9
@@ -117,9 +127,8 @@ NVLINK_C2C = Link("nvlink-c2c", 450 * GB, 5e-6, 0.80)
 _HOST_SHARE = 0.4
 
 
-def _host_figures(peak: float, flops: float, gpus: int, link: Link) -> dict:
-    return {"host_link": link, "host_bandwidth": _HOST_SHARE * peak * GB, "host_flops": flops,
-            "gpus_per_host": gpus}
+def _host_figures(peak: float, flops: float, gpus: int, link: Link) -> HostSpec:
+    return HostSpec(link, _HOST_SHARE * peak * GB, flops, gpus)
 
 
 def _tensor_flops(bf16: float, fp32: float, fp8: float = 0.0) -> dict:
@@ -139,35 +148,48 @@ def _tensor_flops(bf16: float, fp32: float, fp8: float = 0.0) -> dict:
 # plan in "fp8" is priced at bf16 elsewhere). HBM/GDDR bandwidths likewise: V100 900 GB/s, RTX
 # 3090 936, RTX 4090 1008, L40S 864, B200/GB200/GB300 8000. A GB200/GB300 mesh's "node" is its
 # NVLink domain (up to 72 GPUs of an NVL72 rack): `4x64:gb200` is four racks of 64.
-DEVICES = {
-    "v100-32g": DeviceSpec("v100-32g", {"float16": 125e12, "float32": 15.7e12}, 900 * GB,
-                           32 * GIB, NVLINK2, IB_EDR, 80, **_host_figures(256, 2e12, 16, PCIE3)),
-    "a100-40g": DeviceSpec("a100-40g", _tensor_flops(312e12, 19.5e12), 1555 * GB, 40 * GIB, NVLINK3,
-                           IB_HDR, 108, **_host_figures(410, 4e12, 8, PCIE4)),
-    "a100-80g": DeviceSpec("a100-80g", _tensor_flops(312e12, 19.5e12), 2039 * GB, 80 * GIB, NVLINK3,
-                           IB_HDR, 108, **_host_figures(410, 4e12, 8, PCIE4)),
-    "h100-80g": DeviceSpec("h100-80g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 80 * GIB,
-                           NVLINK4, IB_NDR, 132, **_host_figures(614, 6e12, 8, PCIE5)),
-    "h100-96g": DeviceSpec("h100-96g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 96 * GIB,
-                           NVLINK4, IB_NDR, 132, **_host_figures(614, 6e12, 8, PCIE5)),
-    "h200-141g": DeviceSpec("h200-141g", _tensor_flops(989e12, 67e12, 1979e12), 4800 * GB, 141 * GIB,
-                            NVLINK4, IB_NDR, 132, **_host_figures(614, 6e12, 8, PCIE5)),
-    "b200-180g": DeviceSpec("b200-180g", _tensor_flops(2250e12, 75e12, 4500e12), 8000 * GB, 180 * GIB,
-                            NVLINK5, IB_NDR, 148, **_host_figures(717, 6e12, 8, PCIE5)),
-    "gb200-186g": DeviceSpec("gb200-186g", _tensor_flops(2500e12, 80e12, 5000e12), 8000 * GB, 186 * GIB,
-                             NVLINK5, IB_NDR, 148, **_host_figures(512, 3e12, 2, NVLINK_C2C)),
-    "gb300-288g": DeviceSpec("gb300-288g", _tensor_flops(2500e12, 80e12, 5000e12), 8000 * GB, 288 * GIB,
-                             NVLINK5, IB_XDR, 160, **_host_figures(512, 3e12, 2, NVLINK_C2C)),
-    "rtx3090-24g": DeviceSpec("rtx3090-24g", _tensor_flops(71e12, 35.6e12), 936 * GB, 24 * GIB,
-                              PCIE_PEERS, ETHERNET_25G, 82, **_host_figures(51, 1e12, 1, PCIE4)),
-    "rtx4090-24g": DeviceSpec("rtx4090-24g", _tensor_flops(165.2e12, 82.6e12, 330.3e12), 1008 * GB,
-                              24 * GIB, PCIE_PEERS, ETHERNET_25G, 128, **_host_figures(90, 1.5e12, 1, PCIE4)),
-    "l40s-48g": DeviceSpec("l40s-48g", _tensor_flops(362e12, 91.6e12, 733e12), 864 * GB, 48 * GIB,
-                           PCIE_PEERS, ETHERNET_100G, 142, **_host_figures(920, 6e12, 8, PCIE4)),
-    "cpu": DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12},
-                      20 * GB, 16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32",
-                      overlaps_communication=False, **_host_figures(20 / _HOST_SHARE, 0.1e12, 1, LOOPBACK)),
+DEVICES = {device.name: device for device in (
+    DeviceSpec("v100-32g", {"float16": 125e12, "float32": 15.7e12}, 900 * GB, 32 * GIB, NVLINK2,
+               IB_EDR, 80),
+    DeviceSpec("a100-40g", _tensor_flops(312e12, 19.5e12), 1555 * GB, 40 * GIB, NVLINK3, IB_HDR, 108),
+    DeviceSpec("a100-80g", _tensor_flops(312e12, 19.5e12), 2039 * GB, 80 * GIB, NVLINK3, IB_HDR, 108),
+    DeviceSpec("h100-80g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 80 * GIB, NVLINK4,
+               IB_NDR, 132),
+    DeviceSpec("h100-96g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 96 * GIB, NVLINK4,
+               IB_NDR, 132),
+    DeviceSpec("h200-141g", _tensor_flops(989e12, 67e12, 1979e12), 4800 * GB, 141 * GIB, NVLINK4,
+               IB_NDR, 132),
+    DeviceSpec("b200-180g", _tensor_flops(2250e12, 75e12, 4500e12), 8000 * GB, 180 * GIB, NVLINK5,
+               IB_NDR, 148),
+    DeviceSpec("gb200-186g", _tensor_flops(2500e12, 80e12, 5000e12), 8000 * GB, 186 * GIB, NVLINK5,
+               IB_NDR, 148),
+    DeviceSpec("gb300-288g", _tensor_flops(2500e12, 80e12, 5000e12), 8000 * GB, 288 * GIB, NVLINK5,
+               IB_XDR, 160),
+    DeviceSpec("rtx3090-24g", _tensor_flops(71e12, 35.6e12), 936 * GB, 24 * GIB, PCIE_PEERS,
+               ETHERNET_25G, 82),
+    DeviceSpec("rtx4090-24g", _tensor_flops(165.2e12, 82.6e12, 330.3e12), 1008 * GB, 24 * GIB,
+               PCIE_PEERS, ETHERNET_25G, 128),
+    DeviceSpec("l40s-48g", _tensor_flops(362e12, 91.6e12, 733e12), 864 * GB, 48 * GIB, PCIE_PEERS,
+               ETHERNET_100G, 142),
+    DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12}, 20 * GB,
+               16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32", overlaps_communication=False),
+)}
+HOSTS = {
+    "v100-32g": _host_figures(256, 2e12, 16, PCIE3),
+    "a100-40g": _host_figures(410, 4e12, 8, PCIE4),
+    "a100-80g": _host_figures(410, 4e12, 8, PCIE4),
+    "h100-80g": _host_figures(614, 6e12, 8, PCIE5),
+    "h100-96g": _host_figures(614, 6e12, 8, PCIE5),
+    "h200-141g": _host_figures(614, 6e12, 8, PCIE5),
+    "b200-180g": _host_figures(717, 6e12, 8, PCIE5),
+    "gb200-186g": _host_figures(512, 3e12, 2, NVLINK_C2C),
+    "gb300-288g": _host_figures(512, 3e12, 2, NVLINK_C2C),
+    "rtx3090-24g": _host_figures(51, 1e12, 1, PCIE4),
+    "rtx4090-24g": _host_figures(90, 1.5e12, 1, PCIE4),
+    "l40s-48g": _host_figures(920, 6e12, 8, PCIE4),
+    "cpu": HostSpec(LOOPBACK, 20 * GB, 0.1e12, 1),
 }
+DEFAULT_HOST = _host_figures(410, 4e12, 8, PCIE4)
 # The names users know the larger cards by
 ALIASES = {"b200": "b200-180g", "gb200": "gb200-186g", "gb300": "gb300-288g"}
 
@@ -254,7 +276,10 @@ class Mesh:
 
     def to_dict(self) -> dict:
         """Plain JSON data (lists, not tuples), so that a saved and loaded copy compares equal."""
-        return _plain({"device": asdict(self.device), "axes": [asdict(a) for a in self.axes]})
+        device = asdict(self.device)
+        if device["host"] is None:      # the known device's host: nothing of its own to write
+            del device["host"]
+        return _plain({"device": device, "axes": [asdict(a) for a in self.axes]})
 
     @classmethod
     def from_dict(cls, data: dict) -> Mesh:
@@ -269,7 +294,7 @@ class Mesh:
                 multiprocessors=int(_value(dev, "multiprocessors", int, "device")) if "multiprocessors" in dev else 0,
                 training_dtype=_value(dev, "training_dtype", str, "device") if "training_dtype" in dev else "bfloat16",
                 overlaps_communication=_flag(dev, "overlaps_communication", default=True),
-                **_host_fields(dev))
+                host=_host_spec(dev["host"]) if dev.get("host") is not None else None)
             extra = sorted(set(dev) - {field.name for field in fields(DeviceSpec)})
             if extra:
                 raise MeshError(f"device has unknown keys {extra}")
@@ -301,17 +326,14 @@ def _value(record: dict, key: str, kind, where: str):
     return value
 
 
-def _host_fields(dev: dict) -> dict:
-    """The host's figures, where a mesh file gives them (the defaults of DeviceSpec if not)."""
-    fields = {}
-    if "host_link" in dev:
-        fields["host_link"] = _link(dev, "host_link", "device")
-    for key in ("host_bandwidth", "host_flops"):
-        if key in dev:
-            fields[key] = float(_positive(dev, key, "device"))
-    if "gpus_per_host" in dev:
-        fields["gpus_per_host"] = int(_positive(dev, "gpus_per_host", "device", integer=True))
-    return fields
+def _host_spec(host: dict) -> HostSpec:
+    """A mesh file's own host figures (`DeviceSpec.host`)."""
+    if not isinstance(host, dict):
+        raise MeshError(f"device.host is {host!r}; expected {{link, bandwidth, flops, gpus}}")
+    return HostSpec(link=_link(host, "link", "device.host"),
+                    bandwidth=float(_positive(host, "bandwidth", "device.host")),
+                    flops=float(_positive(host, "flops", "device.host")),
+                    gpus=int(_positive(host, "gpus", "device.host", integer=True)))
 
 
 def _flag(record: dict, key: str, *, default: bool) -> bool:

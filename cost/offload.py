@@ -15,7 +15,7 @@ Copies run on their own engines, beside the compute (FSDP2 prefetches the next g
 with its all-gather; gradients come down while the backward goes on): what a step's copies take
 beyond its forward and backward compute is exposed. The host's Adam step is not overlapped
 (torch steps after the backward): it is memory-bound on the host, OPTIMIZER_STEP_BYTES_PER_PARAM
-bytes per parameter at the host's memory bandwidth for one device (`DeviceSpec.host_bandwidth`,
+bytes per parameter at the host's memory bandwidth for one device (`DeviceSpec.host_figures`,
 or what `autopar calibrate` measured: `Efficiencies.host_optimizer_bytes_per_s`), or bound by
 the host's FLOP/s at ADAM_FLOPS_PER_PARAM, whichever is slower.
 """
@@ -44,11 +44,11 @@ def offload_time(*, params: float, shard: float, zero: int, gathers: int, reduct
     else:       # the gradients down, the updated 16-bit weights up, once per step
         moved = shard * GRADIENT_BYTES + params * 2
         transfers = 2
-    link = device.host_link
-    copies = moved / (link.bandwidth * link.efficiency) + transfers * link.latency
-    host_rate = (efficiencies.host_optimizer_bytes_per_s or device.host_bandwidth) / host_devices
+    host = device.host_figures
+    copies = moved / (host.link.bandwidth * host.link.efficiency) + transfers * host.link.latency
+    host_rate = (efficiencies.host_optimizer_bytes_per_s or host.bandwidth) / host_devices
     step = max(shard * OPTIMIZER_STEP_BYTES_PER_PARAM / host_rate,
-               shard * ADAM_FLOPS_PER_PARAM / (device.host_flops / host_devices))
+               shard * ADAM_FLOPS_PER_PARAM / (host.flops / host_devices))
     return max(0.0, copies - compute_s), step
 
 
