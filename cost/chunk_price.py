@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from autopar.cost.collectives import Group
 from autopar.cost.context import context_parallel_time
+from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
 from autopar.cost.layout import _DTYPE_BYTES, GraphLayout, NodeLayout
@@ -33,6 +34,7 @@ class Chunk:
     backward_s: float = 0.0
     recompute_s: float = 0.0
     tensor_comm_s: float = 0.0
+    exchange_s: float = 0.0         # experts' dispatch and combine all-to-alls (cost/experts.py)
     send_s: float = 0.0
     host_s: float = 0.0             # the runtime's machinery on the host (cost/host.py)
     weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
@@ -70,16 +72,19 @@ class Pricing:
     routing_imbalance: float = 1.0
     gemm_dtype: str = ""
     attention_bytes: dict = field(default_factory=dict)
+    deduplicated_dispatch: bool = False     # cost.experts.exchange_time
 
 
 def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff: Efficiencies,
-                attention: str, pricing: Pricing = Pricing()) -> dict[str, tuple]:
+                attention: str, pricing: Pricing = Pricing(),
+                experts: dict | None = None) -> dict[str, tuple]:
     """Node name -> (forward s, backward s, forward collectives s, backward collectives s, bytes of
-    unfused attention scores kept) for `b` samples (a micro-batch's sequences, divided by the
+    unfused attention scores kept, expert all-to-alls s of the forward and of the backward)
+    for `b` samples (a micro-batch's sequences, divided by the
     context-parallel degree: each rank holds 1/cp of every sequence), the same in whichever
     chunk holds it. An expert layer's ops pay the routing imbalance and their all-to-alls over
-    the stage's ep ranks; attention under context parallelism its ring or all-to-alls over the
-    cp ranks (cost/context.py)."""
+    the stage's ep ranks (`experts`: node -> its cost.experts.ExpertLayer); attention under
+    context parallelism its ring or all-to-alls over the cp ranks (cost/context.py)."""
     device = mesh.device
     tp_group = Group.strided(mesh, spec.tp, 1)
     ep_group = Group.strided(mesh, spec.ep, 1) if spec.ep > 1 else None
@@ -102,15 +107,18 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
         comm_bwd = _collectives_time(tp_group, node.comm_backward, b)
         if node.expert:
             fwd, bwd = fwd * pricing.routing_imbalance, bwd * pricing.routing_imbalance
+        exchange = 0.0
         if node.exchange_bytes and ep_group is not None:
-            exchange = ep_group.all_to_all(node.exchange_bytes * b * spec.ep) * pricing.routing_imbalance
-            comm_fwd, comm_bwd = comm_fwd + exchange, comm_bwd + exchange
+            layer = experts[node.name]
+            exchange = pricing.routing_imbalance * exchange_time(
+                ep_group, node.exchange_bytes * b, top_k=layer.top_k, experts=layer.experts,
+                deduplicated=pricing.deduplicated_dispatch)
         if cp_group is not None and node.name in pricing.attention_bytes:
             ring_fwd, ring_bwd = context_parallel_time(spec.cp_kind, cp_group,
                                                        pricing.attention_bytes[node.name], b,
                                                        fwd, bwd)
             comm_fwd, comm_bwd = comm_fwd + ring_fwd, comm_bwd + ring_bwd
-        prices[node.name] = (fwd, bwd, comm_fwd, comm_bwd, kept)
+        prices[node.name] = (fwd, bwd, comm_fwd, comm_bwd, kept, exchange)
     return prices
 
 
@@ -128,18 +136,21 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
         i = layout.index[node.name]
-        fwd, bwd, comm_fwd, comm_bwd, kept = prices[node.name]
+        fwd, bwd, comm_fwd, comm_bwd, kept, exchange = prices[node.name]
         out.forward_s += fwd
         out.tensor_comm_s += comm_fwd
+        out.exchange_s += exchange
         if node.requires_grad:
             out.backward_s += bwd
             out.weight_backward_s += bwd * WEIGHT_SHARE_OF_BACKWARD if node.param_bytes else 0.0
             out.autograd_ops += 1
             out.tensor_comm_s += comm_bwd
+            out.exchange_s += exchange          # the gradients go back the same way
         region = regions[i]
         if region:
             out.recompute_s += fwd
             out.tensor_comm_s += comm_fwd
+            out.exchange_s += exchange
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)
             region_nodes.setdefault(region, set()).add(i)

@@ -74,6 +74,7 @@ from autopar.cost.stages import StageSpec, uniform_stages
 # model states and traffic as bf16's.
 _ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
 _PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+DISPATCHES = ("all-to-all", "deduplicated")
 
 
 def default_precision(mesh: Mesh) -> str:
@@ -143,7 +144,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
                     memory_limit: float | None = None, cache: dict | None = None,
                     runtime: str | Runtime = "autopar", calibration=None,
-                    precision: str | None = None, routing_imbalance: float = 1.0) -> Estimate:
+                    precision: str | None = None, routing_imbalance: float = 1.0,
+                    dispatch: str = "all-to-all", overlap_exchange: bool = False) -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
     rank c % p of p = len(stages) / v ranks (Megatron's interleaving).
 
@@ -153,15 +155,20 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     "fp16" (mixed precision, the same bytes) or "fp32": the bytes of activations, model states and
     data-parallel traffic, and the FLOP/s of the device's matmuls in that dtype; by default what
     the device trains in (bf16 on GPUs, fp32 on CPUs).; "fp8": see _ACTIVATION_DTYPE. `routing_imbalance`: the
-    slowest rank's expert rows over the mean (cost/experts.py)."""
+    slowest rank's expert rows over the mean; `dispatch`: "all-to-all" or "deduplicated"
+    (cost.experts.exchange_time); `overlap_exchange`: the experts' all-to-alls run behind
+    another micro-batch's compute (Megatron-Core's 1F1B all-to-all overlap, DualPipe), showing
+    only where they outlast it."""
     mesh, eff = calibrated(mesh, efficiencies, calibration)
     runtime = runtime_named(runtime)
     precision = precision or default_precision(mesh)
     if precision not in _ACTIVATION_DTYPE:
         raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
     gemm_dtype = "float8" if precision == "fp8" and "float8" in mesh.device.peak_flops else ""
+    if dispatch not in DISPATCHES:
+        raise AutoparError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCHES)}")
     memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision], routing_imbalance,
-                         gemm_dtype)
+                         gemm_dtype, dispatch)
     check_stages(graph, stages, memo)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo,
@@ -171,6 +178,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for c, spec in enumerate(stages):
         chunks[c].host_s = host_time(spec, split.groups[c], chunks[c],
                                       pipelined=len(devices) > 1, schedule=schedule, eff=eff)
+    for chunk in chunks:
+        chunk.exchange_s = (max(0.0, chunk.exchange_s - chunk.forward_s - chunk.backward_s)
+                            if overlap_exchange else chunk.exchange_s)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
@@ -394,7 +404,7 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
 
 def _chunk_time(chunk: Chunk) -> float:
     return (chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s
-            + chunk.send_s + chunk.host_s)
+            + chunk.exchange_s + chunk.send_s + chunk.host_s)
 
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
@@ -464,12 +474,14 @@ def _summarize(model_flops_per_sample: float, mesh: Mesh, chunks: list[Chunk], d
         step_time_s=step,
         breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s")
                    + total("host_s"),
-                   "exposed_comm": total("tensor_comm_s") + total("send_s") + data_comm + loss_sync,
+                   "exposed_comm": total("tensor_comm_s") + total("exchange_s") + total("send_s")
+                   + data_comm + loss_sync,
                    "bubble": bubble, "optimizer": optimizer,
                    # cores that ranks idle in the bubble lend the others, on a shared host
                    **({"lent_cores": lent} if lent else {})},
         comm_breakdown={"tensor": total("tensor_comm_s"), "pipeline": total("send_s"),
-                        "data": data_comm, "loss": loss_sync},
+                        "data": data_comm, "loss": loss_sync,
+                        **({"expert": total("exchange_s")} if total("exchange_s") else {})},
         memory_per_gpu_bytes=totals[fullest], memory_breakdown=memory[fullest],
         tflops_per_gpu=hardware / step / world / 1e12,
         model_tflops_per_gpu=model_flops / step / world / 1e12,

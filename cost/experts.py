@@ -1,11 +1,6 @@
-"""Mixture-of-experts layers as the cost model sees them: found in the graph by their structure,
-priced under expert parallelism.
+"""Mixture-of-experts layers priced under expert parallelism.
 
-An expert layer is a set of grouped matmuls (family "matmul" reading a 3-D parameter [E, K, N],
-the experts' weights, and 2-D rows [M, K] sorted by expert) that share one routing: the third
-input, the rows' group offsets. Its rows per token are the top-k it routes to (M over the tokens
-its dispatch gathered from); its members are the grouped matmuls and the ops between them (the
-activation of a SwiGLU expert), which run on the rows, not on the tokens.
+The layers themselves are found by cost/expert_layers.py.
 
 Expert parallelism of degree ep (`StageSpec.ep`), as Megatron-Core carves it out of a stage's
 tensor x context x data-parallel ranks with expert tensor parallelism 1 (ep consecutive ranks,
@@ -33,82 +28,13 @@ fill the GPU together (`NodeLayout.gemm`'s third entry: cost.compute.gemm_utiliz
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import replace
 
-from autopar.cost.compute import op_family
+from autopar.cost.expert_layers import ExpertLayer
 from autopar.cost.layout import _DTYPE_BYTES, GraphLayout
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertLayer:
-    matmuls: tuple[str, ...]        # grouped matmuls in graph order
-    members: frozenset[str]         # the matmuls and the ops between them (on the rows)
-    weights: tuple[str, ...]        # parameter nodes [E, K, N]
-    experts: int
-    rows: int                       # rows of the captured batch (tokens x top_k)
-    top_k: float
-
-
-def expert_layers(graph: Graph) -> list[ExpertLayer]:
-    """Every mixture-of-experts layer of `graph`, in order (none for a dense model)."""
-    by_name = {n.name: n for n in graph.nodes}
-    routed: dict[str, list] = {}
-    for node in graph.nodes:
-        weight = _expert_weight(node, by_name)
-        if weight is not None:
-            routing = next((i for i in node.inputs[1:] if i != weight), node.inputs[-1])
-            routed.setdefault(routing, []).append((node, weight))
-    layers = []
-    for found in routed.values():
-        matmuls = [node.name for node, _ in found]
-        weights = tuple(dict.fromkeys(weight for _, weight in found))
-        experts = by_name[weights[0]].shape[0]
-        rows = by_name[matmuls[0]].shape[0]
-        layers.append(ExpertLayer(matmuls=tuple(matmuls), members=_members(graph, matmuls),
-                                  weights=weights, experts=experts, rows=rows,
-                                  top_k=rows / max(1, _tokens(by_name, by_name[matmuls[0]]))))
-    return layers
-
-
-def _expert_weight(node, by_name) -> str | None:
-    """The experts' weight a grouped matmul reads ([E, K, N] parameter, [M, K] rows), or None."""
-    if node.role is not Role.ACTIVATION or op_family(node.target) != "matmul" or len(node.shape) != 2:
-        return None
-    for name in node.inputs:
-        source = by_name[name]
-        if source.role is Role.PARAMETER and len(source.shape) == 3:
-            return name
-    return None
-
-
-def _members(graph: Graph, matmuls: list[str]) -> frozenset[str]:
-    """The matmuls and the ops on the rows between them: descendants of an earlier grouped
-    matmul that the last one reads."""
-    first, last = set(matmuls[:-1]), matmuls[-1]
-    after: set[str] = set()
-    for node in graph.nodes:
-        if node.name in first or any(name in after for name in node.inputs):
-            after.add(node.name)
-    by_name = {n.name: n for n in graph.nodes}
-    before, stack = set(), [last]
-    while stack:
-        name = stack.pop()
-        if name in before or name not in after:
-            continue
-        before.add(name)
-        stack.extend(by_name[name].inputs)
-    return frozenset(before | set(matmuls))
-
-
-def _tokens(by_name: dict, matmul) -> int:
-    """Tokens the rows were gathered from: the rows of the tensor the dispatch indexes (the
-    first matmul's rows input, an index op over [tokens, hidden]); the rows themselves when the
-    dispatch is not such a gather (top-1 then)."""
-    rows = by_name[matmul.inputs[0]]
-    source = by_name[rows.inputs[0]] if rows.inputs else rows
-    return source.shape[0] if len(source.shape) == 2 else rows.shape[0]
 
 
 def with_expert_parallelism(layout: GraphLayout, layers: list[ExpertLayer], graph: Graph, *,
@@ -182,8 +108,32 @@ def _weight_of(node, by_name: dict) -> str:
                 if by_name[name].role is Role.PARAMETER and len(by_name[name].shape) == 3)
 
 
-def expert_parameters(layers: list[ExpertLayer]) -> set[str]:
-    return {weight for layer in layers for weight in layer.weights}
+def exchange_time(group, nbytes: float, *, top_k: float, experts: int,
+                  deduplicated: bool = False) -> float:
+    """One dispatch (or combine) over the expert-parallel `group` (a cost.collectives.Group):
+    each rank sends `nbytes` of rows (top_k per token) to the ranks holding their experts.
+
+    As an all-to-all (Megatron-Core's alltoall dispatcher, autopar's all_to_all_single) every
+    row travels: of a rank's rows, those for experts outside its node cross the network. A
+    deduplicating dispatcher (DeepEP, HybridEP) sends a token once to each node holding any of
+    its experts and forwards it over NVLink inside: at each level of the group a token crosses
+    once per distinct unit it reaches (ranks inside a node, nodes across), which with balanced
+    routing is units x (1 - C(E - e, k) / C(E, k)) for units of e experts each."""
+    if group.size == 1:
+        return 0.0
+    if not deduplicated:
+        return group.all_to_all(nbytes * group.size)
+    k = max(1, round(top_k))
+    token = nbytes / top_k
+    total, reached = 0.0, 1
+    for level in group.levels:
+        before, reached = reached, reached * level.size
+        unit_experts = experts * before // group.size
+        hit = 1.0 - math.comb(experts - unit_experts, k) / math.comb(experts, k)
+        crossing = token * (level.size - 1) * hit
+        latency, bandwidth = level.link.alpha_beta("all_to_all", level.size)
+        total += latency + crossing / bandwidth
+    return total
 
 
 def _numel(shape) -> int:

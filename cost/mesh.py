@@ -39,6 +39,10 @@ class Link:
     def effective_bandwidth(self) -> float:
         return self.bandwidth * self.efficiency
 
+    def measures(self, kind: str) -> bool:
+        """Whether collective `kind` was measured on this link (`measured`)."""
+        return any(entry[0] == kind for entry in self.measured)
+
     def alpha_beta(self, kind: str, ranks: int = 0) -> tuple[float, float]:
         """(latency per step, bytes/s) of collective `kind` on a group of `ranks` over this link:
         the fit measured on the group size nearest `ranks` (the larger on a tie), since where

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from autopar.cost.chunk_price import (Chunk, Pricing, chunk_states, node_prices, price_chunk,
                                      recomputed_regions)
 from autopar.cost.context import attention_bytes
-from autopar.cost.experts import expert_layers, expert_parameters, with_expert_parallelism
+from autopar.cost.expert_layers import expert_layers, expert_parameters
+from autopar.cost.experts import with_expert_parallelism
 from autopar.cost.layout import GraphLayout, graph_batch, infer_layout
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_groups
@@ -36,32 +37,32 @@ class PriceCache:
     """The estimator's memo over `store` (a caller's dict, or a fresh one for a single call)."""
 
     __slots__ = ("store", "graph", "mesh", "efficiencies", "dtype", "routing_imbalance",
-                 "gemm_dtype")
+                 "gemm_dtype", "dispatch")
 
     def __init__(self, store: dict, graph: Graph, mesh: Mesh, efficiencies,
                  dtype: str | None = None, routing_imbalance: float = 1.0,
-                 gemm_dtype: str = "") -> None:
+                 gemm_dtype: str = "", dispatch: str = "all-to-all") -> None:
         self.store, self.graph, self.mesh, self.efficiencies = store, graph, mesh, efficiencies
         # the dtype activations are held in: the plan's precision, else what the device trains in
         self.dtype = dtype or mesh.device.training_dtype
         self.routing_imbalance = routing_imbalance     # cost/experts.py
         self.gemm_dtype = gemm_dtype                   # matmuls' own dtype (FP8), "" for dtype's
+        self.dispatch = dispatch                       # cost.experts.exchange_time
 
     @classmethod
     def of(cls, store: dict | None, graph: Graph, mesh: Mesh, efficiencies,
            dtype: str | None = None, routing_imbalance: float = 1.0,
-           gemm_dtype: str = "") -> PriceCache:
+           gemm_dtype: str = "", dispatch: str = "all-to-all") -> PriceCache:
         dtype = dtype or mesh.device.training_dtype
+        settings = (mesh, efficiencies, dtype, routing_imbalance, gemm_dtype, dispatch)
         if store is None:
-            return cls({}, graph, mesh, efficiencies, dtype, routing_imbalance, gemm_dtype)
-        context = store.setdefault("context", (graph, mesh, efficiencies, dtype, routing_imbalance,
-                                               gemm_dtype))
-        if context[0] is not graph or context[1:] != (mesh, efficiencies, dtype, routing_imbalance,
-                                                      gemm_dtype):
+            return cls({}, graph, *settings)
+        context = store.setdefault("context", (graph, *settings))
+        if context[0] is not graph or context[1:] != settings:
             raise AutoparError("this estimator cache holds prices of another graph, mesh, "
-                               "efficiencies, precision or routing balance; pass a fresh dict "
-                               "(or none) for each of them")
-        return cls(store, graph, mesh, efficiencies, dtype, routing_imbalance, gemm_dtype)
+                               "efficiencies, precision or routing; pass a fresh dict (or none) "
+                               "for each of them")
+        return cls(store, graph, *settings)
 
     def _get(self, key: tuple, make):
         if key not in self.store:
@@ -133,10 +134,12 @@ class PriceCache:
 
     def _node_prices(self, spec: StageSpec, micro_batch: float, attention: str) -> dict:
         key = ("node_prices", *spec.layout_key, spec.cp, spec.cp_kind, micro_batch, attention)
+        experts = {name: layer for layer in self.expert_layers() for name in layer.matmuls}
         return self._get(key, lambda: node_prices(
             self.layout(spec), spec, self.mesh, micro_batch, self.efficiencies, attention,
             Pricing(routing_imbalance=self.routing_imbalance, gemm_dtype=self.gemm_dtype,
-                    attention_bytes=self._attention_bytes(spec) if spec.cp > 1 else {})))
+                    attention_bytes=self._attention_bytes(spec) if spec.cp > 1 else {},
+                    deduplicated_dispatch=self.dispatch == "deduplicated"), experts))
 
     def _attention_bytes(self, spec: StageSpec) -> dict:
         return self._get(("attention_bytes", *spec.layout_key),
