@@ -1,17 +1,26 @@
-"""Predicted against published step time for every row of both reference tables.
+"""Predicted against published figures of training runs.
 
-    python benchmarks/published_runs.py [--reference DIR] [--calibration FILE] [--json OUT]
+    python benchmarks/published_runs.py [--reference DIR] [--calibration FILE] [--json [OUT]]
+    python benchmarks/published_runs.py --csv FILE [--kind moe|cp|offload] [--json]
 
-Each row's model is captured on the meta device (forward + loss) and priced by
-`autopar.cost.estimate` on the row's mesh and configuration, as the row's framework ran it (see
-autopar/cost/reference.py for what is assumed about each run). Prints predicted against published
-seconds per step per row, the median and worst |error|, and how many predictions are optimistic
-(faster than published). Nothing is fitted to these figures.
+Without --csv: every row of both older reference tables (SC'21 Table 1, published_runs.csv),
+predicted against published seconds per step. With --csv: any CSV with the columns of
+shared/reference/published_runs_moe_cp_offload.csv (mixture-of-experts, context-parallel and
+offload runs; autopar/cost/published.py reads them), each row's own figure (model TFLOP/s by the
+source's count, tokens/s, step time, MFU, memory) predicted against the published one; a row
+that cannot be modeled is counted as failed, with the reason. `--json` prints one JSON object
+(with --csv: {"estimated", "failed", "median_abs_err", "worst_abs_err", "rows"}; errors are
+predicted / published - 1); `--json OUT` writes the older tables' rows to OUT.
+
+Each row's model is captured on the meta device (forward + loss) and priced by the one
+estimator of autopar.cost on the row's mesh and configuration, as the row's framework ran it.
+Nothing is fitted to these figures.
 """
 
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -19,7 +28,10 @@ from rich.table import Table
 
 from autopar.commands.estimate import capture_training_step
 from autopar.cost.estimator import estimate
+from autopar.cost.published import (KINDS, estimate_run, parse_row, predicted_figure,
+                                    read_rows)
 from autopar.cost.reference import published_runs, sc21_runs
+from autopar.errors import AutoparError
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference"
 
@@ -28,8 +40,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reference", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--calibration", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument("--csv", type=Path, default=None,
+                        help="published runs with the columns of published_runs_moe_cp_offload.csv")
+    parser.add_argument("--kind", choices=KINDS, default=None, help="only the --csv rows of this kind")
+    parser.add_argument("--json", nargs="?", const="-", default=None,
+                        help="print one JSON object (or, without --csv, write the rows to OUT)")
     args = parser.parse_args()
+    if args.csv is not None:
+        sys.exit(csv_main(args))
+    if args.kind is not None:
+        parser.error("--kind selects rows of a --csv file")
     runs = (sc21_runs(args.reference / "megatron_sc21_table1.csv")
             + published_runs(args.reference / "published_runs.csv"))
     graphs, rows = {}, []
@@ -44,9 +64,99 @@ def main() -> None:
                      "breakdown": result.breakdown, "comm": result.comm_breakdown,
                      "mfu": result.mfu, "memory_gib": result.memory_per_gpu_bytes / 2**30,
                      "fits": result.fits})
+    if args.json == "-":
+        print(json.dumps(rows, indent=2))
+        return
     _print(rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def csv_main(args) -> int:
+    """Price every row of a published-runs CSV; 0 when it could be read (rows may still fail)."""
+    if not args.csv.is_file():
+        print(f"error: --csv {args.csv} is not a file", file=sys.stderr)
+        return 2
+    status = Console(stderr=True)
+    graphs, rows = {}, []
+    for index, row in enumerate(read_rows(args.csv)):
+        if args.kind and (row.get("kind") or "").strip().lower() != args.kind:
+            continue
+        with status.status(f"row {index}: {(row.get('model') or '').strip()}"):
+            rows.append(_price_row(row, index, graphs, args.calibration))
+    summary = _summary(rows)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_csv(summary)
+    return 0
+
+
+def _price_row(row: dict, index: int, graphs: dict, calibration) -> dict:
+    """One row priced: its figure predicted against the published one, or why it failed."""
+    name = f"{index}: {(row.get('model') or '').strip()}"
+    try:
+        run = parse_row(row, index)
+        if run.spec not in graphs:
+            graphs[run.spec] = capture_training_step(run.spec)
+        result = estimate_run(graphs[run.spec], run, calibration=calibration)
+    except (AutoparError, ValueError) as err:
+        return {"row": index, "name": name, "kind": (row.get("kind") or "").strip(),
+                "status": "failed", "reason": str(err)}
+    predicted = predicted_figure(run, result.step_time_s, result.memory_per_gpu_bytes)
+    c = run.config
+    return {"row": index, "name": name, "kind": run.kind, "status": "estimated",
+            "figure": run.figure, "published": run.value, "predicted": predicted,
+            "error": predicted / run.value - 1, "mesh": str(run.mesh), "spec": run.spec,
+            "config": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "ep": c.ep, "cp": c.cp,
+                       "virtual": c.virtual, "micro_batch": c.micro_batch,
+                       "global_batch": c.global_batch, "recompute": c.recompute, "zero": c.zero,
+                       "offload": run.offload},
+            "precision": run.precision, "runtime": run.runtime, "trust": run.trust,
+            "causal_flops": run.causal_flops, "assumed": list(run.assumed),
+            "step_time_s": result.step_time_s, "breakdown": result.breakdown,
+            "comm": result.comm_breakdown, "memory_gib": result.memory_per_gpu_bytes / 2**30,
+            "fits": result.fits}
+
+
+def _summary(rows: list[dict]) -> dict:
+    done = [r for r in rows if r["status"] == "estimated"]
+    errors = [abs(r["error"]) for r in done]
+    by_kind = {}
+    for kind in sorted({r["kind"] for r in rows}):
+        mine = [abs(r["error"]) for r in done if r["kind"] == kind]
+        by_kind[kind] = {"estimated": len(mine),
+                         "failed": sum(r["kind"] == kind for r in rows) - len(mine),
+                         "median_abs_err": statistics.median(mine) if mine else None,
+                         "worst_abs_err": max(mine) if mine else None}
+    return {"estimated": len(done), "failed": len(rows) - len(done),
+            "median_abs_err": statistics.median(errors) if errors else None,
+            "worst_abs_err": max(errors) if errors else None, "by_kind": by_kind, "rows": rows}
+
+
+def _print_csv(summary: dict) -> None:
+    table = Table(title="published runs: predicted vs published (the row's own figure)")
+    for column in ("row", "kind", "mesh", "tp", "pp", "ep", "cp", "figure", "published",
+                   "predicted", "error"):
+        table.add_column(column, justify="left" if column in ("row", "kind", "mesh", "figure") else "right")
+    for row in summary["rows"]:
+        if row["status"] != "estimated":
+            table.add_row(row["name"][:40], row["kind"], "", "", "", "", "", "failed",
+                          "", "", row["reason"][:60])
+            continue
+        c = row["config"]
+        table.add_row(row["name"][:40], row["kind"], row["mesh"], str(c["tp"]), str(c["pp"]),
+                      str(c["ep"]), str(c["cp"]), row["figure"], f"{row['published']:.4g}",
+                      f"{row['predicted']:.4g}", f"{row['error']:+.1%}")
+    console = Console(width=max(Console().width, 160))
+    console.print(table)
+    for kind, figures in summary["by_kind"].items():
+        console.print(f"{kind}: {figures['estimated']} estimated, {figures['failed']} failed"
+                      + (f", median |error| {figures['median_abs_err']:.1%}, worst "
+                         f"{figures['worst_abs_err']:.1%}" if figures["estimated"] else ""))
+    if summary["estimated"]:
+        console.print(f"all: {summary['estimated']} estimated, {summary['failed']} failed, median "
+                      f"|error| {summary['median_abs_err']:.1%}, worst {summary['worst_abs_err']:.1%}")
 
 
 def _print(rows: list[dict]) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.cost.collectives import Group
+from autopar.cost.context import context_parallel_time
+from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
 from autopar.cost.layout import _DTYPE_BYTES, GraphLayout, NodeLayout
@@ -32,6 +34,7 @@ class Chunk:
     backward_s: float = 0.0
     recompute_s: float = 0.0
     tensor_comm_s: float = 0.0
+    exchange_s: float = 0.0         # experts' dispatch and combine all-to-alls (cost/experts.py)
     send_s: float = 0.0
     host_s: float = 0.0             # the runtime's machinery on the host (cost/host.py)
     weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
@@ -40,6 +43,7 @@ class Chunk:
     recomputed_ops: int = 0         # the ops in them that the backward differentiates
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
+    expert_params: float = 0.0      # of which experts' (cost/experts.py), sharded over their own group
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
     group: float = 0.0              # elements of its largest FSDP group
     largest: float = 0.0            # elements of its largest parameter tensor
@@ -60,26 +64,61 @@ class Chunk:
     blocks: int = 0
 
 
-def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: int, eff: Efficiencies,
-                attention: str) -> dict[str, tuple]:
+@dataclass(frozen=True, slots=True)
+class Pricing:
+    """What node prices depend on beyond the layout and the stage: the balance of the experts'
+    routing (cost/experts.py), the dtype the matmuls run in where it is not the activations'
+    (FP8), and each attention's bytes for context parallelism (cost/context.py)."""
+    routing_imbalance: float = 1.0
+    gemm_dtype: str = ""
+    attention_bytes: dict = field(default_factory=dict)
+    deduplicated_dispatch: bool = False     # cost.experts.exchange_time
+
+
+def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff: Efficiencies,
+                attention: str, pricing: Pricing = Pricing(),
+                experts: dict | None = None) -> dict[str, tuple]:
     """Node name -> (forward s, backward s, forward collectives s, backward collectives s, bytes of
-    unfused attention scores kept) for micro-batch `b`, the same in whichever chunk holds it."""
+    unfused attention scores kept, expert all-to-alls s of the forward and of the backward)
+    for `b` samples (a micro-batch's sequences, divided by the
+    context-parallel degree: each rank holds 1/cp of every sequence), the same in whichever
+    chunk holds it. An expert layer's ops pay the routing imbalance and their all-to-alls over
+    the stage's ep ranks (`experts`: node -> its cost.experts.ExpertLayer); attention under
+    context parallelism its ring or all-to-alls over the cp ranks (cost/context.py)."""
     device = mesh.device
     tp_group = Group.strided(mesh, spec.tp, 1)
+    ep_group = Group.strided(mesh, spec.ep, 1) if spec.ep > 1 else None
+    cp_group = Group.strided(mesh, spec.cp, spec.tp) if spec.cp > 1 else None
     distributed = spec.tp > 1      # the runtime's ops on DTensors (FSDP2 computes on plain ones)
     prices = {}
     for node in layout.nodes:
-        forward, backward, kept = _kernels(node, b, attention, _DTYPE_BYTES[layout.dtype])
-        use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device) if node.gemm else 1.0
-        fwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
-                  for fam, f, by in forward)
-        bwd = sum(compute_time(f, by, device, fam, layout.dtype, efficiencies=eff, utilization=use)
-                  for fam, f, by in backward)
+        forward, backward, kept = _kernels(node, b, attention, _DTYPE_BYTES[layout.dtype],
+                                           pricing.gemm_dtype)
+        use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device,
+                               *node.gemm[2:]) if node.gemm else 1.0
+        fwd = sum(compute_time(f, by, device, fam, dtype or layout.dtype, efficiencies=eff,
+                               utilization=use) for fam, f, by, dtype in forward)
+        bwd = sum(compute_time(f, by, device, fam, dtype or layout.dtype, efficiencies=eff,
+                               utilization=use) for fam, f, by, dtype in backward)
         if distributed:
             fwd += eff.distributed_op_latency_s
             bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
-        prices[node.name] = (fwd, bwd, _collectives_time(tp_group, node.comm_forward, b),
-                             _collectives_time(tp_group, node.comm_backward, b), kept)
+        comm_fwd = _collectives_time(tp_group, node.comm_forward, b)
+        comm_bwd = _collectives_time(tp_group, node.comm_backward, b)
+        if node.expert:
+            fwd, bwd = fwd * pricing.routing_imbalance, bwd * pricing.routing_imbalance
+        exchange = 0.0
+        if node.exchange_bytes and ep_group is not None:
+            layer = experts[node.name]
+            exchange = pricing.routing_imbalance * exchange_time(
+                ep_group, node.exchange_bytes * b, top_k=layer.top_k, experts=layer.experts,
+                deduplicated=pricing.deduplicated_dispatch)
+        if cp_group is not None and node.name in pricing.attention_bytes:
+            ring_fwd, ring_bwd = context_parallel_time(spec.cp_kind, cp_group,
+                                                       pricing.attention_bytes[node.name], b,
+                                                       fwd, bwd)
+            comm_fwd, comm_bwd = comm_fwd + ring_fwd, comm_bwd + ring_bwd
+        prices[node.name] = (fwd, bwd, comm_fwd, comm_bwd, kept, exchange)
     return prices
 
 
@@ -97,18 +136,21 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
         i = layout.index[node.name]
-        fwd, bwd, comm_fwd, comm_bwd, kept = prices[node.name]
+        fwd, bwd, comm_fwd, comm_bwd, kept, exchange = prices[node.name]
         out.forward_s += fwd
         out.tensor_comm_s += comm_fwd
+        out.exchange_s += exchange
         if node.requires_grad:
             out.backward_s += bwd
             out.weight_backward_s += bwd * WEIGHT_SHARE_OF_BACKWARD if node.param_bytes else 0.0
             out.autograd_ops += 1
             out.tensor_comm_s += comm_bwd
+            out.exchange_s += exchange          # the gradients go back the same way
         region = regions[i]
         if region:
             out.recompute_s += fwd
             out.tensor_comm_s += comm_fwd
+            out.exchange_s += exchange
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)
             region_nodes.setdefault(region, set()).add(i)
@@ -179,15 +221,31 @@ def chunk_states(graph: Graph, layout: GraphLayout, owner: list[int], chunks: in
     return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
 
 
-def _kernels(node: NodeLayout, b: int, attention: str, dtype_bytes: int) -> tuple[list, list, float]:
+# FP8 matmuls (Transformer Engine's recipes) cast their 16-bit inputs to FP8 first, a pass that
+# reads 2 bytes and writes 1 per element of the input (with its scaling's amax) in the forward,
+# and again for the output's gradient in the backward: about 1.5x the input's bytes, which for a
+# matmul's activations (input and output alike) is 0.75x of them.
+FP8_CAST_SHARE = 0.75
+
+
+def _kernels(node: NodeLayout, b: float, attention: str, dtype_bytes: int,
+             gemm_dtype: str = "") -> tuple[list, list, float]:
+    """The node's forward and backward kernels, (family, flops, bytes, dtype or "" for the
+    activations'), and the unfused attention scores it keeps."""
     if node.family == "attention" and node.attention:
-        return attention_kernels(node.attention, b, attention, dtype_bytes)
+        forward, backward, kept = attention_kernels(node.attention, b, attention, dtype_bytes)
+        return ([(*k, "") for k in forward], [(*k, "") for k in backward], kept)
     if node.family == "view" or (node.act_bytes == 0 and node.flops == 0):
         return [], [], 0.0
     flops, moved = node.flops * b, node.act_bytes * b + node.param_bytes
     flops_factor, bytes_factor = BACKWARD[node.family]
-    return ([(node.family, flops, moved)],
-            [(node.family, flops * flops_factor, moved * bytes_factor)], 0.0)
+    fp8 = gemm_dtype if node.family == "matmul" and node.param_bytes else ""
+    forward = [(node.family, flops, moved, fp8)]
+    backward = [(node.family, flops * flops_factor, moved * bytes_factor, fp8)]
+    if fp8:
+        cast = ("elementwise", 0.0, FP8_CAST_SHARE * node.act_bytes * b, "")
+        forward, backward = forward + [cast], backward + [cast]
+    return forward, backward, 0.0
 
 
 def recomputed_regions(graph: Graph, in_block: list, recompute: str) -> list[str | None]:

@@ -109,7 +109,9 @@ class Group:
 
     def all_to_all(self, nbytes: float) -> float:
         """Each device holds nbytes/N and keeps 1/N of it; the rest leaves over the level that first
-        separates it from its destination."""
+        separates it from its destination. NCCL posts a device's sends to all its peers at once
+        (grouped point-to-point), so a level pays one latency; a link whose all-to-all was
+        measured (`autopar calibrate --mesh`: gloo sends peer by peer) pays its fit per peer."""
         devices = self.size
         if devices == 1:
             return 0.0
@@ -119,7 +121,8 @@ class Group:
             before, reached = reached, reached * level.size
             leaving = local * (reached - before) / devices
             latency, bandwidth = level.link.alpha_beta("all_to_all", level.size)
-            total += (level.size - 1) * latency + leaving / bandwidth
+            steps = level.size - 1 if level.link.measures("all_to_all") else 1
+            total += steps * latency + leaving / bandwidth
         return total
 
 

@@ -29,7 +29,7 @@ FAMILIES = ("matmul", "attention", "norm", "softmax", "elementwise", "reduction"
             "loss", "view")
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "addmv", "mv", "dot",
-           "einsum", "_scaled_mm", "convolution", "conv1d", "conv2d", "conv3d", "_convolution"}
+           "einsum", "_scaled_mm", "_grouped_mm", "convolution", "conv1d", "conv2d", "conv3d", "_convolution"}
 _ATTENTION_PREFIX = ("_scaled_dot_product", "scaled_dot_product", "_flash_attention",
                      "_efficient_attention", "_cudnn_attention", "flex_attention")
 _NORM = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
@@ -59,8 +59,16 @@ BACKWARD = {"matmul": (2.0, 2.0), "attention": (2.5, 2.0), "norm": (2.0, 2.0),
             "embedding": (0.0, 2.0), "loss": (1.0, 1.5), "view": (0.0, 0.0)}
 
 
+# Ops of autopar's own library (autopar/models/experts.py) that run kernels: the experts of a
+# mixture-of-experts layer as one grouped matmul.
+_OWN_OPS = {"autopar.grouped_mm": "matmul"}
+
+
 def op_family(target: str) -> str:
     """The family of an ATen op target such as "aten.mm.default" (or its packet, "aten.mm")."""
+    own = _OWN_OPS.get(target.rsplit(".", 1)[0] if target.count(".") == 2 else target)
+    if own is not None:
+        return own
     name = target.split(".")[1] if target.startswith("aten.") and "." in target else target.split(".")[-1]
     name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
     if name in _MATMUL:
@@ -154,6 +162,9 @@ class Efficiencies:
     # GPU's ranks drift by microseconds, hence 0.
     collective_wait_s: float = 0.0
     collective_wait_span_s: float = 0.0
+    # Bytes/s an optimizer step streams on the host (offloaded states: cost/offload.py), measured
+    # by `autopar calibrate` where it ran; 0 for the device's published host figure.
+    host_optimizer_bytes_per_s: float = 0.0
     device: str = ""                   # the device they were measured on; "" for the defaults
 
     def wait_after(self, span_s: float) -> float:
@@ -234,18 +245,26 @@ def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, family: s
 GEMM_TILES = ((256, 128), (128, 256))
 
 
-def gemm_utilization(rows: float, cols: float, device: DeviceSpec) -> float:
+# A grouped GEMM (the experts of a mixture-of-experts layer) runs every group's tiles in one
+# persistent kernel (CUTLASS's grouped GEMM, which Transformer Engine and torch._grouped_mm use),
+# whose tiles are 128 x 128 as often as larger.
+GROUPED_GEMM_TILES = GEMM_TILES + ((128, 128),)
+
+
+def gemm_utilization(rows: float, cols: float, device: DeviceSpec, groups: int = 1) -> float:
     """The share of a GPU's streaming multiprocessors that an output of `rows` x `cols` keeps busy
-    over its waves of tiles, with the better of cuBLAS's tile orientations; 1 on a device without
+    over its waves of tiles, with the better of cuBLAS's tile orientations; with `groups` > 1,
+    of that many such outputs computed together by one grouped kernel (their tiles share the
+    waves, each group's last row and column tiles partly empty). 1 on a device without
     multiprocessors (a CPU) or for an empty shape."""
-    if not device.multiprocessors or rows < 1 or cols < 1:
+    if not device.multiprocessors or rows <= 0 or cols < 1:
         return 1.0
     units = device.multiprocessors
     best = 0.0
-    for tile_rows, tile_cols in GEMM_TILES:
-        tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
+    for tile_rows, tile_cols in GROUPED_GEMM_TILES if groups > 1 else GEMM_TILES:
+        tiles = groups * math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
         waves = math.ceil(tiles / units)
-        best = max(best, rows * cols / (tile_rows * tile_cols) / (waves * units))
+        best = max(best, groups * rows * cols / (tile_rows * tile_cols) / (waves * units))
     return best
 
 

@@ -7,14 +7,25 @@ from dataclasses import asdict, dataclass
 
 from autopar.errors import AutoparError
 
-from autopar.cost.vocabulary import RECOMPUTE, SCHEDULES, Schedule
+from autopar.cost.vocabulary import CONTEXT_PARALLEL, RECOMPUTE, SCHEDULES, Schedule
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Config:
+    """Ranks are laid out as Megatron-LM lays them: tensor-parallel innermost, then context-,
+    then data-parallel, pipeline outermost: tp x cp x dp ranks run a pipeline stage. Expert
+    parallelism is carved out of those ranks (ep consecutive ranks hold different experts), as
+    Megatron-Core does with expert tensor parallelism 1."""
     tp: int = 1                     # tensor-parallel degree (inside a node)
     pp: int = 1                     # pipeline stages
     dp: int = 1                     # data-parallel replicas
+    ep: int = 1                     # expert-parallel degree: each rank holds 1/ep of every MoE layer's experts
+    cp: int = 1                     # context-parallel degree: every sequence split over cp ranks
+    cp_kind: str = "ring"           # ring (K/V blocks around a ring) | all-to-all (Ulysses)
+    offload: bool = False           # parameters, gradients, optimizer state on the host (ZeRO-3)
+    # the slowest rank's expert rows over the mean (1.0: balanced routing, the assumption of
+    # cost/experts.py); scales its expert compute and all-to-alls
+    routing_imbalance: float = 1.0
     virtual: int = 1                # model chunks per pipeline rank (interleaved 1F1B when > 1)
     global_batch: int = 1           # sequences per optimizer step, over all replicas
     micro_batch: int = 1            # sequences per micro-batch on one replica
@@ -24,9 +35,10 @@ class Config:
     schedule: str = "1f1b"          # gpipe | 1f1b | interleaved-1f1b | zero-bubble
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "virtual", "global_batch", "micro_batch"):
+        for name in ("tp", "pp", "dp", "ep", "cp", "virtual", "global_batch", "micro_batch"):
             if getattr(self, name) < 1:
                 raise AutoparError(f"config {name}={getattr(self, name)} must be at least 1")
+        self._check_new_forms()
         if self.recompute not in RECOMPUTE:
             raise AutoparError(f"recompute={self.recompute!r}: expected one of {RECOMPUTE}")
         if self.schedule not in SCHEDULES:
@@ -42,9 +54,28 @@ class Config:
                 f"global batch {self.global_batch} is not divisible by dp x micro_batch = "
                 f"{self.dp} x {self.micro_batch}; choose a global batch that is a multiple of {per_step}")
 
+    def _check_new_forms(self) -> None:
+        """Expert and context parallelism and offload: what a Config can check without the
+        model (the experts' count and the sequence length are checked where the graph is)."""
+        stage = self.tp * self.cp * self.dp
+        if stage % self.ep:
+            raise AutoparError(
+                f"ep={self.ep} does not divide the tp x cp x dp = {self.tp} x {self.cp} x "
+                f"{self.dp} = {stage} ranks of a pipeline stage, out of which expert parallelism "
+                f"is carved; choose an ep that divides {stage} (or more data parallelism)")
+        if self.cp_kind not in CONTEXT_PARALLEL:
+            raise AutoparError(f"cp_kind={self.cp_kind!r}: expected one of {CONTEXT_PARALLEL}")
+        if self.offload and self.zero != 3:
+            raise AutoparError(f"offload=True keeps the sharded parameters, gradients and "
+                               f"optimizer state on the host, which needs ZeRO-3; set zero=3 "
+                               f"(got zero={self.zero})")
+        if not 1.0 <= self.routing_imbalance < float("inf"):
+            raise AutoparError(f"routing_imbalance={self.routing_imbalance} must be at least 1.0 "
+                               f"(the slowest rank's expert rows over the mean; 1.0 is balanced)")
+
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def micro_batches(self) -> int:

@@ -58,16 +58,23 @@ from autopar.cost.layout import _DTYPE_BYTES, graph_sequence
 from autopar.cost.memory import (OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
                                  reduces_every_micro_batch)
 from autopar.cost.mesh import Mesh
-from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
+from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import Chunk, poly_at
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, tied_exposed
+from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
+                                sharded_traffic)
+from autopar.cost.offload import offloaded_memory
 from autopar.cost.stages import StageSpec, uniform_stages
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
-_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in _ACTIVATION_DTYPE.items()}
+# "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
+# at the device's FP8 rate where it has one, plus the casts (cost/chunk_price.py); activations,
+# model states and traffic as bf16's.
+_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
+_PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+DISPATCHES = ("all-to-all", "deduplicated")
 
 
 def default_precision(mesh: Mesh) -> str:
@@ -91,9 +98,14 @@ class Estimate:
     fits: bool
     devices: list = field(default_factory=list)    # per pipeline rank: time per micro-batch, memory
                                                     # (total and its parts)
+    host_memory_bytes: float = 0.0  # offloaded model states one device keeps on its host
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain data; the host's bytes only where the states are offloaded."""
+        data = asdict(self)
+        if not self.host_memory_bytes:
+            del data["host_memory_bytes"]
+        return data
 
 
 def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficiencies | None = None,
@@ -115,14 +127,16 @@ def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficien
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
                            memory_limit=memory_limit, cache=cache, runtime=runtime,
-                           calibration=calibration, precision=precision)
+                           calibration=calibration, precision=precision,
+                           routing_imbalance=config.routing_imbalance)
 
 
 def _check_world(mesh: Mesh, config: Config) -> None:
     if config.world_size != mesh.world_size:
-        raise AutoparError(f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = "
-                           f"{config.world_size} does not match the {mesh.world_size} devices of "
-                           f"mesh {mesh}; choose degrees whose product is {mesh.world_size}")
+        raise AutoparError(f"tp x cp x pp x dp = {config.tp} x {config.cp} x {config.pp} x "
+                           f"{config.dp} = {config.world_size} does not match the "
+                           f"{mesh.world_size} devices of mesh {mesh}; choose degrees whose "
+                           f"product is {mesh.world_size}")
 
 
 def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
@@ -130,7 +144,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
                     memory_limit: float | None = None, cache: dict | None = None,
                     runtime: str | Runtime = "autopar", calibration=None,
-                    precision: str | None = None) -> Estimate:
+                    precision: str | None = None, routing_imbalance: float = 1.0,
+                    dispatch: str = "all-to-all", overlap_exchange: bool = False) -> Estimate:
     """Price pipeline chunks `stages` in model order; with `virtual` v, chunk c runs on pipeline
     rank c % p of p = len(stages) / v ranks (Megatron's interleaving).
 
@@ -139,13 +154,22 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     pays for each part once; results are the same with or without it. `precision` "bf16" or
     "fp16" (mixed precision, the same bytes) or "fp32": the bytes of activations, model states and
     data-parallel traffic, and the FLOP/s of the device's matmuls in that dtype; by default what
-    the device trains in (bf16 on GPUs, fp32 on CPUs)."""
+    the device trains in (bf16 on GPUs, fp32 on CPUs).; "fp8": see _ACTIVATION_DTYPE. `routing_imbalance`: the
+    slowest rank's expert rows over the mean; `dispatch`: "all-to-all" or "deduplicated"
+    (cost.experts.exchange_time); `overlap_exchange`: the experts' all-to-alls run behind
+    another micro-batch's compute (Megatron-Core's 1F1B all-to-all overlap, DualPipe), showing
+    only where they outlast it."""
     mesh, eff = calibrated(mesh, efficiencies, calibration)
     runtime = runtime_named(runtime)
     precision = precision or default_precision(mesh)
     if precision not in _ACTIVATION_DTYPE:
         raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
-    memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision])
+    gemm_dtype = "float8" if precision == "fp8" and "float8" in mesh.device.peak_flops else ""
+    if dispatch not in DISPATCHES:
+        raise AutoparError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCHES)}")
+    memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision], routing_imbalance,
+                         gemm_dtype, dispatch)
+    check_stages(graph, stages, memo)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo,
                            whole_sends=runtime.whole_stage_sends)
@@ -154,6 +178,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for c, spec in enumerate(stages):
         chunks[c].host_s = host_time(spec, split.groups[c], chunks[c],
                                       pipelined=len(devices) > 1, schedule=schedule, eff=eff)
+    for chunk in chunks:
+        chunk.exchange_s = (max(0.0, chunk.exchange_s - chunk.forward_s - chunk.backward_s)
+                            if overlap_exchange else chunk.exchange_s)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
@@ -164,28 +191,39 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     sharing = ranks_per_core(mesh, eff)
     if len(devices) > 1 and sharing > 1:
         lent = shared_host_time(per_mb, m, ideal + bubble, sharing) - ideal - bubble
-    data_comm, optimizer = [], []
+    data_comm, optimizer, offloaded = [], [], []
     for d, cs in enumerate(devices):
         spec = stages[cs[0]]
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
                             [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
                             kept_gathered=schedule == "zero-bubble",
                             reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
-        data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
-                                               micro_batches=m, mesh=mesh, runtime=runtime,
-                                               element_bytes=_DTYPE_BYTES[memo.dtype]))
-        local_params = work.params / (spec.dp if spec.zero >= 1 else 1)
+        data_comm.append(sharded_traffic(work, spec, micro_batches=m, mesh=mesh, runtime=runtime,
+                                         element_bytes=_DTYPE_BYTES[memo.dtype]))
+        local_params = sharded_params(work, spec)
+        if spec.offload:
+            offloaded.append(offload_step(work, spec, micro_batches=m, schedule=schedule,
+                                          mesh=mesh, eff=eff))
+            optimizer.append(offloaded[-1][1])
+            continue
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
-    memory = _memory(pipe, stages, micro_batch, schedule, virtual, precision=precision)
+    memory, host = _memory(pipe, stages, pipe.samples, schedule, virtual, precision=precision)
+    exposed_copies = max((copies for copies, _ in offloaded), default=0.0)
     tied = tied_exposed(memo.readers(split), memo.layout(stages[0]), stages[0], mesh,
                         pp=len(devices))
     closing = loss_sync(mesh, eff)
-    step = ideal + bubble + lent + max(data_comm) + tied + max(optimizer) + closing
-    return _summarize(memo.model_flops_per_sample(), mesh, chunks, devices, per_mb, memory, step=step, ideal=ideal,
-                      bubble=bubble, lent=lent, data_comm=max(data_comm) + tied, loss_sync=closing,
-                      optimizer=max(optimizer), m=m, global_batch=global_batch,
-                      memory_limit=memory_limit)
+    step = ideal + bubble + lent + max(data_comm) + tied + max(optimizer) + closing + exposed_copies
+    result = _summarize(memo.model_flops_per_sample(), mesh, chunks, devices, per_mb, memory,
+                        step=step, ideal=ideal, bubble=bubble, lent=lent,
+                        data_comm=max(data_comm) + tied, loss_sync=closing,
+                        optimizer=max(optimizer), m=m, global_batch=global_batch,
+                        memory_limit=memory_limit)
+    if offloaded:
+        result.breakdown["offload"] = exposed_copies
+        result.comm_breakdown["host"] = exposed_copies
+        result.host_memory_bytes = max(host)
+    return result
 
 
 def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int],
@@ -197,6 +235,7 @@ def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int]
     forward = sum(c.forward_s for c in chunks)
     units = max(1, sum(groups))
     return DeviceWork(params=sum(c.params for c in chunks), tensors=sum(c.tensors for c in chunks),
+                      expert_params=sum(c.expert_params for c in chunks),
                       blocks=sum(groups), forward_s=forward, backward_s=backward,
                       drain_s=backward * (1 + stage),
                       recompute=any(s.recompute == "full" for s in stages),
@@ -213,6 +252,7 @@ class _Pipeline:
     chunks: list[Chunk]
     devices: list[list[int]]        # pipeline rank -> its chunks
     micro_batches: int
+    samples: float = 1.0            # sequences of a micro-batch on one rank: micro_batch / cp
 
 
 def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
@@ -227,30 +267,34 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         raise AutoparError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a "
                            f"multiple of the {pp} pipeline ranks; change the global or micro-batch")
     split = memo.split(stages)
-    chunks = [memo.chunk(split, c, s, micro_batch, attention)
+    samples = micro_batch / stages[0].cp      # each rank holds 1/cp of every sequence
+    chunks = [memo.chunk(split, c, s, samples, attention)
               for c, s in enumerate(stages)]
     for c, s in enumerate(stages):
         params, loss, tensors, gathered = memo.states(split, s)
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
         chunks[c].gathered, chunks[c].largest, chunks[c].group = gathered[c]
         chunks[c].loss_per_sample = poly_at(loss[c], 1)
+        chunks[c].expert_params = memo.expert_params(split, s)[c]
     crossing = memo.crossing(split, stages, crossing_bytes)
-    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, micro_batch,
+    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, samples,
               whole=whole_sends)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
-    return _Pipeline(chunks=chunks, devices=devices, micro_batches=m)
+    return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples)
 
 
-def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str,
-            virtual: int, seq_ratio=1, precision: str = "bf16") -> list[dict]:
-    """Memory breakdown of each pipeline rank; `micro_batch` and `seq_ratio` (sequence length
-    over the captured one) may be sympy expressions."""
-    return [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], micro_batch, schedule,
-                           pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
-                           seq_ratio=seq_ratio, precision=precision)
-            for d, cs in enumerate(pipe.devices)]
+def _memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
+            virtual: int, seq_ratio=1, precision: str = "bf16") -> tuple[list[dict], list]:
+    """Memory breakdown of each pipeline rank and the bytes it keeps on its host (offload);
+    `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the
+    captured one) may be sympy expressions."""
+    parts = [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], samples, schedule,
+                            pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
+                            seq_ratio=seq_ratio, precision=precision)
+             for d, cs in enumerate(pipe.devices)]
+    return [device for device, _ in parts], [host for _, host in parts]
 
 
 def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
@@ -269,8 +313,8 @@ def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
     batch = batch if batch is not None else sympy.Symbol("b", positive=True, integer=True)
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
     ratio = 1 if seq is None else seq / _captured_sequence(graph)
-    totals = [sympy.Add(*part.values()) for part in _memory(pipe, stages, batch, config.schedule,
-                                                             config.virtual, ratio)]
+    totals = [sympy.Add(*part.values()) for part in _memory(
+        pipe, stages, batch / config.cp, config.schedule, config.virtual, ratio)[0]]
     return sympy.Max(*totals)
 
 
@@ -301,7 +345,7 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
     memory = lambda size: max(sum(part.values()) for part in _memory(
-        pipe, stages, size, config.schedule, config.virtual))
+        pipe, stages, size / config.cp, config.schedule, config.virtual)[0])
     return 0 if memory(0) > limit else _largest_fitting(memory, limit, 0)
 
 
@@ -339,33 +383,39 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
         raise AutoparError(f"{len(stages)} pipeline chunks cannot be spread over pipeline ranks "
                            f"with virtual={virtual} chunks each; give a multiple of {virtual} chunks")
     pp = len(stages) // virtual
-    devices = sum(s.tp * s.dp for s in stages[:pp])
+    devices = sum(s.ranks for s in stages[:pp])
     if devices != mesh.world_size:
-        raise AutoparError(f"the stages use {devices} devices (sum of tp x dp over the {pp} pipeline "
-                           f"ranks) but mesh {mesh} has {mesh.world_size}")
+        raise AutoparError(f"the stages use {devices} devices (sum of tp x cp x dp over the {pp} "
+                           f"pipeline ranks) but mesh {mesh} has {mesh.world_size}")
     for c, s in enumerate(stages):
-        if (s.tp, s.dp) != (stages[c % pp].tp, stages[c % pp].dp):
+        mine = stages[c % pp]
+        if (s.tp, s.dp, s.cp, s.ep) != (mine.tp, mine.dp, mine.cp, mine.ep):
             raise AutoparError(f"chunk {c} runs on pipeline rank {c % pp} but asks for tp={s.tp}, "
-                               f"dp={s.dp}; all chunks of one rank share its devices")
-    dps = {s.dp for s in stages}
-    if len(dps) > 1:
-        raise AutoparError(f"stages have different data-parallel degrees {sorted(dps)}; one global "
-                           f"batch splits into the same micro-batches on every stage")
+                               f"dp={s.dp}, cp={s.cp}, ep={s.ep}; all chunks of one rank share "
+                               f"its devices")
+    for name in ("dp", "cp"):
+        degrees = {getattr(s, name) for s in stages}
+        if len(degrees) > 1:
+            raise AutoparError(f"stages have different {name} degrees {sorted(degrees)}; one global "
+                               f"batch splits into the same micro-batches (of the same sequences) "
+                               f"on every stage")
     return pp, stages[0].dp
 
 
 def _chunk_time(chunk: Chunk) -> float:
     return (chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s
-            + chunk.send_s + chunk.host_s)
+            + chunk.exchange_s + chunk.send_s + chunk.host_s)
 
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
-                   virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
-    """A pipeline rank's peak (cost.memory.peak_bytes). Under ZeRO-3 a zero-bubble schedule
+                   virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> tuple[dict, float]:
+    """A pipeline rank's peak (cost.memory.peak_bytes), and what it keeps on its host when its
+    stage offloads (cost/offload.py). Under ZeRO-3 a zero-bubble schedule
     keeps the weights gathered from forward to backward (its weight backward runs after the
     input backward, on the same gathered weights), so the rank holds them all, not
     GATHERED_GROUPS at a time; other schedules free them after each use (the runtime's
-    `fully_shard(reshard_after_forward=True)` and `autopar.runtime.schedule.ReshardingStage`)."""
+    `fully_shard(reshard_after_forward=True)` and `autopar.runtime.schedule.ReshardingStage`).
+    ZeRO shards over the cp x dp ranks, experts' states over their own group (cost/forms.py)."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its
@@ -375,16 +425,23 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
-    return peak_bytes(params=params, gathered=gathered, group=max(c.group for c in chunks),
-                      weight=max(c.largest for c in chunks),
-                      zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,
-                      reduce_every=reduces_every_micro_batch(spec.zero, schedule),
-                      held=held, pipelined=pp > 1, activations=held * per_chunk * b,
-                      logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
-                      recomputed=recomputed * b, flowing=flowing * b,
-                      blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own
-                      block_kept=_smallest([poly_at(c.block_kept_poly, seq_ratio) for c in chunks
-                                            if c.blocks]) * b)
+    group = max(c.group for c in chunks)
+    parts = peak_bytes(params=params, gathered=gathered, group=group,
+                       weight=max(c.largest for c in chunks),
+                       zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m,
+                       reduce_every=reduces_every_micro_batch(spec.zero, schedule),
+                       held=held, pipelined=pp > 1, activations=held * per_chunk * b,
+                       logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
+                       recomputed=recomputed * b, flowing=flowing * b,
+                       blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own
+                       block_kept=_smallest([poly_at(c.block_kept_poly, seq_ratio) for c in chunks
+                                             if c.blocks]) * b,
+                       expert_params=sum(c.expert_params for c in chunks),
+                       expert_dp=expert_data_parallel(spec))
+    if not spec.offload:
+        return parts, 0.0
+    return offloaded_memory(parts, params=params, shards=spec.dp * spec.cp, zero=spec.zero,
+                            gathered=gathered, group=group, element=4 if precision == "fp32" else 2)
 
 
 def _largest(values: list):
@@ -417,12 +474,14 @@ def _summarize(model_flops_per_sample: float, mesh: Mesh, chunks: list[Chunk], d
         step_time_s=step,
         breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s")
                    + total("host_s"),
-                   "exposed_comm": total("tensor_comm_s") + total("send_s") + data_comm + loss_sync,
+                   "exposed_comm": total("tensor_comm_s") + total("exchange_s") + total("send_s")
+                   + data_comm + loss_sync,
                    "bubble": bubble, "optimizer": optimizer,
                    # cores that ranks idle in the bubble lend the others, on a shared host
                    **({"lent_cores": lent} if lent else {})},
         comm_breakdown={"tensor": total("tensor_comm_s"), "pipeline": total("send_s"),
-                        "data": data_comm, "loss": loss_sync},
+                        "data": data_comm, "loss": loss_sync,
+                        **({"expert": total("exchange_s")} if total("exchange_s") else {})},
         memory_per_gpu_bytes=totals[fullest], memory_breakdown=memory[fullest],
         tflops_per_gpu=hardware / step / world / 1e12,
         model_tflops_per_gpu=model_flops / step / world / 1e12,

@@ -31,6 +31,7 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
+from autopar.cost.expert_layers import routers
 from autopar.cost.reshard import (ALL_REDUCE, cheapest_inputs, gradient_given, gradient_need,
                                   reshard_steps, work_split)
 
@@ -48,7 +49,7 @@ _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64"
 
 def op_name(target: str) -> str:
     parts = target.split(".")
-    return parts[1] if target.startswith("aten.") and len(parts) > 1 else parts[-1]
+    return parts[1] if target.startswith(("aten.", "autopar.")) and len(parts) > 1 else parts[-1]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,7 +70,11 @@ class NodeLayout:
     comm_backward: tuple = ()
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa
-    gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns)
+    gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns),
+                                   # and for grouped matmuls the GEMMs run together (cost/experts.py)
+    expert: bool = False           # runs on a mixture-of-experts layer's rows (cost/experts.py)
+    exchange_bytes: float = 0.0    # bytes per sample this rank sends into an expert all-to-all,
+                                   # in the forward and again in the backward
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -164,6 +169,7 @@ class _LayoutBuilder:
         self.grad_reduced: set[str] = set()        # tensors whose gradient is all-reduced already
         self.weight_of: dict[str, str] = {}        # views and casts of a parameter -> it
         self.seq_dims = sequence_dims(graph, graph_sequence(graph))
+        self.routers = routers(graph)
         self.seq_degree: dict[str, int] = {}
 
     def build(self) -> GraphLayout:
@@ -253,7 +259,9 @@ class _LayoutBuilder:
             if family != "embedding":     # a lookup reads only the rows it returns
                 layout.param_bytes = sum(self.param_local[p] * _DTYPE_BYTES[self.dtype] for p in params)
         if self.grad[node.name]:
-            layout.saved = _saved(node, name, family, acts, self.storage)
+            # a lookup's backward needs its indices, not the table (or activation) it reads
+            kept = [i for i in acts if not node_differentiable(by_name[i])] if family == "embedding" else acts
+            layout.saved = _saved(node, name, family, kept, self.storage)
             if self.placements is not None:
                 layout.saved = tuple(self.read_as.get(key, key) for key in layout.saved)
             for key in layout.saved:
@@ -280,8 +288,8 @@ class _LayoutBuilder:
                 return True
             # Column-parallel: the input's gradient is all-reduced in the backward, once however
             # many matmuls read that input (q, k and v).
-            if (node.shape[-1] if node.shape else 1) % tp:
-                return False          # too few output features to split (a router's gate): whole
+            if (node.shape[-1] if node.shape else 1) % tp or node.name in self.routers:
+                return False          # too few output features to split, or a router: whole
             layout.sharded = True
             if acts and self.storage[acts[0]] not in self.grad_reduced:
                 self.grad_reduced.add(self.storage[acts[0]])

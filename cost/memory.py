@@ -69,7 +69,7 @@ GATHERED_GROUPS = 2
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations,
                logits, recomputed, flowing, reduce_every: bool = False, blocks: int = 0,
-               block_kept=0.0) -> dict:
+               block_kept=0.0, expert_params: float = 0.0, expert_dp: int = 1) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak.
 
     `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
@@ -108,9 +108,14 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     activations it frees (`flowing`) and the gradient of the weight it reads
     (`weight` elements, the largest parameter); in a pipeline both also hold the logits, which
     torch's PipelineStage keeps until the micro-batch's backward on the stage ends. With symbolic sizes (sympy) the parts are the
-    first backward's, and `later_phase` what the others need beyond it."""
+    first backward's, and `later_phase` what the others need beyond it.
+
+    Of the `params`, `expert_params` are experts' weights under expert parallelism
+    (cost/experts.py), whose optimizer state and gradient shards ZeRO splits over their own
+    `expert_dp` ranks rather than over `dp`."""
     wrapped = dp > 1
     split = dp if wrapped and zero >= 1 else 1
+    expert_split = expert_dp if expert_dp > 1 and zero >= 1 else 1
     element = 4 if precision == "fp32" else 2
     master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
@@ -119,9 +124,11 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     kept = LOSS_KEPT_COPIES * 4 * logits + cached
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element + cached
-    persistent = {"weights": weights, "optimizer": params * (ADAM_STATE_BYTES + master) / split}
+    sharded = lambda per_param: (params - expert_params) * per_param / split \
+        + expert_params * per_param / expert_split
+    persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master)}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
-    shards = gradients / split
+    shards = sharded(GRADIENT_BYTES)
     scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element,
                                           blocks=blocks, block_kept=block_kept, new_shards=not earlier)
                  for earlier in (False, True)}
@@ -145,8 +152,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     phases = [
         *backward(activations + (held - 1) * kept, micro_batches > held),
         *backward(activations * later / held + (later - 1) * kept, micro_batches > 1),
-        {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
-         "optimizer_step": params * OPTIMIZER_STEP_TEMPORARY_BYTES / split},
+        {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
+         "optimizer_step": sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
     ]
     totals = [sum({**persistent, **phase}.values()) for phase in phases]
     if all(isinstance(t, (int, float)) for t in totals):

@@ -39,6 +39,10 @@ class Link:
     def effective_bandwidth(self) -> float:
         return self.bandwidth * self.efficiency
 
+    def measures(self, kind: str) -> bool:
+        """Whether collective `kind` was measured on this link (`measured`)."""
+        return any(entry[0] == kind for entry in self.measured)
+
     def alpha_beta(self, kind: str, ranks: int = 0) -> tuple[float, float]:
         """(latency per step, bytes/s) of collective `kind` on a group of `ranks` over this link:
         the fit measured on the group size nearest `ranks` (the larger on a tie), since where
@@ -52,6 +56,17 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class HostSpec:
+    """The host of a device, for offloaded model states: the link to it (PCIe, or Grace's
+    NVLink-C2C), and what the host's memory streams and its cores compute for an optimizer step,
+    shared by the `gpus` devices it serves."""
+    link: Link
+    bandwidth: float            # bytes/s a CPU Adam step streams through the host's DRAM
+    flops: float                # the host's FLOP/s for it
+    gpus: int
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceSpec:
     name: str
     peak_flops: dict        # dtype name -> dense FLOP/s ("bfloat16", "float16", "float32")
@@ -62,9 +77,15 @@ class DeviceSpec:
     multiprocessors: int = 0  # streaming multiprocessors (GEMM tiles run in waves of them); 0: a CPU
     training_dtype: str = "bfloat16"   # what activations, weights and gradients are held in
     overlaps_communication: bool = True  # collectives run beside compute (a GPU's own engines)
+    # The host, for offloaded model states (cost/offload.py); None: the known device's (HOSTS)
+    host: HostSpec | None = None
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    @property
+    def host_figures(self) -> HostSpec:
+        return self.host or HOSTS.get(self.name, DEFAULT_HOST)
 
 
 GB = 1e9
@@ -82,25 +103,99 @@ MAX_DEVICES = 2**20
 # microseconds per NCCL step inside a node, about twice that across the network. Streaming
 # multiprocessors: 108 on an A100, 132 on an H100/H200 SXM. GPUs train in bf16 (mixed precision);
 # autopar's runtime trains in fp32 on CPUs, where gloo's collectives take the cores that compute.
+NVLINK2 = Link("nvlink2", 150 * GB, 5e-6, 0.80)
 NVLINK3 = Link("nvlink3", 300 * GB, 5e-6, 0.77)
 NVLINK4 = Link("nvlink4", 450 * GB, 5e-6, 0.80)
+NVLINK5 = Link("nvlink5", 900 * GB, 5e-6, 0.80)
+IB_EDR = Link("ib-edr", 6.25 * GB, 10e-6, 0.90)    # DGX-2: 8 x 100 Gb/s for 16 GPUs
 IB_HDR = Link("ib-hdr", 25 * GB, 10e-6, 0.90)
 IB_NDR = Link("ib-ndr", 50 * GB, 10e-6, 0.90)
+IB_XDR = Link("ib-xdr", 100 * GB, 10e-6, 0.90)      # ConnectX-8, 800 Gb/s per GPU (GB300)
 LOOPBACK = Link("loopback", 2 * GB, 50e-6, 1.0)
+# Cards without NVLink reach each other over PCIe 4.0 x16 (31.5 GB/s each way), through the host
+# where peer-to-peer is off (GeForce cards): NCCL's bus bandwidth is about half the line rate.
+PCIE_PEERS = Link("pcie4-peers", 32 * GB, 10e-6, 0.5)
+ETHERNET_25G = Link("ethernet", 25e9 / 8, 20e-6, 0.90)   # a 100 GbE NIC shared by four cards
+ETHERNET_100G = Link("ethernet", 100e9 / 8, 20e-6, 0.90)
+# Host links: PCIe 3.0/4.0/5.0 x16 each way (pinned copies reach about 80% of it), Grace's
+# NVLink-C2C (900 GB/s both ways) on GB200/GB300.
+PCIE3 = Link("pcie3", 16 * GB, 10e-6, 0.75)
+PCIE4 = Link("pcie4", 32 * GB, 10e-6, 0.80)
+PCIE5 = Link("pcie5", 64 * GB, 10e-6, 0.80)
+NVLINK_C2C = Link("nvlink-c2c", 450 * GB, 5e-6, 0.80)
+# A CPU Adam step streams about 40% of the host DRAM's peak (an assumption; `autopar calibrate`
+# measures it). DRAM peaks: DGX-2 2 x 6 channels DDR4-2666 (256 GB/s), DGX A100 2 x 8 DDR4-3200
+# (410), DGX H100 2 x 8 DDR5-4800 (614), DGX B200 2 x 8 DDR5-5600 (717), Grace LPDDR5X (512 per
+# two GPUs), a workstation 2 channels of DDR4-3200 (51) or DDR5-5600 (90), an L40S server 2 x 12
+# DDR5-4800 (920). Host FLOP/s: their cores' fp32 vector rate, roughly.
+_HOST_SHARE = 0.4
 
-DEVICES = {
-    "a100-40g": DeviceSpec("a100-40g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                           1555 * GB, 40 * GIB, NVLINK3, IB_HDR, 108),
-    "a100-80g": DeviceSpec("a100-80g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                           2039 * GB, 80 * GIB, NVLINK3, IB_HDR, 108),
-    "h100-80g": DeviceSpec("h100-80g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                           3350 * GB, 80 * GIB, NVLINK4, IB_NDR, 132),
-    "h200-141g": DeviceSpec("h200-141g", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                            4800 * GB, 141 * GIB, NVLINK4, IB_NDR, 132),
-    "cpu": DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12},
-                      20 * GB, 16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32",
-                      overlaps_communication=False),
+
+def _host_figures(peak: float, flops: float, gpus: int, link: Link) -> HostSpec:
+    return HostSpec(link, _HOST_SHARE * peak * GB, flops, gpus)
+
+
+def _tensor_flops(bf16: float, fp32: float, fp8: float = 0.0) -> dict:
+    table = {"bfloat16": bf16, "float16": bf16, "float32": fp32}
+    return {**table, "float8": fp8} if fp8 else table
+
+
+# Dense (not sparse) tensor-core FLOP/s from the vendors' data sheets and whitepapers:
+# V100 SXM3 fp16 125 TFLOP/s, no bf16 (it falls back to fp32); A100 312; H100 SXM 989, FP8 1979
+# (the H100 96 GB of Grand Teton is priced as an SXM H100, its 500 W cap not modeled); H200 as
+# H100; B200 (HGX/DGX, 1000 W) 2250 bf16 and 4500 FP8 (DGX B200: 72 PFLOP/s FP8 sparse for 8);
+# GB200 2500 and 5000 (GB200 NVL72: 180 PFLOP/s bf16, 360 FP8 dense for 72); GB300 the same
+# tensor rates with 288 GB (GB300 NVL72). GeForce cards run 16-bit matmuls with fp32
+# accumulation at half their fp16-accumulate rate: RTX 3090 71 TFLOP/s (GA102 whitepaper,
+# appendix A), RTX 4090 165.2 and FP8 330.3 (Ada whitepaper); L40S 362 bf16 and 733 FP8 (L40S
+# data sheet, dense). FP8 prices a row's matmuls only where the device has a rate for it (a
+# plan in "fp8" is priced at bf16 elsewhere). HBM/GDDR bandwidths likewise: V100 900 GB/s, RTX
+# 3090 936, RTX 4090 1008, L40S 864, B200/GB200/GB300 8000. A GB200/GB300 mesh's "node" is its
+# NVLink domain (up to 72 GPUs of an NVL72 rack): `4x64:gb200` is four racks of 64.
+DEVICES = {device.name: device for device in (
+    DeviceSpec("v100-32g", {"float16": 125e12, "float32": 15.7e12}, 900 * GB, 32 * GIB, NVLINK2,
+               IB_EDR, 80),
+    DeviceSpec("a100-40g", _tensor_flops(312e12, 19.5e12), 1555 * GB, 40 * GIB, NVLINK3, IB_HDR, 108),
+    DeviceSpec("a100-80g", _tensor_flops(312e12, 19.5e12), 2039 * GB, 80 * GIB, NVLINK3, IB_HDR, 108),
+    DeviceSpec("h100-80g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 80 * GIB, NVLINK4,
+               IB_NDR, 132),
+    DeviceSpec("h100-96g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 96 * GIB, NVLINK4,
+               IB_NDR, 132),
+    DeviceSpec("h200-141g", _tensor_flops(989e12, 67e12, 1979e12), 4800 * GB, 141 * GIB, NVLINK4,
+               IB_NDR, 132),
+    DeviceSpec("b200-180g", _tensor_flops(2250e12, 75e12, 4500e12), 8000 * GB, 180 * GIB, NVLINK5,
+               IB_NDR, 148),
+    DeviceSpec("gb200-186g", _tensor_flops(2500e12, 80e12, 5000e12), 8000 * GB, 186 * GIB, NVLINK5,
+               IB_NDR, 148),
+    DeviceSpec("gb300-288g", _tensor_flops(2500e12, 80e12, 5000e12), 8000 * GB, 288 * GIB, NVLINK5,
+               IB_XDR, 160),
+    DeviceSpec("rtx3090-24g", _tensor_flops(71e12, 35.6e12), 936 * GB, 24 * GIB, PCIE_PEERS,
+               ETHERNET_25G, 82),
+    DeviceSpec("rtx4090-24g", _tensor_flops(165.2e12, 82.6e12, 330.3e12), 1008 * GB, 24 * GIB,
+               PCIE_PEERS, ETHERNET_25G, 128),
+    DeviceSpec("l40s-48g", _tensor_flops(362e12, 91.6e12, 733e12), 864 * GB, 48 * GIB, PCIE_PEERS,
+               ETHERNET_100G, 142),
+    DeviceSpec("cpu", {"bfloat16": 0.1e12, "float16": 0.1e12, "float32": 0.1e12}, 20 * GB,
+               16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32", overlaps_communication=False),
+)}
+HOSTS = {
+    "v100-32g": _host_figures(256, 2e12, 16, PCIE3),
+    "a100-40g": _host_figures(410, 4e12, 8, PCIE4),
+    "a100-80g": _host_figures(410, 4e12, 8, PCIE4),
+    "h100-80g": _host_figures(614, 6e12, 8, PCIE5),
+    "h100-96g": _host_figures(614, 6e12, 8, PCIE5),
+    "h200-141g": _host_figures(614, 6e12, 8, PCIE5),
+    "b200-180g": _host_figures(717, 6e12, 8, PCIE5),
+    "gb200-186g": _host_figures(512, 3e12, 2, NVLINK_C2C),
+    "gb300-288g": _host_figures(512, 3e12, 2, NVLINK_C2C),
+    "rtx3090-24g": _host_figures(51, 1e12, 1, PCIE4),
+    "rtx4090-24g": _host_figures(90, 1.5e12, 1, PCIE4),
+    "l40s-48g": _host_figures(920, 6e12, 8, PCIE4),
+    "cpu": HostSpec(LOOPBACK, 20 * GB, 0.1e12, 1),
 }
+DEFAULT_HOST = _host_figures(410, 4e12, 8, PCIE4)
+# The names users know the larger cards by
+ALIASES = {"b200": "b200-180g", "gb200": "gb200-186g", "gb300": "gb300-288g"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +280,10 @@ class Mesh:
 
     def to_dict(self) -> dict:
         """Plain JSON data (lists, not tuples), so that a saved and loaded copy compares equal."""
-        return _plain({"device": asdict(self.device), "axes": [asdict(a) for a in self.axes]})
+        device = asdict(self.device)
+        if device["host"] is None:      # the known device's host: nothing of its own to write
+            del device["host"]
+        return _plain({"device": device, "axes": [asdict(a) for a in self.axes]})
 
     @classmethod
     def from_dict(cls, data: dict) -> Mesh:
@@ -199,7 +297,8 @@ class Mesh:
                 intra_node=_link(dev, "intra_node", "device"), inter_node=_link(dev, "inter_node", "device"),
                 multiprocessors=int(_value(dev, "multiprocessors", int, "device")) if "multiprocessors" in dev else 0,
                 training_dtype=_value(dev, "training_dtype", str, "device") if "training_dtype" in dev else "bfloat16",
-                overlaps_communication=_flag(dev, "overlaps_communication", default=True))
+                overlaps_communication=_flag(dev, "overlaps_communication", default=True),
+                host=_host_spec(dev["host"]) if dev.get("host") is not None else None)
             extra = sorted(set(dev) - {field.name for field in fields(DeviceSpec)})
             if extra:
                 raise MeshError(f"device has unknown keys {extra}")
@@ -229,6 +328,16 @@ def _value(record: dict, key: str, kind, where: str):
         expected = "a number" if isinstance(kind, tuple) else f"a {kind.__name__}"
         raise MeshError(f"{where}.{key} is {value!r}; expected {expected}")
     return value
+
+
+def _host_spec(host: dict) -> HostSpec:
+    """A mesh file's own host figures (`DeviceSpec.host`)."""
+    if not isinstance(host, dict):
+        raise MeshError(f"device.host is {host!r}; expected {{link, bandwidth, flops, gpus}}")
+    return HostSpec(link=_link(host, "link", "device.host"),
+                    bandwidth=float(_positive(host, "bandwidth", "device.host")),
+                    flops=float(_positive(host, "flops", "device.host")),
+                    gpus=int(_positive(host, "gpus", "device.host", integer=True)))
 
 
 def _flag(record: dict, key: str, *, default: bool) -> bool:
@@ -280,6 +389,6 @@ def _plain(value):
 
 def device_spec(name: str) -> DeviceSpec:
     try:
-        return DEVICES[name.lower()]
+        return DEVICES[ALIASES.get(name.lower(), name.lower())]
     except KeyError:
         raise MeshError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}") from None

@@ -25,6 +25,11 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
                    runs under the gather its backward already made (checkpointing inside the unit).
                    Weights and gradients travel in the plan's precision (by default the
                    device's training dtype: bf16 on GPUs, fp32 on CPUs).
+  megatron-core    Megatron-Core's distributed data parallelism of 2024-25 as its performance
+                   recipes run it (`--overlap-grad-reduce --overlap-param-gather`, the
+                   distributed optimizer): gradients reduce-scattered in buckets during the last
+                   micro-batch's backward, as "torch" does, and the updated weights all-gathered
+                   behind the next step's first forward rather than after the optimizer step.
   megatron-local   Megatron-LM's own DDP of 2021-22 (`--DDP-impl local`): one all-reduce of the
                    contiguous gradient buffer after the pipeline flush, nothing overlapped.
   deepspeed-2021   DeepSpeed's ZeRO-3 engine of 2021: every sub-module's parameters gathered in its
@@ -58,6 +63,9 @@ class Runtime:
     gather_unit: str            # ZeRO-3's collective per "block" or per parameter "tensor"
     regather_on_recompute: bool  # ZeRO-3 gathers again for a recomputed forward
     fsdp2: bool = False         # autopar's FSDP2: per-group calls, counts by micro-batch (above)
+    # ZeRO-1/2's all-gather of the updated weights runs behind the next forward (Megatron-Core's
+    # --overlap-param-gather) rather than after the optimizer step
+    overlap_param_gather: bool = False
     # Between pipeline stages every tensor-parallel rank sends each value whole, and a value split
     # over them is gathered first (autopar's TensorParallelStage hands on replicated tensors); False:
     # Megatron's, which sends a split value's chunks and scatters a whole one (cost/traffic.py).
@@ -68,6 +76,8 @@ RUNTIMES = {
     "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
                        fsdp2=True, whole_stage_sends=True),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
+    "megatron-core": Runtime("megatron-core", overlap=True, gather_unit="block",
+                             regather_on_recompute=False, overlap_param_gather=True),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
                               regather_on_recompute=True),
     "deepspeed-2021": Runtime("deepspeed-2021", overlap=False, gather_unit="tensor",
@@ -105,6 +115,7 @@ class DeviceWork:
     # buffer it fills (Efficiencies.data_parallel_reduce_group_s or sharded_reduce_group_s, _byte_s)
     reduce_group_s: float = 0.0
     reduce_byte_s: float = 0.0
+    expert_params: float = 0.0  # of `params`, experts' under expert parallelism (own group)
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,
@@ -131,6 +142,10 @@ def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micr
         last = group.reduce_scatter(bucket) if zero else group.all_reduce(bucket)
         reduce = max(reduce - work.drain_s, last)
     after_step = group.all_gather(work.params * element) if zero else 0.0
+    if runtime.overlap and runtime.overlap_param_gather:
+        # each bucket's gather ahead of the forward that reads it: the first bucket waits
+        bucket = min(work.params * element, BUCKET_BYTES)
+        after_step = max(after_step - work.forward_s, group.all_gather(bucket) if zero else 0.0)
     return reduce + after_step
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.cost.chunk_price import (Chunk, chunk_states, node_prices, price_chunk,
+from autopar.cost.chunk_price import (Chunk, Pricing, chunk_states, node_prices, price_chunk,
                                      recomputed_regions)
+from autopar.cost.context import attention_bytes
+from autopar.cost.expert_layers import expert_layers, expert_parameters
+from autopar.cost.experts import with_expert_parallelism
 from autopar.cost.layout import GraphLayout, graph_batch, infer_layout
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_groups
@@ -33,25 +36,33 @@ class Split:
 class PriceCache:
     """The estimator's memo over `store` (a caller's dict, or a fresh one for a single call)."""
 
-    __slots__ = ("store", "graph", "mesh", "efficiencies", "dtype")
+    __slots__ = ("store", "graph", "mesh", "efficiencies", "dtype", "routing_imbalance",
+                 "gemm_dtype", "dispatch")
 
     def __init__(self, store: dict, graph: Graph, mesh: Mesh, efficiencies,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, routing_imbalance: float = 1.0,
+                 gemm_dtype: str = "", dispatch: str = "all-to-all") -> None:
         self.store, self.graph, self.mesh, self.efficiencies = store, graph, mesh, efficiencies
         # the dtype activations are held in: the plan's precision, else what the device trains in
         self.dtype = dtype or mesh.device.training_dtype
+        self.routing_imbalance = routing_imbalance     # cost/experts.py
+        self.gemm_dtype = gemm_dtype                   # matmuls' own dtype (FP8), "" for dtype's
+        self.dispatch = dispatch                       # cost.experts.exchange_time
 
     @classmethod
     def of(cls, store: dict | None, graph: Graph, mesh: Mesh, efficiencies,
-           dtype: str | None = None) -> PriceCache:
+           dtype: str | None = None, routing_imbalance: float = 1.0,
+           gemm_dtype: str = "", dispatch: str = "all-to-all") -> PriceCache:
         dtype = dtype or mesh.device.training_dtype
+        settings = (mesh, efficiencies, dtype, routing_imbalance, gemm_dtype, dispatch)
         if store is None:
-            return cls({}, graph, mesh, efficiencies, dtype)
-        context = store.setdefault("context", (graph, mesh, efficiencies, dtype))
-        if context[0] is not graph or context[1:] != (mesh, efficiencies, dtype):
+            return cls({}, graph, *settings)
+        context = store.setdefault("context", (graph, *settings))
+        if context[0] is not graph or context[1:] != settings:
             raise AutoparError("this estimator cache holds prices of another graph, mesh, "
-                               "efficiencies or precision; pass a fresh dict (or none) for each of them")
-        return cls(store, graph, mesh, efficiencies, dtype)
+                               "efficiencies, precision or routing; pass a fresh dict (or none) "
+                               "for each of them")
+        return cls(store, graph, *settings)
 
     def _get(self, key: tuple, make):
         if key not in self.store:
@@ -59,10 +70,27 @@ class PriceCache:
         return self.store[key]
 
     def layout(self, spec: StageSpec) -> GraphLayout:
-        tp, sequence_parallel, placements = spec.layout_key
-        return self._get(("layout", *spec.layout_key),
-                         lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
-                                              compute_dtype=self.dtype, placements=placements))
+        """The stage's layout: its tensor-parallel placements, then its expert parallelism."""
+        tp, sequence_parallel, placements, ep = spec.layout_key
+        tensor = self._get(("layout", tp, sequence_parallel, placements),
+                           lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
+                                                compute_dtype=self.dtype, placements=placements))
+        return self._get(("layout", *spec.layout_key), lambda: with_expert_parallelism(
+            tensor, self.expert_layers(), self.graph, ep=ep, tp=tp))
+
+    def expert_layers(self) -> list:
+        """The graph's mixture-of-experts layers (cost/experts.py)."""
+        return self._get(("expert_layers",), lambda: expert_layers(self.graph))
+
+    def expert_params(self, split: Split, spec: StageSpec) -> list[float]:
+        """Per chunk, the elements of experts' weights one of its devices holds."""
+        def make():
+            layout, owner = self.layout(spec), split.owner
+            totals = [0.0] * len(split.node_sets)
+            for name in expert_parameters(self.expert_layers()):
+                totals[owner[layout.index[name]]] += layout.param_local.get(name, 0.0)
+            return totals
+        return self._get(("expert_params", split.key, *spec.layout_key), make)
 
     def model_flops_per_sample(self) -> float:
         """A training step's model FLOPs per sample: 3x the forward (backward = 2x)."""
@@ -89,7 +117,8 @@ class PriceCache:
     def chunk(self, split: Split, c: int, spec: StageSpec, micro_batch: int, attention: str) -> Chunk:
         """Chunk `c` priced (`chunk_price.price_chunk`), a copy the caller may change. The price
         depends on the chunk's nodes, not on where it sits in the pipeline."""
-        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.recompute, micro_batch, attention)
+        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.cp, spec.cp_kind,
+               spec.recompute, micro_batch, attention)
         priced = self._get(key, lambda: price_chunk(
             self.graph, self.layout(spec), self._blocks(), self._regions(spec.recompute),
             self._members(split, spec)[c], self._node_prices(spec, micro_batch, attention),
@@ -103,10 +132,18 @@ class PriceCache:
         return self._get(("regions", recompute),
                          lambda: recomputed_regions(self.graph, self._blocks(), recompute))
 
-    def _node_prices(self, spec: StageSpec, micro_batch: int, attention: str) -> dict:
-        key = ("node_prices", *spec.layout_key, micro_batch, attention)
-        return self._get(key, lambda: node_prices(self.layout(spec), spec, self.mesh, micro_batch,
-                                                  self.efficiencies, attention))
+    def _node_prices(self, spec: StageSpec, micro_batch: float, attention: str) -> dict:
+        key = ("node_prices", *spec.layout_key, spec.cp, spec.cp_kind, micro_batch, attention)
+        experts = {name: layer for layer in self.expert_layers() for name in layer.matmuls}
+        return self._get(key, lambda: node_prices(
+            self.layout(spec), spec, self.mesh, micro_batch, self.efficiencies, attention,
+            Pricing(routing_imbalance=self.routing_imbalance, gemm_dtype=self.gemm_dtype,
+                    attention_bytes=self._attention_bytes(spec) if spec.cp > 1 else {},
+                    deduplicated_dispatch=self.dispatch == "deduplicated"), experts))
+
+    def _attention_bytes(self, spec: StageSpec) -> dict:
+        return self._get(("attention_bytes", *spec.layout_key),
+                         lambda: attention_bytes(self.graph, self.layout(spec)))
 
     def readers(self, split: Split) -> dict[str, set[int]]:
         """Parameter node -> the chunks of `split` that read it (`traffic.parameter_readers`)."""

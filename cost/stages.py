@@ -28,11 +28,23 @@ class StageSpec:
     # A plan's own per-op placements on the tensor-parallel axis (cost.layout.TensorPlacements);
     # None prices Megatron's layout for `tp`.
     placements: object = None
+    ep: int = 1                     # expert parallelism (cost/experts.py)
+    cp: int = 1                     # context parallelism (cost/context.py)
+    cp_kind: str = "ring"           # ring | all-to-all
+    # Model states on the host (cost/offload.py): under ZeRO-3 parameters, gradients and
+    # optimizer state (FSDP2's CPU offload); under ZeRO-1/2 the optimizer state and its step
+    # (DeepSpeed's ZeRO-Offload), the 16-bit weights staying on the device
+    offload: bool = False
 
     @property
     def layout_key(self) -> tuple:
         """What the chunk's layout depends on."""
-        return (self.tp, self.sequence_parallel, self.placements if self.tp > 1 else None)
+        return (self.tp, self.sequence_parallel, self.placements if self.tp > 1 else None, self.ep)
+
+    @property
+    def ranks(self) -> int:
+        """Devices of the stage: tensor x context x data parallel."""
+        return self.tp * self.cp * self.dp
 
 
 def block_refs(graph: Graph) -> list:
@@ -59,7 +71,8 @@ def uniform_stages(graph: Graph, config: Config) -> list[StageSpec]:
         starts = [sum(counts[:c]) for c in range(chunks)]
         groups = [paths[start:start + count] for start, count in zip(starts, counts)]
     return [StageSpec(layers=group, tp=config.tp, dp=config.dp, recompute=config.recompute,
-                      zero=config.zero, sequence_parallel=config.sequence_parallel)
+                      zero=config.zero, sequence_parallel=config.sequence_parallel,
+                      ep=config.ep, cp=config.cp, cp_kind=config.cp_kind, offload=config.offload)
             for group in groups]
 
 

@@ -31,7 +31,8 @@ def test_ring_all_reduce_matches_the_alpha_beta_formula():
     assert all_reduce_time(nbytes, mesh, ["gpu"]) == pytest.approx(expected)
     assert all_gather_time(nbytes, mesh, ["gpu"]) == pytest.approx(7 / 8 * nbytes / NVLINK_BW + 7 * 5e-6)
     assert reduce_scatter_time(nbytes, mesh, ["gpu"]) == all_gather_time(nbytes, mesh, ["gpu"])
-    assert all_to_all_time(nbytes, mesh, ["gpu"]) == pytest.approx(7 / 64 * nbytes / NVLINK_BW + 7 * 5e-6)
+    # an all-to-all posts its sends to every peer at once: one latency (NCCL's grouped sends)
+    assert all_to_all_time(nbytes, mesh, ["gpu"]) == pytest.approx(7 / 64 * nbytes / NVLINK_BW + 5e-6)
     assert send_recv_time(nbytes, A100.inter_node) == pytest.approx(10e-6 + nbytes / IB_BW)
     tree = Group.of_axes(mesh, ["gpu"]).all_reduce(nbytes, "tree")
     assert tree == pytest.approx(2 * 3 * 5e-6 + 2 * nbytes / NVLINK_BW)
@@ -67,8 +68,8 @@ def test_mesh_specs_and_errors():
     assert Mesh.parse("128x8:a100-80g").world_size == 1024
     assert [a.name for a in Mesh.parse("4:cpu").axes] == ["gpu"]
     assert Mesh.parse("2x2:cpu").shape == (2, 2)
-    with pytest.raises(MeshError, match="known devices: a100-40g"):
-        Mesh.parse("8:v100")
+    with pytest.raises(MeshError, match="known devices: .*a100-40g"):
+        Mesh.parse("8:mi300x")
     with pytest.raises(MeshError, match="expected NODESxGPUS:DEVICE"):
         Mesh.parse("8 gpus")
 

@@ -8,6 +8,7 @@ and the next-token loss. dp is the world size over tp x pp.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cost.vocabulary import RECOMPUTE, SCHEDULES
+from autopar.cost.vocabulary import CONTEXT_PARALLEL, RECOMPUTE, SCHEDULES
 from autopar.errors import AutoparError, MeshError
 
 
@@ -38,6 +39,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel degree: each rank holds 1/ep of every MoE layer's "
+                             "experts; divides the experts and tp x cp x dp (default 1)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree: every sequence split over cp ranks "
+                             "(default 1); both attention forms are priced")
+    parser.add_argument("--cp-kind", choices=CONTEXT_PARALLEL, default=None,
+                        help="context-parallel attention: K/V around a ring, or Ulysses' "
+                             "all-to-alls (default: the cheaper)")
+    parser.add_argument("--offload", action="store_true",
+                        help="parameters, gradients and optimizer state on the host (needs "
+                             "--zero 3)")
+    parser.add_argument("--routing-imbalance", type=float, default=1.0,
+                        help="the slowest rank's expert rows over the mean (default 1.0: "
+                             "balanced routing)")
     parser.add_argument("--schedule", choices=SCHEDULES,
                         default=None, help="default 1f1b, or interleaved-1f1b when --virtual > 1")
     parser.add_argument("--attention", choices=("flash", "unfused"), default="flash",
@@ -45,11 +61,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--calibration", type=Path, default=None,
                         help="efficiencies and collectives measured by `autopar calibrate` "
                              "(default: published figures)")
-    parser.add_argument("--runtime", choices=("autopar", "torch", "megatron-local",
-                                              "deepspeed-2021"),
+    parser.add_argument("--runtime", choices=("autopar", "torch", "megatron-core",
+                                              "megatron-local", "deepspeed-2021"),
                         default="autopar", help="whose overlap of communication to assume: "
                                                 "autopar's (default), PyTorch DDP/FSDP's, "
-                                                "Megatron-LM's local DDP, DeepSpeed's 2021 ZeRO-3")
+                                                "Megatron-Core's (2024-25), Megatron-LM's local "
+                                                "DDP, DeepSpeed's 2021 ZeRO-3")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -90,11 +107,11 @@ def parse_mesh(text: str):
 def build_config(args, mesh):
     from autopar.cost.config import Config
 
-    per_replica = args.tp * args.pp
+    per_replica = args.tp * args.pp * args.cp
     if per_replica < 1 or mesh.world_size % per_replica:
-        raise AutoparError(f"tp x pp = {args.tp} x {args.pp} = {per_replica} does not divide the "
-                           f"{mesh.world_size} devices of mesh {mesh}; choose degrees whose product "
-                           f"divides {mesh.world_size}")
+        raise AutoparError(f"tp x cp x pp = {args.tp} x {args.cp} x {args.pp} = {per_replica} does "
+                           f"not divide the {mesh.world_size} devices of mesh {mesh}; choose "
+                           f"degrees whose product divides {mesh.world_size}")
     if args.tp > mesh.gpus_per_node or mesh.gpus_per_node % args.tp:
         raise AutoparError(f"tp={args.tp} must divide the {mesh.gpus_per_node} devices of one node "
                            f"(tensor parallelism needs the fast links inside a node)")
@@ -102,7 +119,9 @@ def build_config(args, mesh):
     return Config(tp=args.tp, pp=args.pp, dp=mesh.world_size // per_replica, virtual=args.virtual,
                   global_batch=args.global_batch, micro_batch=args.micro_batch,
                   recompute=args.recompute, zero=args.zero,
-                  sequence_parallel=args.sequence_parallel, schedule=schedule)
+                  sequence_parallel=args.sequence_parallel, schedule=schedule, ep=args.ep,
+                  cp=args.cp, cp_kind=args.cp_kind or "ring", offload=args.offload,
+                  routing_imbalance=args.routing_imbalance)
 
 
 def run(args) -> int:
@@ -127,17 +146,43 @@ def run(args) -> int:
                      f"{efficiencies.device}, the mesh has {mesh.device.name}")
     with status.status(f"capturing {args.model} on the meta device"):
         graph = capture_training_step(args.model)
-    result = estimate(graph, mesh, config, attention=args.attention, runtime=args.runtime,
-                      calibration=args.calibration)
+    price = lambda config: estimate(graph, mesh, config, attention=args.attention,
+                                    runtime=args.runtime, calibration=args.calibration)
+    config, result, forms = _context_parallel_forms(config, price, fixed=args.cp_kind is not None)
     report = {"model": args.model, "mesh": str(mesh), "config": config.to_dict(),
               "attention": args.attention, "runtime": args.runtime, "calibration": str(args.calibration or ""),
-              **result.to_dict()}
+              **result.to_dict(), **({"context_parallel": forms} if forms else {})}
     config = report["config"]
     title = (f"{report['model']} on {report['mesh']}: tp={config['tp']} pp={config['pp']} "
              f"dp={config['dp']} v={config['virtual']} b={config['micro_batch']} "
-             f"B={config['global_batch']} recompute={config['recompute']} zero={config['zero']}")
+             f"B={config['global_batch']} recompute={config['recompute']} zero={config['zero']}"
+             + "".join(f" {name}={config[name]}" for name in ("ep", "cp") if config[name] > 1)
+             + (f" ({config['cp_kind']})" if config["cp"] > 1 else "")
+             + (" offload" if config["offload"] else ""))
     _output(args, report, title)
     return 0
+
+
+def _context_parallel_forms(config, price, *, fixed: bool):
+    """The configuration priced; under context parallelism both attention forms, each with its
+    step time or why it cannot run, and unless one was asked for, the cheaper one's estimate."""
+    if config.cp == 1:
+        return config, price(config), {}
+    forms, results = {}, {}
+    for kind in CONTEXT_PARALLEL:
+        try:
+            results[kind] = price(dataclasses.replace(config, cp_kind=kind))
+            forms[kind] = {"step_time_s": results[kind].step_time_s}
+        except AutoparError as err:
+            forms[kind] = {"refused": str(err)}
+    if not results:
+        raise AutoparError(forms[config.cp_kind]["refused"])
+    cheaper = min(results, key=lambda kind: results[kind].step_time_s)
+    forms["cheaper"] = cheaper
+    chosen = config.cp_kind if fixed else cheaper
+    if chosen not in results:
+        raise AutoparError(forms[chosen]["refused"])
+    return dataclasses.replace(config, cp_kind=chosen), results[chosen], forms
 
 
 def _run_plan(args) -> int:
@@ -183,6 +228,13 @@ def _print(console: Console, report: dict, title: str) -> None:
     summary.add_row("TFLOP/s per GPU (model)", f"{report['model_tflops_per_gpu']:.4g}")
     summary.add_row("MFU", f"{report['mfu']:.1%}")
     summary.add_row("micro-batches per step", str(report["micro_batches"]))
+    for kind, form in report.get("context_parallel", {}).items():
+        if kind != "cheaper":
+            price = _seconds(form["step_time_s"]) if "step_time_s" in form else "cannot run"
+            mark = " (cheaper)" if kind == report["context_parallel"]["cheaper"] else ""
+            summary.add_row(f"context parallel: {kind}{mark}", price)
+    if report.get("host_memory_bytes"):
+        summary.add_row("host memory per GPU (offloaded)", _bytes(report["host_memory_bytes"]))
     summary.add_row("bubble fraction", f"{report['bubble_fraction']:.3f}")
     fits = "fits" if report["fits"] else "DOES NOT FIT"
     summary.add_row("memory per GPU", f"{_bytes(report['memory_per_gpu_bytes'])} of "

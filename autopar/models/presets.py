@@ -4,11 +4,20 @@
     gpt:layers=48,hidden=8192,heads=64,seq=2048    a family with its config keys (others default)
     gpt3-1.3b:layers=2,seq=128                     a preset with some keys replaced
     llama:layers=2,hidden=256,heads=8,kv_heads=2   mlp:layers=4,hidden=512
+    moe:layers=2,hidden=64,heads=4,experts=4,top_k=2,expert_ffn=32
+    llama-70b:seq=131072                           a long-sequence variant of a preset
 
 GPT-3 sizes follow the paper's table (Brown et al. 2020) with Megatron's vocabulary of 51200 and
 sequence 2048; two rows of the paper are not realizable as printed and follow Megatron instead:
 gpt3-1.3b uses 16 heads (2048 is not 24 x 128) and gpt3-13b hidden 5120 (the paper prints 5140).
 Llama sizes are Llama 2's (sequence 4096, vocabulary 32000, grouped-query attention at 70B).
+Mixture-of-experts presets follow the published HuggingFace configs (config.json) of
+mistralai/Mixtral-8x7B-v0.1, mistral-community/Mixtral-8x22B-v0.1, Qwen/Qwen3-30B-A3B,
+Qwen/Qwen3-235B-A22B and deepseek-ai/DeepSeek-V3 (its inference/configs/config_671B.json too),
+with a training sequence of 4096 (their context windows are longer: `:seq=` sets it).
+Qwen3's unused dense `intermediate_size` is not built; DeepSeek-V3's router is built as a
+softmax router (its sigmoid scores, group-limited choice and bias differ in no shape or FLOP that
+matters here) and its multi-token-prediction module is left out.
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ from autopar.errors import AutoparError
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLP, MLPConfig
+from autopar.models.moe import MoEConfig, MoEModel
 from autopar.models.sizes import MAX_SIZE
 
-FAMILIES = {"gpt": (GPTConfig, GPT), "llama": (LlamaConfig, Llama), "mlp": (MLPConfig, MLP)}
+FAMILIES = {"gpt": (GPTConfig, GPT), "llama": (LlamaConfig, Llama), "mlp": (MLPConfig, MLP),
+            "moe": (MoEConfig, MoEModel)}
 
 
 def _gpt3(layers, hidden, heads):
@@ -47,12 +58,29 @@ PRESETS: dict[str, tuple[str, dict]] = {
                             "ffn": 28672}),
     "llama-tiny": ("llama", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seq": 32,
                              "vocab": 256}),
+    "mixtral-8x7b": ("moe", {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+                             "vocab": 32000, "experts": 8, "top_k": 2, "expert_ffn": 14336}),
+    "mixtral-8x22b": ("moe", {"layers": 56, "hidden": 6144, "heads": 48, "kv_heads": 8,
+                              "vocab": 32000, "experts": 8, "top_k": 2, "expert_ffn": 16384}),
+    "qwen3-30b-a3b": ("moe", {"layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
+                              "head_dim": 128, "vocab": 151936, "norm_eps": 1e-6, "qk_norm": True,
+                              "experts": 128, "top_k": 8, "expert_ffn": 768}),
+    "qwen3-235b-a22b": ("moe", {"layers": 94, "hidden": 4096, "heads": 64, "kv_heads": 4,
+                                "head_dim": 128, "vocab": 151936, "norm_eps": 1e-6,
+                                "qk_norm": True, "experts": 128, "top_k": 8, "expert_ffn": 1536}),
+    "deepseek-v3": ("moe", {"layers": 61, "hidden": 7168, "heads": 128, "ffn": 18432,
+                            "vocab": 129280, "rope_theta": 10000.0, "norm_eps": 1e-6,
+                            "experts": 256, "top_k": 8, "expert_ffn": 2048, "shared_experts": 1,
+                            "dense_layers": 3, "q_lora": 1536, "kv_lora": 512, "qk_nope": 128,
+                            "qk_rope": 64, "v_head": 128}),
+    "moe-tiny": ("moe", {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seq": 32,
+                         "vocab": 256, "experts": 4, "top_k": 2, "expert_ffn": 32}),
     "mlp": ("mlp", {"layers": 4, "hidden": 1024}),
     "mlp-tiny": ("mlp", {"layers": 2, "hidden": 32}),
 }
 
 
-def parse_spec(spec: str, **overrides) -> GPTConfig | LlamaConfig | MLPConfig:
+def parse_spec(spec: str, **overrides) -> GPTConfig | LlamaConfig | MLPConfig | MoEConfig:
     """The config a model spec names; keyword overrides win over the spec's keys."""
     name, _, keys = spec.strip().partition(":")
     if name in PRESETS:

@@ -1,0 +1,134 @@
+"""Context parallelism: every sequence split over cp ranks for the whole model.
+
+A rank holds 1/cp of each sequence's tokens: every op but attention does 1/cp of its work, keeps
+1/cp of its activations and sends 1/cp of a stage's boundary (the estimator prices a micro-batch
+of b sequences as b / cp of them). Attention needs every earlier key, in one of two ways
+(`StageSpec.cp_kind`):
+
+  ring        (ring attention; Megatron-Core's and torchtitan's default) the rank keeps its
+              queries and passes its K/V block around the ring of cp ranks: cp - 1 steps, each
+              computing attention against the block in hand while the next one arrives
+              (point-to-point to the ring neighbour). Overlap goes as far as it really does:
+              a step takes max(its compute, its transfer), and the first block, the rank's own,
+              is computed with nothing to hide behind:
+                  forward  = c + (cp - 1) * max(c, t)            c = attention forward / cp
+                  backward = c' + (cp - 1) * max(c', 2t)          K/V again and their gradients
+  all-to-all  (DeepSpeed-Ulysses) before attention an all-to-all swaps the sequence split of
+              q, k and v for a split of the heads, and one after swaps the output back; the
+              backward runs the four again on the gradients. Nothing overlaps. Needs the
+              rank's heads (after tensor parallelism) divisible by cp.
+Causal attention is load-balanced (each rank holds chunk i and chunk 2cp - 1 - i of the
+sequence, as Llama 3 and torchtitan split it), so every rank computes 1/cp of the attention
+FLOPs; the sequence must split into 2 x cp chunks. The K/V moved are the keys and values as
+the model computes them before grouped-query heads are repeated (the tensors a ring passes).
+Weight gradients are reduced over the cp x dp ranks (Megatron's data-parallel group with
+context parallelism), and ZeRO shards over them.
+"""
+
+from __future__ import annotations
+
+from autopar.cost.collectives import Group, send_recv_time
+from autopar.cost.compute import op_family
+from autopar.cost.layout import _DTYPE_BYTES, GraphLayout, graph_sequence
+from autopar.cost.vocabulary import ContextParallel
+from autopar.errors import AutoparError
+from autopar.graph import Graph, Role
+
+# Ops through which a value reaches attention unchanged in content (grouped-query heads repeated
+# by expand + reshape, a copy): the K/V a ring passes are before them.
+_SAME_VALUES = {"view", "reshape", "_unsafe_view", "expand", "unsqueeze", "clone", "contiguous",
+                "slice", "transpose", "permute", "alias", "_to_copy", "squeeze"}
+
+
+def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float, float, float]]:
+    """Attention node -> (query, key + value, output) bytes per sample on one tensor-parallel
+    rank, keys and values as computed before their heads are repeated."""
+    by_name = {n.name: n for n in graph.nodes}
+    element = _DTYPE_BYTES[layout.dtype]
+    found = {}
+    for node in layout.nodes:
+        if node.family != "attention" or not node.attention:
+            continue
+        query, key, value = (by_name[name] for name in by_name[node.name].inputs[:3])
+        whole_heads = _numel(query.shape[:-2]) / layout.batch
+        share = node.attention["heads"] / whole_heads if whole_heads else 1.0
+        kv = sum(_smallest_origin(by_name, n.name, element) for n in (key, value))
+        output = _numel(query.shape[:-1]) * value.shape[-1] * element
+        found[node.name] = tuple(size / layout.batch * share
+                                 for size in (_bytes(query, element), kv, output))
+    return found
+
+
+def _numel(shape) -> int:
+    size = 1
+    for dim in shape:
+        size *= dim
+    return size
+
+
+def _bytes(node, element: int) -> float:
+    return _numel(node.shape) * (element if node.dtype.startswith(("float", "bfloat")) else _DTYPE_BYTES.get(node.dtype, 4))
+
+
+def _smallest_origin(by_name: dict, name: str, element: int) -> float:
+    """The fewest bytes along the chain of value-preserving ops that lead to `name`."""
+    smallest = _bytes(by_name[name], element)
+    node = by_name[name]
+    while node.inputs and node.role is Role.ACTIVATION and _op(node.target) in _SAME_VALUES:
+        node = by_name[node.inputs[0]]
+        smallest = min(smallest, _bytes(node, element))
+    return smallest
+
+
+def _op(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def check_sequence_split(graph: Graph, cp: int) -> None:
+    """The captured sequence must split into 2 x cp chunks (causal load balancing)."""
+    if cp == 1:
+        return
+    seq = graph_sequence(graph)
+    if not seq:
+        raise AutoparError(f"cp={cp}: the model's first input is not a [batch, seq] tensor of token "
+                           f"ids, so there is no sequence to split; use cp=1")
+    if seq % (2 * cp):
+        raise AutoparError(f"cp={cp}: the sequence of {seq} tokens does not split into 2 x cp = "
+                           f"{2 * cp} equal chunks (each rank holds chunks i and 2cp-1-i); choose a "
+                           f"cp with 2 x cp dividing {seq}, or a sequence length divisible by {2 * cp}")
+    if not any(op_family(n.target) == "attention" for n in graph.nodes):
+        raise AutoparError(f"cp={cp}: the model has no attention op to split over the sequence "
+                           f"(scaled_dot_product_attention); use cp=1")
+
+
+def ulysses_error(layout: GraphLayout, cp: int) -> str | None:
+    """Why the all-to-all form cannot split this layout's heads over `cp` ranks (None if it can)."""
+    for node in layout.nodes:
+        if node.family == "attention" and node.attention:
+            heads = node.attention["heads"]
+            if heads % cp:
+                return (f"all-to-all context parallelism splits heads over the cp ranks: "
+                        f"{heads:g} heads per rank do not divide by cp={cp}; use cp_kind='ring'")
+    return None
+
+
+def context_parallel_time(kind: str, group: Group, sizes: tuple[float, float, float],
+                          samples: float, forward_s: float, backward_s: float) -> tuple[float, float]:
+    """Seconds one attention op adds to its forward and its backward beyond their compute
+    (`forward_s`, `backward_s`: the rank's 1/cp of the work, for `samples` sequences of the
+    rank's share of the tokens) under context parallelism on `group` (module docstring)."""
+    cp = group.size
+    query, kv, output = (size * samples for size in sizes)
+    if kind == ContextParallel.ALL_TO_ALL:
+        # each a2a: the rank holds its share of a tensor and sends (cp-1)/cp of it
+        swaps = sum(group.all_to_all(nbytes * cp) for nbytes in (query, kv, output))
+        return swaps, swaps
+    if kind != ContextParallel.RING:
+        raise AutoparError(f"cp_kind={kind!r}: expected ring or all-to-all")
+    link = group.levels[-1].link          # the ring's slowest hop bounds every step
+    step = send_recv_time(kv, link)
+    compute_f, compute_b = forward_s / cp, backward_s / cp
+    forward = compute_f + (cp - 1) * max(compute_f, step)
+    backward = compute_b + (cp - 1) * max(compute_b, 2 * step)
+    return forward - forward_s, backward - backward_s
