@@ -90,7 +90,7 @@ def on_rank(args, path: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from autopar.runtime.materialize import local_region
-    from autopar.runtime.pipeline_split import TensorRef
+    from autopar.passes.program import TensorRef
 
     baseline = status_kib("VmRSS")
     config = FORMS[args.form]

@@ -47,12 +47,12 @@ def _stage_against_model(names: list[str]) -> dict:
     from autopar.api import plan_from_config
     from autopar.runtime.equivalence import ATOL, RTOL
     from autopar.runtime.pipeline import _materialize
-    from autopar.runtime.pipeline_split import (
+    from autopar.passes.program import (
         StageProgram,
         TensorRef,
         export_for_pipeline,
     )
-    from autopar.runtime.pipeline_tensor import shard_stage
+    from autopar.passes.tensor_parallel import shard_stage
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     found = {}

@@ -18,7 +18,8 @@ import torch._dynamo  # noqa: F401
 
 import autopar
 from autopar.runtime.equivalence import mismatches, train_single_process
-from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
+from autopar.passes.program import export_for_pipeline, model_outputs
+from autopar.passes.stage_split import split_stages
 from autopar.solver.pipeline import pipeline_units
 
 pytest.importorskip("transformers")

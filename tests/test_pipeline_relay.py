@@ -21,7 +21,8 @@ from torch import nn
 import autopar
 from autopar.cost.config import Config
 from autopar.errors import AutoparError
-from autopar.runtime.pipeline_split import export_for_pipeline, split_stages
+from autopar.passes.program import export_for_pipeline
+from autopar.passes.stage_split import split_stages
 from autopar.solver.pipeline import Candidate, Shape
 from autopar.solver.pipeline_plan import new_search, plan_config, plan_graph, search_pipeline
 

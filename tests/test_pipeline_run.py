@@ -21,7 +21,7 @@ from autopar.passes.recompute import Recomputed
 from autopar.plans import Plan, Stage
 from autopar.runtime.forced_plan import megatron_plan
 from autopar.runtime.pipeline import build_runtime, check_batch
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.passes.program import TensorRef
 
 pytestmark = pytest.mark.multiprocess
 

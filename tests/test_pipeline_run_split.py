@@ -8,7 +8,8 @@ from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import build_model
 from autopar.plans import Plan, Stage
 from autopar.runtime.pipeline import check_layers, pipeline_layout
-from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
+from autopar.passes.program import export_for_pipeline, model_outputs
+from autopar.passes.stage_split import split_stages
 
 GPT = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
 GPT_STAGES = [["tok_emb", "pos_emb", "emb_dropout", "layers.0"], ["layers.1", "layers.2"],

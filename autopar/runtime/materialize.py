@@ -32,12 +32,12 @@ import zlib
 from pathlib import Path
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.errors import AutoparError
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.passes.program import TensorRef
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -66,18 +66,6 @@ def meta_inputs(inputs: tuple) -> tuple:
     """Example inputs on meta, for exporting a meta model (real inputs beside meta weights mix
     devices)."""
     return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-
-
-def retarget_devices(module: fx.GraphModule, device: torch.device) -> None:
-    """An export on meta records device='meta' in ops that create tensors (a position `arange`)
-    and in its metadata checks: point them at this rank's device."""
-    changed = False
-    for node in module.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "meta":
-            node.kwargs = {**node.kwargs, "device": device}
-            changed = True
-    if changed:
-        module.recompile()
 
 
 def fill_stages(modules: list[nn.Module], model: nn.Module, device: torch.device, *, load_from=None,

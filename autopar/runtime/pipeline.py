@@ -2,11 +2,11 @@
 
 Every rank runs the same code. From the plan it derives one rank grid (pp, dp, tp) and the process
 groups of each axis (a device mesh over that grid), exports the model for one micro-batch, cuts the
-graph into the plan's stages (pipeline_split.py; a single-stage plan is one stage), and keeps only
+graph into the plan's stages (autopar.passes; a single-stage plan is one stage), and keeps only
 the stages placed on its pipeline rank, with their own copy of only their parameters. One mechanism
 per form:
 - tensor and sequence parallelism: parameters are DTensors over tp with the plan's placements
-  (pipeline_tensor.py);
+  (autopar.passes.tensor_parallel);
 - data parallelism and ZeRO: FSDP2 over dp, each layer its own group so that its collectives
   overlap the neighbouring layers' compute: `replicate` (gradients all-reduced) for plain data
   parallelism, `fully_shard` for ZeRO (1 and 2 keep parameters gathered from forward to backward,
@@ -42,9 +42,11 @@ from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
 from autopar.runtime import precision as mixed
 from autopar.runtime.checks import (check_buffers, check_example_kwargs, check_loss, check_loss_reduction,
                                    check_optimizer, check_step_inputs)
-from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
-                                            signature, split_stages)
-from autopar.runtime.pipeline_tensor import TensorParallelStage, reduce_partial_gradients, shard_stage
+from autopar.passes.program import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
+                                    retarget_devices, signature)
+from autopar.passes.stage_split import split_stages
+from autopar.passes.tensor_parallel import TensorParallelStage, shard_stage
+from autopar.runtime.gradients import reduce_partial_gradients
 from autopar.runtime.schedule import ReducingStage, ReshardingStage, build_schedule
 from autopar.runtime.tied import TiedWeights
 from autopar.solver.schedules import relay_error
@@ -167,7 +169,7 @@ class CompiledModel:
         tensors = check_step_inputs(self.example_kwargs, kwargs, rows,
                                     "" if local else " (or local=True with this rank's share)")
         if len(batch) >= 2:
-            # the first stage takes the tensor keywords after the positional inputs (pipeline_split)
+            # the first stage takes the tensor keywords after the positional inputs (autopar.passes.stage_split)
             batch = (*batch[:-1], *(tensors[name] for name in self.keywords), batch[-1])
         batch = self._rows_of_this_rank(batch, local)
         *inputs, targets = (t.to(self.device) for t in batch)
@@ -315,7 +317,7 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     check_buffers(program, layout.dp)
     exported = export_for_pipeline(model, (), program)
     if meta:
-        materialize.retarget_devices(exported, device)
+        retarget_devices(exported, device)
     keywords = signature(exported)[1]
     tensors = [name for name, value in example_kwargs.items() if isinstance(value, torch.Tensor)]
     if sorted(keywords) != sorted(tensors):

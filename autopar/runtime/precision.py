@@ -32,7 +32,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
-from autopar.runtime.pipeline_tensor import drop_metadata_checks
+from autopar.passes.tensor_parallel import drop_metadata_checks
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The precisions whose range loses gradients unless the loss is scaled.

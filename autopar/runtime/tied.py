@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.passes.program import TensorRef
 
 
 class TiedWeights:

@@ -16,19 +16,18 @@ all those readers share (`share_redistributions`).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.utils._pytree import tree_map
 
-from autopar.runtime.dtensor_rules import replicate_ops_without_rule
-from autopar.errors import PlanMismatchError
-from autopar.passes.collectives import Redistribute
 from autopar.cost.reshard import cheapest_inputs
 from autopar.cost.strategies import OpView, axis_strategies, parse_placement, placement_str
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.errors import PlanMismatchError
+from autopar.passes.collectives import Redistribute
+from autopar.passes.dtensor_rules import replicate_ops_without_rule
+from autopar.passes.program import TensorRef
 from autopar.tracer import plain_arguments
 
 
@@ -55,34 +54,6 @@ class TensorParallelStage(nn.Module):
             # to an in-place op on a view
             return value.redistribute(self.mesh, [Replicate()]).to_local().clone()
         return value
-
-
-def reduce_partial_gradients(modules: list[nn.Module]) -> None:
-    """Reduce every gradient that is still a partial sum over a mesh dim (a replicated parameter
-    read by a split op: a norm's weight under sequence parallelism) in one all-reduce per mesh
-    dims and dtype, the bucket the cost model prices, instead of one per parameter where the
-    optimizer first reads it. A sum of the same values: the same gradients."""
-    buckets: dict[tuple, list[nn.Parameter]] = {}
-    for param in (p for module in modules for p in module.parameters()):
-        grad = param.grad
-        if isinstance(grad, DTensor):
-            dims = tuple(d for d, place in enumerate(grad.placements)
-                         if type(place) is Partial and place.reduce_op == "sum")
-            if dims:
-                buckets.setdefault((grad.device_mesh, dims, grad.dtype), []).append(param)
-    with torch.no_grad():
-        for (mesh, dims, _), params in buckets.items():
-            flat = torch.cat([param.grad.to_local().reshape(-1) for param in params])
-            for dim in dims:
-                dist.all_reduce(flat, group=mesh.get_group(dim))
-            offset = 0
-            for param in params:
-                local, placements = param.grad.to_local(), list(param.grad.placements)
-                reduced = flat[offset:offset + local.numel()].view(local.shape)
-                offset += local.numel()
-                param.grad = DTensor.from_local(
-                    reduced, mesh, [Replicate() if d in dims else p for d, p in enumerate(placements)],
-                    run_check=False)
 
 
 class Replicated(nn.Module):

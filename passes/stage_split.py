@@ -14,7 +14,7 @@ the exported graph gets a stage:
 These rules are autopar.solver.stage_flow's, which the planner applies to its captured graph
 too (so it knows which cuts relay an activation). A view that another unit reads is taken again
 in that unit, so no unit returns a view (FSDP2 hooks what a unit returns).
-Values that a later stage reads are passed along the stages between (pipeline_flow.py). Two
+Values that a later stage reads are passed along the stages between (stage_interfaces.py). Two
 `split_module` passes follow:
 
 1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint
@@ -22,92 +22,22 @@ Values that a later stage reads are passed along the stages between (pipeline_fl
    a layer ("selective");
 2. the units grouped into one GraphModule per stage, which is what a `PipelineStage` runs.
 
-`split_module` turns a parameter read (`get_attr` of a tensor) into an input of the submodule, which
-would leave every parameter at the top; so each parameter is first put in a `TensorRef` module that
-remembers its original name (`layers.0.attn.wq.weight`). A stage then owns exactly the parameters
-it reads, fills them from a full state dict, and gives them back under the same names.
+Each parameter is held in a `TensorRef` (program.py), so a stage owns exactly the parameters it
+reads, under their model names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
-from torch.utils._pytree import tree_unflatten
 
 from autopar.errors import PlanMismatchError
+from autopar.passes.program import StageProgram, TensorRef, signature
 from autopar.passes.recompute import Recomputed, checkpoint_regions
-from autopar.runtime.pipeline_flow import interface_examples, order_interfaces, pass_along
+from autopar.passes.stage_interfaces import interface_examples, order_interfaces, pass_along
 from autopar.solver.stage_flow import (BUFFER, FUNCTION, INPUT, OTHER, OUTPUT, PARAMETER, FlowNode,
                                        assign_units, dead, reader_unit, shared_values)
-
-
-@dataclass(kw_only=True, slots=True)
-class StageProgram:
-    """One pipeline stage: its GraphModule and where each of its parameters came from."""
-    index: int
-    module: nn.Module                 # the stage's GraphModule, or a wrapper around it
-    param_names: dict[str, str] = field(default_factory=dict)   # stage-local name -> model fqn
-    out_spec: object = None           # the model's output structure (see model_outputs)
-    # parameters that several stages hold a copy of (tied weights): fqn -> those stages, the same
-    # for every stage of the model
-    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # what the stage takes and returns for one micro-batch, as meta tensors (PipelineStage's
-    # input_args and output_args)
-    example_inputs: tuple = ()
-    example_outputs: tuple = ()
-    # activations some stage reads more than one stage after the one that computes them, relayed
-    # through the stages between (the same for every stage of the model)
-    relayed: tuple[str, ...] = ()
-    # the model's tensor keyword inputs (attention masks) that the first stage takes after its
-    # positional inputs, in this order (the same for every stage of the model)
-    keywords: tuple[str, ...] = ()
-
-
-class TensorRef(nn.Module):
-    """Holds one parameter (or buffer, or constant) of the model; calling it returns the tensor."""
-
-    def __init__(self, fqn: str, tensor: torch.Tensor):
-        super().__init__()
-        self.fqn = fqn
-        if isinstance(tensor, nn.Parameter):
-            self.value = tensor
-        else:
-            self.register_buffer("value", tensor)
-
-    def forward(self) -> torch.Tensor:
-        return self.value
-
-
-def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None,
-                        example_kwargs: dict | None = None) -> fx.GraphModule:
-    """The model as one flat ATen GraphModule whose tensors are `TensorRef` modules.
-
-    `program` is the model's ExportedProgram when there is one already (a capture); it must be
-    for ONE micro-batch, as an export here is: shapes in the graph are static, and a stage only
-    ever sees micro-batches. `example_kwargs` are constants the model is always called with
-    (`use_cache=False`): the export bakes them in."""
-    if program is None:
-        program = torch.export.export(model, tuple(example_inputs), dict(example_kwargs or {}),
-                                      strict=False)
-    module = program.module()
-    # The guard checks the whole model's input shapes; stages are called with their own inputs.
-    for node in list(module.graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            module.graph.erase_node(node)
-    for node in module.graph.nodes:
-        if node.op == "get_attr":
-            tensor = _attribute(module, node.target)
-            if isinstance(tensor, torch.Tensor):
-                # a fresh name: the node's own may be the tensor's attribute name on the model
-                name = f"ref_{node.name}"
-                module.add_submodule(name, TensorRef(node.target, tensor))
-                node.op, node.target = "call_module", name
-    module.graph.lint()
-    module.recompile()
-    return module
 
 
 def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
@@ -165,40 +95,6 @@ def tied_stages(programs: list[StageProgram]) -> dict[str, tuple[int, ...]]:
         for fqn in sorted(set(program.param_names.values())):
             holders.setdefault(fqn, []).append(program.index)
     return {fqn: tuple(stages) for fqn, stages in holders.items() if len(stages) > 1}
-
-
-def signature(module: fx.GraphModule) -> tuple[list[fx.Node], tuple[str, ...], object]:
-    """The placeholders the first stage takes: the model's positional inputs, then its tensor
-    keyword inputs (attention masks) in captured order; the names of those keywords; and the
-    model's output structure. Keywords that are not tensors (use_cache=False) are constants baked
-    into the graph, which a stage does not take."""
-    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    info = getattr(module.graph._codegen, "pytree_info", None)
-    if info is None or info.in_spec is None:
-        return placeholders, (), None
-    args_spec = info.in_spec.child(0) if info.in_spec.type is tuple else info.in_spec
-    taken, keywords = placeholders[:args_spec.num_leaves], []
-    if info.in_spec.type is tuple and info.in_spec.num_children > 1:
-        kwargs_spec = info.in_spec.child(1)
-        leaves = iter(placeholders[args_spec.num_leaves:])
-        for name, child in zip(kwargs_spec.context, kwargs_spec.children()):
-            nodes = [next(leaves) for _ in range(child.num_leaves)]
-            tensors = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-            if tensors and (len(nodes) != 1 or not child.is_leaf()):
-                raise PlanMismatchError(f"keyword input {name!r} is a {child.type.__name__} holding "
-                                        f"tensors; pass each tensor as a keyword of its own")
-            if tensors:
-                taken.append(tensors[0])
-                keywords.append(name)
-    return taken, tuple(keywords), info.out_spec
-
-
-def model_outputs(outputs, out_spec):
-    """The model's own output (a ModelOutput, a tuple, a tensor) from the last stage's flat outputs."""
-    if out_spec is None:
-        return outputs
-    leaves = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    return tree_unflatten(leaves, out_spec)
 
 
 def _drop_unused(module: fx.GraphModule) -> None:
@@ -350,6 +246,3 @@ def _wrap_recomputed_units(by_unit: fx.GraphModule, units: list[str], unit_stage
             setattr(by_unit, name, Recomputed(unit_module))
 
 
-def _attribute(module: nn.Module, qualname: str):
-    owner, _, name = qualname.rpartition(".")
-    return getattr(module.get_submodule(owner), name)
