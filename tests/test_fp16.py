@@ -14,7 +14,7 @@ from autopar.plans import Plan
 from autopar.solver.pipeline_plan import at_precision
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
 BATCH = 8

@@ -5,7 +5,7 @@ gives every graph node a stage, and the stages run one after another compute the
 exactly. Tier 2: a few architectures, including tied embeddings and an encoder-decoder, train on
 4 gloo ranks under Config(pp=2, dp=2, micro_batch=2, schedule="1f1b") or its interleaved form
 (two stages per pipeline rank), compared step by step with one process
-(autopar.runtime.equivalence, AdamW with eps=1e-3). Tier 1 also checks the estimator's pricing of
+(autopar.testing.equivalence, AdamW with eps=1e-3). Tier 1 also checks the estimator's pricing of
 weights tied across pipeline ranks.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 import autopar
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.passes.program import export_for_pipeline, model_outputs
 from autopar.passes.stage_split import split_stages
 from autopar.solver.pipeline import pipeline_units

@@ -10,7 +10,7 @@ import torch._dynamo  # noqa: F401
 import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model, lm_loss
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.solver.pipeline_plan import plan_config, plan_graph
 from autopar.solver.schedules import runs
 

@@ -127,7 +127,7 @@ def test_forced_zero_bubble_over_relaying_cuts_is_refused_at_plan_time():
 
 transformers = pytest.importorskip("transformers")
 from autopar.models.hf_zoo import ARCHITECTURES, resolve  # noqa: E402
-from autopar.runtime.conformance import (GLOBAL_BATCH, MEMORY_FRACTIONS, batches,  # noqa: E402
+from autopar.testing.conformance import (GLOBAL_BATCH, MEMORY_FRACTIONS, batches,  # noqa: E402
                                          run_case)
 
 T5 = resolve(["t5"])["t5"]      # before the ranks fork
