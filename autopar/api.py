@@ -183,7 +183,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     from autopar.tracer import capture
     from autopar.cost.config import Config
     from autopar.runtime.launch import init_default_group
-    from autopar.runtime.pipeline import build_runtime
+    from autopar.runtime.build import build_runtime
     from autopar.solver.pipeline_plan import at_precision
 
     mesh = _as_mesh(mesh)
@@ -214,7 +214,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     else:
         plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
-    _check_batch(plan, global_batch)
+    _check_global_batch(plan, global_batch)
     if precision is not None:
         # a given plan's predictions are of its own precision: priced again at this one
         plan = at_precision(graph, plan, precision)
@@ -267,9 +267,12 @@ def _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs) -
 
 
 def _load_plan(plan):
+    """A Plan, or one read from a file; either way its values checked by the plan package (a
+    plan made or edited in code is checked as one read from JSON is)."""
     from autopar.plans import Plan
 
     if isinstance(plan, Plan):
+        Plan.from_dict(plan.to_dict())
         return plan
     return Plan.load(plan)
 
@@ -313,13 +316,9 @@ def _plan_on_rank0(make_plan, time_limit):
     return Plan.from_dict(payload)
 
 
-def _check_batch(plan, global_batch) -> None:
-    stage = plan.stages[0]
+def _check_global_batch(plan, global_batch) -> None:
+    """The caller's global batch against the plan's (whose split into dp x micro-batches x
+    micro-batch size the plan package checked when it read the plan)."""
     if global_batch is not None and global_batch != plan.global_batch:
         raise AutoparError(f"global_batch={global_batch} but the plan was made for {plan.global_batch}; "
                            f"plan again for {global_batch} or pass the plan's batch")
-    per_step = stage.dp * plan.micro_batch_size * plan.micro_batches
-    if plan.global_batch != per_step:
-        raise AutoparError(f"the plan's global batch {plan.global_batch} is not dp x micro-batch size x "
-                           f"micro-batches = {stage.dp} x {plan.micro_batch_size} x {plan.micro_batches}; "
-                           f"choose a global batch divisible by dp = {stage.dp}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_unflatten
 
 from autopar.errors import PlanMismatchError
@@ -40,6 +41,17 @@ class StageProgram:
     # the model's tensor keyword inputs (attention masks) that the first stage takes after its
     # positional inputs, in this order (the same for every stage of the model)
     keywords: tuple[str, ...] = ()
+    # the stage's layers that recompute may wrap (the repeated blocks, as Megatron's recompute
+    # does): submodule name ("submod_3") -> the layer's module path ("layers.1")
+    blocks: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PassTarget:
+    """Where a stage's program runs, as the passes need it beyond the plan."""
+    tp_mesh: DeviceMesh | None = None       # the stage's tensor-parallel sub-mesh; None without tp
+    tp_axis: int | None = None              # the index of "tp" in the plan's per-axis placements
+    compute_dtype: torch.dtype | None = None    # mixed precision's 16-bit dtype; None in fp32
 
 
 class TensorRef(nn.Module):
@@ -57,6 +69,17 @@ class TensorRef(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return self.value
+
+
+def parameter_names(module: nn.Module) -> dict[str, str]:
+    """Stage-local name -> model fqn of every parameter `module` holds."""
+    return {f"{path}.value": ref.fqn for path, ref in module.named_modules()
+            if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter)}
+
+
+def is_tensor_read(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` fetches one of the model's tensors (a call of a TensorRef)."""
+    return node.op == "call_module" and isinstance(module.get_submodule(node.target), TensorRef)
 
 
 def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None,

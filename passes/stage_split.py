@@ -17,9 +17,8 @@ in that unit, so no unit returns a view (FSDP2 hooks what a unit returns).
 Values that a later stage reads are passed along the stages between (stage_interfaces.py). Two
 `split_module` passes follow:
 
-1. one submodule per layer ("unit"), so recompute can wrap exactly one layer in a checkpoint
-   ("full"), or, with the single-stage recompute pass on the unit's graph, only the attention of
-   a layer ("selective");
+1. one submodule per layer ("unit"), so the recompute pass (recompute.py) can wrap exactly one
+   layer in a checkpoint ("full"), or only the attention of a layer ("selective");
 2. the units grouped into one GraphModule per stage, which is what a `PipelineStage` runs.
 
 Each parameter is held in a `TensorRef` (program.py), so a stage owns exactly the parameters it
@@ -33,19 +32,29 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from autopar.errors import PlanMismatchError
-from autopar.passes.program import StageProgram, TensorRef, signature
-from autopar.passes.recompute import Recomputed, checkpoint_regions
+from autopar.passes.program import (PassTarget, StageProgram, TensorRef, is_tensor_read, parameter_names,
+                                    signature)
 from autopar.passes.stage_interfaces import interface_examples, order_interfaces, pass_along
 from autopar.solver.stage_flow import (BUFFER, FUNCTION, INPUT, OTHER, OUTPUT, PARAMETER, FlowNode,
                                        assign_units, dead, reader_unit, shared_values)
 
 
+def split_model(module: fx.GraphModule, plan, target: PassTarget,
+                blocks: set[str] | None = None) -> list[StageProgram]:
+    """The model's program cut into the plan's stages: the first rewrite, which makes one program
+    per stage of one (`split_stages` with the plan's layers; floating values cross stages in the
+    target's compute dtype)."""
+    return split_stages(module, [stage.layers for stage in plan.stages], blocks=blocks,
+                        boundary_dtype=target.compute_dtype)
+
+
 def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
-                 recompute: list[str] | None = None, blocks: set[str] | None = None,
+                 blocks: set[str] | None = None,
                  boundary_dtype: torch.dtype | None = None) -> list[StageProgram]:
     """One StageProgram per entry of `stage_layers` (module paths in model order). `blocks`: the
-    layers that recompute wraps (the repeated blocks, as Megatron's recompute does); default all.
-    `boundary_dtype`: mixed precision's 16-bit dtype, which floating values cross stages in.
+    layers that recompute may wrap (the repeated blocks, as Megatron's recompute does; default
+    all), recorded in each StageProgram for the recompute pass. `boundary_dtype`: mixed
+    precision's 16-bit dtype, which floating values cross stages in.
 
     Stage 0 takes the model's positional inputs in order, then its tensor keyword inputs in
     captured order (StageProgram.keywords); stage k > 0 takes stage k-1's outputs in
@@ -62,9 +71,6 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
 
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
-    recompute = recompute or ["none"] * len(stage_layers)
-    _wrap_recomputed_units(by_unit, units, unit_stage, recompute, set(units) if blocks is None else blocks)
-
     stage_of_call = {f"submod_{u}": unit_stage[u] for u in range(len(units))}
     by_stage = split_module(by_unit, by_unit, lambda node: _stage_of_top_node(node, stage_of_call),
                             keep_original_node_name=True)
@@ -73,13 +79,16 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
             raise PlanMismatchError(f"pipeline stage {index} (layers {stage_layers[index]}) computes "
                                     f"nothing in this model; plan this model again")
     order_interfaces(by_stage, len(stage_layers), [node.name for node in taken], boundary_dtype)
+    blocks = set(units) if blocks is None else blocks
     programs = []
     for index in range(len(stage_layers)):
         stage_module = getattr(by_stage, f"submod_{index}")
-        names = {f"{path}.value": ref.fqn for path, ref in stage_module.named_modules()
-                 if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter)}
-        programs.append(StageProgram(index=index, module=stage_module, param_names=names,
-                                     out_spec=out_spec, relayed=relayed, keywords=keywords))
+        # a unit without nodes (an identity dropout) has no submodule
+        stage_blocks = {f"submod_{u}": units[u] for u, stage in enumerate(unit_stage)
+                        if stage == index and units[u] in blocks and hasattr(by_unit, f"submod_{u}")}
+        programs.append(StageProgram(index=index, module=stage_module,
+                                     param_names=parameter_names(stage_module), out_spec=out_spec,
+                                     relayed=relayed, keywords=keywords, blocks=stage_blocks))
     tied = tied_stages(programs)
     examples = interface_examples([program.module for program in programs], inputs)
     for program, (example_inputs, example_outputs) in zip(programs, examples):
@@ -152,7 +161,7 @@ def flow_nodes(module: fx.GraphModule) -> list[FlowNode]:
     for node in module.graph.nodes:
         if node.op in ("placeholder", "output"):
             kind = INPUT if node.op == "placeholder" else OUTPUT
-        elif _is_ref(module, node):
+        elif is_tensor_read(module, node):
             kind = PARAMETER if isinstance(module.get_submodule(node.target).value, nn.Parameter) \
                 else BUFFER
         else:
@@ -177,7 +186,7 @@ def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, in
         by_unit.setdefault(unit, []).append(user)
     first, *others = sorted(by_unit) or [0]
     assigned[node.name] = first
-    refs = {unit_stage[first]: node.target} if _is_ref(module, node) else {}
+    refs = {unit_stage[first]: node.target} if is_tensor_read(module, node) else {}
     for unit in others:
         with module.graph.inserting_after(node):
             copy = module.graph.node_copy(node)
@@ -191,10 +200,6 @@ def _copy_per_unit(module: fx.GraphModule, node: fx.Node, assigned: dict[str, in
         for user in by_unit[unit]:
             user.replace_input_with(node, copy)
         assigned[copy.name] = unit
-
-
-def _is_ref(module: fx.GraphModule, node: fx.Node) -> bool:
-    return node.op == "call_module" and isinstance(module.get_submodule(node.target), TensorRef)
 
 
 def _check_order(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]):
@@ -225,24 +230,3 @@ def _stage_of_top_node(node: fx.Node, stage_of_call: dict[str, int]) -> int:
     producers = [_stage_of_top_node(n, stage_of_call) for n in node.all_input_nodes
                  if n.op != "placeholder"]
     return max(producers) if producers else 0
-
-
-def _wrap_recomputed_units(by_unit: fx.GraphModule, units: list[str], unit_stage: list[int],
-                           recompute: list[str], blocks: set[str]):
-    """Recompute per stage: with "full" every layer of the stage runs under a checkpoint, so only
-    layer inputs stay alive between forward and backward; with "selective" only each layer's
-    attention does (the intra-op recompute pass, run on the layer's own graph)."""
-    for unit, stage in enumerate(unit_stage):
-        name = f"submod_{unit}"
-        # a unit without nodes (an identity dropout) has no submodule
-        if recompute[stage] == "none" or units[unit] not in blocks or not hasattr(by_unit, name):
-            continue
-        unit_module = getattr(by_unit, name)
-        if recompute[stage] == "selective":
-            setattr(by_unit, name, checkpoint_regions(
-                unit_module, (units[unit],), selective=True,
-                reads_tensor=lambda node, module=unit_module: _is_ref(module, node)))
-        else:
-            setattr(by_unit, name, Recomputed(unit_module))
-
-

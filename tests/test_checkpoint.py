@@ -28,7 +28,7 @@ from autopar.models import build_model, lm_loss
 from autopar.plans import Plan, Stage
 from autopar.runtime.checkpoint import CheckpointError
 from autopar.testing.equivalence import mismatches, train_single_process
-from autopar.runtime.pipeline import build_runtime
+from autopar.runtime.build import build_runtime
 
 pytestmark = pytest.mark.multiprocess
 

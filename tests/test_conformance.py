@@ -46,13 +46,9 @@ def _stage_against_model(names: list[str]) -> dict:
 
     from autopar.api import plan_from_config
     from autopar.testing.equivalence import ATOL, RTOL
-    from autopar.runtime.pipeline import _materialize
-    from autopar.passes.program import (
-        StageProgram,
-        TensorRef,
-        export_for_pipeline,
-    )
+    from autopar.passes.program import StageProgram, TensorRef, export_for_pipeline
     from autopar.passes.tensor_parallel import shard_stage
+    from autopar.runtime.build import copy_tensors
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     found = {}
@@ -62,7 +58,7 @@ def _stage_against_model(names: list[str]) -> dict:
         model = arch.build(CLASSES[name])
         plan = plan_from_config(autopar.capture(model, tuple(inputs)), "2:cpu",
                                 Config(tp=2, global_batch=4, micro_batch=4), time_limit=20)
-        program = _materialize(StageProgram(index=0, module=export_for_pipeline(model, tuple(inputs))),
+        program = copy_tensors(StageProgram(index=0, module=export_for_pipeline(model, tuple(inputs))),
                                model, torch.device("cpu"))
         stage = shard_stage(program.module, mesh, plan.parameters, plan.nodes, tp_axis=1)
         loss = loss_fn(stage(*inputs), targets)

@@ -19,6 +19,7 @@ import torch._dynamo  # noqa: F401
 import autopar
 from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.passes.program import export_for_pipeline, model_outputs
+from autopar.passes.recompute import recompute_blocks
 from autopar.passes.stage_split import split_stages
 from autopar.solver.pipeline import pipeline_units
 
@@ -78,8 +79,8 @@ def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
     assert [view.shape for view in views if not any(view is out for out in values)] == []
     # selective recompute splits each block again around its attention: values copied into a
     # block from the glue before it (masks, rotary tables) must not reorder that split
-    recomputed = split_stages(export_for_pipeline(model, inputs, graph.program), layers,
-                              recompute=["selective"] * len(layers))
+    recomputed = [recompute_blocks(program, "selective")
+                  for program in split_stages(export_for_pipeline(model, inputs, graph.program), layers)]
     values = inputs
     for program in recomputed:
         output = program.module(*values)

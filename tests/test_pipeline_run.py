@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import build_model, lm_loss
 from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.passes.recompute import Recomputed
 from autopar.plans import Plan, Stage
-from autopar.runtime.pipeline import build_runtime, check_batch
+from autopar.runtime.build import build_runtime
 from autopar.passes.program import TensorRef
 
 pytestmark = pytest.mark.multiprocess
@@ -218,8 +218,9 @@ def test_solver_plan_for_8_cpu_ranks_under_a_memory_limit():
 def test_global_batch_not_divisible_into_micro_batches_is_refused_before_launch():
     plan = make_plan([UNITS[:5], UNITS[5:]], pp=2, schedule="1f1b", micro_batches=4,
                      micro_batch_size=2)
-    with pytest.raises(AutoparError, match=r"global batch 10 does not split .* 4 micro-batches"):
-        check_batch(plan, 10)
+    data = {**plan.to_dict(), "mesh": autopar.Mesh.parse("2:cpu").to_dict(), "global_batch": 10}
+    with pytest.raises(PlanMismatchError, match=r"global_batch 10 is not .* = 1 x 4 x 2"):
+        Plan.from_dict(data)
 
 
 def _fail_in_step(how: str):

@@ -76,7 +76,7 @@ def errors_by_rank():
     ("mesh", MeshError, "4 devices but the process group has 2 ranks"),
     ("model", PlanMismatchError, "another model"),
     ("global batch", AutoparError, "global_batch=6 but the plan was made for 4"),
-    ("plan batch", AutoparError, "choose a global batch divisible by dp = 2"),
+    ("plan batch", PlanMismatchError, "global_batch 5 is not dp x micro_batches x micro_batch_size"),
     ("step batch", AutoparError, "batch of 6 but the plan's global batch is 4"),
     ("step local", AutoparError, "share per data-parallel rank is 2"),
     ("meta model", AutoparError, "on the meta device"),

@@ -32,7 +32,6 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
-from autopar.passes.tensor_parallel import drop_metadata_checks
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The precisions whose range loses gradients unless the loss is scaled.
@@ -60,12 +59,11 @@ def mp_policy(precision: str) -> MixedPrecisionPolicy | None:
 
 def autocast_stage(module: nn.Module, device: torch.device, precision: str) -> None:
     """Run `module`'s forward under autocast, through hooks so that the module (what FSDP wrapped
-    and what checkpoints name) stays as it is. The export's dtype checks are dropped: values are
-    16-bit where the trace saw fp32, and the checks compute nothing."""
+    and what checkpoints name) stays as it is. The export's dtype checks, which autocast's 16-bit
+    values would fail, are gone already (autopar.passes.precision)."""
     dtype = compute_dtype(precision)
     if dtype is None:
         return
-    drop_metadata_checks(module)
     active: list[torch.autocast] = []
 
     def enter(_module, _args):
