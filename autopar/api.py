@@ -116,7 +116,7 @@ def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit:
                progress: Callable[[str, int, int], None] | None = None, precision: str | None = None,
                calibration=None):
     """`plan` for an already captured Graph."""
-    from autopar.solver.pipeline_plan import plan_graph as search
+    from autopar.solver.planner import plan_graph as search
 
     limit = check_planning(global_batch, time_limit, memory_limit)
     check_precision(precision)
@@ -130,7 +130,7 @@ def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: floa
     """A forced Megatron-style `Config` as a Plan: uniform stages, the estimator's predictions, and
     per-op placements from the ILP with the config's roles (data axis, tensor axis), both priced
     with `calibration` (a file from `autopar calibrate`) when one is given."""
-    from autopar.solver.pipeline_plan import plan_config
+    from autopar.solver.planner import plan_config
 
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     check_precision(precision)
@@ -184,7 +184,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     from autopar.cost.config import Config
     from autopar.runtime.launch import init_default_group
     from autopar.runtime.build import build_runtime
-    from autopar.solver.pipeline_plan import at_precision
+    from autopar.solver.planner import at_precision
 
     mesh = _as_mesh(mesh)
     _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.cost.config import Config
 from autopar.plans import Plan
-from autopar.solver.pipeline_plan import at_precision
+from autopar.solver.planner import at_precision
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
 from autopar.testing.equivalence import mismatches, train_single_process

@@ -21,7 +21,7 @@ from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.passes.program import export_for_pipeline, model_outputs
 from autopar.passes.recompute import recompute_blocks
 from autopar.passes.stage_split import split_stages
-from autopar.solver.pipeline import pipeline_units
+from autopar.solver.candidates import pipeline_units
 
 pytest.importorskip("transformers")
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve  # noqa: E402

@@ -23,8 +23,8 @@ from autopar.cost.config import Config
 from autopar.errors import AutoparError
 from autopar.passes.program import export_for_pipeline
 from autopar.passes.stage_split import split_stages
-from autopar.solver.pipeline import Candidate, Shape
-from autopar.solver.pipeline_plan import new_search, plan_config, plan_graph, search_pipeline
+from autopar.solver.candidates import Candidate, Shape
+from autopar.solver.planner import new_search, plan_config, plan_graph, search_pipeline
 
 
 class Block(nn.Module):

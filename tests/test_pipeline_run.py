@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.errors import AutoparError, PlanMismatchError
+from autopar.errors import PlanMismatchError
 from autopar.models import build_model, lm_loss
 from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.passes.recompute import Recomputed
