@@ -178,11 +178,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     `load_from`/`init` also overwrite a real model's values.
     `calibration`: a file from `autopar calibrate` that the planner prices and places with (a free
     plan or a forced `Config`)."""
-    import torch.distributed as dist
-
     from autopar.tracer import capture
     from autopar.cost.config import Config
-    from autopar.runtime.launch import init_default_group
     from autopar.runtime.build import build_runtime
     from autopar.solver.planner import at_precision
 
@@ -193,15 +190,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         check_planning(global_batch or 1, time_limit, memory_limit)
     elif global_batch is not None:
         check_planning(global_batch, time_limit, None)
-    if mesh.device.name != "cpu":
-        _use_local_gpu(mesh)
-    if not dist.is_initialized():
-        # from torchrun's environment, safe across its restarts (launch.init_default_group)
-        init_default_group("gloo" if mesh.device.name == "cpu" else "nccl")
-    if mesh.world_size != dist.get_world_size():
-        raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
-                        f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
-                        f"mesh of {dist.get_world_size()}")
+    _join_process_group(mesh)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     example_kwargs = dict(example_kwargs or {})
     if graph is None:
@@ -222,6 +211,23 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
                          load_from=load_from, init=init, seed=seed)
+
+
+def _join_process_group(mesh) -> None:
+    """This rank's GPU and the default process group (from torchrun's environment, safe across its
+    restarts: launch.init_default_group), checked to have the mesh's size."""
+    import torch.distributed as dist
+
+    from autopar.runtime.launch import init_default_group
+
+    if mesh.device.name != "cpu":
+        _use_local_gpu(mesh)
+    if not dist.is_initialized():
+        init_default_group("gloo" if mesh.device.name == "cpu" else "nccl")
+    if mesh.world_size != dist.get_world_size():
+        raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
+                        f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
+                        f"mesh of {dist.get_world_size()}")
 
 
 def _use_local_gpu(mesh) -> None:

@@ -13,7 +13,7 @@ rank's program in one direction:
     recompute.py        recompute_layers: layers (or their attention) under checkpoints
     tensor_parallel.py  shard_tensor_parallel: DTensors with the plan's placements on "tp", a
                         Redistribute where the plan places a value (collectives.py), and what
-                        DTensor needs to run an export (dtensor_rules.py, dtensor_fixes.py)
+                        DTensor needs to run an export (dtensor_adapters.py, dtensor_rules.py)
     precision.py        drop_traced_dtype_checks: mixed precision's values are 16-bit where the
                         trace saw fp32
 
