@@ -58,6 +58,7 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     exported = export_micro_batch(model, plan, graph, example_inputs, example_kwargs, layout.dp,
                                   device, meta)
     programs = rank_programs(exported, model, plan, layout, mesh, device, meta)
+    wrap_data_parallel(programs, plan, layout, mesh)
     if meta or load_from is not None or init is not None:
         materialize.fill_stages([p.module for p in programs], model, device, load_from=load_from,
                                 init=init, seed=seed)
@@ -120,10 +121,9 @@ def export_micro_batch(model: nn.Module, plan: Plan, graph, example_inputs: tupl
 
 def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout: PipelineLayout,
                   mesh, device: torch.device, meta: bool = False) -> list[StageProgram]:
-    """Steps 4 and 5: this rank's stages, in order. The export is cut into the plan's stages; ours
-    keep their own copy of only their tensors, are rewritten by the passes (tensor parallelism
-    distributes whole tensors, so after the copy), then wrapped for data parallelism (FSDP2
-    shards what tensor parallelism left, so it comes last)."""
+    """Step 4: this rank's stages, in order. The export is cut into the plan's stages; ours keep
+    their own copy of only their tensors, then are rewritten by the passes (tensor parallelism
+    distributes whole tensors, so after the copy)."""
     target = PassTarget(tp_mesh=mesh["tp"] if layout.tp > 1 else None,
                         tp_axis=[name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None,
                         compute_dtype=mixed.compute_dtype(plan.precision))
@@ -134,12 +134,17 @@ def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout
     if refusal is not None:
         raise AutoparError(refusal)
     mine = [copy_tensors(programs[s], model, device, meta) for s in layout.own_stages(dist.get_rank())]
-    mine = [run_passes(program, plan, target) for program in mine]
-    if layout.dp > 1:
-        for program in mine:
-            data_parallel(program.module, plan.stages[program.index].zero, plan.schedule, mesh["dp"],
-                          mixed.mp_policy(plan.precision))
-    return mine
+    return [run_passes(program, plan, target) for program in mine]
+
+
+def wrap_data_parallel(programs: list[StageProgram], plan: Plan, layout: PipelineLayout, mesh) -> None:
+    """Step 5: plain data parallelism or ZeRO over dp, after the passes: FSDP2 shards what tensor
+    parallelism left."""
+    if layout.dp == 1:
+        return
+    for program in programs:
+        data_parallel(program.module, plan.stages[program.index].zero, plan.schedule, mesh["dp"],
+                      mixed.mp_policy(plan.precision))
 
 
 def compiled_model(model: nn.Module, plan: Plan, programs: list[StageProgram], layout: PipelineLayout,
