@@ -118,7 +118,7 @@ def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit:
                progress: Callable[[str, int, int], None] | None = None, precision: str | None = None,
                calibration=None):
     """`plan` for an already captured Graph."""
-    from autopar.solver.pipeline_plan import plan_graph as search
+    from autopar.solver.planner import plan_graph as search
 
     limit = check_planning(global_batch, time_limit, memory_limit)
     check_precision(precision)
@@ -132,7 +132,7 @@ def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: floa
     """A forced Megatron-style `Config` as a Plan: uniform stages, the estimator's predictions, and
     per-op placements from the ILP with the config's roles (data axis, tensor axis), both priced
     with `calibration` (a file from `autopar calibrate`) when one is given."""
-    from autopar.solver.pipeline_plan import plan_config
+    from autopar.solver.planner import plan_config
 
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     check_precision(precision)
@@ -186,13 +186,11 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     torch.nn.SyncBatchNorm does, which trains exactly as one process on the global batch. Such
     models run one micro-batch per replica (more would normalize over fewer samples): a free plan
     does so, and a plan with more micro-batches is refused."""
-    import torch.distributed as dist
-
     from autopar.tracer import capture
     from autopar.cost.config import Config
     from autopar.runtime.materialize import check_sources
-    from autopar.runtime.pipeline import build_runtime
-    from autopar.solver.pipeline_plan import at_precision
+    from autopar.runtime.build import build_runtime
+    from autopar.solver.planner import at_precision
 
     # Every argument first: a mistake is named before any process group or collective.
     mesh = _as_mesh(mesh)
@@ -209,14 +207,8 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     check_sources(model, load_from, init)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise AutoparError(f"seed={seed!r} must be an integer (it seeds init= per module)")
-    if mesh.device.name != "cpu":
-        _use_local_gpu(mesh)
-    if not dist.is_initialized():
-        _start_ranks(mesh)
-    if mesh.world_size != dist.get_world_size():
-        raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
-                        f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
-                        f"mesh of {dist.get_world_size()}")
+    _join_process_group(mesh)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     example_kwargs = dict(example_kwargs or {})
     if graph is None:
         graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
@@ -226,7 +218,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     elif plan is None:
         plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision, calibration)
     plan.check_graph(graph.fingerprint())
-    _check_batch(plan, global_batch)
+    _check_global_batch(plan, global_batch)
     if precision is not None:
         # a given plan's predictions are of its own precision: priced again at this one
         plan = at_precision(graph, plan, precision)
@@ -266,6 +258,21 @@ def _start_ranks(mesh) -> None:
             f"the script with `torchrun --nproc-per-node {mesh.world_size} script.py`, or call "
             f"autopar.launch(train, {mesh.world_size}, ...) with a function that compiles and trains; "
             f"a mesh of one device (\"1:{mesh.device.name}\") runs in this process")
+
+
+def _join_process_group(mesh) -> None:
+    """This rank's GPU and the default process group (`_start_ranks`), checked to have the mesh's
+    size."""
+    import torch.distributed as dist
+
+    if mesh.device.name != "cpu":
+        _use_local_gpu(mesh)
+    if not dist.is_initialized():
+        _start_ranks(mesh)
+    if mesh.world_size != dist.get_world_size():
+        raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
+                        f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
+                        f"mesh of {dist.get_world_size()}")
 
 
 def _use_local_gpu(mesh) -> None:
@@ -316,10 +323,12 @@ def check_example_tuple(example_inputs) -> None:
 
 
 def _load_plan(plan):
-    """A Plan, or one read from a path (every rank reads the file before any collective)."""
+    """A Plan, or one read from a file; either way its values checked by the plan package (a
+    plan made or edited in code is checked as one read from JSON is)."""
     from autopar.plans import Plan
 
     if isinstance(plan, Plan):
+        Plan.from_dict(plan.to_dict())
         return plan
     if not isinstance(plan, (str, os.PathLike)):
         raise AutoparError(f"plan={plan!r} is not a plan: pass an autopar.Plan, a path to a saved plan "
@@ -366,13 +375,9 @@ def _plan_on_rank0(make_plan, time_limit):
     return Plan.from_dict(payload)
 
 
-def _check_batch(plan, global_batch) -> None:
-    stage = plan.stages[0]
+def _check_global_batch(plan, global_batch) -> None:
+    """The caller's global batch against the plan's (whose split into dp x micro-batches x
+    micro-batch size the plan package checked when it read the plan)."""
     if global_batch is not None and global_batch != plan.global_batch:
         raise AutoparError(f"global_batch={global_batch} but the plan was made for {plan.global_batch}; "
                            f"plan again for {global_batch} or pass the plan's batch")
-    per_step = stage.dp * plan.micro_batch_size * plan.micro_batches
-    if plan.global_batch != per_step:
-        raise AutoparError(f"the plan's global batch {plan.global_batch} is not dp x micro-batch size x "
-                           f"micro-batches = {stage.dp} x {plan.micro_batch_size} x {plan.micro_batches}; "
-                           f"choose a global batch divisible by dp = {stage.dp}")

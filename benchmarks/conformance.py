@@ -3,7 +3,7 @@
     python benchmarks/conformance.py [--arch llama,t5] [--form "dp2 x tp2"] [--timeout 600]
                                      [--out docs/conformance.md]
 
-Every case (autopar.runtime.conformance) trains a tiny model of one architecture
+Every case (autopar.testing.conformance) trains a tiny model of one architecture
 (autopar.models.hf_zoo: 4 layers, hidden 64, 4 heads, vocab 128, seq 16, global batch 8, fp32,
 eval mode) for 3 AdamW steps on real gloo ranks and compares losses and final parameters with one
 process. A case passes, fails (with the error's first line or the first difference) or is
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch._dynamo  # noqa: F401  (imported once here, before the ranks fork)
 
 from autopar.models.hf_zoo import ARCHITECTURES, resolve
-from autopar.runtime.conformance import FORMS, CaseResult, run_case
+from autopar.testing.conformance import FORMS, CaseResult, run_case
 
 MARK = {"pass": "pass", "fail": "FAIL", "refused": "refused"}
 

@@ -34,7 +34,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.memory import LiveBytes, rank_tensors
+from autopar.testing.memory import LiveBytes, rank_tensors
 
 BATCH = 8
 FORMS = {

@@ -13,7 +13,7 @@ each in its own process so that each peak is its own:
    the whole state), takes the same steps, and reports its peak resident memory.
 Resident memory includes torch's own (~0.2-0.3 GB after import) and heap the allocator keeps after
 freeing, so the table shows the resident size after import, and the peak of live tensors during
-the steps (`autopar.runtime.memory.LiveBytes`) beside it.
+the steps (`autopar.testing.memory.LiveBytes`) beside it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.memory import LiveBytes, rank_tensors
+from autopar.testing.memory import LiveBytes, rank_tensors
 
 FORMS = {"zero3": Config(dp=4, zero=3, global_batch=4, micro_batch=1),
          "dp-tp": Config(dp=2, tp=2, zero=3, global_batch=4, micro_batch=2)}
@@ -90,7 +90,7 @@ def on_rank(args, path: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from autopar.runtime.materialize import local_region
-    from autopar.runtime.pipeline_split import TensorRef
+    from autopar.passes.program import TensorRef
 
     baseline = status_kib("VmRSS")
     config = FORMS[args.form]

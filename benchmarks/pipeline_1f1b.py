@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 import autopar
 from autopar.models import build_model, lm_loss
 from autopar.plans import Plan, Stage
-from autopar.runtime.pipeline import build_runtime
+from autopar.runtime.build import build_runtime
 
 
 class FirstHalf(nn.Module):

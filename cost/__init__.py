@@ -13,8 +13,8 @@
     plan_estimate.py  `estimate_plan`: a Plan priced from its own stages and placements (what it
                     records)
     price_cache.py  what the estimator's calls share, in a dict the caller passes as `cache=`
-    calibrate.py    measured efficiencies of the local device, collectives of a gloo mesh
-    calibration.py  a calibration file applied: efficiencies and measured links
+    calibration.py  a calibration file applied: efficiencies and measured links (the file is
+                    measured and written by autopar.calibrate)
     reference.py    published training runs as estimator inputs, with what each run assumed
     vocabulary.py   schedules, recompute levels, axis roles: str enums that write plain JSON
 

@@ -10,7 +10,7 @@ collectives were measured (`--mesh 4:cpu`), a "collectives" section:
 
 A fit is the alpha-beta model of cost/collectives.py solved for one link from the timings of one
 collective at several sizes on `ranks` processes, alpha and bandwidth through the ring formula of
-that collective (`ring_terms`). "fits" are measured on the whole mesh, "group_fits" on groups of
+that collective (`ring_terms`; autopar.calibrate.measure fits them). "fits" are measured on the whole mesh, "group_fits" on groups of
 each smaller size that divides it, all groups at once (as tensor- and data-parallel groups run):
 where ranks share a host's cores, a pair's ring step waits on its peer longer than the whole
 mesh's step does, so one fit does not stand for every group size. A collective is priced with
@@ -39,20 +39,6 @@ def ring_terms(kind: str, ranks: int) -> tuple[float, float]:
             "reduce_scatter": (n - 1, (n - 1) / n),
             "all_to_all": (n - 1, (n - 1) / n / n),
             "send_recv": (1, 1.0)}[kind]
-
-
-def fit_link(kind: str, ranks: int, points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(alpha seconds per step, bandwidth bytes/s) of `kind` from (nbytes, seconds) points: the
-    latency from the smallest size, the bandwidth from the time the largest adds over it. Two
-    points rather than a least-squares line: on a shared machine one slow middle point would tilt
-    a line below zero; when the largest is not slower (noise) its whole time counts as transfer."""
-    points = sorted(points)
-    if len(points) < 2 or points[0][0] == points[-1][0]:
-        raise AutoparError(f"fitting {kind} needs timings at two or more sizes, got {points}")
-    (small, t_small), (large, t_large) = points[0], points[-1]
-    steps, factor = ring_terms(kind, ranks)
-    slope = (t_large - t_small) / (large - small) if t_large > t_small else t_large / large
-    return max(t_small - slope * small, 0.0) / steps, factor / slope
 
 
 def load(path: str | Path) -> dict:

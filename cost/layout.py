@@ -342,7 +342,7 @@ class _LayoutBuilder:
 
     def _read_redistributed(self, name: str, placement: str) -> None:
         """The runtime redistributes an activation read in another placement once per placement
-        (autopar.runtime.pipeline_tensor.share_redistributions) and its readers keep that copy
+        (autopar.passes.tensor_parallel.share_redistributions) and its readers keep that copy
         for their backward, not the producer's: its own storage, at the read placement's size."""
         key = f"{self.storage[name]}@{placement}"
         self.read_as[self.storage[name]] = key

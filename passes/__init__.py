@@ -1,12 +1,62 @@
-"""Graph rewrites the runtime applies to a stage's exported program, in this order:
-1. the stage split (autopar.runtime.pipeline_split) cuts the model into per-layer units and stages;
-   recompute wraps units or their attention in `Recomputed` checkpoints (`checkpoint_regions`);
-2. tensor parallelism distributes parameters as DTensors and inserts a `Redistribute` after each
-   value the plan places (autopar.runtime.pipeline_tensor);
-3. data parallelism and ZeRO are not graph rewrites: FSDP2 wraps the rewritten stage's layers.
+"""Graph rewrites: from the model's exported program to the program each of its ranks runs.
+
+A Plan (autopar.plans: stages of layers, per-axis placements, recompute, precision) reaches a
+rank's program in one direction:
+
+    program.py          export_for_pipeline: the model for one micro-batch as one flat ATen
+                        GraphModule whose tensors are TensorRef modules (named as in the model)
+    stage_split.py      split_model: that program cut into the plan's stages (StageProgram), by
+                        the rules of autopar.solver.stage_flow that the planner priced with
+    stage_interfaces.py what crosses from stage to stage: relays, input and output order,
+                        mixed precision's 16-bit boundaries, the meta tensors each stage sends
+    then, on each stage the rank holds, the PASSES below in order:
+    recompute.py        recompute_layers: layers (or their attention) under checkpoints
+    precision.py        cast_to_weight_dtypes: casts to a weight's dtype follow the weight's
+                        dtype at run time (FSDP2 may hand weights in 16 bits)
+    batch_norm.py       normalize_batch_norms: BatchNorm over each replica's samples, or over
+                        all replicas' (sync_batchnorm), with fp32 weights under mixed precision
+    tensor_parallel.py  shard_tensor_parallel: DTensors with the plan's placements on "tp", a
+                        Redistribute where the plan places a value (collectives.py), and what
+                        DTensor needs to run an export (dtensor_adapters.py, dtensor_rules.py)
+    precision.py        drop_traced_dtype_checks: mixed precision's values are 16-bit where the
+                        trace saw fp32
+
+The runtime (autopar.runtime) runs this: it copies each stage's tensors in before the passes and
+wraps the rewritten stage for data parallelism and ZeRO afterwards (FSDP2 is no graph rewrite).
+Passes never import the runtime; what both read (TensorRef, StageProgram) is here.
 """
 
+from autopar.passes.batch_norm import normalize_batch_norms
 from autopar.passes.collectives import Redistribute
-from autopar.passes.recompute import Recomputed, checkpoint_regions
+from autopar.passes.precision import cast_to_weight_dtypes, drop_traced_dtype_checks
+from autopar.passes.program import PassTarget, StageProgram
+from autopar.passes.recompute import Recomputed, checkpoint_regions, recompute_layers
+from autopar.passes.stage_split import split_model
+from autopar.passes.tensor_parallel import shard_tensor_parallel
 
-__all__ = ["Recomputed", "Redistribute", "checkpoint_regions"]
+# Each pass: (a stage's program, the plan, where it runs) -> the rewritten program.
+PASSES = (
+    # first, on the layers as the split left them: tensor parallelism wraps the stage, and it
+    # distributes the tensors of whatever the checkpoints hold
+    recompute_layers,
+    # on the traced graph, before tensor parallelism inserts its redistributions: casts to a
+    # weight's dtype read that weight's dtype at run time (FSDP2 may hand it in 16 bits)
+    cast_to_weight_dtypes,
+    # BatchNorm over each replica's samples or, under sync_batchnorm, over all replicas'
+    normalize_batch_norms,
+    # before FSDP2 (which the runtime applies after the passes): FSDP2 shards what tp left
+    shard_tensor_parallel,
+    # last: it drops checks from every graph the passes before it made
+    drop_traced_dtype_checks,
+)
+
+
+def run_passes(program: StageProgram, plan, target: PassTarget) -> StageProgram:
+    """`program` rewritten by every pass of PASSES, in order."""
+    for rewrite in PASSES:
+        program = rewrite(program, plan, target)
+    return program
+
+
+__all__ = ["PASSES", "PassTarget", "Recomputed", "Redistribute", "StageProgram", "checkpoint_regions",
+           "run_passes", "split_model"]

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.passes.program import PassTarget, StageProgram
+
 
 class BatchNorm(nn.Module):
     """`aten.batch_norm`'s arguments in, its result out; statistics over `group` when training."""
@@ -125,3 +127,10 @@ def batch_norms_over(module: nn.Module, group: dist.ProcessGroup | None) -> None
             node.op, node.target = "call_module", name
         if nodes:
             graph_module.recompile()
+
+
+def normalize_batch_norms(program: StageProgram, plan, target: PassTarget) -> StageProgram:
+    """The stage's batch norms as `BatchNorm` calls, over `target.batch_norm_group` (None: each
+    replica's own samples)."""
+    batch_norms_over(program.module, target.batch_norm_group)
+    return program

@@ -1,4 +1,9 @@
-"""Recomputation: regions of the graph that run under torch.utils.checkpoint."""
+"""Recomputation: regions of the graph that run under torch.utils.checkpoint.
+
+`recompute_layers` is the pass: per stage, as the plan's stage says, every repeated layer under a
+checkpoint ("full": only layer inputs stay alive between forward and backward) or only each
+layer's attention ("selective", `checkpoint_regions` on the layer's own graph).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from autopar.cost.stages import selective_region
+from autopar.passes.program import PassTarget, StageProgram, is_tensor_read, parameter_names
 from autopar.tracer import written_inputs
 
 
@@ -65,6 +71,29 @@ def written_paths(module: nn.Module) -> list[tuple[str, str]]:
 def _tensor_at(module: nn.Module, path: tuple[str, str]) -> torch.Tensor:
     owner, attribute = path
     return getattr(module.get_submodule(owner), attribute)
+
+
+def recompute_layers(program: StageProgram, plan, target: PassTarget) -> StageProgram:
+    """The stage's repeated layers recomputed as the plan's stage says (none, selective, full)."""
+    return recompute_blocks(program, plan.stages[program.index].recompute)
+
+
+def recompute_blocks(program: StageProgram, recompute: str) -> StageProgram:
+    """Each of the stage's blocks (the split's layer units it records) under a checkpoint with
+    "full", only each block's attention with "selective"; the stage as it is with "none"."""
+    if recompute == "none":
+        return program
+    module = program.module
+    for name, layer in program.blocks.items():
+        unit = getattr(module, name)
+        if recompute == "selective":
+            setattr(module, name, checkpoint_regions(
+                unit, (layer,), selective=True,
+                reads_tensor=lambda node, unit=unit: is_tensor_read(unit, node)))
+        else:
+            setattr(module, name, Recomputed(unit))
+    program.param_names = parameter_names(module)    # the same tensors, under the wrappers' paths
+    return program
 
 
 def _is_attribute_read(node: fx.Node) -> bool:

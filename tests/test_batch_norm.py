@@ -11,7 +11,7 @@
 - A plain MLP is cut into pipeline stages between its modules.
 - Without processes: the units of models without repeated blocks, the planner's one micro-batch
   per replica for BatchNorm in training mode, the buffer writes the stages keep.
-fp32 comparisons at autopar.runtime.equivalence's tolerance (1e-5 relative, 1e-6 absolute).
+fp32 comparisons at autopar.testing.equivalence's tolerance (1e-5 relative, 1e-6 absolute).
 """
 
 from dataclasses import replace
@@ -26,7 +26,7 @@ from torch import nn
 import autopar
 from autopar.api import plan_graph
 from autopar.cost.config import Config
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.solver.stage_flow import constants, dead, graph_flow
 from autopar.solver.units import pipeline_units
 

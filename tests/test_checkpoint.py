@@ -4,7 +4,7 @@ brings the job back from the last checkpoint with no lost or repeated steps; `au
 export` writes one plain state dict.
 
 Every comparison is with one process trained on the same batches without interruption: each
-step's loss and the final parameters within |d| <= 1e-6 + 1e-5 * scale (autopar.runtime.equivalence),
+step's loss and the final parameters within |d| <= 1e-6 + 1e-5 * scale (autopar.testing.equivalence),
 AdamW with eps=1e-3 so that a lost or wrong optimizer state shows.
 """
 
@@ -28,9 +28,8 @@ from autopar.cli import main as cli
 from autopar.models import build_model, lm_loss
 from autopar.plans import Plan, Stage
 from autopar.runtime.checkpoint import CheckpointError
-from autopar.runtime.equivalence import mismatches, train_single_process
-from autopar.runtime.forced_plan import megatron_plan
-from autopar.runtime.pipeline import build_runtime
+from autopar.testing.equivalence import mismatches, train_single_process
+from autopar.runtime.build import build_runtime
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,11 +53,12 @@ def make_plan(chunks: list[list[str]], *, pp: int, dp: int = 1, tp: int = 1, zer
 
 
 def megatron_layout(dp: int) -> tuple[dict, dict]:
-    """Column-parallel q, k, v and fc1, row-parallel wo and fc2 over tp=2 (autopar's Megatron layout)."""
+    """The planner's placements for Config(tp=2) on dp x 2 (what compile(plan=Config) runs):
+    column-parallel q, k, v and fc1, row-parallel wo and fc2."""
     model, example_inputs = build_model(SPEC, batch=2)
     graph = autopar.capture(model, example_inputs=example_inputs)
     config = autopar.Config(tp=2, dp=dp, global_batch=2 * dp, micro_batch=2)
-    plan = megatron_plan(graph, autopar.Mesh.parse(f"{2 * dp}:cpu"), config)
+    plan = autopar.plan_from_config(graph, f"{2 * dp}:cpu", config, time_limit=20)
     return plan.parameters, plan.nodes
 
 

@@ -378,7 +378,7 @@ def test_calibrate_on_cpu_writes_a_file_estimate_reads(tmp_path, capsys):
 
 def test_a_mesh_calibration_keeps_each_figures_median_round():
     """One round's busy moment (a figure 4x its neighbours, or 0) does not become the figure."""
-    from autopar.cost.calibrate import median_efficiencies, median_measurements
+    from autopar.calibrate.measure import median_efficiencies, median_measurements
     rounds = [Efficiencies(compute={"matmul": m}, pipeline_action_latency_s=p, device="cpu")
               for m, p in ((0.3, 0.0), (0.5, 1e-3), (0.4, 4e-3))]
     merged = median_efficiencies(rounds)

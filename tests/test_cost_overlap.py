@@ -6,7 +6,8 @@ import json
 import pytest
 
 from autopar.cli import main
-from autopar.cost.calibration import KINDS, fit_link, ring_terms, with_measured_links
+from autopar.calibrate.measure import fit_link
+from autopar.cost.calibration import KINDS, ring_terms, with_measured_links
 from autopar.cost.collectives import Group
 from autopar.cost.config import Config
 from autopar.cost.estimator import estimate

@@ -57,7 +57,7 @@ PLANNED = [
 
 @pytest.mark.parametrize("spec,mesh,batch,limit", PLANNED)
 def test_planned_plans_record_their_own_price(graphs, spec, mesh, batch, limit):
-    from autopar.solver.pipeline_plan import plan_and_search
+    from autopar.solver.planner import plan_and_search
 
     graph = graphs[spec]
     plan, search = plan_and_search(graph, Mesh.parse(mesh), global_batch=batch, memory_limit=limit,

@@ -11,10 +11,10 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.cost.config import Config
 from autopar.plans import Plan
-from autopar.solver.pipeline_plan import at_precision
+from autopar.solver.planner import at_precision
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
 BATCH = 8

@@ -1,5 +1,5 @@
 """The plan's predicted memory per device against the peak tensor memory a rank measures
-(autopar.runtime.memory.LiveBytes) on real gloo ranks: within 10%, never under by more than 5%,
+(autopar.testing.memory.LiveBytes) on real gloo ranks: within 10%, never under by more than 5%,
 the target benchmarks/memory_check.py reports on every form. Tensor memory is counted storage by
 storage, so it does not depend on timing."""
 
@@ -13,7 +13,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.memory import LiveBytes, rank_tensors
+from autopar.testing.memory import LiveBytes, rank_tensors
 
 pytestmark = pytest.mark.multiprocess
 

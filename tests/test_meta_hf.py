@@ -14,9 +14,9 @@ from autopar.cost.config import Config
 from autopar.errors import AutoparError
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
 from autopar.runtime import materialize
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.runtime.hf_checkpoint import own_initializer, stored_names
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.passes.program import TensorRef
 
 pytest.importorskip("transformers")
 BATCH = 8

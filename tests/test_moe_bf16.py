@@ -13,8 +13,9 @@ from torch import nn
 import autopar
 from autopar.cost.config import Config
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
-from autopar.runtime.equivalence import train_single_process
-from autopar.runtime.pipeline_split import TensorRef, export_for_pipeline, split_stages
+from autopar.testing.equivalence import train_single_process
+from autopar.passes.program import TensorRef, export_for_pipeline
+from autopar.passes.stage_split import split_stages
 from autopar.runtime.precision import follow_weight_dtypes
 
 pytest.importorskip("transformers")

@@ -1,5 +1,5 @@
 """Every parallel form of autopar's small GPT trains exactly like one process: real gloo ranks,
-fp32, loss at each of 3 SGD steps and the final full parameters (autopar.runtime.equivalence)."""
+fp32, loss at each of 3 SGD steps and the final full parameters (autopar.testing.equivalence)."""
 
 
 import pytest
@@ -12,7 +12,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.equivalence import mismatches, train_forms_against_one_process, train_single_process
+from autopar.testing.equivalence import mismatches, train_forms_against_one_process, train_single_process
 
 pytestmark = pytest.mark.multiprocess
 

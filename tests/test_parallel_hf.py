@@ -1,6 +1,6 @@
 """HuggingFace GPT2 and Llama from tiny configs train exactly like one process under every
 parallel form: real gloo ranks, fp32, AdamW with a large eps, loss at each of 3 steps and the
-final full parameters (autopar.runtime.equivalence)."""
+final full parameters (autopar.testing.equivalence)."""
 
 
 import pytest
@@ -11,7 +11,7 @@ import torch._dynamo  # noqa: F401
 
 import autopar
 from autopar.cost.config import Config
-from autopar.runtime.equivalence import train_forms_against_one_process
+from autopar.testing.equivalence import train_forms_against_one_process
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess

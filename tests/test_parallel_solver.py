@@ -15,7 +15,7 @@ from autopar.models import build_model
 from autopar.models.gpt import lm_loss
 from autopar.cost.config import Config
 from autopar.plans import Plan
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess

@@ -2,7 +2,7 @@
 on real gloo ranks exactly like one process.
 
 The planner chooses a schedule for one or two chunks per pipeline rank (GPipe, 1F1B or zero-bubble
-for one; interleaved 1F1B or zero-bubble for two; autopar.solver.pipeline) and a ZeRO level per
+for one; interleaved 1F1B or zero-bubble for two; autopar.solver.candidates) and a ZeRO level per
 chunk (`_zero_moves`: 0-3, the same for all or different per chunk). A tied embedding puts one
 weight in the first and the last stage, whose copies' gradients are summed across pipeline ranks
 (autopar.runtime.tied): a plan whose stages hold those copies at different ZeRO levels (one
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost.config import Config
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 pytest.importorskip("transformers")
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve  # noqa: E402
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.multiprocess
 
 CLASSES = resolve(["opt", "llama"])
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 3
-# (schedule, chunks per pipeline rank): what the search pairs (autopar.solver.pipeline)
+# (schedule, chunks per pipeline rank): what the search pairs (autopar.solver.candidates)
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2)]
 # ZeRO level of each chunk, first to last: uniform, and the tied copies' stages (the first and the
 # last) at levels that shard them differently

@@ -5,7 +5,7 @@ gives every graph node a stage, and the stages run one after another compute the
 exactly. Tier 2: a few architectures, including tied embeddings and an encoder-decoder, train on
 4 gloo ranks under Config(pp=2, dp=2, micro_batch=2, schedule="1f1b") or its interleaved form
 (two stages per pipeline rank), compared step by step with one process
-(autopar.runtime.equivalence, AdamW with eps=1e-3). Tier 1 also checks the estimator's pricing of
+(autopar.testing.equivalence, AdamW with eps=1e-3). Tier 1 also checks the estimator's pricing of
 weights tied across pipeline ranks.
 """
 
@@ -17,9 +17,11 @@ import torch
 import torch._dynamo  # noqa: F401
 
 import autopar
-from autopar.runtime.equivalence import mismatches, train_single_process
-from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
-from autopar.solver.pipeline import pipeline_units
+from autopar.testing.equivalence import mismatches, train_single_process
+from autopar.passes.program import export_for_pipeline, model_outputs
+from autopar.passes.recompute import recompute_blocks
+from autopar.passes.stage_split import split_stages
+from autopar.solver.candidates import pipeline_units
 
 pytest.importorskip("transformers")
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve  # noqa: E402
@@ -77,8 +79,8 @@ def test_every_node_gets_a_stage_and_the_stages_compute_the_model(name):
     assert [view.shape for view in views if not any(view is out for out in values)] == []
     # selective recompute splits each block again around its attention: values copied into a
     # block from the glue before it (masks, rotary tables) must not reorder that split
-    recomputed = split_stages(export_for_pipeline(model, inputs, graph.program), layers,
-                              recompute=["selective"] * len(layers))
+    recomputed = [recompute_blocks(program, "selective")
+                  for program in split_stages(export_for_pipeline(model, inputs, graph.program), layers)]
     values = inputs
     for program in recomputed:
         output = program.module(*values)

@@ -8,8 +8,8 @@ import pytest
 
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.solver.pipeline import (balanced_cuts, megatron_shapes, pipeline_units, uniform_cuts,
-                                     unit_weights)
+from autopar.solver.candidates import (balanced_cuts, megatron_shapes, pipeline_units, uniform_cuts,
+                                       unit_weights)
 from autopar.timeline import schedule_actions, simulate
 
 SMALL_GPT = "gpt:layers=8,hidden=128,heads=2,seq=256,vocab=4096"
@@ -135,7 +135,7 @@ def test_grid_has_megatron_layouts():
 # --- the planner with the estimator ---------------------------------------------------------
 
 def _search(graph, mesh, **kwargs):
-    from autopar.solver.pipeline_plan import search_pipeline
+    from autopar.solver.planner import search_pipeline
 
     return search_pipeline(graph, Mesh.parse(mesh), deadline=time.monotonic() + 60, **kwargs)
 
@@ -177,8 +177,9 @@ def test_uniform_blocks_give_balanced_stages():
     head of this model are light), and every rank's time within one block of the others."""
     from autopar.tracer import capture
     from autopar.models import build_model
-    from autopar.solver.pipeline import Candidate, Shape, refine
-    from autopar.solver.pipeline_plan import new_search
+    from autopar.solver.candidates import Candidate, Shape
+    from autopar.solver.search import refine
+    from autopar.solver.planner import new_search
 
     model, inputs = build_model("gpt:layers=8,hidden=128,heads=2,seq=64,vocab=64")
     light = capture(model, example_inputs=inputs)
@@ -199,8 +200,8 @@ def test_impossible_memory_limit_is_a_clear_error(graph):
 
 
 def test_plan_is_never_worse_than_the_best_grid_configuration(graph):
-    from autopar.solver.pipeline import Search
-    from autopar.solver.pipeline_plan import new_search, grid_phase
+    from autopar.solver.search import Search
+    from autopar.solver.planner import new_search, grid_phase
 
     mesh = Mesh.parse("2x2:a100-80g")
     search = new_search(graph, mesh, 16, mesh.device.memory_bytes, time.monotonic() + 60)
@@ -257,8 +258,8 @@ def test_autopar_plan_from_a_module():
 def test_stage_pricing_of_uniform_cuts_equals_estimate(graph):
     """The planner's non-uniform pricing (estimate_stages over its units) agrees with `estimate`
     on Megatron's uniform stages, so grid and autopar rows are priced alike."""
-    from autopar.solver.pipeline import Candidate, Shape
-    from autopar.solver.pipeline_plan import new_search
+    from autopar.solver.candidates import Candidate, Shape
+    from autopar.solver.planner import new_search
 
     mesh = Mesh.parse("2x2:a100-80g")
     search = new_search(graph, mesh, 16, mesh.device.memory_bytes, time.monotonic() + 60)
@@ -276,8 +277,8 @@ def test_stage_pricing_of_uniform_cuts_equals_estimate(graph):
 def test_a_plans_sequence_parallelism_is_what_its_placements_do(graph):
     """A free plan's stages say sequence parallelism where the ILP split every value its norms
     read on the tensor axis, not wherever tp > 1; a forced configuration's say what it asked."""
-    from autopar.solver.pipeline import Shape
-    from autopar.solver.pipeline_price import Pricer, stream_is_split
+    from autopar.solver.candidates import Shape
+    from autopar.solver.candidate_prices import CandidatePricer, stream_is_split
 
     reads = graph.norm_inputs()
     assert reads
@@ -286,7 +287,7 @@ def test_a_plans_sequence_parallelism_is_what_its_placements_do(graph):
     assert not stream_is_split(graph, {value: ["S(1)"] for value in reads[1:]})   # one whole
     shape = Shape(2, 1, 1, 1, "1f1b", 1, True)
     for asked in (True, False):
-        forced = Pricer(graph=graph, mesh=Mesh.parse("2:cpu"), global_batch=8, memory_limit=2**40,
-                        sequence_parallel=asked)
+        forced = CandidatePricer(graph=graph, mesh=Mesh.parse("2:cpu"), global_batch=8,
+                                 memory_limit=2**40, sequence_parallel=asked)
         assert forced.splits_stream(shape) is asked
     assert forced.splits_stream(Shape(1, 2, 1, 1, "1f1b", 1, False)) is False

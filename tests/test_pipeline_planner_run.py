@@ -10,8 +10,8 @@ import torch._dynamo  # noqa: F401
 import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model, lm_loss
-from autopar.runtime.equivalence import mismatches, train_single_process
-from autopar.solver.pipeline_plan import plan_config, plan_graph
+from autopar.testing.equivalence import mismatches, train_single_process
+from autopar.solver.planner import plan_config, plan_graph
 from autopar.solver.schedules import runs
 
 pytestmark = pytest.mark.multiprocess

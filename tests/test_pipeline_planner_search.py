@@ -11,7 +11,7 @@ from autopar.cost.config import Config
 from autopar.cost.estimator import estimate
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.solver.pipeline import layout_error
+from autopar.solver.candidates import layout_error
 from autopar.solver.schedules import runs
 
 SMALL_GPT = "gpt:layers=8,hidden=128,heads=2,seq=256,vocab=4096"
@@ -27,7 +27,7 @@ def graphs():
 
 
 def _plan(graph, mesh, batch, limit=None):
-    from autopar.solver.pipeline_plan import plan_and_search
+    from autopar.solver.planner import plan_and_search
 
     return plan_and_search(graph, Mesh.parse(mesh), global_batch=batch, memory_limit=limit,
                            time_limit=60)
@@ -159,7 +159,7 @@ def test_infeasible_errors_name_the_batches_or_memory_that_would_plan(graphs):
 
 
 def test_a_forced_configuration_torch_cannot_schedule_is_refused_by_name(graphs):
-    from autopar.solver.pipeline_plan import plan_config
+    from autopar.solver.planner import plan_config
 
     config = Config(tp=1, pp=4, dp=2, global_batch=250, micro_batch=1, schedule="interleaved-1f1b",
                     virtual=2)

@@ -21,9 +21,10 @@ from torch import nn
 import autopar
 from autopar.cost.config import Config
 from autopar.errors import AutoparError
-from autopar.runtime.pipeline_split import export_for_pipeline, split_stages
-from autopar.solver.pipeline import Candidate, Shape
-from autopar.solver.pipeline_plan import new_search, plan_config, plan_graph, search_pipeline
+from autopar.passes.program import export_for_pipeline
+from autopar.passes.stage_split import split_stages
+from autopar.solver.candidates import Candidate, Shape
+from autopar.solver.planner import new_search, plan_config, plan_graph, search_pipeline
 
 
 class Block(nn.Module):
@@ -126,7 +127,7 @@ def test_forced_zero_bubble_over_relaying_cuts_is_refused_at_plan_time():
 
 transformers = pytest.importorskip("transformers")
 from autopar.models.hf_zoo import ARCHITECTURES, resolve  # noqa: E402
-from autopar.runtime.conformance import (GLOBAL_BATCH, MEMORY_FRACTIONS, batches,  # noqa: E402
+from autopar.testing.conformance import (GLOBAL_BATCH, MEMORY_FRACTIONS, batches,  # noqa: E402
                                          run_case)
 
 T5 = resolve(["t5"])["t5"]      # before the ranks fork

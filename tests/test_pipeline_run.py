@@ -14,14 +14,13 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.errors import AutoparError
+from autopar.errors import PlanMismatchError
 from autopar.models import build_model, lm_loss
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.passes.recompute import Recomputed
 from autopar.plans import Plan, Stage
-from autopar.runtime.forced_plan import megatron_plan
-from autopar.runtime.pipeline import build_runtime, check_batch
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.runtime.build import build_runtime
+from autopar.passes.program import TensorRef
 
 pytestmark = pytest.mark.multiprocess
 
@@ -171,13 +170,15 @@ def test_zero2_and_zero3_across_pipeline_replicas():
 
 
 def megatron_layout(dp: int, sequence_parallel: bool = False) -> tuple[dict, dict]:
-    """The intra-op runtime's Megatron layout for one stage on dp x 2: column-parallel q, k, v and
-    fc1, row-parallel wo and fc2, the residual stream whole (or sequence-split) at every norm."""
+    """The planner's placements for Config(tp=2) on dp x 2 (what compile(plan=Config) runs):
+    column-parallel q, k, v and fc1, row-parallel wo and fc2, the residual stream whole (or
+    sequence-split) at every norm."""
     model, example_inputs = build_model(SPEC, batch=2)
     graph = autopar.capture(model, example_inputs=example_inputs)
     config = autopar.Config(tp=2, dp=dp, global_batch=2 * dp, micro_batch=2,
                             sequence_parallel=sequence_parallel)
-    plan = megatron_plan(graph, autopar.Mesh.parse(f"{2 * dp}:cpu"), config)
+    plan = autopar.plan_from_config(graph, f"{2 * dp}:cpu", config, time_limit=20)
+    assert plan.stages[0].sequence_parallel == sequence_parallel
     return plan.parameters, plan.nodes
 
 
@@ -217,8 +218,9 @@ def test_solver_plan_for_8_cpu_ranks_under_a_memory_limit():
 def test_global_batch_not_divisible_into_micro_batches_is_refused_before_launch():
     plan = make_plan([UNITS[:5], UNITS[5:]], pp=2, schedule="1f1b", micro_batches=4,
                      micro_batch_size=2)
-    with pytest.raises(AutoparError, match=r"global batch 10 does not split .* 4 micro-batches"):
-        check_batch(plan, 10)
+    data = {**plan.to_dict(), "mesh": autopar.Mesh.parse("2:cpu").to_dict(), "global_batch": 10}
+    with pytest.raises(PlanMismatchError, match=r"global_batch 10 is not .* = 1 x 4 x 2"):
+        Plan.from_dict(data)
 
 
 def _fail_in_step(how: str):

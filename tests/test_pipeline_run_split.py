@@ -7,8 +7,11 @@ from torch import nn
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import build_model
 from autopar.plans import Plan, Stage
-from autopar.runtime.pipeline import check_layers, pipeline_layout
-from autopar.runtime.pipeline_split import export_for_pipeline, model_outputs, split_stages
+from autopar.runtime.build import check_layers
+from autopar.runtime.rank_grid import pipeline_layout
+from autopar.passes.program import export_for_pipeline, model_outputs
+from autopar.passes.recompute import recompute_blocks
+from autopar.passes.stage_split import split_stages
 
 GPT = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
 GPT_STAGES = [["tok_emb", "pos_emb", "emb_dropout", "layers.0"], ["layers.1", "layers.2"],
@@ -28,7 +31,8 @@ def run_stages(programs, *inputs):
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_stages_in_sequence_compute_the_model(recompute):
     model, (ids,) = build_model(GPT, device="cpu", batch=2)
-    programs = split_stages(export_for_pipeline(model, (ids,)), GPT_STAGES, [recompute] * 3)
+    programs = [recompute_blocks(program, recompute)
+                for program in split_stages(export_for_pipeline(model, (ids,)), GPT_STAGES)]
     torch.testing.assert_close(run_stages(programs, ids), model(ids), rtol=0, atol=0)
 
 

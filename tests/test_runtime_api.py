@@ -13,8 +13,7 @@ from autopar.cost.config import Config
 from autopar.cost.mesh import Mesh
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.equivalence import mismatches, train_single_process
-from autopar.runtime.forced_plan import megatron_plan
+from autopar.testing.equivalence import mismatches, train_single_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,8 +76,8 @@ def api_checks(plan_path) -> dict:
 def results_by_rank(tmp_path_factory):
     model, (ids,) = build_model(SPEC, device="cpu", batch=2)
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    megatron_plan(autopar.capture(model, (ids,)), Mesh.parse("2:cpu"),
-                  Config(dp=2, zero=2, global_batch=4, micro_batch=2)).save(path)
+    autopar.plan_from_config(autopar.capture(model, (ids,)), Mesh.parse("2:cpu"),
+                             Config(dp=2, zero=2, global_batch=4, micro_batch=2)).save(path)
     return autopar.launch(api_checks, 2, str(path), timeout=180)
 
 
@@ -116,7 +115,7 @@ ONE_RANK = """
 import torch, autopar
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 model, (ids,) = build_model("{spec}", device="cpu", batch=4)
 data = [(ids, ids.roll(-1, 1))] * 2
 sgd = lambda params: torch.optim.SGD(params, lr=0.2)

@@ -11,7 +11,6 @@ from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.runtime.forced_plan import megatron_plan
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,11 +41,12 @@ def bad_inputs():
         model, "4:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd,
         plan=Config(dp=4, global_batch=8, micro_batch=2)))
     other, (other_ids,) = example(spec="gpt:layers=1,hidden=24,heads=2,seq=8,vocab=32")
-    foreign = megatron_plan(autopar.capture(other, (other_ids,)), Mesh.parse("2:cpu"),
-                            Config(dp=2, global_batch=4, micro_batch=2))
+    foreign = autopar.plan_from_config(autopar.capture(other, (other_ids,)), Mesh.parse("2:cpu"),
+                                       Config(dp=2, global_batch=4, micro_batch=2))
     results["model"] = error_of(lambda: autopar.compile(
         model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd, plan=foreign))
-    odd = megatron_plan(autopar.capture(model, (ids,)), Mesh.parse("2:cpu"), Config(dp=2, global_batch=4, micro_batch=2))
+    odd = autopar.plan_from_config(autopar.capture(model, (ids,)), Mesh.parse("2:cpu"),
+                                   Config(dp=2, global_batch=4, micro_batch=2))
     odd.global_batch = 5
     results["plan batch"] = error_of(lambda: autopar.compile(
         model, "2:cpu", example_inputs=(ids,), loss_fn=lm_loss, optimizer=sgd, plan=odd))
@@ -76,7 +76,7 @@ def errors_by_rank():
     ("mesh", MeshError, "4 devices but the process group has 2 ranks"),
     ("model", PlanMismatchError, "another model"),
     ("global batch", AutoparError, "global_batch=6 but the plan was made for 4"),
-    ("plan batch", AutoparError, "choose a global batch divisible by dp = 2"),
+    ("plan batch", PlanMismatchError, "global_batch 5 is not dp x micro_batches x micro_batch_size"),
     ("step batch", AutoparError, "batch of 6 but the plan's global batch is 4"),
     ("step local", AutoparError, "share per data-parallel rank is 2"),
     ("meta model", AutoparError, "on the meta device"),

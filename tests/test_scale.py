@@ -18,8 +18,7 @@ from autopar.models import build_model
 from autopar.models.gpt import lm_loss
 from autopar.plans import Plan
 from autopar.runtime import materialize
-from autopar.runtime.forced_plan import megatron_plan
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
 BATCH = 8
@@ -118,8 +117,8 @@ def test_meta_model_without_values_is_refused():
 
 def test_old_plan_json_has_fp32_precision():
     model, (ids,) = build_model("gpt:layers=1,hidden=16,heads=2,seq=8,vocab=32", device="cpu", batch=2)
-    plan = megatron_plan(autopar.capture(model, (ids,)), Mesh.parse("1:cpu"),
-                         Config(dp=1, global_batch=2, micro_batch=2))
+    plan = autopar.plan_from_config(autopar.capture(model, (ids,)), Mesh.parse("1:cpu"),
+                                    Config(dp=1, global_batch=2, micro_batch=2))
     data = plan.to_dict()
     del data["precision"]
     assert Plan.from_dict(data).precision == "fp32"

@@ -12,8 +12,8 @@ import torch._dynamo  # noqa: F401
 import autopar
 from autopar.cost.config import Config
 from autopar.cost.mesh import Mesh
-from autopar.runtime.equivalence import mismatches, train_single_process
-from autopar.solver.pipeline_plan import plan_config
+from autopar.testing.equivalence import mismatches, train_single_process
+from autopar.solver.planner import plan_config
 
 transformers = pytest.importorskip("transformers")
 OPT, BERT = transformers.OPTForCausalLM, transformers.BertForMaskedLM

@@ -14,7 +14,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.errors import AutoparError
 from autopar.models.hf_zoo import ARCHITECTURES, resolve
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess

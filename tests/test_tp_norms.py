@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost.config import Config
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 pytest.importorskip("transformers")
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve  # noqa: E402

@@ -18,8 +18,8 @@ from torch import fx
 
 import autopar
 from autopar.cost.strategies import OpView, axis_strategies, placement_str
-from autopar.runtime.equivalence import ATOL, RTOL
-from autopar.runtime.pipeline_tensor import written_nodes
+from autopar.testing.equivalence import ATOL, RTOL
+from autopar.passes.tensor_parallel import written_nodes
 
 X, W, B = (4, 4, 8, 8), (6, 4, 3, 3), (6,)
 
@@ -37,7 +37,7 @@ def _conv_by_each_strategy() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from autopar.runtime.dtensor_rules import RunByStrategy
+    from autopar.passes.dtensor_rules import RunByStrategy
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     generator = torch.Generator().manual_seed(0)
@@ -119,7 +119,7 @@ class PooledClassifier(torch.nn.Module):
 
 
 def _pooled_classifier_under_tp() -> list[str]:
-    from autopar.runtime.equivalence import mismatches, train_single_process
+    from autopar.testing.equivalence import mismatches, train_single_process
 
     generator = torch.Generator().manual_seed(0)
     data = [(torch.randn(8, 6, 16, generator=generator), torch.randn(8, 4, generator=generator))

@@ -3,7 +3,7 @@ configuration found by exhaustive grid search, both priced by the same estimator
 
 The grid: TP in the divisors of the node size up to 8, PP dividing the layers, DP the rest,
 micro-batch sizes 1-16, recompute none/selective/full, interleaving with v chunks, ZeRO 0/1;
-uniform stages. autopar searches a space that contains it (see autopar.solver.pipeline), so the
+uniform stages. autopar searches a space that contains it (see autopar.solver.search), so the
 ratio autopar / grid is at least 1 on every row; the `why` column names what autopar did that the
 grid cannot express where it is above 1. Writes bench.md, bench.csv and bench.png to --out.
 """
@@ -102,8 +102,9 @@ def bench_row(model: str, cluster: str, global_batch: int, *, time_limit: float)
     from autopar.tracer import capture
     from autopar.cost.mesh import Mesh
     from autopar.models import build_model
-    from autopar.solver.pipeline import Search, grid_phase, megatron_shapes
-    from autopar.solver.pipeline_plan import plan_and_search
+    from autopar.solver.candidates import megatron_shapes
+    from autopar.solver.planner import plan_and_search
+    from autopar.solver.search import Search, grid_phase
 
     mesh = Mesh.parse(cluster)
     started = time.monotonic()

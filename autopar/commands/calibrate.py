@@ -33,7 +33,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from autopar.commands.output import check_output, plain, table
-    from autopar.cost.calibrate import calibrate, calibrate_mesh
+    from autopar.calibrate.measure import calibrate, calibrate_mesh
     from autopar.cost.mesh import Mesh
 
     check_output(args.out, "--out")

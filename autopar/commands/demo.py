@@ -133,7 +133,7 @@ def train_rank(mesh: str, graph, plan, batches) -> list[float]:
 
 def train_single(batches) -> list[float]:
     from autopar.models import build_model, lm_loss
-    from autopar.runtime.equivalence import train_single_process
+    from autopar.testing.equivalence import train_single_process
 
     model, _ = build_model(MODEL, device="cpu", batch=MICRO_BATCH, seed=SEED)
     losses, _ = train_single_process(model, batches, lm_loss, make_optimizer)

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from autopar.errors import AutoparError
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.passes.program import TensorRef
 
 # Flattened optimizer state: one entry per parameter and statistic, whoever holds the parameter.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)

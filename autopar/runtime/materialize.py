@@ -39,7 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar.errors import AutoparError
 from autopar.runtime.hf_checkpoint import own_initializer, stored_names
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.passes.program import TensorRef
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -15,7 +15,7 @@ Tensor-parallel collectives move activations in the dtype autocast gives them, a
 Under data parallelism FSDP2 hands the weights to the forward in 16 bits, while the graph was
 traced with fp32 weights: a cast the model computes from a weight's dtype (`input.to(weight.dtype)`
 before HuggingFace's grouped expert matmul, which autocast does not cover) was recorded as a cast
-to fp32. `follow_weight_dtypes` makes such casts read the weight's dtype when they run, as the
+to fp32. The pass `autopar.passes.precision.cast_to_weight_dtypes` makes such casts read the weight's dtype when they run, as the
 model's own code does; the graph keeps its ops and names (the plan's placements name them).
 
 bf16 has fp32's exponent range, so it needs no loss scaling. fp16's range (6e-8 to 65504) loses
@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
-from autopar.runtime.pipeline_split import TensorRef
-from autopar.runtime.pipeline_tensor import drop_metadata_checks
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The precisions whose range loses gradients unless the loss is scaled.
@@ -67,12 +65,11 @@ def mp_policy(precision: str) -> MixedPrecisionPolicy | None:
 
 def autocast_stage(module: nn.Module, device: torch.device, precision: str) -> None:
     """Run `module`'s forward under autocast, through hooks so that the module (what FSDP wrapped
-    and what checkpoints name) stays as it is. The export's dtype checks are dropped: values are
-    16-bit where the trace saw fp32, and the checks compute nothing."""
+    and what checkpoints name) stays as it is. The export's dtype checks, which autocast's 16-bit
+    values would fail, are gone already (autopar.passes.precision)."""
     dtype = compute_dtype(precision)
     if dtype is None:
         return
-    drop_metadata_checks(module)
     active: list[torch.autocast] = []
 
     def enter(_module, _args):
@@ -85,66 +82,6 @@ def autocast_stage(module: nn.Module, device: torch.device, precision: str) -> N
     module.register_forward_pre_hook(enter)
     # always_call: leave autocast even when the forward raises
     module.register_forward_hook(leave, always_call=True)
-
-
-def follow_weight_dtypes(module: nn.Module) -> None:
-    """Each cast to a weight's captured dtype whose result an op reads together with that weight
-    (or a view of it) reads the weight's dtype at run time instead: `input.to(weight.dtype)` for
-    `op(input, weight)`. (The trace kept the target dtype, not where it came from; a cast made for
-    the op that also reads the weight is the one the weight's dtype decides.) Before FSDP2 wraps
-    the stage: a graph recompiled after it swapped the module's class calls itself."""
-    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
-        order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
-        changed = False
-        for node in list(graph_module.graph.nodes):
-            target = _cast_dtype(node)
-            weights = [] if target is None else [
-                weight for user in node.users for weight in _weights_read(graph_module, user, node)
-                if graph_module.get_submodule(weight.target).value.dtype == target]
-            if not weights:
-                continue
-            with graph_module.graph.inserting_before(node):
-                # the weight as read where the cast is (a parameter's node may come later)
-                weight = weights[0] if order[weights[0]] < order[node] else \
-                    graph_module.graph.call_module(weights[0].target)
-                dtype = graph_module.graph.call_function(_dtype_of, (weight,))
-            if node.target is torch.ops.aten.to.dtype:
-                node.args = (node.args[0], dtype, *node.args[2:])
-            else:
-                node.kwargs = {**node.kwargs, "dtype": dtype}
-            changed = True
-        if changed:
-            graph_module.recompile()
-
-
-_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout)
-
-
-def _cast_dtype(node: fx.Node) -> torch.dtype | None:
-    """The floating dtype a cast node converts to, or None for any other node."""
-    if node.op != "call_function" or node.target not in _CASTS:
-        return None
-    dtype = node.args[1] if node.target is torch.ops.aten.to.dtype else node.kwargs.get("dtype")
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
-
-
-def _weights_read(graph_module: fx.GraphModule, user: fx.Node, cast: fx.Node) -> list[fx.Node]:
-    """The parameter nodes (TensorRef calls) whose values `user` reads, directly or through views,
-    besides `cast`."""
-    found = []
-    for arg in user.all_input_nodes:
-        while (arg is not cast and arg.op == "call_function" and isinstance(arg.target, torch._ops.OpOverload)
-               and arg.target.is_view and arg.target not in _CASTS and arg.args):
-            arg = arg.args[0]
-        if arg is not cast and arg.op == "call_module":
-            ref = graph_module.get_submodule(arg.target)
-            if isinstance(ref, TensorRef) and isinstance(ref.value, nn.Parameter):
-                found.append(arg)
-    return found
-
-
-def _dtype_of(tensor: torch.Tensor) -> torch.dtype:
-    return tensor.dtype
 
 
 def autocast_loss(loss_fn, device: torch.device, precision: str):

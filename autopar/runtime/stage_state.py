@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _sync_module_states
 
-from autopar.runtime.pipeline_split import StageProgram, TensorRef
+from autopar.passes.program import StageProgram, TensorRef
 
 # DDP's default bucket for the broadcast of its starting state
 BROADCAST_BUCKET_BYTES = 250 * 2**20

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.errors import PlanMismatchError
-from autopar.runtime.pipeline_split import TensorRef
+from autopar.passes.program import TensorRef
 
 
 class TiedWeights:

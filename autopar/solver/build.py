@@ -44,7 +44,7 @@ from autopar.cost.strategies import (R, S, OpStrategy, OpView, axis_strategies, 
                                       placement_str)
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
-from autopar.solver.pricing import (NOT_DIFFERENTIABLE, ZERO2, Pricer, local_bytes,
+from autopar.solver.op_prices import (NOT_DIFFERENTIABLE, ZERO2, OpPricer, local_bytes,
                                     optimizer_bytes, saved_for_backward)
 from autopar.solver.problem import Edge, Problem, ProblemNode, Strategy
 
@@ -55,14 +55,14 @@ SEQUENCE_DIM = 1        # of the residual stream, [batch, sequence, hidden]
 
 def build_problem(graph: Graph, mesh: Mesh, *, memory_limit: float | None = None,
                   roles: Mapping[str, str] | None = None, tie_blocks: bool = True,
-                  overlap: bool = False, pricer: Pricer | None = None,
+                  overlap: bool = False, pricer: OpPricer | None = None,
                   sequence_parallel: bool | None = None) -> Problem:
     """`overlap`: parameter and gradient traffic (gradient reduction, ZeRO gathers) hides behind
     the backward's compute and only the excess counts; off, every byte counts.
     `sequence_parallel` (a forced configuration's): on a tensor axis, the residual stream entering
     each norm is split on its sequence dim (True) or whole (False); None leaves it to the ILP."""
     roles = check_roles(mesh, roles)
-    builder = _Builder(graph, mesh, roles, pricer or Pricer(mesh), overlap)
+    builder = _Builder(graph, mesh, roles, pricer or OpPricer(mesh), overlap)
     if sequence_parallel is not None:
         wanted = S(SEQUENCE_DIM) if sequence_parallel else R
         for norm, k, value in graph.norm_reads():
@@ -84,7 +84,7 @@ def check_roles(mesh: Mesh, roles: Mapping[str, str] | None) -> list[str | None]
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh: Mesh, roles: list[str | None], pricer: Pricer,
+    def __init__(self, graph: Graph, mesh: Mesh, roles: list[str | None], pricer: OpPricer,
                  overlap: bool):
         self.graph, self.mesh, self.roles, self.pricer = graph, mesh, roles, pricer
         self.overlap = overlap

@@ -19,7 +19,7 @@ from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph
 from autopar.solver.build import build_problem
 from autopar.solver.ilp import Assignment, solve
-from autopar.solver.pricing import Pricer
+from autopar.solver.op_prices import OpPricer
 from autopar.solver.problem import Problem
 
 
@@ -67,7 +67,7 @@ def solve_intra_op(graph: Graph, mesh: Mesh, *, memory_limit: float | None = Non
     InfeasibleError when nothing fits."""
     limit = mesh.device.memory_bytes if memory_limit is None else memory_limit
     problem = build_problem(graph, mesh, memory_limit=limit, roles=roles, tie_blocks=tie_blocks,
-                            pricer=Pricer(mesh, efficiencies), sequence_parallel=sequence_parallel)
+                            pricer=OpPricer(mesh, efficiencies), sequence_parallel=sequence_parallel)
     found = solve(problem, time_limit=time_limit, backend=backend)
     if found.status == "infeasible":
         raise _infeasible(problem, mesh, limit, time_limit, backend)

@@ -1,9 +1,9 @@
 """Which pipeline unit computes each value of a model, and which values skip a stage.
 
-The one place both sides read: the runtime's split (autopar.runtime.pipeline_split and
-pipeline_flow) assigns the nodes of the exported graph to units and relays every value a stage
+The one place both sides read: the runtime's split (autopar.passes.stage_split and
+stage_interfaces) assigns the nodes of the exported graph to units and relays every value a stage
 reads more than one stage after the stage that computes it; the planner
-(autopar.solver.pipeline) asks the same of its captured Graph, before choosing a schedule, since
+(autopar.solver.search) asks the same of its captured Graph, before choosing a schedule, since
 torch's zero-bubble schedules train relayed activations wrong (seen on T5, whose encoder output
 every decoder stage reads). No torch import: the solver stays torch-free, so both sides describe
 their nodes as `FlowNode`s.

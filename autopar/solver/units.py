@@ -19,7 +19,7 @@ from autopar.cost.compute import compute_time, op_family
 from autopar.graph import Graph, Role
 
 # A unit weighs at most this share of the model where its modules allow: pipelines of up to
-# eight stages can then be balanced by the cut search (autopar.solver.pipeline.balanced_cuts).
+# eight stages can then be balanced by the cut search (autopar.solver.candidates.balanced_cuts).
 MAX_UNIT_SHARE = 1 / 8
 
 

@@ -1,11 +1,11 @@
 """Does autopar train a HuggingFace architecture under a parallel form exactly like one process?
 
-    from autopar.runtime.conformance import FORMS, run_case
+    from autopar.testing.conformance import FORMS, run_case
     result = run_case("llama", "dp2 x tp2", timeout=300)   # a CaseResult: pass, fail or refused
 
 One case is one architecture of `autopar.models.hf_zoo` under one form below, on real gloo ranks
 (`autopar.launch`): 3 steps of AdamW (eps=1e-3, where float noise in zero gradients stays noise),
-compared with one process by `autopar.runtime.equivalence`: the loss at every step and the final
+compared with one process by `autopar.testing.equivalence`: the loss at every step and the final
 parameters. An `AutoparError` before the first step is a refusal (autopar says what it cannot run
 and why); any other error, or a difference, is a failure.
 
@@ -23,7 +23,7 @@ import torch
 from autopar.cost.config import Config
 from autopar.errors import AutoparError, format_bytes
 from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
-from autopar.runtime.equivalence import mismatches, train_single_process
+from autopar.testing.equivalence import mismatches, train_single_process
 
 GLOBAL_BATCH, STEPS = 8, 3
 # of the unconstrained plan's predicted memory per device: tried in turn until the plan pipelines

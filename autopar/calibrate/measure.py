@@ -11,9 +11,9 @@ it dominates a small model's step.
 `calibrate_mesh` does the same on every rank of a gloo mesh at once (each rank one thread, as
 `autopar.launch` runs them, so ranks share the cores as a training run's do), then times each
 collective at several sizes on the whole mesh and on every smaller group size that divides it,
-and fits the alpha-beta model to each (cost/calibration.py); times how long a blocking
+and fits the alpha-beta model to each (`fit_link`, read by cost/calibration.py); times how long a blocking
 collective waits for the last rank after a layer of compute; and times what the runtime's
-machinery costs the host (cost/host_probes.py: an op on a DTensor, an action of torch's pipeline
+machinery costs the host (host_probes.py: an op on a DTensor, an action of torch's pipeline
 schedule, FSDP2's hooks, zero-bubble's split of the backward, a checkpointed region).
 """
 
@@ -25,14 +25,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from autopar.cost.calibration import KINDS, fit_link
+from autopar.cost.calibration import KINDS, ring_terms
 from autopar.cost.compute import Efficiencies
-from autopar.cost.host_probes import (checkpoint_latency, data_parallel_group_latency,
+from autopar.calibrate.host_probes import (checkpoint_latency, data_parallel_group_latency,
                                       data_parallel_reduce_latency, distributed_op_latency,
                                       pipeline_action_latency, split_backward_latency,
                                       tiny_op_latency)
 from autopar.cost.mesh import DEVICES, DeviceSpec, Mesh
-from autopar.cost.timing import agreed, everywhere_seconds, exchange, median_seconds
+from autopar.calibrate.timing import agreed, everywhere_seconds, exchange, median_seconds
 from autopar.errors import AutoparError
 
 # Collective sizes timed (bytes of the full tensor): from latency-bound to bandwidth-bound.
@@ -155,6 +155,20 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3, sizes: tuple[int, ...] 
                    "fits": by_size.pop(ranks),
                    "group_fits": {str(size): fits for size, fits in by_size.items()}}
     return efficiencies, measurements, collectives
+
+
+def fit_link(kind: str, ranks: int, points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha seconds per step, bandwidth bytes/s) of `kind` from (nbytes, seconds) points: the
+    latency from the smallest size, the bandwidth from the time the largest adds over it. Two
+    points rather than a least-squares line: on a shared machine one slow middle point would tilt
+    a line below zero; when the largest is not slower (noise) its whole time counts as transfer."""
+    points = sorted(points)
+    if len(points) < 2 or points[0][0] == points[-1][0]:
+        raise AutoparError(f"fitting {kind} needs timings at two or more sizes, got {points}")
+    (small, t_small), (large, t_large) = points[0], points[-1]
+    steps, factor = ring_terms(kind, ranks)
+    slope = (t_large - t_small) / (large - small) if t_large > t_small else t_large / large
+    return max(t_small - slope * small, 0.0) / steps, factor / slope
 
 
 def _slowest_rank(timings: list[dict]) -> dict:

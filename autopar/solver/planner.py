@@ -1,6 +1,6 @@
 """From a captured graph and a mesh to a Plan: the inter-op search, then per-op placements.
 
-`plan_graph` runs the search of autopar.solver.pipeline under a time limit, whose pricer asks the
+`plan_graph` runs the search of autopar.solver.search under a time limit, whose pricer asks the
 intra-op ILP for the placements of every parameter and node on the tensor-parallel axis of each
 dp x tp sub-mesh it prices (once per degree) and prices candidates on them; the chosen one's are the
 plan's. The data-parallel axis splits the batch (and ZeRO-3 parameters) by the plan's decision.
@@ -26,11 +26,11 @@ from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
 from autopar.plans import Plan, Stage
-from autopar.solver.pipeline import (MAX_TP, Candidate, Priced, Search, Shape, autopar_shapes,
-                                     balanced_cuts, grid_phase, layout_error, megatron_shapes,
-                                     module_shapes, pipeline_units, refine, short_pipeline_shapes,
-                                     uneven_phase, uniform_cuts, unit_weights)
-from autopar.solver.pipeline_price import Pricer, chunk_layers
+from autopar.solver.candidate_prices import CandidatePricer, chunk_layers
+from autopar.solver.candidates import (MAX_TP, Candidate, Priced, Shape, autopar_shapes, balanced_cuts,
+                                       layout_error, megatron_shapes, module_shapes, pipeline_units,
+                                       short_pipeline_shapes, uniform_cuts, unit_weights)
+from autopar.solver.search import Search, grid_phase, refine, uneven_phase
 from autopar.solver.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
 
@@ -183,7 +183,7 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
                sequence_parallel: bool | None = None) -> Search:
     if global_batch < 1:
         raise AutoparError(f"global batch {global_batch} must be at least 1")
-    pricer = Pricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit,
+    pricer = CandidatePricer(graph=graph, mesh=mesh, global_batch=global_batch, memory_limit=limit,
                     precision=precision, deadline=deadline, efficiencies=efficiencies,
                     sequence_parallel=sequence_parallel)
     units = pipeline_units(graph)
@@ -249,7 +249,7 @@ def _batch_nodes(graph: Graph) -> set[str]:
 
 
 def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: int, solver: dict,
-              pricer: Pricer) -> Plan:
+              pricer: CandidatePricer) -> Plan:
     candidate, shape = priced.candidate, priced.candidate.shape
     tensor = pricer.tensor_axis(shape.tp)[0]
     group = shape.dp * shape.tp

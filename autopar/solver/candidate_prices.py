@@ -1,4 +1,4 @@
-"""Pricing pipeline candidates with the one estimator of autopar.cost.
+"""Pricing the search's pipeline candidates with the one estimator of autopar.cost.
 
 A uniform Megatron configuration is priced by `estimate(graph, mesh, config)`, exactly as
 `autopar estimate` and the benchmark's grid price it; any other candidate (uneven cuts, per-stage
@@ -22,11 +22,13 @@ from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.cost.vocabulary import AxisRole
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
-from autopar.solver.pipeline import Candidate, Priced, Unit
+from autopar.solver.candidates import Candidate, Priced, Unit
 
 
 @dataclass(kw_only=True, slots=True)
-class Pricer:
+class CandidatePricer:
+    """Prices the search's pipeline candidates (step time, memory per device) with the estimator,
+    on the ILP's placements for each tensor-parallel degree; one per search."""
     graph: Graph
     mesh: object                # autopar.cost.mesh.Mesh
     global_batch: int

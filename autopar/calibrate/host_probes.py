@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.cost.overlap import reduction_buffers
-from autopar.cost.timing import everywhere_seconds, exchange, median_seconds
+from autopar.calibrate.timing import everywhere_seconds, exchange, median_seconds
 
 _CHAIN = 16
 _CHAIN_OPS = 3      # per link of the chain: a matmul, a layer norm, a GELU

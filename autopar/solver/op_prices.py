@@ -47,8 +47,8 @@ def optimizer_bytes(nbytes: float, dtype: str) -> float:
     return elements * (ADAM_STATE_BYTES + (MASTER_COPY_BYTES if dtype in HALF_DTYPES else 0))
 
 
-class Pricer:
-    """Prices on one mesh; caches resharding costs, which repeat across the layers of a model."""
+class OpPricer:
+    """The sharding ILP's prices of one op's strategies on one mesh (compute, resharding, memory); caches resharding costs, which repeat across the layers of a model."""
 
     def __init__(self, mesh: Mesh, efficiencies: Efficiencies | None = None):
         self.mesh = mesh

@@ -1,0 +1,69 @@
+"""Data parallelism and ZeRO: FSDP2 over the "dp" axis, one group per layer of a rewritten stage.
+
+Not a graph rewrite: FSDP2 wraps the modules the passes made. Each layer (a unit of the stage
+split) is its own group, so that its collectives overlap the neighbouring layers' compute:
+`replicate` (gradients all-reduced) for plain data parallelism, `fully_shard` for ZeRO (1 and 2
+keep parameters gathered from forward to backward, 3 frees them between; 2 and 3 reduce-scatter the
+gradients after every micro-batch, 1 once a step, schedule.py). It comes after tensor parallelism:
+FSDP2 shards what tensor parallelism left.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+
+from autopar.cost.memory import reduces_every_micro_batch
+from autopar.passes.tensor_parallel import TensorParallelStage
+from autopar.plans import Plan
+from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
+from autopar.runtime.schedule import ReducingStage, ReshardingStage
+
+
+def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMesh,
+                   mp_policy=None) -> None:
+    """Plain data parallelism or ZeRO over `dp_mesh`, one FSDP group per layer, then the rest.
+
+    ZeRO-1 runs as ZeRO-2 but reduces its gradients once a step (schedule.py): FSDP2 shards them
+    with the optimizer state after that reduce. Under zero-bubble schedules (backward split into input and weight
+    parts) freeing parameters between forward and backward gives wrong weight gradients in this
+    torch, so there ZeRO-3 keeps them, as ZeRO-2 does."""
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if zero == 0:
+        wrap = functools.partial(replicate, mesh=dp_mesh, **policy)
+    else:
+        wrap = functools.partial(fully_shard, mesh=dp_mesh, **policy,
+                                 reshard_after_forward=zero == 3 and schedule != "zero-bubble")
+    for layer in _layers(module):
+        wrap(layer)
+    wrap(module)
+    if zero:
+        reduce_in_place_on_cpu(module)
+
+
+def stage_class(plan: Plan, index: int, dp: int) -> type:
+    """ZeRO-2 and 3 stages reduce their gradients after each micro-batch's backward, ZeRO-3
+    stages also free their gathered weights (schedule.py)."""
+    zero = plan.stages[index].zero
+    if dp == 1 or not reduces_every_micro_batch(zero, plan.schedule):
+        return PipelineStage
+    return ReshardingStage if zero == 3 else ReducingStage
+
+
+def _layers(module: nn.Module) -> list[nn.Module]:
+    """The stage's per-layer submodules (the split's units) that hold parameters of their own. A
+    unit sharing a parameter with another (an LM head tied to the embedding in the same stage)
+    stays in the stage's group: FSDP2 gives each parameter to one group."""
+    inner = module.inner if isinstance(module, TensorParallelStage) else module
+    units = [child for name, child in inner.named_children() if name.startswith("submod_")]
+    owners: dict[int, int] = {}
+    for unit in units:
+        for param in unit.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [unit for unit in units
+            if any(True for _ in unit.parameters()) and all(owners[id(p)] == 1 for p in unit.parameters())]
