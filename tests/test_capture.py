@@ -15,12 +15,17 @@ from autopar.models import PRESETS, build_model
 
 SMALL = {"gpt": dict(layers=2, hidden=32, heads=4, seq=16, vocab=64),
          "llama": dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn=48, seq=16, vocab=64),
-         "mlp": dict(layers=2, hidden=16)}
+         "mlp": dict(layers=2, hidden=16),
+         "moe": dict(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=0, ffn=48, seq=16, vocab=64,
+                     experts=4, top_k=2, expert_ffn=16, dense_layers=0)}
+# a latent-attention preset (DeepSeek-V3) keeps its form at a small size
+SMALL_MLA = dict(kv_heads=4, q_lora=16, kv_lora=8, qk_nope=8, qk_rope=4, v_head=8)
 
 
 def _small(name: str, **extra):
-    family = PRESETS[name][0]
-    return build_model(name, **{**SMALL[family], **extra})
+    family, sizes = PRESETS[name]
+    small = {**SMALL[family], **(SMALL_MLA if sizes.get("kv_lora") else {})}
+    return build_model(name, **{**small, **extra})
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
