@@ -140,7 +140,7 @@ def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: floa
 
 def check_precision(precision: str | None) -> None:
     """None (the plan's or the device's precision) or one a plan can record."""
-    from autopar.plans import PRECISIONS
+    from autopar.plans.vocabulary import PRECISIONS
 
     if precision is not None and precision not in PRECISIONS:
         raise AutoparError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}; use "

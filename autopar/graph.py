@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.plans.stage_flow import FlowNode, NodeKind
+
 
 class Role(str, enum.Enum):
     PARAMETER = "parameter"
@@ -121,6 +123,17 @@ class Graph:
     def norm_inputs(self) -> list[str]:
         """The values of `norm_reads`, each once."""
         return list(dict.fromkeys(value for _, _, value in self.norm_reads()))
+
+    def flow_nodes(self) -> list[FlowNode]:
+        """The nodes as the stage-flow rules see them (autopar.plans.stage_flow), the same as the
+        runtime's export: which unit computes each value is decided on these."""
+        kinds = {Role.INPUT: NodeKind.INPUT, Role.PARAMETER: NodeKind.PARAMETER,
+                 Role.BUFFER: NodeKind.BUFFER, Role.OUTPUT: NodeKind.OUTPUT}
+        return [FlowNode(name=node.name, inputs=node.inputs, module_path=node.module_path,
+                         target=node.target, effect=node.effect,
+                         kind=kinds.get(node.role) or (NodeKind.OTHER if node.target == "get_attr"
+                                                       else NodeKind.FUNCTION))
+                for node in self.nodes]
 
     def fingerprint(self) -> str:
         """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same

@@ -16,7 +16,6 @@
     calibrate.py    measured efficiencies of the local device, collectives of a gloo mesh
     calibration.py  a calibration file applied: efficiencies and measured links
     reference.py    published training runs as estimator inputs, with what each run assumed
-    vocabulary.py   schedules, recompute levels, axis roles: str enums that write plain JSON
 
     autopar.cost.estimate(graph, mesh, config, runtime="autopar", calibration=None)
     autopar.cost.estimate_plan(graph, plan)

@@ -54,9 +54,8 @@ from autopar.graph import Graph
 from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
-from autopar.cost.layout import _DTYPE_BYTES, graph_sequence
-from autopar.cost.memory import (OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
-                                 reduces_every_micro_batch)
+from autopar.cost.layout import graph_sequence
+from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, exposed_data_parallel, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
@@ -64,15 +63,13 @@ from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import Chunk, poly_at
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, tied_exposed
 from autopar.cost.stages import StageSpec, uniform_stages
-# The dtype activations are held in and matmuls run at under each precision (a plan's
-# `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
-_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in _ACTIVATION_DTYPE.items()}
+from autopar.plans.vocabulary import DTYPE_BYTES, PRECISIONS, Precision, Recompute, Schedule
+from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 
 
 def default_precision(mesh: Mesh) -> str:
     """The precision a plan for `mesh` trains in unless told: the device's training dtype."""
-    return _PRECISION_OF_DTYPE.get(mesh.device.training_dtype, "bf16")
+    return Precision.of_dtype(mesh.device.training_dtype)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,7 +123,7 @@ def _check_world(mesh: Mesh, config: Config) -> None:
 
 
 def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
-                    micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
+                    micro_batch: int, schedule: str = Schedule.ONE_F_ONE_B, virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
                     memory_limit: float | None = None, cache: dict | None = None,
                     runtime: str | Runtime = "autopar", calibration=None,
@@ -143,9 +140,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     mesh, eff = calibrated(mesh, efficiencies, calibration)
     runtime = runtime_named(runtime)
     precision = precision or default_precision(mesh)
-    if precision not in _ACTIVATION_DTYPE:
-        raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
-    memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision])
+    if precision not in PRECISIONS:
+        raise AutoparError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    memo = PriceCache.of(cache, graph, mesh, eff, Precision(precision).dtype)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo,
                            whole_sends=runtime.whole_stage_sends)
@@ -157,7 +154,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = (sum(per_mb) - max(per_mb)) / virtual
-    if schedule == "zero-bubble":
+    if schedule == Schedule.ZERO_BUBBLE:
         weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
         bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
     lent = 0.0      # < 0 where ranks idle in the bubble lend their cores (cost/host.py)
@@ -169,11 +166,11 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         spec = stages[cs[0]]
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
                             [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
-                            kept_gathered=schedule == "zero-bubble",
+                            kept_gathered=keeps_weights_gathered(spec.zero, schedule),
                             reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
         data_comm.append(exposed_data_parallel(work, dp=spec.dp, tp=spec.tp, zero=spec.zero,
                                                micro_batches=m, mesh=mesh, runtime=runtime,
-                                               element_bytes=_DTYPE_BYTES[memo.dtype]))
+                                               element_bytes=DTYPE_BYTES[memo.dtype]))
         local_params = work.params / (spec.dp if spec.zero >= 1 else 1)
         optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
                                       mesh.device, "elementwise", efficiencies=eff))
@@ -199,7 +196,7 @@ def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int]
     return DeviceWork(params=sum(c.params for c in chunks), tensors=sum(c.tensors for c in chunks),
                       blocks=sum(groups), forward_s=forward, backward_s=backward,
                       drain_s=backward * (1 + stage),
-                      recompute=any(s.recompute == "full" for s in stages),
+                      recompute=any(s.recompute == Recompute.FULL for s in stages),
                       pipelined=pipelined, kept_gathered=kept_gathered, reduce_every=reduce_every,
                       forward_wait_s=eff.wait_after(forward / units),
                       backward_wait_s=eff.wait_after(backward / units),
@@ -244,7 +241,7 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
 
 def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str,
-            virtual: int, seq_ratio=1, precision: str = "bf16") -> list[dict]:
+            virtual: int, seq_ratio=1, precision: str = Precision.BF16) -> list[dict]:
     """Memory breakdown of each pipeline rank; `micro_batch` and `seq_ratio` (sequence length
     over the captured one) may be sympy expressions."""
     return [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], micro_batch, schedule,
@@ -360,7 +357,7 @@ def _chunk_time(chunk: Chunk) -> float:
 
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
-                   virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> dict:
+                   virtual: int, stage: int, seq_ratio=1, precision: str = Precision.BF16) -> dict:
     """A pipeline rank's peak (cost.memory.peak_bytes). Under ZeRO-3 a zero-bubble schedule
     keeps the weights gathered from forward to backward (its weight backward runs after the
     input backward, on the same gathered weights), so the rank holds them all, not
@@ -374,7 +371,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                     for c in chunks) / len(chunks)
     recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
-    gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
+    gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     return peak_bytes(params=params, gathered=gathered, group=max(c.group for c in chunks),
                       weight=max(c.largest for c in chunks),
                       zero=spec.zero, dp=spec.dp, precision=precision, micro_batches=m,

@@ -31,6 +31,7 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
+from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.cost.reshard import (ALL_REDUCE, cheapest_inputs, gradient_given, gradient_need,
                                   reshard_steps, work_split)
 
@@ -42,8 +43,6 @@ _SAVES_NOTHING = {"add", "sub", "neg", "clone", "_to_copy", "to", "copy", "conti
 # Views that leave the tensor non-contiguous; a reshape after them copies.
 _STRIDING = {"transpose", "permute", "t", "expand", "expand_as", "numpy_T", "mT", "mH", "adjoint",
               "swapaxes", "swapdims", "movedim"}
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-                "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 def op_name(target: str) -> str:
@@ -108,8 +107,8 @@ class GraphLayout:
 def _itemsize(dtype: str, compute_dtype: str) -> int:
     """Floating tensors are held in the training dtype (mixed precision); integers as captured."""
     if dtype.startswith(("float", "bfloat")):
-        return _DTYPE_BYTES[compute_dtype]
-    return _DTYPE_BYTES.get(dtype, 4)
+        return DTYPE_BYTES[compute_dtype]
+    return DTYPE_BYTES.get(dtype, 4)
 
 
 def graph_batch(graph: Graph) -> int:
@@ -184,7 +183,7 @@ class _LayoutBuilder:
 
     def full_bytes(self, node: Node) -> float:
         """Bytes of this node's whole output for one sample, in the training dtype."""
-        return node.bytes / self.batch * _itemsize(node.dtype, self.dtype) / _DTYPE_BYTES.get(node.dtype, 4)
+        return node.bytes / self.batch * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4)
 
     def local_bytes(self, node: Node) -> float:
         """Bytes of this node's output on one rank for one sample."""
@@ -251,7 +250,7 @@ class _LayoutBuilder:
         if family != "view" and not _is_noop(node, name):
             layout.act_bytes = layout.out_bytes + sum(self.local_bytes(by_name[i]) for i in acts)
             if family != "embedding":     # a lookup reads only the rows it returns
-                layout.param_bytes = sum(self.param_local[p] * _DTYPE_BYTES[self.dtype] for p in params)
+                layout.param_bytes = sum(self.param_local[p] * DTYPE_BYTES[self.dtype] for p in params)
         if self.grad[node.name]:
             layout.saved = _saved(node, name, family, acts, self.storage)
             if self.placements is not None:
@@ -372,7 +371,7 @@ class _LayoutBuilder:
         node = self.by_name[name] if self.by_name[name].dtype else consumer
         if node.role is Role.ACTIVATION and name not in self.weight_of:
             return self.full_bytes(node), True
-        return node.bytes * _itemsize(node.dtype, self.dtype) / _DTYPE_BYTES.get(node.dtype, 4), False
+        return node.bytes * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4), False
 
     def _first(self, key: tuple) -> bool:
         """Whether this redistribution of a stored tensor is priced for the first time."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sympy
 
 from autopar.errors import AutoparError
+from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
 MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
@@ -34,24 +35,15 @@ BYTES_PER_PARAM_FP32 = {"weights": 4, "gradients": 4, "optimizer": ADAM_STATE_BY
 OPTIMIZER_STEP_BYTES_PER_PARAM = 30
 
 
-def model_state_bytes(params: float, *, zero: int, dp: int, precision: str = "bf16") -> dict[str, float]:
+def model_state_bytes(params: float, *, zero: int, dp: int,
+                      precision: str = Precision.BF16) -> dict[str, float]:
     """Weights, gradients and optimizer state on one device holding `params` parameters
     (its pipeline stage's share after tensor parallelism), before ZeRO's split over `dp`."""
     if zero not in (0, 1, 2, 3):
         raise AutoparError(f"zero={zero}: ZeRO stages are 0, 1, 2 and 3")
     split = {"optimizer": zero >= 1, "gradients": zero >= 2, "weights": zero >= 3}
     return {part: params * size / (dp if split[part] else 1)
-            for part, size in (BYTES_PER_PARAM_FP32 if precision == "fp32" else BYTES_PER_PARAM).items()}
-
-
-def reduces_every_micro_batch(zero: int, schedule: str) -> bool:
-    """Whether autopar's runtime reduce-scatters the gradients after every micro-batch's backward
-    (ZeRO-2 and 3, as DeepSpeed's stage 2 and torchtitan's FSDP do: each rank accumulates only
-    its shard), rather than accumulating them whole and reducing on the last micro-batch (plain
-    data parallelism, and ZeRO-1, whose point is to split only the optimizer state). Zero-bubble
-    schedules accumulate whole: their weight backward runs apart from the input backward, after
-    FSDP's per-layer reduce would have fired."""
-    return zero >= 2 and schedule != "zero-bubble"
+            for part, size in (BYTES_PER_PARAM_FP32 if precision == Precision.FP32 else BYTES_PER_PARAM).items()}
 
 
 # torch's AdamW (foreach) takes the square root of the second moment into a new fp32 tensor per
@@ -111,8 +103,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     first backward's, and `later_phase` what the others need beyond it."""
     wrapped = dp > 1
     split = dp if wrapped and zero >= 1 else 1
-    element = 4 if precision == "fp32" else 2
-    master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
+    element = DTYPE_BYTES[Precision(precision).dtype]
+    master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * GRADIENT_BYTES
     cached = element * logits if pipelined else 0.0     # the stage's output, kept by torch's stage
@@ -195,25 +187,26 @@ def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, s
     if not 0 <= stage < pp:
         raise AutoparError(f"stage {stage} is outside a pipeline of {pp} stages")
     total = micro_batches * virtual
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return total
-    if schedule in ("1f1b", "zero-bubble") or (schedule == "interleaved-1f1b" and virtual == 1):
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE) or (
+            schedule == Schedule.INTERLEAVED_1F1B and virtual == 1):
         return min(total, (pp - stage) * virtual)
-    if schedule == "interleaved-1f1b":
+    if schedule == Schedule.INTERLEAVED_1F1B:
         return min(total, 2 * (pp - stage - 1) + (virtual - 1) * pp + 1)
     raise AutoparError(f"schedule {schedule!r} is unknown; expected gpipe, 1f1b, "
                        f"interleaved-1f1b or zero-bubble")
 
 
 def megatron_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                              sequence_parallel: bool = False, recompute: str = "none") -> float:
+                              sequence_parallel: bool = False, recompute: str = Recompute.NONE) -> float:
     """Activation bytes of one transformer layer by Korthikanti et al. 2022 (table 2), for
     checking the graph-derived count: sbh(34 + 5as/h) without parallelism, with dropout."""
     sbh = seq * batch * hidden
     scores = 5 * heads * seq / hidden
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return 2 * sbh / (tp if sequence_parallel else 1)
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         scores = 0.0
     if sequence_parallel:
         return sbh * (34 + scores) / tp

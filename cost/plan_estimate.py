@@ -21,6 +21,7 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec
 from autopar.errors import PlanMismatchError
 from autopar.graph import Graph, Role
+from autopar.plans.vocabulary import AxisRole
 
 
 def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str = "autopar",
@@ -44,11 +45,10 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
 
 
 def tensor_placements(graph: Graph, plan) -> TensorPlacements | None:
-    """The plan's placements on its tensor-parallel axis ("tp"); None when it has none."""
-    names = [name for name, _ in plan.axes]
-    if "tp" not in names or plan.tp == 1:
+    """The plan's placements on its tensor-parallel axis; None when it has none."""
+    axis = plan.axis_index(AxisRole.TENSOR)
+    if axis is None or plan.tp == 1:
         return None
-    axis = names.index("tp")
     fqns = {node.param_fqn: node.name for node in graph.parameters}
     return TensorPlacements(
         nodes={name: placement[axis] for name, placement in plan.nodes.items()},

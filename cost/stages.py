@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from autopar.cost.config import Config
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
+from autopar.plans.vocabulary import Recompute
 
 
 @dataclass(kw_only=True, slots=True)
@@ -22,7 +23,7 @@ class StageSpec:
     layers: list
     tp: int = 1
     dp: int = 1
-    recompute: str = "none"
+    recompute: Recompute = Recompute.NONE
     zero: int = 0
     sequence_parallel: bool = False
     # A plan's own per-op placements on the tensor-parallel axis (cost.layout.TensorPlacements);

@@ -14,7 +14,8 @@ from autopar.cost.compute import Efficiencies, compute_time, gemm_utilization, o
 from autopar.cost.config import Config
 from autopar.cost.estimator import (StageSpec, estimate, estimate_stages, max_batch, max_seq,
                                     memory_expression)
-from autopar.cost.memory import in_flight, model_state_bytes, reduces_every_micro_batch
+from autopar.cost.memory import in_flight, model_state_bytes
+from autopar.plans.zero import reduces_every_micro_batch
 from autopar.cost.mesh import DEVICES, Mesh
 from autopar.errors import AutoparError, MeshError
 from autopar.graph import Graph, Node, Role

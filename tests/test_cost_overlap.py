@@ -11,7 +11,7 @@ from autopar.cost.collectives import Group
 from autopar.cost.config import Config
 from autopar.cost.estimator import estimate
 from autopar.cost.mesh import Mesh
-from autopar.cost.memory import reduces_every_micro_batch
+from autopar.plans.zero import reduces_every_micro_batch
 from autopar.cost.overlap import RUNTIMES, DeviceWork, exposed_data_parallel
 from autopar.errors import AutoparError
 
@@ -138,9 +138,10 @@ def test_each_group_size_is_priced_with_the_fit_measured_on_that_size():
 
 
 def test_measured_rows_without_a_group_size_still_load():
-    from autopar.cost.mesh import _link
-    link = _link({"l": {"name": "gloo", "bandwidth": 1e9, "latency": 1e-5,
-                        "measured": [["all_reduce", 1e-3, 1e8]]}}, "l", "mesh")
+    data = Mesh.parse("2:cpu").to_dict()
+    data["device"]["intra_node"] = {"name": "gloo", "bandwidth": 1e9, "latency": 1e-5,
+                                    "measured": [["all_reduce", 1e-3, 1e8]]}
+    link = Mesh.from_dict(data).device.intra_node
     assert link.alpha_beta("all_reduce", 2) == (1e-3, 1e8)
 
 

@@ -12,7 +12,7 @@ from autopar.cost.config import Config
 from autopar.models import build_model, lm_loss
 from autopar.runtime.equivalence import mismatches, train_single_process
 from autopar.solver.pipeline_plan import plan_config, plan_graph
-from autopar.solver.schedules import runs
+from autopar.plans.schedules import runs
 
 pytestmark = pytest.mark.multiprocess
 

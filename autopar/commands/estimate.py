@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cost.vocabulary import RECOMPUTE, SCHEDULES
+from autopar.plans.vocabulary import RECOMPUTE, SCHEDULES, Recompute, Schedule
 from autopar.errors import AutoparError, MeshError
 
 
@@ -35,7 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--global-batch", type=int,
                         help="sequences per step (required unless --plan)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default=Recompute.NONE.value)
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--schedule", choices=SCHEDULES,
@@ -98,7 +98,7 @@ def build_config(args, mesh):
     if args.tp > mesh.gpus_per_node or mesh.gpus_per_node % args.tp:
         raise AutoparError(f"tp={args.tp} must divide the {mesh.gpus_per_node} devices of one node "
                            f"(tensor parallelism needs the fast links inside a node)")
-    schedule = args.schedule or ("interleaved-1f1b" if args.virtual > 1 else "1f1b")
+    schedule = args.schedule or (Schedule.INTERLEAVED_1F1B if args.virtual > 1 else Schedule.ONE_F_ONE_B)
     return Config(tp=args.tp, pp=args.pp, dp=mesh.world_size // per_replica, virtual=args.virtual,
                   global_batch=args.global_batch, micro_batch=args.micro_batch,
                   recompute=args.recompute, zero=args.zero,

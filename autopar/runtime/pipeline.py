@@ -34,9 +34,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils.data.distributed import DistributedSampler
 
-from autopar.cost.memory import reduces_every_micro_batch
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
-from autopar.plans import Plan
+from autopar.plans import AxisRole, Plan
 from autopar.runtime import checkpoint, materialize
 from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
 from autopar.runtime import precision as mixed
@@ -47,7 +46,8 @@ from autopar.runtime.pipeline_split import (StageProgram, TensorRef, export_for_
 from autopar.runtime.pipeline_tensor import TensorParallelStage, reduce_partial_gradients, shard_stage
 from autopar.runtime.schedule import ReducingStage, ReshardingStage, build_schedule
 from autopar.runtime.tied import TiedWeights
-from autopar.solver.schedules import relay_error
+from autopar.plans.schedules import relay_error
+from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,7 +95,7 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
         if key not in rank_sets:
             rank_sets.append(key)
         stage_rank.append(rank_sets.index(key))
-    dp_major = [name for name, _ in plan.axes][:1] != ["tp"]
+    dp_major = plan.axis_roles[:1] != [AxisRole.TENSOR]
     grid = [[[ranks[_flat(d, t, first.dp, first.tp, dp_major)] for t in range(first.tp)]
              for d in range(first.dp)] for ranks in rank_sets]
     everyone = sorted(r for ranks in rank_sets for r in ranks)
@@ -323,7 +323,7 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
                                 f"has the tensors {tensors}; capture the graph with the example_kwargs "
                                 f"given to compile")
     programs = _stage_programs(exported, model, plan, layout, mesh, own, device, meta)
-    # the planner never emits this (autopar.solver.stage_flow finds the same values); a plan
+    # the planner never emits this (autopar.plans.stage_flow finds the same values); a plan
     # written by hand, or for other stages, may
     relay_refusal = relay_error(plan.schedule, programs[0].relayed if programs else ())
     if relay_refusal is not None:
@@ -389,7 +389,7 @@ def _stage_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layo
                             blocks=_repeated_layers(model, plan),
                             boundary_dtype=mixed.compute_dtype(plan.precision))
     programs = [_materialize(programs[s], model, device, meta) for s in own]
-    tp_axis = [name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None
+    tp_axis = plan.axis_index(AxisRole.TENSOR) if layout.tp > 1 else None
     for program in programs:
         if tp_axis is not None and _sharded_on(program, plan, tp_axis):
             program.module = shard_stage(program.module, mesh["tp"], plan.parameters, plan.nodes, tp_axis)
@@ -422,7 +422,7 @@ def _data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceM
         wrap = functools.partial(replicate, mesh=dp_mesh, **policy)
     else:
         wrap = functools.partial(fully_shard, mesh=dp_mesh, **policy,
-                                 reshard_after_forward=zero == 3 and schedule != "zero-bubble")
+                                 reshard_after_forward=not keeps_weights_gathered(zero, schedule))
     for layer in _layers(module):
         wrap(layer)
     wrap(module)

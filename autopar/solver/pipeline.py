@@ -20,8 +20,8 @@ The search, in three phases, prices every candidate with the one estimator of au
 ZeRO 1-3 are candidates in phases 1 and 2 wherever there is data parallelism (ZeRO-0 in phase 3).
 What the runtime cannot run is never generated (`layout_error`): the global batch divides into
 dp x micro-batch x count, and torch.distributed.pipelining runs the schedule with that count on
-pp ranks of v chunks (the rules are in autopar.solver.schedules); and zero-bubble is no candidate
-for cuts that make an activation skip a stage (`Search.relay_error`, autopar.solver.stage_flow).
+pp ranks of v chunks (the rules are in autopar.plans.schedules); and zero-bubble is no candidate
+for cuts that make an activation skip a stage (`Search.relay_error`, autopar.plans.stage_flow).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost.compute import compute_time, op_family
 from autopar.graph import Graph, Role
-from autopar.solver.schedules import relay_error, runs, schedule_error
-from autopar.solver.stage_flow import skips_a_stage
+from autopar.plans.schedules import relay_error, runs, schedule_error
+from autopar.plans.vocabulary import Recompute, Schedule
+from autopar.plans.stage_flow import skips_a_stage
 
-RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
+RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)   # cheapest time first
 GRID_VIRTUAL = (2, 3, 4, 6, 8)
 GRID_MICRO_BATCH = (1, 2, 4, 8, 16)
 MAX_MICRO_BATCH = 32
@@ -217,13 +218,13 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
                 m = global_batch // (dp * mbs)
                 sp = tp > 1
                 if pp == 1:
-                    shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                    shapes.append(Shape(tp, pp, dp, mbs, Schedule.ONE_F_ONE_B, 1, sp))
                     continue
-                if runs("1f1b", pp, m):
-                    shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                if runs(Schedule.ONE_F_ONE_B, pp, m):
+                    shapes.append(Shape(tp, pp, dp, mbs, Schedule.ONE_F_ONE_B, 1, sp))
                 # Megatron interleaves only when the micro-batches fill whole rounds
                 if m % pp == 0:
-                    shapes += [Shape(tp, pp, dp, mbs, "interleaved-1f1b", v, sp) for v in GRID_VIRTUAL
+                    shapes += [Shape(tp, pp, dp, mbs, Schedule.INTERLEAVED_1F1B, v, sp) for v in GRID_VIRTUAL
                                if blocks % (pp * v) == 0]
     return shapes
 
@@ -247,7 +248,7 @@ def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_ba
                 continue
             for mbs in [b for b in GRID_MICRO_BATCH if (global_batch // dp) % b == 0]:
                 if global_batch // (dp * mbs) < pp:
-                    shapes.append(Shape(tp, pp, dp, mbs, "gpipe", 1, tp > 1))
+                    shapes.append(Shape(tp, pp, dp, mbs, Schedule.GPIPE, 1, tp > 1))
     return shapes
 
 
@@ -283,11 +284,11 @@ class Search:
 
     def relay_error(self, candidate: Candidate) -> str | None:
         """Why the candidate's schedule cannot train the activations its cuts relay."""
-        if candidate.shape.schedule != "zero-bubble":
+        if candidate.shape.schedule != Schedule.ZERO_BUBBLE:
             return None
         unit_stage = [c for c in range(candidate.chunks)
                       for _ in range(candidate.cuts[c], candidate.cuts[c + 1])]
-        return relay_error("zero-bubble", [value for (made, read), value in self.skipping.items()
+        return relay_error(Schedule.ZERO_BUBBLE, [value for (made, read), value in self.skipping.items()
                                            if skips_a_stage(made, read, unit_stage)])
 
     def candidates(self) -> list[Priced]:
@@ -343,7 +344,7 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
             if fastest is None:
                 break
             fitted = True
-            needed[layout] = fastest.candidate.recompute[0] != "none"
+            needed[layout] = fastest.candidate.recompute[0] != Recompute.NONE
         if not fitted and not refused:
             too_big.add(layout)
     return results
@@ -355,7 +356,8 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_
     and that one (None when none fits); None when the estimator refuses the configuration."""
     chunks = len(cuts) - 1
     priced: list[Priced] = []
-    for recompute in ("none", "full", "selective") if try_none_first else ("full", "none", "selective"):
+    for recompute in ((Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE) if try_none_first
+                      else (Recompute.FULL, Recompute.NONE, Recompute.SELECTIVE)):
         candidate = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
                                  uniform=uniform)
         if candidate is None:
@@ -363,7 +365,7 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_
                 return None
             break
         priced.append(candidate)
-        if (recompute == "none" and candidate.fits) or (recompute == "full" and not candidate.fits):
+        if (recompute == Recompute.NONE and candidate.fits) or (recompute == Recompute.FULL and not candidate.fits):
             break       # the fastest fits, or the most saving does not
     fitting = [p for p in priced if p.fits]
     return priced, min(fitting, key=lambda p: p.step_time_s) if fitting else None
@@ -390,7 +392,7 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
             results.extend(priced)
             if fastest is None:
                 break
-            needs_recompute = fastest.candidate.recompute[0] != "none"
+            needs_recompute = fastest.candidate.recompute[0] != Recompute.NONE
     return results
 
 
@@ -432,9 +434,10 @@ def _schedule_moves(current: Priced, global_batch: int, weights_for):
         return
     m = global_batch // (shape.dp * shape.micro_batch)
     if shape.virtual > 1:
-        options = ("zero-bubble", "interleaved-1f1b") if m >= shape.pp else ()
+        options = (Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED_1F1B) if m >= shape.pp else ()
     else:
-        options = ("zero-bubble", "gpipe", "1f1b") if m >= shape.pp else ("gpipe",)
+        options = ((Schedule.ZERO_BUBBLE, Schedule.GPIPE, Schedule.ONE_F_ONE_B) if m >= shape.pp
+                   else (Schedule.GPIPE,))
     for schedule in options:
         if schedule != shape.schedule and runs(schedule, shape.pp, m, shape.virtual):
             yield replace(candidate, shape=replace(shape, schedule=schedule))
@@ -451,7 +454,7 @@ def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
         if per_replica % size or size == shape.micro_batch:
             continue
         if shape.pp > 1 and (not runs(shape.schedule, shape.pp, m, shape.virtual) or
-                             (shape.schedule != "gpipe" and m < shape.pp)):
+                             (shape.schedule != Schedule.GPIPE and m < shape.pp)):
             continue
         yield replace(candidate, shape=replace(shape, micro_batch=size))
 
