@@ -56,6 +56,7 @@ def check_forms(args, spec: str) -> None:
     import torch.distributed as dist
 
     import autopar
+    from autopar.cost.plan_estimate import tensor_placements
     from autopar.models import build_model
     from autopar.models.gpt import lm_loss
 
@@ -90,7 +91,8 @@ def check_forms(args, spec: str) -> None:
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference[0]))
         peaks = [None] * world
         dist.all_gather_object(peaks, peak)
-        predicted = autopar.estimate(graph, mesh, config, precision="fp32")
+        placements = tensor_placements(graph, cm.plan)      # what the compiled plan runs
+        predicted = autopar.estimate(graph, mesh, config, precision="fp32", placements=placements)
         if rank == 0:
             print(f"{name:<8} losses vs one GPU: max rel {worst:.1e} "
                   f"({'ok' if worst <= TOLERANCE else 'MISMATCH'}); step {seconds * 1e3:.1f} ms "

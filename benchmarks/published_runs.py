@@ -3,7 +3,8 @@
     python benchmarks/published_runs.py [--reference DIR] [--calibration FILE] [--json OUT]
 
 Each row's model is captured on the meta device (forward + loss) and priced by
-`autopar.cost.estimate` on the row's mesh and configuration, as the row's framework ran it (see
+`autopar.cost.estimate` on the row's mesh and configuration, as the row's framework ran it:
+Megatron-LM's tensor-parallel layout (`ReferenceRun.placements`) and the row's runtime (see
 autopar/cost/reference.py for what is assumed about each run). Prints predicted against published
 seconds per step per row, the median and worst |error|, and how many predictions are optimistic
 (faster than published). Nothing is fitted to these figures.
@@ -36,8 +37,10 @@ def main() -> None:
     for run in runs:
         if run.spec not in graphs:
             graphs[run.spec] = capture_training_step(run.spec)
-        result = estimate(graphs[run.spec], run.mesh, run.config, attention=run.attention,
-                          runtime=run.runtime, calibration=args.calibration)
+        graph = graphs[run.spec]
+        result = estimate(graph, run.mesh, run.config, attention=run.attention,
+                          runtime=run.runtime, calibration=args.calibration,
+                          placements=run.placements(graph))
         rows.append({"name": run.name, "runtime": run.runtime, "config": run.config.to_dict(),
                      "published_s": run.published_step_s, "predicted_s": result.step_time_s,
                      "error": result.step_time_s / run.published_step_s - 1,

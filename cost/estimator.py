@@ -1,14 +1,18 @@
 """The one estimator: step time, throughput and memory of a parallel configuration of a graph.
 
-`estimate(graph, mesh, config)` prices a Megatron-style uniform configuration; `estimate_stages`
-prices any list of pipeline chunks (`StageSpec`), each with its own tensor/data parallelism,
-recompute and ZeRO, so that the pipeline planner's plans and `autopar estimate` agree.
+`estimate(graph, mesh, config, placements=...)` prices a Megatron-style uniform configuration;
+`estimate_stages` prices any list of pipeline chunks (`StageSpec`), each with its own tensor/data
+parallelism, recompute and ZeRO, so that the pipeline planner's plans and `autopar estimate` agree.
+Tensor parallelism is priced on given placements, whoever produced them: the sharding ILP
+(autopar's plans, `autopar estimate --tp`) or Megatron-LM's layout (cost/megatron.py, for
+published runs); the estimator itself has one way to price a configuration.
 
 Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
   compute      every op's forward and backward by roofline (cost/compute.py), the forward again
                for recomputed layers; attention as the kernels that run it (flash or unfused)
-  tensor par.  the all-reduces the layout needs (2 per layer forward, 2 backward, 2 more when
-               the forward is recomputed), on the tensor-parallel group's links, not overlapped
+  tensor par.  the collectives the placements need (Megatron's: 2 all-reduces per layer
+               forward, 2 backward, 2 more when the forward is recomputed), on the
+               tensor-parallel group's links, not overlapped
   pipeline     activations and their gradients sent to the next stage over its link, as the
                runtime sends them (cost/traffic.py add_sends): autopar's whole from every
                tensor-parallel rank, a sequence-split stream gathered first; Megatron's split
@@ -99,15 +103,13 @@ def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficien
              calibration=None, precision: str | None = None, placements=None) -> Estimate:
     """Price a Megatron-style configuration: layers split over pp x virtual chunks (evenly where
     they divide, `autopar.cost.stages.blocks_per_chunk` where not), each op placed on the
-    tensor-parallel axis by Megatron's rules, or as `placements` (cost.layout.TensorPlacements,
-    what the sharding ILP chose for that axis) say. `cache`: see
+    tensor-parallel axis as `placements` (cost.layout.TensorPlacements: the sharding ILP's, or
+    cost.megatron.megatron_placements) say; needed when config.tp > 1. `cache`: see
     `estimate_stages`; `runtime`: the training runtime whose overlap applies (cost/overlap.py);
     `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
     collectives replace the defaults and the mesh's links; `precision`: see `estimate_stages`."""
     _check_world(mesh, config)
-    stages = uniform_stages(graph, config)
-    for stage in stages:
-        stage.placements = placements
+    stages = uniform_stages(graph, config, placements)
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
@@ -153,10 +155,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                                       pipelined=len(devices) > 1, schedule=schedule, eff=eff)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
-    bubble = (sum(per_mb) - max(per_mb)) / virtual
-    if schedule == Schedule.ZERO_BUBBLE:
-        weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
-        bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
+    bubble = _bubble(chunks, devices, per_mb, schedule, virtual)
     lent = 0.0      # < 0 where ranks idle in the bubble lend their cores (cost/host.py)
     sharing = ranks_per_core(mesh, eff)
     if len(devices) > 1 and sharing > 1:
@@ -183,6 +182,17 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                       bubble=bubble, lent=lent, data_comm=max(data_comm) + tied, loss_sync=closing,
                       optimizer=max(optimizer), m=m, global_batch=global_batch,
                       memory_limit=memory_limit)
+
+
+def _bubble(chunks: list[Chunk], devices: list[list[int]], per_mb: list[float], schedule: str,
+            virtual: int) -> float:
+    """The fill and drain: the devices' times beyond the slowest, over the chunks per rank; a
+    zero-bubble schedule fills it with the weight halves of the backward (module doc)."""
+    bubble = (sum(per_mb) - max(per_mb)) / virtual
+    if schedule == Schedule.ZERO_BUBBLE:
+        weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
+        bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
+    return bubble
 
 
 def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int],
@@ -252,7 +262,7 @@ def _memory(pipe: _Pipeline, stages: list[StageSpec], micro_batch, schedule: str
 
 def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
                       batch: sympy.Symbol | None = None, seq: sympy.Symbol | None = None,
-                      attention: str = "flash") -> sympy.Expr:
+                      attention: str = "flash", placements=None) -> sympy.Expr:
     """Bytes on the fullest device as an expression in the micro-batch size `batch` (a sympy
     symbol), for config's number of micro-batches per step; with `seq`, also in the sequence
     length.
@@ -264,16 +274,16 @@ def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
     the model's ops keep their shapes' structure as the sequence changes, as transformers do."""
     _check_world(mesh, config)
     batch = batch if batch is not None else sympy.Symbol("b", positive=True, integer=True)
-    pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
+    pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
     ratio = 1 if seq is None else seq / _captured_sequence(graph)
     totals = [sympy.Add(*part.values()) for part in _memory(pipe, stages, batch, config.schedule,
                                                              config.virtual, ratio)]
     return sympy.Max(*totals)
 
 
-def _uniform_pipeline(graph: Graph, mesh: Mesh, config: Config,
-                      attention: str) -> tuple[_Pipeline, list[StageSpec]]:
-    stages = uniform_stages(graph, config)
+def _uniform_pipeline(graph: Graph, mesh: Mesh, config: Config, attention: str,
+                      placements=None) -> tuple[_Pipeline, list[StageSpec]]:
+    stages = uniform_stages(graph, config, placements)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, virtual=config.virtual,
                            efficiencies=Efficiencies(), attention=attention,
@@ -290,20 +300,20 @@ def _captured_sequence(graph: Graph) -> int:
 
 
 def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
-              attention: str = "flash") -> int:
+              attention: str = "flash", placements=None) -> int:
     """The largest MICRO-batch that fits `memory_limit` bytes per device (the device's memory by
     default), keeping config's number of micro-batches per step (so the global batch grows with it).
     0 when even the model states do not fit."""
     _check_world(mesh, config)
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
-    pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
+    pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
     memory = lambda size: max(sum(part.values()) for part in _memory(
         pipe, stages, size, config.schedule, config.virtual))
     return 0 if memory(0) > limit else _largest_fitting(memory, limit, 0)
 
 
 def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
-            attention: str = "flash") -> int:
+            attention: str = "flash", placements=None) -> int:
     """The longest sequence that fits `memory_limit` bytes per device (the device's memory by
     default) at config's micro-batch, by `memory_expression` in the sequence length (see there
     for how it scales). 0 when not even a sequence of 1 fits. The model's own limit (its position
@@ -311,7 +321,7 @@ def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
     s = sympy.Symbol("s", positive=True)
     expression = memory_expression(graph, mesh, config, batch=config.micro_batch, seq=s,
-                                   attention=attention)
+                                   attention=attention, placements=placements)
     if s not in expression.free_symbols:
         raise AutoparError("no activation of this graph grows with the sequence length, so no "
                            "length bounds its memory")

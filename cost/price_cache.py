@@ -19,6 +19,7 @@ from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_
 from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
+from autopar.plans.stage_flow import live
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -59,10 +60,10 @@ class PriceCache:
         return self.store[key]
 
     def layout(self, spec: StageSpec) -> GraphLayout:
-        tp, sequence_parallel, placements = spec.layout_key
-        return self._get(("layout", *spec.layout_key),
-                         lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
-                                              compute_dtype=self.dtype, placements=placements))
+        tp, _, placements = spec.layout_key
+        return self._get(("layout", tp, placements),
+                         lambda: infer_layout(self.graph, tp, compute_dtype=self.dtype,
+                                              placements=placements))
 
     def model_flops_per_sample(self) -> float:
         """A training step's model FLOPs per sample: 3x the forward (backward = 2x)."""
@@ -77,7 +78,8 @@ class PriceCache:
         return self._get(("split", key), lambda: self._make_split(key, stages))
 
     def _make_split(self, key: tuple, stages: list[StageSpec]) -> Split:
-        owner = chunk_of_nodes(self.graph, stages)
+        flow = self._get(("flow",), lambda: live(self.graph.flow_nodes()))
+        owner = chunk_of_nodes(self.graph, stages, flow)
         members: list[list[int]] = [[] for _ in stages]
         for i, c in enumerate(owner):
             members[c].append(i)

@@ -29,7 +29,8 @@ published_runs.csv, runs of other kinds, with the runtime each used, which decid
     prefetch, gradients reduce-scattered per block during the backward of every micro-batch,
     activation checkpointing inside the FSDP unit (no second gather) ("torch"); MPT's dropouts
     are 0 by default; FlashAttention.
-Nothing here is fitted to the published figures.
+Every run is priced on Megatron-LM's tensor-parallel layout (`ReferenceRun.placements`), the
+one these frameworks trained with. Nothing here is fitted to the published figures.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.cost.config import Config
+from autopar.cost.layout import TensorPlacements
+from autopar.cost.megatron import megatron_placements
 from autopar.cost.mesh import Mesh
 from autopar.plans.vocabulary import Recompute, Schedule
 
@@ -59,6 +62,12 @@ class ReferenceRun:
     published_step_s: float       # seconds per optimizer step
     runtime: str                  # how it overlapped communication: a cost/overlap.py runtime
     published_tflops: float = 0.0  # per GPU, recomputation counted (SC'21 rows)
+
+    def placements(self, graph) -> TensorPlacements | None:
+        """The run's tensor parallelism as it was trained: Megatron-LM's layout (cost.megatron),
+        which the estimator prices as `estimate(..., placements=run.placements(graph))`."""
+        return megatron_placements(graph, self.config.tp,
+                                   sequence_parallel=self.config.sequence_parallel)
 
 
 def sc21_step_flops(*, batch: int, seq: int, layers: int, hidden: int, vocab: int,

@@ -51,12 +51,6 @@ class Unit:
     stop: int
     block: bool = False         # a repeated block instance
 
-    @property
-    def ref(self) -> tuple[int, int]:
-        """How the estimator's StageSpec names the unit: its node range (a path would be ambiguous
-        for a block module that runs more than once)."""
-        return (self.start, self.stop)
-
 
 @dataclass(frozen=True, slots=True)
 class Shape:

@@ -71,7 +71,7 @@ class Pricer:
 
     def stages_estimate(self, candidate: Candidate, units: list[Unit]):
         shape = candidate.shape
-        specs = [StageSpec(layers=[u.ref for u in units[candidate.cuts[i]:candidate.cuts[i + 1]]],
+        specs = [StageSpec(layers=chunk_layers(units, candidate, i),
                            tp=shape.tp, dp=shape.dp,
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
                            sequence_parallel=self.splits_stream(shape),
