@@ -178,11 +178,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     `load_from`/`init` also overwrite a real model's values.
     `calibration`: a file from `autopar calibrate` that the planner prices and places with (a free
     plan or a forced `Config`)."""
-    import torch.distributed as dist
-
     from autopar.tracer import capture
-    from autopar.cost.config import Config
-    from autopar.runtime.launch import init_default_group
     from autopar.runtime.pipeline import build_runtime
     from autopar.solver.pipeline_plan import at_precision
 
@@ -193,6 +189,31 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         check_planning(global_batch or 1, time_limit, memory_limit)
     elif global_batch is not None:
         check_planning(global_batch, time_limit, None)
+    _join_ranks(mesh)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    example_kwargs = dict(example_kwargs or {})
+    if graph is None:
+        graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    plan = _plan_to_run(graph, mesh, plan, global_batch or example_inputs[0].shape[0],
+                        memory_limit=memory_limit, time_limit=time_limit, precision=precision,
+                        calibration=calibration)
+    _check_batch(plan, global_batch)
+    if precision is not None:
+        # a given plan's predictions are of its own precision: priced again at this one
+        plan = at_precision(graph, plan, precision)
+    # One runtime: splitting into stages is the first lowering step; a single-stage plan is one stage.
+    return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
+                         example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
+                         load_from=load_from, init=init, seed=seed)
+
+
+def _join_ranks(mesh) -> None:
+    """This rank in the process group of `mesh`: its GPU made current, the group started from
+    torchrun's environment where no one started it, and its size checked against the mesh."""
+    import torch.distributed as dist
+
+    from autopar.runtime.launch import init_default_group
+
     if mesh.device.name != "cpu":
         _use_local_gpu(mesh)
     if not dist.is_initialized():
@@ -202,11 +223,14 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
         raise MeshError(f"mesh {mesh} has {mesh.world_size} devices but the process group has "
                         f"{dist.get_world_size()} ranks; start {mesh.world_size} processes or use a "
                         f"mesh of {dist.get_world_size()}")
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    example_kwargs = dict(example_kwargs or {})
-    if graph is None:
-        graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
-    batch = global_batch or example_inputs[0].shape[0]
+
+
+def _plan_to_run(graph, mesh, plan, batch: int, *, memory_limit, time_limit: float,
+                 precision: str | None, calibration):
+    """The plan `compile` runs: a forced Config planned (`plan_from_config`), none planned freely
+    on rank 0 for `batch`, or a given one loaded; checked against the graph."""
+    from autopar.cost.config import Config
+
     if isinstance(plan, Config):
         plan = _plan_for_config(graph, mesh, plan, time_limit, precision, calibration)
     elif plan is None:
@@ -214,14 +238,7 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     else:
         plan = _load_plan(plan)
     plan.check_graph(graph.fingerprint())
-    _check_batch(plan, global_batch)
-    if precision is not None:
-        # a given plan's predictions are of its own precision: priced again at this one
-        plan = at_precision(graph, plan, precision)
-    # One runtime: splitting into stages is the first lowering step; a single-stage plan is one stage.
-    return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
-                         example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                         load_from=load_from, init=init, seed=seed)
+    return plan
 
 
 def _use_local_gpu(mesh) -> None:

@@ -14,6 +14,31 @@ the gradients as well, ZeRO-3 (FSDP) also the weights.
 Activations are counted from the graph (what autograd saves per op; see cost/layout.py) for one
 micro-batch of one model chunk, then multiplied by how many chunk-micro-batches the schedule holds
 at once on a device (`in_flight`).
+
+A device's peak (`peak_bytes`), as autopar's runtime trains (FSDP2 `replicate` for dp > 1,
+`fully_shard` for ZeRO). Alive throughout the forwards and backwards:
+  optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's sharded
+              parameters when data parallel (its own tensor), the weights themselves when not
+              and in fp32; split over dp from ZeRO-1 on
+  weights     what the forward and backward read, in the compute dtype: the stage's gathered
+              weights (FSDP keeps them from forward to backward below ZeRO-3), `gathered` under
+              ZeRO-3
+and in the phase at the peak, the larger of:
+  first backward  the `held` micro-batches' activations, with the gradients of earlier
+              micro-batches only when the schedule ran a backward before holding that many (a
+              single stage's loop, 1F1B's steady state)
+  later backward  the activations of one micro-batch fewer (or of one), with the first
+              micro-batch's gradients (FSDP accumulates them unsharded until the last
+              micro-batch reduces them)
+  optimizer step  the gathered weights freed; the reduced gradients (split over dp from ZeRO-1
+              on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
+When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3 do)
+each backward is two phases, the loss's and its blocks'. After an earlier micro-batch the rank
+holds the shards of its gradients, and at the loss's backward the input of its last
+reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
+reduce-scatter starts; the blocks' backwards hold what `scattered_bytes` counts. The loss's
+backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards,
+at most one is gathered again by then (the output layer's; the largest bounds it).
 """
 
 from __future__ import annotations
@@ -69,32 +94,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     `micro_batches` of a step; on the last stage each also keeps the loss's copy of its
     `logits` elements (fp32) until its backward, the one that runs it among the `buffers`, and
     in a pipeline the logits themselves (torch's PipelineStage caches a stage's outputs for its
-    backward; other stages' sent outputs are in `activations`). As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
-    `fully_shard` for ZeRO), alive throughout the forwards and backwards:
-
-      optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's
-                  sharded parameters when data parallel (its own tensor), the weights themselves
-                  when not and in fp32; split over dp from ZeRO-1 on
-      weights     what the forward and backward read, in the compute dtype: the stage's
-                  gathered weights (FSDP keeps them from forward to backward below ZeRO-3),
-                  `gathered` under ZeRO-3
-    and in the phase at the peak, the larger of:
-      first backward  the `held` micro-batches' activations, with the gradients of earlier
-                  micro-batches only when the schedule ran a backward before holding that many
-                  (a single stage's loop, 1F1B's steady state)
-      later backward  the activations of one micro-batch fewer (or of one), with the first
-                  micro-batch's gradients (FSDP accumulates them unsharded until the last
-                  micro-batch reduces them)
-      optimizer step  the gathered weights freed; the reduced gradients (split over dp from
-                  ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
-    When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3
-    do) each backward is two phases, the loss's and its blocks'. After an earlier micro-batch the
-    rank holds the shards of its gradients, and at the loss's backward the input of its last
-    reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
-    reduce-scatter starts; the blocks' backwards hold what `scattered_bytes` counts. The loss's
-    backward runs before any group's: under ZeRO-3, whose groups are resharded after their
-    forwards, at most one is gathered again by then (the output layer's; the largest bounds it).
-    In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
+    backward; other stages' sent outputs are in `activations`). The parts and phases are the
+    module docstring's. In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
     gradients (at its start) and what a block's backward holds later: the activations of a
     recomputed region (`recomputed`), the gradients flowing through its widest op beyond the
     activations it frees (`flowing`) and the gradient of the weight it reads
@@ -140,6 +141,12 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         {**zeros, "weights": 0.0 if master else weights, "gradients": gradients / split,
          "optimizer_step": params * OPTIMIZER_STEP_TEMPORARY_BYTES / split},
     ]
+    return _at_peak(persistent, phases)
+
+
+def _at_peak(persistent: dict, phases: list[dict]) -> dict:
+    """The parts at the fullest phase; with symbolic sizes, the first phase's and what the others
+    need beyond it (`later_phase`)."""
     totals = [sum({**persistent, **phase}.values()) for phase in phases]
     if all(isinstance(t, (int, float)) for t in totals):
         peak = max(range(len(phases)), key=lambda k: totals[k])
