@@ -145,6 +145,7 @@ class Plan:
                 f"{self.fingerprint}, this model's is {fingerprint}); plan this model again")
         if not isinstance(graph, str):
             self.check_shapes({n.param_fqn: n.shape for n in graph.parameters if n.param_fqn})
+            self.check_node_ranks({n.name: len(n.shape) for n in graph.nodes if n.shape})
 
     def check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Every placed parameter exists in `shapes` and each S(d) names one of its dimensions,
@@ -169,6 +170,15 @@ class Plan:
                     raise PlanMismatchError(
                         f"the plan splits dim {dim} of parameter {fqn!r} (size {shape[dim]}) into "
                         f"{count} parts, which do not divide it; plan this model again")
+
+    def check_node_ranks(self, ranks: dict[str, int]) -> None:
+        """Each S(d) of a node's placement names a dim of its output (`ranks`: node -> number of
+        dims, for the nodes whose output is one tensor)."""
+        for name, placement in self.nodes.items():
+            dims = [dim for dim in map(shard_dim, placement) if dim is not None]
+            if name in ranks and dims and max(dims) >= ranks[name]:
+                raise PlanMismatchError(f"the plan shards node {name!r} on dim {max(dims)}, but its "
+                                        f"output has {ranks[name]} dims; plan this model again")
 
     def diff(self, other: Plan) -> list[tuple[str, object, object]]:
         """Differences as (path, this value, other value), paths like "stages[2].recompute"."""
