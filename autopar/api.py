@@ -142,7 +142,7 @@ def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: floa
 
 def check_precision(precision: str | None) -> None:
     """None (the plan's or the device's precision) or one a plan can record."""
-    from autopar.plans import PRECISIONS
+    from autopar.plans.vocabulary import PRECISIONS
 
     if precision is not None and precision not in PRECISIONS:
         raise AutoparError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}; use "
@@ -212,12 +212,9 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     example_kwargs = dict(example_kwargs or {})
     if graph is None:
         graph = capture(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
-    batch = global_batch or example_inputs[0].shape[0]
-    if isinstance(plan, Config):
-        plan = _plan_for_config(graph, mesh, plan, time_limit, precision, calibration)
-    elif plan is None:
-        plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision, calibration)
-    plan.check_graph(graph.fingerprint())
+    plan = _plan_to_run(graph, mesh, plan, global_batch or example_inputs[0].shape[0],
+                        memory_limit=memory_limit, time_limit=time_limit, precision=precision,
+                        calibration=calibration)
     _check_global_batch(plan, global_batch)
     if precision is not None:
         # a given plan's predictions are of its own precision: priced again at this one
@@ -226,6 +223,20 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
                          load_from=load_from, init=init, seed=seed, sync_batchnorm=sync_batchnorm)
+
+
+def _plan_to_run(graph, mesh, plan, batch: int, *, memory_limit, time_limit: float,
+                 precision: str | None, calibration):
+    """The plan `compile` runs: a forced Config planned (`plan_from_config`), none planned freely
+    on rank 0 for `batch`, or a given one loaded; checked against the graph."""
+    from autopar.cost.config import Config
+
+    if isinstance(plan, Config):
+        plan = _plan_for_config(graph, mesh, plan, time_limit, precision, calibration)
+    elif plan is None:
+        plan = _plan_freely(graph, mesh, batch, memory_limit, time_limit, precision, calibration)
+    plan.check_graph(graph.fingerprint())
+    return plan
 
 
 # What torch's env:// rendezvous reads; torchrun and autopar.launch set them for every rank.

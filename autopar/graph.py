@@ -19,6 +19,7 @@ from typing import Any
 # without saying so in their schema (instance norm's args[5] is `use_input_stats`).
 BATCH_STATISTICS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit")
 RUNNING_STATISTICS = (*BATCH_STATISTICS, "instance_norm")
+from autopar.plans.stage_flow import FlowNode, NodeKind
 
 
 class Role(str, enum.Enum):
@@ -148,6 +149,16 @@ class Graph:
             reasons.append(f"the forward writes buffers once per micro-batch "
                            f"({_listed(sorted(set(written)))})")
         return "; ".join(reasons) or None
+    def flow_nodes(self) -> list[FlowNode]:
+        """The nodes as the stage-flow rules see them (autopar.plans.stage_flow), the same as the
+        runtime's export: which unit computes each value is decided on these."""
+        kinds = {Role.INPUT: NodeKind.INPUT, Role.PARAMETER: NodeKind.PARAMETER,
+                 Role.BUFFER: NodeKind.BUFFER, Role.OUTPUT: NodeKind.OUTPUT}
+        return [FlowNode(name=node.name, inputs=node.inputs, module_path=node.module_path,
+                         target=node.target, effect=node.effect, writes=bool(node.writes),
+                         kind=kinds.get(node.role) or (NodeKind.OTHER if node.target == "get_attr"
+                                                       else NodeKind.FUNCTION))
+                for node in self.nodes]
 
     def fingerprint(self) -> str:
         """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same

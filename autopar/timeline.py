@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.errors import AutoparError
-from autopar.solver.schedules import check_schedule
+from autopar.plans.schedules import check_schedule
+from autopar.plans.vocabulary import Schedule
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}
@@ -84,13 +85,13 @@ def schedule_actions(schedule: str, pp: int, micro_batches: int, virtual: int = 
 
     # the rules of what torch runs live in one place, shared with the planner and the runtime
     check_schedule(schedule, pp, micro_batches, virtual)
-    classes = {"gpipe": torch_schedules.ScheduleGPipe,
-               "interleaved-1f1b": torch_schedules.ScheduleInterleaved1F1B,
-               "zero-bubble": torch_schedules.ScheduleInterleavedZeroBubble}
+    classes = {Schedule.GPIPE: torch_schedules.ScheduleGPipe,
+               Schedule.INTERLEAVED_1F1B: torch_schedules.ScheduleInterleaved1F1B,
+               Schedule.ZERO_BUBBLE: torch_schedules.ScheduleInterleavedZeroBubble}
     num_stages = pp * virtual
-    if schedule == "1f1b":
+    if schedule == Schedule.ONE_F_ONE_B:
         return {rank: _one_f_one_b(rank, pp, micro_batches) for rank in range(pp)}
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         built = classes[schedule](_StandInStage(0, num_stages, pp, 0), micro_batches)
     else:
         stages = [_StandInStage(chunk * pp, num_stages, pp, 0) for chunk in range(virtual)]

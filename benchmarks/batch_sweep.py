@@ -40,6 +40,7 @@ def least_memory_fits(graph, mesh, global_batch: int, blocks: int) -> str | None
     """A configuration that fits the device's memory (as text), or None when none does."""
     from autopar.cost.config import Config
     from autopar.cost.estimator import estimate
+    from autopar.cost.megatron import megatron_placements
     from autopar.errors import AutoparError
 
     cache: dict = {}
@@ -52,8 +53,9 @@ def least_memory_fits(graph, mesh, global_batch: int, blocks: int) -> str | None
             config = Config(tp=tp, pp=pp, dp=dp, global_batch=global_batch, micro_batch=1,
                             recompute="full", zero=3 if dp > 1 else 0, sequence_parallel=tp > 1,
                             schedule="1f1b" if m >= pp else "gpipe")
-            try:
-                priced = estimate(graph, mesh, config, cache=cache)
+            try:        # Megatron-LM's layout: what a person forcing the configuration would run
+                placements = megatron_placements(graph, tp, sequence_parallel=tp > 1)
+                priced = estimate(graph, mesh, config, cache=cache, placements=placements)
             except AutoparError:
                 continue            # a degree the model does not divide (heads, hidden)
             if priced.memory_per_gpu_bytes <= mesh.device.memory_bytes:

@@ -36,10 +36,11 @@ def main() -> None:
         start = time.perf_counter()
         graph = capture_training_step(run.spec)
         seconds = time.perf_counter() - start
+        placements = run.placements(graph)        # Megatron-LM's layout, as the run trained
         result = estimate(graph, run.mesh, run.config, efficiencies=efficiencies,
-                          attention=run.attention, runtime=run.runtime)
+                          attention=run.attention, runtime=run.runtime, placements=placements)
         flash = estimate(graph, run.mesh, run.config, efficiencies=efficiencies, attention="flash",
-                         runtime=run.runtime)
+                         runtime=run.runtime, placements=placements)
         c = run.config
         table.add_row(run.name, str(run.mesh.world_size), str(c.tp), str(c.pp), str(c.virtual),
                       str(c.global_batch), str(c.micro_batch), f"{run.published_tflops:.0f}",

@@ -156,6 +156,7 @@ def forms(world: int, batch_size: int) -> dict:
 
 def check_forms(args, spec: str, device: torch.device, mesh) -> None:
     import autopar
+    from autopar.cost.plan_estimate import tensor_placements
     from autopar.models import build_model
     from autopar.models.gpt import lm_loss
 

@@ -4,7 +4,8 @@
     python benchmarks/published_runs.py --csv FILE [--kind moe|cp|offload] [--json]
 
 Without --csv: every row of both older reference tables (SC'21 Table 1, published_runs.csv),
-predicted against published seconds per step. With --csv: any CSV with the columns of
+predicted against published seconds per step, with the median and worst |error| and how many
+predictions are optimistic. With --csv: any CSV with the columns of
 shared/reference/published_runs_moe_cp_offload.csv (mixture-of-experts, context-parallel and
 offload runs; autopar/cost/published.py reads them), each row's own figure (model TFLOP/s by the
 source's count, tokens/s, step time, MFU, memory) predicted against the published one; a row
@@ -12,9 +13,10 @@ that cannot be modeled is counted as failed, with the reason. `--json` prints on
 (with --csv: {"estimated", "failed", "median_abs_err", "worst_abs_err", "rows"}; errors are
 predicted / published - 1); `--json OUT` writes the older tables' rows to OUT.
 
-Each row's model is captured on the meta device (forward + loss) and priced by the one
-estimator of autopar.cost on the row's mesh and configuration, as the row's framework ran it.
-Nothing is fitted to these figures.
+Each row's model is captured on the meta device (forward + loss) and priced by
+`autopar.cost.estimate` on the row's mesh and configuration, as the row's framework ran it:
+Megatron-LM's tensor-parallel layout (`ReferenceRun.placements`) and the row's runtime (see
+autopar/cost/reference.py for what is assumed about each run). Nothing is fitted to these figures.
 """
 
 import argparse
@@ -56,8 +58,10 @@ def main() -> None:
     for run in runs:
         if run.spec not in graphs:
             graphs[run.spec] = capture_training_step(run.spec)
-        result = estimate(graphs[run.spec], run.mesh, run.config, attention=run.attention,
-                          runtime=run.runtime, calibration=args.calibration)
+        graph = graphs[run.spec]
+        result = estimate(graph, run.mesh, run.config, attention=run.attention,
+                          runtime=run.runtime, calibration=args.calibration,
+                          placements=run.placements(graph))
         rows.append({"name": run.name, "runtime": run.runtime, "config": run.config.to_dict(),
                      "published_s": run.published_step_s, "predicted_s": result.step_time_s,
                      "error": result.step_time_s / run.published_step_s - 1,

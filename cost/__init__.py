@@ -3,8 +3,8 @@
     mesh.py         devices (vendors' figures) and meshes of nodes x GPUs with their links
     compute.py      roofline time of one op, efficiencies per op family (defaults or calibrated)
     collectives.py  alpha-beta time of all-reduce, all-gather, reduce-scatter, all-to-all, send/recv
-    layout.py       what each captured node costs one rank under tensor parallelism: Megatron's
-                    layout, or a plan's own per-op placements
+    layout.py       what each captured node costs one rank on given tensor-parallel placements
+    megatron.py     Megatron-LM's layout as placements (published runs are priced on it)
     reshard.py      which collective a change of placement needs (shared with the sharding ILP)
     memory.py       model states under ZeRO, activations in flight per pipeline schedule
     overlap.py      data-parallel traffic (gradients, ZeRO gathers) and what each runtime hides
@@ -16,9 +16,8 @@
     calibration.py  a calibration file applied: efficiencies and measured links (the file is
                     measured and written by autopar.calibrate)
     reference.py    published training runs as estimator inputs, with what each run assumed
-    vocabulary.py   schedules, recompute levels, axis roles: str enums that write plain JSON
 
-    autopar.cost.estimate(graph, mesh, config, runtime="autopar", calibration=None)
+    autopar.cost.estimate(graph, mesh, config, placements=..., runtime="autopar", calibration=None)
     autopar.cost.estimate_plan(graph, plan)
 
 The estimator's names are imported on first use, so that `import autopar.cost.mesh` stays light.

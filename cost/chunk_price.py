@@ -16,7 +16,8 @@ from autopar.cost.context import context_parallel_time
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
-from autopar.cost.layout import _DTYPE_BYTES, GraphLayout, NodeLayout
+from autopar.cost.layout import GraphLayout, NodeLayout
+from autopar.plans.vocabulary import DTYPE_BYTES, Recompute
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, group_elements, selective_region
 from autopar.cost.memory import GATHERED_GROUPS
@@ -92,7 +93,7 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
     distributed = spec.tp > 1      # the runtime's ops on DTensors (FSDP2 computes on plain ones)
     prices = {}
     for node in layout.nodes:
-        forward, backward, kept = _kernels(node, b, attention, _DTYPE_BYTES[layout.dtype],
+        forward, backward, kept = _kernels(node, b, attention, DTYPE_BYTES[layout.dtype],
                                            pricing.gemm_dtype)
         use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device,
                                *node.gemm[2:]) if node.gemm else 1.0
@@ -257,10 +258,10 @@ def recomputed_regions(graph: Graph, in_block: list, recompute: str) -> list[str
 
 
 def _recomputed_region(node, block: tuple | None, paths: dict, recompute: str) -> str | None:
-    if block is None or recompute == "none":
+    if block is None or recompute == Recompute.NONE:
         return None
     path = paths.get(block, str(block))
-    return path if recompute == "full" else selective_region(node.module_path, path)
+    return path if recompute == Recompute.FULL else selective_region(node.module_path, path)
 
 
 def _region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[str]:
@@ -287,7 +288,7 @@ def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks
             if not out.dtype.startswith(("float", "bfloat")):
                 continue
             degree = layout.seq_degree.get(layout.storage[name], 0)
-            value = out.bytes / layout.batch / _DTYPE_BYTES[out.dtype]
+            value = out.bytes / layout.batch / DTYPE_BYTES[out.dtype]
             totals[owner[i]][degree] = totals[owner[i]].get(degree, 0.0) + value
     return totals
 

@@ -4,10 +4,11 @@ enumerates, and what a user can force instead of a solved plan."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 
 from autopar.errors import AutoparError
 
-from autopar.cost.vocabulary import CONTEXT_PARALLEL, RECOMPUTE, SCHEDULES, Schedule
+from autopar.plans.vocabulary import CONTEXT_PARALLEL, RECOMPUTE, SCHEDULES, Recompute, Schedule
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -29,10 +30,10 @@ class Config:
     virtual: int = 1                # model chunks per pipeline rank (interleaved 1F1B when > 1)
     global_batch: int = 1           # sequences per optimizer step, over all replicas
     micro_batch: int = 1            # sequences per micro-batch on one replica
-    recompute: str = "none"         # none | selective (attention) | full
+    recompute: Recompute = Recompute.NONE   # selective: attention's core only
     zero: int = 0                   # ZeRO stage 0-3 over the data-parallel axis
     sequence_parallel: bool = False  # norms and dropout sharded on the sequence dim inside TP
-    schedule: str = "1f1b"          # gpipe | 1f1b | interleaved-1f1b | zero-bubble
+    schedule: Schedule = Schedule.ONE_F_ONE_B
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "ep", "cp", "virtual", "global_batch", "micro_batch"):
@@ -43,6 +44,9 @@ class Config:
             raise AutoparError(f"recompute={self.recompute!r}: expected one of {RECOMPUTE}")
         if self.schedule not in SCHEDULES:
             raise AutoparError(f"schedule={self.schedule!r}: expected one of {SCHEDULES}")
+        # the vocabularies' members from here on (a frozen record: set once, as constructed)
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.zero not in (0, 1, 2, 3):
             raise AutoparError(f"zero={self.zero}: ZeRO stages are 0, 1, 2 and 3")
         if self.virtual > 1 and self.schedule != Schedule.INTERLEAVED_1F1B:
@@ -83,7 +87,8 @@ class Config:
         return self.global_batch // (self.dp * self.micro_batch)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {key: value.value if isinstance(value, StrEnum) else value
+                for key, value in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict) -> Config:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import op_family
-from autopar.cost.layout import _DTYPE_BYTES, GraphLayout, graph_sequence
-from autopar.cost.vocabulary import ContextParallel
+from autopar.cost.layout import GraphLayout, graph_sequence
+from autopar.plans.vocabulary import DTYPE_BYTES
+from autopar.plans.vocabulary import ContextParallel
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 
@@ -44,7 +45,7 @@ def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float,
     """Attention node -> (query, key + value, output) bytes per sample on one tensor-parallel
     rank, keys and values as computed before their heads are repeated."""
     by_name = {n.name: n for n in graph.nodes}
-    element = _DTYPE_BYTES[layout.dtype]
+    element = DTYPE_BYTES[layout.dtype]
     found = {}
     for node in layout.nodes:
         if node.family != "attention" or not node.attention:
@@ -67,7 +68,7 @@ def _numel(shape) -> int:
 
 
 def _bytes(node, element: int) -> float:
-    return _numel(node.shape) * (element if node.dtype.startswith(("float", "bfloat")) else _DTYPE_BYTES.get(node.dtype, 4))
+    return _numel(node.shape) * (element if node.dtype.startswith(("float", "bfloat")) else DTYPE_BYTES.get(node.dtype, 4))
 
 
 def _smallest_origin(by_name: dict, name: str, element: int) -> float:

@@ -1,14 +1,18 @@
 """The one estimator: step time, throughput and memory of a parallel configuration of a graph.
 
-`estimate(graph, mesh, config)` prices a Megatron-style uniform configuration; `estimate_stages`
-prices any list of pipeline chunks (`StageSpec`), each with its own tensor/data parallelism,
-recompute and ZeRO, so that the pipeline planner's plans and `autopar estimate` agree.
+`estimate(graph, mesh, config, placements=...)` prices a Megatron-style uniform configuration;
+`estimate_stages` prices any list of pipeline chunks (`StageSpec`), each with its own tensor/data
+parallelism, recompute and ZeRO, so that the pipeline planner's plans and `autopar estimate` agree.
+Tensor parallelism is priced on given placements, whoever produced them: the sharding ILP
+(autopar's plans, `autopar estimate --tp`) or Megatron-LM's layout (cost/megatron.py, for
+published runs); the estimator itself has one way to price a configuration.
 
 Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
   compute      every op's forward and backward by roofline (cost/compute.py), the forward again
                for recomputed layers; attention as the kernels that run it (flash or unfused)
-  tensor par.  the all-reduces the layout needs (2 per layer forward, 2 backward, 2 more when
-               the forward is recomputed), on the tensor-parallel group's links, not overlapped
+  tensor par.  the collectives the placements need (Megatron's: 2 all-reduces per layer
+               forward, 2 backward, 2 more when the forward is recomputed), on the
+               tensor-parallel group's links, not overlapped
   pipeline     activations and their gradients sent to the next stage over its link, as the
                runtime sends them (cost/traffic.py add_sends): autopar's whole from every
                tensor-parallel rank, a sequence-split stream gathered first; Megatron's split
@@ -54,9 +58,8 @@ from autopar.graph import Graph
 from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
-from autopar.cost.layout import _DTYPE_BYTES, graph_sequence
-from autopar.cost.memory import (OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
-                                 reduces_every_micro_batch)
+from autopar.cost.layout import graph_sequence
+from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
@@ -67,6 +70,8 @@ from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step
                                 sharded_traffic)
 from autopar.cost.offload import offloaded_memory
 from autopar.cost.stages import StageSpec, uniform_stages
+from autopar.plans.vocabulary import DTYPE_BYTES, PRECISIONS, Precision, Recompute, Schedule
+from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
@@ -79,7 +84,7 @@ DISPATCHES = ("all-to-all", "deduplicated")
 
 def default_precision(mesh: Mesh) -> str:
     """The precision a plan for `mesh` trains in unless told: the device's training dtype."""
-    return _PRECISION_OF_DTYPE.get(mesh.device.training_dtype, "bf16")
+    return Precision.of_dtype(mesh.device.training_dtype)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,15 +119,13 @@ def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficien
              calibration=None, precision: str | None = None, placements=None) -> Estimate:
     """Price a Megatron-style configuration: layers split over pp x virtual chunks (evenly where
     they divide, `autopar.cost.stages.blocks_per_chunk` where not), each op placed on the
-    tensor-parallel axis by Megatron's rules, or as `placements` (cost.layout.TensorPlacements,
-    what the sharding ILP chose for that axis) say. `cache`: see
+    tensor-parallel axis as `placements` (cost.layout.TensorPlacements: the sharding ILP's, or
+    cost.megatron.megatron_placements) say; needed when config.tp > 1. `cache`: see
     `estimate_stages`; `runtime`: the training runtime whose overlap applies (cost/overlap.py);
     `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
     collectives replace the defaults and the mesh's links; `precision`: see `estimate_stages`."""
     _check_world(mesh, config)
-    stages = uniform_stages(graph, config)
-    for stage in stages:
-        stage.placements = placements
+    stages = uniform_stages(graph, config, placements)
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
                            virtual=config.virtual, efficiencies=efficiencies, attention=attention,
@@ -140,7 +143,7 @@ def _check_world(mesh: Mesh, config: Config) -> None:
 
 
 def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
-                    micro_batch: int, schedule: str = "1f1b", virtual: int = 1,
+                    micro_batch: int, schedule: str = Schedule.ONE_F_ONE_B, virtual: int = 1,
                     efficiencies: Efficiencies | None = None, attention: str = "flash",
                     memory_limit: float | None = None, cache: dict | None = None,
                     runtime: str | Runtime = "autopar", calibration=None,
@@ -183,10 +186,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                             if overlap_exchange else chunk.exchange_s)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
-    bubble = (sum(per_mb) - max(per_mb)) / virtual
-    if schedule == "zero-bubble":
-        weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
-        bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
+    bubble = _bubble(chunks, devices, per_mb, schedule, virtual)
     lent = 0.0      # < 0 where ranks idle in the bubble lend their cores (cost/host.py)
     sharing = ranks_per_core(mesh, eff)
     if len(devices) > 1 and sharing > 1:
@@ -196,10 +196,10 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         spec = stages[cs[0]]
         work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
                             [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
-                            kept_gathered=schedule == "zero-bubble",
+                            kept_gathered=keeps_weights_gathered(spec.zero, schedule),
                             reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
         data_comm.append(sharded_traffic(work, spec, micro_batches=m, mesh=mesh, runtime=runtime,
-                                         element_bytes=_DTYPE_BYTES[memo.dtype]))
+                                         element_bytes=DTYPE_BYTES[memo.dtype]))
         local_params = sharded_params(work, spec)
         if spec.offload:
             offloaded.append(offload_step(work, spec, micro_batches=m, schedule=schedule,
@@ -226,6 +226,17 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     return result
 
 
+def _bubble(chunks: list[Chunk], devices: list[list[int]], per_mb: list[float], schedule: str,
+            virtual: int) -> float:
+    """The fill and drain: the devices' times beyond the slowest, over the chunks per rank; a
+    zero-bubble schedule fills it with the weight halves of the backward (module doc)."""
+    bubble = (sum(per_mb) - max(per_mb)) / virtual
+    if schedule == Schedule.ZERO_BUBBLE:
+        weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
+        bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
+    return bubble
+
+
 def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int],
                  stage: int, pipelined: bool, kept_gathered: bool, reduce_every: bool,
                  eff: Efficiencies) -> DeviceWork:
@@ -238,7 +249,7 @@ def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int]
                       expert_params=sum(c.expert_params for c in chunks),
                       blocks=sum(groups), forward_s=forward, backward_s=backward,
                       drain_s=backward * (1 + stage),
-                      recompute=any(s.recompute == "full" for s in stages),
+                      recompute=any(s.recompute == Recompute.FULL for s in stages),
                       pipelined=pipelined, kept_gathered=kept_gathered, reduce_every=reduce_every,
                       forward_wait_s=eff.wait_after(forward / units),
                       backward_wait_s=eff.wait_after(backward / units),
@@ -286,7 +297,7 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 
 
 def _memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
-            virtual: int, seq_ratio=1, precision: str = "bf16") -> tuple[list[dict], list]:
+            virtual: int, seq_ratio=1, precision: str = Precision.BF16) -> tuple[list[dict], list]:
     """Memory breakdown of each pipeline rank and the bytes it keeps on its host (offload);
     `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the
     captured one) may be sympy expressions."""
@@ -299,7 +310,7 @@ def _memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
 
 def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
                       batch: sympy.Symbol | None = None, seq: sympy.Symbol | None = None,
-                      attention: str = "flash") -> sympy.Expr:
+                      attention: str = "flash", placements=None) -> sympy.Expr:
     """Bytes on the fullest device as an expression in the micro-batch size `batch` (a sympy
     symbol), for config's number of micro-batches per step; with `seq`, also in the sequence
     length.
@@ -311,16 +322,16 @@ def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
     the model's ops keep their shapes' structure as the sequence changes, as transformers do."""
     _check_world(mesh, config)
     batch = batch if batch is not None else sympy.Symbol("b", positive=True, integer=True)
-    pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
+    pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
     ratio = 1 if seq is None else seq / _captured_sequence(graph)
     totals = [sympy.Add(*part.values()) for part in _memory(
         pipe, stages, batch / config.cp, config.schedule, config.virtual, ratio)[0]]
     return sympy.Max(*totals)
 
 
-def _uniform_pipeline(graph: Graph, mesh: Mesh, config: Config,
-                      attention: str) -> tuple[_Pipeline, list[StageSpec]]:
-    stages = uniform_stages(graph, config)
+def _uniform_pipeline(graph: Graph, mesh: Mesh, config: Config, attention: str,
+                      placements=None) -> tuple[_Pipeline, list[StageSpec]]:
+    stages = uniform_stages(graph, config, placements)
     pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, virtual=config.virtual,
                            efficiencies=Efficiencies(), attention=attention,
@@ -337,20 +348,20 @@ def _captured_sequence(graph: Graph) -> int:
 
 
 def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
-              attention: str = "flash") -> int:
+              attention: str = "flash", placements=None) -> int:
     """The largest MICRO-batch that fits `memory_limit` bytes per device (the device's memory by
     default), keeping config's number of micro-batches per step (so the global batch grows with it).
     0 when even the model states do not fit."""
     _check_world(mesh, config)
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
-    pipe, stages = _uniform_pipeline(graph, mesh, config, attention)
+    pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
     memory = lambda size: max(sum(part.values()) for part in _memory(
         pipe, stages, size / config.cp, config.schedule, config.virtual)[0])
     return 0 if memory(0) > limit else _largest_fitting(memory, limit, 0)
 
 
 def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
-            attention: str = "flash") -> int:
+            attention: str = "flash", placements=None) -> int:
     """The longest sequence that fits `memory_limit` bytes per device (the device's memory by
     default) at config's micro-batch, by `memory_expression` in the sequence length (see there
     for how it scales). 0 when not even a sequence of 1 fits. The model's own limit (its position
@@ -358,7 +369,7 @@ def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
     s = sympy.Symbol("s", positive=True)
     expression = memory_expression(graph, mesh, config, batch=config.micro_batch, seq=s,
-                                   attention=attention)
+                                   attention=attention, placements=placements)
     if s not in expression.free_symbols:
         raise AutoparError("no activation of this graph grows with the sequence length, so no "
                            "length bounds its memory")
@@ -408,7 +419,7 @@ def _chunk_time(chunk: Chunk) -> float:
 
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
-                   virtual: int, stage: int, seq_ratio=1, precision: str = "bf16") -> tuple[dict, float]:
+                   virtual: int, stage: int, seq_ratio=1, precision: str = Precision.BF16) -> tuple[dict, float]:
     """A pipeline rank's peak (cost.memory.peak_bytes), and what it keeps on its host when its
     stage offloads (cost/offload.py). Under ZeRO-3 a zero-bubble schedule
     keeps the weights gathered from forward to backward (its weight backward runs after the
@@ -424,7 +435,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                     for c in chunks) / len(chunks)
     recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
-    gathered = params if schedule == "zero-bubble" else max(c.gathered for c in chunks)
+    gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     group = max(c.group for c in chunks)
     parts = peak_bytes(params=params, gathered=gathered, group=group,
                        weight=max(c.largest for c in chunks),
@@ -441,7 +452,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     if not spec.offload:
         return parts, 0.0
     return offloaded_memory(parts, params=params, shards=spec.dp * spec.cp, zero=spec.zero,
-                            gathered=gathered, group=group, element=4 if precision == "fp32" else 2)
+                            gathered=gathered, group=group, element=4 if precision == Precision.FP32 else 2)
 
 
 def _largest(values: list):

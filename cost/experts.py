@@ -32,7 +32,8 @@ import math
 from dataclasses import replace
 
 from autopar.cost.expert_layers import ExpertLayer
-from autopar.cost.layout import _DTYPE_BYTES, GraphLayout
+from autopar.cost.layout import GraphLayout
+from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 
@@ -54,7 +55,7 @@ def with_expert_parallelism(layout: GraphLayout, layers: list[ExpertLayer], grap
     nodes = list(layout.nodes)
     position = {node.name: k for k, node in enumerate(nodes)}
     param_local, storage_bytes = dict(layout.param_local), dict(layout.storage_bytes)
-    element = _DTYPE_BYTES[layout.dtype]
+    element = DTYPE_BYTES[layout.dtype]
     by_name = {n.name: n for n in graph.nodes}
     for layer in layers:
         local_experts = layer.experts // ep
@@ -98,9 +99,9 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
 
 def _sample_bytes(node, layout: GraphLayout) -> float:
     """A node's whole output for one sample, floating values in the training dtype."""
-    size = _DTYPE_BYTES[layout.dtype] if node.dtype.startswith(("float", "bfloat")) \
-        else _DTYPE_BYTES.get(node.dtype, 4)
-    return node.bytes / layout.batch * size / _DTYPE_BYTES.get(node.dtype, 4)
+    size = DTYPE_BYTES[layout.dtype] if node.dtype.startswith(("float", "bfloat")) \
+        else DTYPE_BYTES.get(node.dtype, 4)
+    return node.bytes / layout.batch * size / DTYPE_BYTES.get(node.dtype, 4)
 
 
 def _weight_of(node, by_name: dict) -> str:

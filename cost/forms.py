@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.cost.context import check_sequence_split, ulysses_error
-from autopar.cost.memory import reduces_every_micro_batch
+from autopar.plans.zero import reduces_every_micro_batch
 from autopar.cost.offload import offload_time
 from autopar.cost.overlap import DeviceWork, exposed_data_parallel
-from autopar.cost.vocabulary import CONTEXT_PARALLEL, ContextParallel
+from autopar.plans.vocabulary import CONTEXT_PARALLEL, ContextParallel
 from autopar.errors import AutoparError
 
 

@@ -10,6 +10,7 @@ from autopar.cost.chunk_price import Chunk
 from autopar.cost.compute import Efficiencies
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec
+from autopar.plans.vocabulary import Schedule
 
 
 def ranks_per_core(mesh: Mesh, eff: Efficiencies) -> float:
@@ -38,7 +39,7 @@ def host_time(spec: StageSpec, groups: int, chunk: Chunk, *, pipelined: bool, sc
     data parallelism, the hooks of each of its FSDP groups, which visit every parameter tensor
     of the group, and each recomputed region's checkpoint. Zero unless calibrated on a device whose host runs the compute
     (`Efficiencies`)."""
-    split = pipelined and schedule == "zero-bubble"
+    split = pipelined and schedule == Schedule.ZERO_BUBBLE
     actions = (3 if split else 2) if pipelined else 0
     hooks = (groups * eff.data_parallel_group_latency_s
              + chunk.tensors * eff.data_parallel_tensor_latency_s if spec.dp > 1 else 0.0)

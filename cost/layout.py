@@ -1,22 +1,15 @@
-"""What each node of a captured graph costs one device under Megatron-style tensor parallelism.
+"""What each node of a captured graph costs one device on a tensor-parallel axis of given
+placements.
 
-The layout is inferred from the graph, not from a model formula, by the rule Megatron-LM applies
-by hand: a matmul with a weight whose activation input is replicated is column-parallel (its
-output sharded over the tensor-parallel group, its input's gradient all-reduced in the backward);
-one whose input is sharded is row-parallel (its output partial, all-reduced in the forward). An
-embedding looked up by the model's input ids is vocab-parallel (output all-reduced). Attention and
-memory-bound ops follow their inputs: sharded if any input is. With sequence parallelism the
-replicated region (norms, dropout, residual adds) is split over the sequence as well and its
-all-reduces become reduce-scatter + all-gather pairs of the same ring cost.
-
-A Plan's own placements (`TensorPlacements`: each node's output and each parameter's storage on
-the tensor-parallel axis, as the sharding ILP chose them) replace those rules when given: each op
-then runs the strategy of its rule that writes its planned output and reads its producers with the
-least traffic (the choice the ILP made: with every output fixed, an op's inputs are a local
-choice), its work split when any of its tensors is sharded, and the collectives come from the
-placement changes along its input edges (`autopar.cost.reshard`, the ILP's own facts). A gradient
-that several consumers give in one placement is summed before it is redistributed, once, as
-autograd accumulates it.
+Placements (`TensorPlacements`: each node's output and each parameter's storage on the
+tensor-parallel axis) come from a producer: the sharding ILP's (autopar's plans, forced or free)
+or Megatron-LM's layout (autopar.cost.megatron, for published runs). Each op runs the strategy of
+its rule that writes its planned output and reads its producers with the least traffic (the
+choice the ILP made: with every output fixed, an op's inputs are a local choice), its work split
+when any of its tensors is sharded, and the collectives come from the placement changes along its
+input edges (`autopar.cost.reshard`, the ILP's own facts). A gradient that several consumers give
+in one placement is summed before it is redistributed, once, as autograd accumulates it. Without a
+tensor-parallel axis (tp = 1) every op runs whole.
 
 Per node this module also answers what autograd keeps for the backward (`saved`), with views
 resolved to the tensor that owns the storage, so that activation memory is the sum of distinct
@@ -25,14 +18,15 @@ saved tensors.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
-from autopar.cost.expert_layers import routers
-from autopar.cost.reshard import (ALL_REDUCE, cheapest_inputs, gradient_given, gradient_need,
+from autopar.plans.vocabulary import DTYPE_BYTES
+from autopar.cost.reshard import (cheapest_inputs, gradient_given, gradient_need,
                                   reshard_steps, work_split)
 
 # Elementwise ops whose backward needs none of their inputs (gradients pass through or scale by a
@@ -43,8 +37,6 @@ _SAVES_NOTHING = {"add", "sub", "neg", "clone", "_to_copy", "to", "copy", "conti
 # Views that leave the tensor non-contiguous; a reshape after them copies.
 _STRIDING = {"transpose", "permute", "t", "expand", "expand_as", "numpy_T", "mT", "mH", "adjoint",
               "swapaxes", "swapdims", "movedim"}
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-                "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 def op_name(target: str) -> str:
@@ -113,8 +105,8 @@ class GraphLayout:
 def _itemsize(dtype: str, compute_dtype: str) -> int:
     """Floating tensors are held in the training dtype (mixed precision); integers as captured."""
     if dtype.startswith(("float", "bfloat")):
-        return _DTYPE_BYTES[compute_dtype]
-    return _DTYPE_BYTES.get(dtype, 4)
+        return DTYPE_BYTES[compute_dtype]
+    return DTYPE_BYTES.get(dtype, 4)
 
 
 def graph_batch(graph: Graph) -> int:
@@ -135,41 +127,40 @@ def graph_sequence(graph: Graph) -> int:
     return 0
 
 
-def infer_layout(graph: Graph, tp: int, *, sequence_parallel: bool = False,
-                 compute_dtype: str = "bfloat16",
+def infer_layout(graph: Graph, tp: int, *, compute_dtype: str = "bfloat16",
                  placements: TensorPlacements | None = None) -> GraphLayout:
-    """Per-sample, per-rank costs of every node of `graph` under tensor parallelism of degree `tp`:
-    Megatron's layout, or with `placements` the plan's own (which then say what is split on the
-    sequence, so `sequence_parallel` is theirs)."""
-    if placements is not None and tp > 1:
-        return _LayoutBuilder(graph, tp, False, compute_dtype, placements).build()
-    return _LayoutBuilder(graph, tp, sequence_parallel, compute_dtype).build()
+    """Per-sample, per-rank costs of every node of `graph` on `placements` over a
+    tensor-parallel axis of `tp` devices (which also say what is split on the sequence); with
+    tp = 1, of every node whole."""
+    if tp == 1:
+        return _LayoutBuilder(graph, tp, compute_dtype).build()
+    if placements is None:
+        raise AutoparError(f"tensor parallelism (tp={tp}) is priced on placements: give the "
+                           f"sharding ILP's (autopar.plan_from_config, as compile runs a Config) or "
+                           f"Megatron-LM's (autopar.cost.megatron.megatron_placements)")
+    return _LayoutBuilder(graph, tp, compute_dtype, placements).build()
 
 
 class _LayoutBuilder:
     """One walk over the graph in topological order; each node's layout follows its inputs'."""
 
-    def __init__(self, graph: Graph, tp: int, sequence_parallel: bool, compute_dtype: str,
+    def __init__(self, graph: Graph, tp: int, compute_dtype: str,
                  placements: TensorPlacements | None = None):
-        self.graph, self.tp, self.sp, self.dtype = graph, tp, sequence_parallel, compute_dtype
+        self.graph, self.tp, self.dtype = graph, tp, compute_dtype
         self.placements = placements
         self.place: dict[str, str] = {}            # node -> its placement (placements given)
         self.moved: set[tuple] = set()             # redistributions already priced, by storage
         self.read_as: dict[str, str] = {}          # this node's inputs' storage -> what it reads
-        self.rules: dict = {}                      # OpView -> its strategies, shared by repeated blocks
         self.batch = graph_batch(graph)
         self.by_name = {n.name: n for n in graph.nodes}
         self.sharded: dict[str, bool] = {}
         self.grad: dict[str, bool] = {}
         self.storage: dict[str, str] = {}          # node -> owner of its storage
         self.contiguous: dict[str, bool] = {}
-        self.from_input: dict[str, bool] = {}      # derived from the model's inputs only (ids)
         self.storage_bytes: dict[str, float] = {}
         self.param_local: dict[str, float] = {}
-        self.grad_reduced: set[str] = set()        # tensors whose gradient is all-reduced already
         self.weight_of: dict[str, str] = {}        # views and casts of a parameter -> it
         self.seq_dims = sequence_dims(graph, graph_sequence(graph))
-        self.routers = routers(graph)
         self.seq_degree: dict[str, int] = {}
 
     def build(self) -> GraphLayout:
@@ -190,25 +181,23 @@ class _LayoutBuilder:
 
     def full_bytes(self, node: Node) -> float:
         """Bytes of this node's whole output for one sample, in the training dtype."""
-        return node.bytes / self.batch * _itemsize(node.dtype, self.dtype) / _DTYPE_BYTES.get(node.dtype, 4)
+        return node.bytes / self.batch * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4)
 
     def local_bytes(self, node: Node) -> float:
         """Bytes of this node's output on one rank for one sample."""
-        split = self.sharded.get(node.name) or (self.sp and node.role is Role.ACTIVATION)
-        return self.full_bytes(node) / self.tp if split else self.full_bytes(node)
+        return self.full_bytes(node) / self.tp if self.sharded.get(node.name) else self.full_bytes(node)
 
     def _leaf(self, node: Node) -> None:
         if self.placements is not None:
             table = self.placements.parameters if node.role is Role.PARAMETER else self.placements.nodes
             self.place[node.name] = table.get(node.name, "R")
-            if node.role is Role.PARAMETER:
-                split = self.tp if self.place[node.name].startswith("S") else 1
-                self.param_local[node.name] = _numel(node.shape) / split
+        if node.role is Role.PARAMETER:      # held as stored
+            split = self.tp if self.place.get(node.name, "R").startswith("S") else 1
+            self.param_local[node.name] = _numel(node.shape) / split
         self.sharded[node.name] = self.place.get(node.name, "R").startswith("S")
         self.grad[node.name] = node.role is Role.PARAMETER
         self.storage[node.name] = node.name
         self.contiguous[node.name] = True
-        self.from_input[node.name] = node.role is Role.INPUT
         if node.role is Role.INPUT:       # kept when a first op saves it (a matmul's input)
             self.storage_bytes[node.name] = self.local_bytes(node)
             self.seq_degree[node.name] = sum(self.seq_dims[node.name])
@@ -223,31 +212,16 @@ class _LayoutBuilder:
             self.weight_of[node.name] = params[0]   # w.t(), w.to(bf16): still the weight
         in_sharded = any(self.sharded[i] for i in acts)
         self.grad[node.name] = any(self.grad[i] for i in node.inputs)
-        self.from_input[node.name] = bool(acts) and all(self.from_input[i] for i in acts) and not params
-        layout = NodeLayout(name=node.name, family=family, sharded=in_sharded,
+        layout = NodeLayout(name=node.name, family=family, sharded=False,
                             requires_grad=self.grad[node.name], flops=node.flops / self.batch,
                             act_bytes=0.0, param_bytes=0.0, out_bytes=0.0)
-        if self.placements is None:
-            parallel = self._tensor_parallel(node, family, params, acts, layout)
-        else:
-            parallel = self._placed(node, layout)
+        parallel = self._placed(node, layout) if self.placements is not None else False
+        if parallel or layout.sharded:
+            layout.flops /= self.tp
         if family == "matmul" and params and len(node.shape) >= 1:
             columns = node.shape[-1] / (self.tp if layout.sharded else 1)
             layout.gemm = (_numel(node.shape[:-1]) / self.batch, columns)
-        for p in params:
-            whole = _numel(by_name[p].shape)
-            held = whole / self.tp if parallel else whole
-            if self.placements is None:     # placed parameters are held as stored (_leaf)
-                self.param_local[p] = min(self.param_local.get(p, whole), held)
-        if self.placements is None and family == "view" and in_sharded and name in ("view", "reshape", "_unsafe_view", "unflatten") \
-                and not _splits_heads_evenly(self.tp, by_name[acts[0]].shape, node):
-            # fewer key/value heads than tp (multi-query attention): as in Megatron, every rank
-            # keeps them whole, gathered from the column-parallel projection
-            layout.sharded = False
-            layout.comm_forward = ((ALL_REDUCE, self.full_bytes(node), True),)
         self.sharded[node.name] = layout.sharded
-        if parallel or layout.sharded or (self.sp and self.tp > 1):
-            layout.flops /= self.tp
         _storage_of(node, name, family, self.storage, self.contiguous)
         degree = sum(self.seq_dims[node.name])
         if self.storage[node.name] == node.name:
@@ -257,54 +231,34 @@ class _LayoutBuilder:
         if family != "view" and not _is_noop(node, name):
             layout.act_bytes = layout.out_bytes + sum(self.local_bytes(by_name[i]) for i in acts)
             if family != "embedding":     # a lookup reads only the rows it returns
-                layout.param_bytes = sum(self.param_local[p] * _DTYPE_BYTES[self.dtype] for p in params)
+                layout.param_bytes = sum(self.param_local[p] * DTYPE_BYTES[self.dtype] for p in params)
         if self.grad[node.name]:
-            # a lookup's backward needs its indices, not the table (or activation) it reads
-            kept = [i for i in acts if not node_differentiable(by_name[i])] if family == "embedding" else acts
-            layout.saved = _saved(node, name, family, kept, self.storage)
-            if self.placements is not None:
-                layout.saved = tuple(self.read_as.get(key, key) for key in layout.saved)
-            for key in layout.saved:
-                if key.endswith(":mask"):     # one byte per element
-                    self.storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, self.dtype)
-                    self.seq_degree[key] = degree
+            self._saved(node, name, family, acts, layout, degree)
         if family == "attention":
-            layout.attention = _attention_info(node, by_name, self.batch, self.tp if in_sharded else 1)
-            info = layout.attention     # the row-wise log-sum-exp, fp32
-            info["q_seq"] = self.seq_dims[node.inputs[0]][-2]
-            info["k_seq"] = self.seq_dims[node.inputs[1] if len(node.inputs) > 1 else node.inputs[0]][-2]
-            self.storage_bytes[f"{node.name}:lse"] = info["heads"] * info["q_len"] * 4
-            self.seq_degree[f"{node.name}:lse"] = info["q_seq"]
+            self._attention(node, layout, in_sharded)
         return layout
 
-    def _tensor_parallel(self, node: Node, family: str, params: list[str], acts: list[str],
-                         layout: NodeLayout) -> bool:
-        """Apply Megatron's rules to one node; True when its work is split over the tp ranks."""
-        tp = self.tp
-        if family == "matmul" and params and tp > 1:
-            if layout.sharded:        # row-parallel: partial sums all-reduced after the forward
-                layout.sharded = False
-                layout.comm_forward = ((ALL_REDUCE, self.full_bytes(node), True),)
-                return True
-            # Column-parallel: the input's gradient is all-reduced in the backward, once however
-            # many matmuls read that input (q, k and v).
-            if (node.shape[-1] if node.shape else 1) % tp or node.name in self.routers:
-                return False          # too few output features to split, or a router: whole
-            layout.sharded = True
-            if acts and self.storage[acts[0]] not in self.grad_reduced:
-                self.grad_reduced.add(self.storage[acts[0]])
-                layout.comm_backward = ((ALL_REDUCE, self.full_bytes(self.by_name[acts[0]]), True),)
-            return True
-        if family == "embedding" and params and tp > 1 and acts and all(self.from_input[i] for i in acts):
-            # vocab-parallel lookup of token ids
-            layout.comm_forward = ((ALL_REDUCE, self.full_bytes(node), True),)
-            return True
-        if family == "attention" and tp > 1 and acts:
-            # query heads are split over tp; key/value heads may be fewer (kept whole, above)
-            shape = self.by_name[acts[0]].shape
-            _check_divides(tp, shape[-3] if len(shape) >= 3 else 1, "heads", node)
-        return family in ("matmul", "attention") and layout.sharded
+    def _saved(self, node: Node, name: str, family: str, acts: list[str], layout: NodeLayout,
+               degree: int) -> None:
+        """What autograd keeps for the node's backward: the storage it reads, as it reads it (a
+        redistributed copy where it reads one), and a dropout's one-byte mask. A lookup's
+        backward needs its indices, not the table (or activation) it reads."""
+        if family == "embedding":
+            acts = [i for i in acts if not node_differentiable(self.by_name[i])]
+        layout.saved = tuple(self.read_as.get(key, key)
+                             for key in _saved(node, name, family, acts, self.storage))
+        for key in layout.saved:
+            if key.endswith(":mask"):     # one byte per element
+                self.storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, self.dtype)
+                self.seq_degree[key] = degree
 
+    def _attention(self, node: Node, layout: NodeLayout, in_sharded: bool) -> None:
+        layout.attention = _attention_info(node, self.by_name, self.batch, self.tp if in_sharded else 1)
+        info = layout.attention     # the row-wise log-sum-exp, fp32
+        info["q_seq"] = self.seq_dims[node.inputs[0]][-2]
+        info["k_seq"] = self.seq_dims[node.inputs[1] if len(node.inputs) > 1 else node.inputs[0]][-2]
+        self.storage_bytes[f"{node.name}:lse"] = info["heads"] * info["q_len"] * 4
+        self.seq_degree[f"{node.name}:lse"] = info["q_seq"]
 
     def _placed(self, node: Node, layout: NodeLayout) -> bool:
         """The plan's placements for one node: the strategy of its rule that writes its planned
@@ -361,17 +315,7 @@ class _LayoutBuilder:
         return layout
 
     def _strategies(self, node: Node) -> list[tuple[str, tuple[str, ...]]]:
-        from autopar.cost.strategies import OpView     # torch's placements: only for placed layouts
-
-        view = OpView(target=node.target, args=node.args, output_shape=node.shape,
-                      input_shapes=tuple(self.by_name[name].shape for name in node.inputs))
-        try:
-            return self.rules[view]
-        except TypeError:         # arguments that do not hash (a list of tensors' sizes)
-            return _strategy_strings(view)
-        except KeyError:
-            self.rules[view] = _strategy_strings(view)
-            return self.rules[view]
+        return strategy_strings(node, self.by_name)
 
     def _edge_bytes(self, name: str, consumer: Node) -> tuple[float, bool]:
         """Bytes of an input tensor, whole, and whether per sample (an activation) or per
@@ -380,7 +324,7 @@ class _LayoutBuilder:
         node = self.by_name[name] if self.by_name[name].dtype else consumer
         if node.role is Role.ACTIVATION and name not in self.weight_of:
             return self.full_bytes(node), True
-        return node.bytes * _itemsize(node.dtype, self.dtype) / _DTYPE_BYTES.get(node.dtype, 4), False
+        return node.bytes * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4), False
 
     def _first(self, key: tuple) -> bool:
         """Whether this redistribution of a stored tensor is priced for the first time."""
@@ -390,37 +334,36 @@ class _LayoutBuilder:
         return True
 
 
-def _strategy_strings(view) -> list[tuple[str, tuple[str, ...]]]:
-    from autopar.cost.strategies import axis_strategies, placement_str
+def strategy_strings(node: Node, by_name: dict[str, Node],
+                     tp: int | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """The strategies of `node`'s sharding rule on one axis, as (output, inputs) placement
+    strings, replicate-everything first (none for an op without a rule); with `tp`, only those
+    whose split dims `tp` devices divide evenly."""
+    from autopar.cost.strategies import OpView     # torch's placements: only for placed layouts
 
-    return [(placement_str(s.output), tuple(placement_str(p) for p in s.inputs))
-            for s in axis_strategies(view) or []]
+    view = OpView(target=node.target, args=node.args, output_shape=node.shape,
+                  input_shapes=tuple(by_name[name].shape for name in node.inputs))
+    try:
+        found = _view_strategies(view, tp)
+    except TypeError:         # arguments that do not hash (a list of tensors' sizes)
+        found = _view_strategies.__wrapped__(view, tp)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _view_strategies(view, tp: int | None) -> list[tuple[str, tuple[str, ...]]]:
+    """Shared by every op of the same view (repeated blocks) and every layout of a process."""
+    from autopar.cost.strategies import axis_strategies, combine, placement_str
+
+    strategies = axis_strategies(view) or []
+    if tp is not None:
+        strategies = [combo[0] for combo in combine([strategies], [tp], view.output_shape,
+                                                    view.input_shapes)]
+    return [(placement_str(s.output), tuple(placement_str(p) for p in s.inputs)) for s in strategies]
 
 
 def node_differentiable(node: Node) -> bool:
     return node.dtype.startswith(("float", "bfloat")) or node.dtype == ""
-
-
-def _check_divides(tp: int, size: int, what: str, node: Node) -> None:
-    if size % tp:
-        where = f" in {node.module_path}" if node.module_path else ""
-        raise AutoparError(f"tp={tp} does not divide the {size} {what} of {node.name}{where}; "
-                           f"choose a tensor-parallel degree that divides {size}")
-
-
-def _splits_heads_evenly(tp: int, source: tuple, node: Node) -> bool:
-    """A sharded feature dim reshaped into (heads, head_dim) shards the heads: whether tp divides
-    them (grouped-query attention's key/value heads included)."""
-    if not source or len(node.shape) < 2:
-        return True
-    features, product = source[-1], 1
-    for k in range(len(node.shape) - 1, -1, -1):
-        product *= node.shape[k]
-        if product == features and k < len(node.shape) - 1:
-            return node.shape[k] % tp == 0
-        if product > features:
-            return True
-    return True
 
 
 def _numel(shape) -> int:

@@ -14,6 +14,31 @@ the gradients as well, ZeRO-3 (FSDP) also the weights.
 Activations are counted from the graph (what autograd saves per op; see cost/layout.py) for one
 micro-batch of one model chunk, then multiplied by how many chunk-micro-batches the schedule holds
 at once on a device (`in_flight`).
+
+A device's peak (`peak_bytes`), as autopar's runtime trains (FSDP2 `replicate` for dp > 1,
+`fully_shard` for ZeRO). Alive throughout the forwards and backwards:
+  optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's sharded
+              parameters when data parallel (its own tensor), the weights themselves when not
+              and in fp32; split over dp from ZeRO-1 on
+  weights     what the forward and backward read, in the compute dtype: the stage's gathered
+              weights (FSDP keeps them from forward to backward below ZeRO-3), `gathered` under
+              ZeRO-3
+and in the phase at the peak, the larger of:
+  first backward  the `held` micro-batches' activations, with the gradients of earlier
+              micro-batches only when the schedule ran a backward before holding that many (a
+              single stage's loop, 1F1B's steady state)
+  later backward  the activations of one micro-batch fewer (or of one), with the first
+              micro-batch's gradients (FSDP accumulates them unsharded until the last
+              micro-batch reduces them)
+  optimizer step  the gathered weights freed; the reduced gradients (split over dp from ZeRO-1
+              on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
+When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3 do)
+each backward is two phases, the loss's and its blocks'. After an earlier micro-batch the rank
+holds the shards of its gradients, and at the loss's backward the input of its last
+reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
+reduce-scatter starts; the blocks' backwards hold what `scattered_bytes` counts. The loss's
+backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards,
+at most one is gathered again by then (the output layer's; the largest bounds it).
 """
 
 from __future__ import annotations
@@ -21,6 +46,7 @@ from __future__ import annotations
 import sympy
 
 from autopar.errors import AutoparError
+from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
 MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
@@ -34,24 +60,15 @@ BYTES_PER_PARAM_FP32 = {"weights": 4, "gradients": 4, "optimizer": ADAM_STATE_BY
 OPTIMIZER_STEP_BYTES_PER_PARAM = 30
 
 
-def model_state_bytes(params: float, *, zero: int, dp: int, precision: str = "bf16") -> dict[str, float]:
+def model_state_bytes(params: float, *, zero: int, dp: int,
+                      precision: str = Precision.BF16) -> dict[str, float]:
     """Weights, gradients and optimizer state on one device holding `params` parameters
     (its pipeline stage's share after tensor parallelism), before ZeRO's split over `dp`."""
     if zero not in (0, 1, 2, 3):
         raise AutoparError(f"zero={zero}: ZeRO stages are 0, 1, 2 and 3")
     split = {"optimizer": zero >= 1, "gradients": zero >= 2, "weights": zero >= 3}
     return {part: params * size / (dp if split[part] else 1)
-            for part, size in (BYTES_PER_PARAM_FP32 if precision == "fp32" else BYTES_PER_PARAM).items()}
-
-
-def reduces_every_micro_batch(zero: int, schedule: str) -> bool:
-    """Whether autopar's runtime reduce-scatters the gradients after every micro-batch's backward
-    (ZeRO-2 and 3, as DeepSpeed's stage 2 and torchtitan's FSDP do: each rank accumulates only
-    its shard), rather than accumulating them whole and reducing on the last micro-batch (plain
-    data parallelism, and ZeRO-1, whose point is to split only the optimizer state). Zero-bubble
-    schedules accumulate whole: their weight backward runs apart from the input backward, after
-    FSDP's per-layer reduce would have fired."""
-    return zero >= 2 and schedule != "zero-bubble"
+            for part, size in (BYTES_PER_PARAM_FP32 if precision == Precision.FP32 else BYTES_PER_PARAM).items()}
 
 
 # torch's AdamW (foreach) takes the square root of the second moment into a new fp32 tensor per
@@ -77,32 +94,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     `micro_batches` of a step; on the last stage each also keeps the loss's copy of its
     `logits` elements (fp32) until its backward, the one that runs it among the `buffers`, and
     in a pipeline the logits themselves (torch's PipelineStage caches a stage's outputs for its
-    backward; other stages' sent outputs are in `activations`). As autopar's runtime trains (FSDP2 `replicate` for dp > 1,
-    `fully_shard` for ZeRO), alive throughout the forwards and backwards:
-
-      optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's
-                  sharded parameters when data parallel (its own tensor), the weights themselves
-                  when not and in fp32; split over dp from ZeRO-1 on
-      weights     what the forward and backward read, in the compute dtype: the stage's
-                  gathered weights (FSDP keeps them from forward to backward below ZeRO-3),
-                  `gathered` under ZeRO-3
-    and in the phase at the peak, the larger of:
-      first backward  the `held` micro-batches' activations, with the gradients of earlier
-                  micro-batches only when the schedule ran a backward before holding that many
-                  (a single stage's loop, 1F1B's steady state)
-      later backward  the activations of one micro-batch fewer (or of one), with the first
-                  micro-batch's gradients (FSDP accumulates them unsharded until the last
-                  micro-batch reduces them)
-      optimizer step  the gathered weights freed; the reduced gradients (split over dp from
-                  ZeRO-1 on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
-    When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3
-    do) each backward is two phases, the loss's and its blocks'. After an earlier micro-batch the
-    rank holds the shards of its gradients, and at the loss's backward the input of its last
-    reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
-    reduce-scatter starts; the blocks' backwards hold what `scattered_bytes` counts. The loss's
-    backward runs before any group's: under ZeRO-3, whose groups are resharded after their
-    forwards, at most one is gathered again by then (the output layer's; the largest bounds it).
-    In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
+    backward; other stages' sent outputs are in `activations`). The parts and phases are the
+    module docstring's. In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
     gradients (at its start) and what a block's backward holds later: the activations of a
     recomputed region (`recomputed`), the gradients flowing through its widest op beyond the
     activations it frees (`flowing`) and the gradient of the weight it reads
@@ -116,8 +109,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     wrapped = dp > 1
     split = dp if wrapped and zero >= 1 else 1
     expert_split = expert_dp if expert_dp > 1 and zero >= 1 else 1
-    element = 4 if precision == "fp32" else 2
-    master = MASTER_COPY_BYTES if precision != "fp32" or wrapped else 0
+    element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
+    master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * GRADIENT_BYTES
     cached = element * logits if pipelined else 0.0     # the stage's output, kept by torch's stage
@@ -155,6 +148,12 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
          "optimizer_step": sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
     ]
+    return _at_peak(persistent, phases)
+
+
+def _at_peak(persistent: dict, phases: list[dict]) -> dict:
+    """The parts at the fullest phase; with symbolic sizes, the first phase's and what the others
+    need beyond it (`later_phase`)."""
     totals = [sum({**persistent, **phase}.values()) for phase in phases]
     if all(isinstance(t, (int, float)) for t in totals):
         peak = max(range(len(phases)), key=lambda k: totals[k])
@@ -202,25 +201,26 @@ def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, s
     if not 0 <= stage < pp:
         raise AutoparError(f"stage {stage} is outside a pipeline of {pp} stages")
     total = micro_batches * virtual
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return total
-    if schedule in ("1f1b", "zero-bubble") or (schedule == "interleaved-1f1b" and virtual == 1):
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE) or (
+            schedule == Schedule.INTERLEAVED_1F1B and virtual == 1):
         return min(total, (pp - stage) * virtual)
-    if schedule == "interleaved-1f1b":
+    if schedule == Schedule.INTERLEAVED_1F1B:
         return min(total, 2 * (pp - stage - 1) + (virtual - 1) * pp + 1)
     raise AutoparError(f"schedule {schedule!r} is unknown; expected gpipe, 1f1b, "
                        f"interleaved-1f1b or zero-bubble")
 
 
 def megatron_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                              sequence_parallel: bool = False, recompute: str = "none") -> float:
+                              sequence_parallel: bool = False, recompute: str = Recompute.NONE) -> float:
     """Activation bytes of one transformer layer by Korthikanti et al. 2022 (table 2), for
     checking the graph-derived count: sbh(34 + 5as/h) without parallelism, with dropout."""
     sbh = seq * batch * hidden
     scores = 5 * heads * seq / hidden
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return 2 * sbh / (tp if sequence_parallel else 1)
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         scores = 0.0
     if sequence_parallel:
         return sbh * (34 + scores) / tp

@@ -11,10 +11,11 @@ import json
 import math
 import re
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from autopar.errors import MeshError
+from autopar.plans.mesh import MAX_DEVICES, check_mesh_dict
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +91,6 @@ class DeviceSpec:
 
 GB = 1e9
 GIB = 1 << 30
-# Larger than any cluster built (about 10^5 GPUs); past it a spec is a typo, and planning would
-# enumerate factorizations of an astronomically large world.
-MAX_DEVICES = 2**20
 
 # Vendors' public data sheets. NVLink figures are per direction (A100: 600 GB/s bidirectional);
 # InfiniBand is per GPU: DGX A100 has 8x HDR 200 Gb/s, DGX H100/H200 8x NDR 400 Gb/s, one per GPU.
@@ -287,94 +285,31 @@ class Mesh:
 
     @classmethod
     def from_dict(cls, data: dict) -> Mesh:
-        """The inverse of `to_dict`; every value is checked, and a bad one is named by its key."""
-        try:
-            dev = dict(data["device"])
-            device = DeviceSpec(
-                name=_value(dev, "name", str, "device"), peak_flops=_flops(dev),
-                hbm_bandwidth=_positive(dev, "hbm_bandwidth", "device"),
-                memory_bytes=int(_positive(dev, "memory_bytes", "device")),
-                intra_node=_link(dev, "intra_node", "device"), inter_node=_link(dev, "inter_node", "device"),
-                multiprocessors=int(_value(dev, "multiprocessors", int, "device")) if "multiprocessors" in dev else 0,
-                training_dtype=_value(dev, "training_dtype", str, "device") if "training_dtype" in dev else "bfloat16",
-                overlaps_communication=_flag(dev, "overlaps_communication", default=True),
-                host=_host_spec(dev["host"]) if dev.get("host") is not None else None)
-            extra = sorted(set(dev) - {field.name for field in fields(DeviceSpec)})
-            if extra:
-                raise MeshError(f"device has unknown keys {extra}")
-            if not isinstance(data["axes"], list) or not data["axes"]:
-                raise MeshError("'axes' must be a non-empty list of {name, size, link}")
-            axes = tuple(MeshAxis(_value(a, "name", str, f"axes[{i}]"),
-                                  int(_positive(a, "size", f"axes[{i}]", integer=True)),
-                                  _link(a, "link", f"axes[{i}]"))
-                         for i, a in enumerate(data["axes"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise MeshError(f"mesh description is missing or has a wrong field ({err!r}); expected "
-                            f"{{'device': {{name, peak_flops, hbm_bandwidth, memory_bytes, intra_node, "
-                            f"inter_node}}, 'axes': [{{name, size, link}}]}}") from None
-        if len({a.name for a in axes}) != len(axes):
-            raise MeshError(f"mesh axes must have distinct names, got {[a.name for a in axes]}")
-        world = math.prod(a.size for a in axes)
-        if world > MAX_DEVICES:
-            raise MeshError(f"a mesh of {world} devices is more than autopar plans for ({MAX_DEVICES})")
-        return cls(device, axes)
-
-
-def _value(record: dict, key: str, kind, where: str):
-    if not isinstance(record, dict) or key not in record:
-        raise MeshError(f"{where} lacks {key!r}")
-    value = record[key]
-    if not isinstance(value, kind) or isinstance(value, bool):
-        expected = "a number" if isinstance(kind, tuple) else f"a {kind.__name__}"
-        raise MeshError(f"{where}.{key} is {value!r}; expected {expected}")
-    return value
+        """The inverse of `to_dict`; every value is checked first (autopar.plans.mesh, which
+        checks a plan's mesh too), and a bad one is named by its key."""
+        check_mesh_dict(data)
+        dev = data["device"]
+        device = DeviceSpec(
+            name=dev["name"], peak_flops=dict(dev["peak_flops"]), hbm_bandwidth=dev["hbm_bandwidth"],
+            memory_bytes=int(dev["memory_bytes"]), intra_node=_link(dev["intra_node"]),
+            inter_node=_link(dev["inter_node"]), multiprocessors=dev.get("multiprocessors", 0),
+            training_dtype=dev.get("training_dtype", "bfloat16"),
+            overlaps_communication=dev.get("overlaps_communication", True),
+            host=_host_spec(dev["host"]) if dev.get("host") is not None else None)
+        return cls(device, tuple(MeshAxis(a["name"], a["size"], _link(a["link"])) for a in data["axes"]))
 
 
 def _host_spec(host: dict) -> HostSpec:
-    """A mesh file's own host figures (`DeviceSpec.host`)."""
-    if not isinstance(host, dict):
-        raise MeshError(f"device.host is {host!r}; expected {{link, bandwidth, flops, gpus}}")
-    return HostSpec(link=_link(host, "link", "device.host"),
-                    bandwidth=float(_positive(host, "bandwidth", "device.host")),
-                    flops=float(_positive(host, "flops", "device.host")),
-                    gpus=int(_positive(host, "gpus", "device.host", integer=True)))
+    """A mesh file's own host figures (`DeviceSpec.host`), checked by autopar.plans.mesh."""
+    return HostSpec(link=_link(host["link"]), bandwidth=float(host["bandwidth"]),
+                    flops=float(host["flops"]), gpus=int(host["gpus"]))
 
 
-def _flag(record: dict, key: str, *, default: bool) -> bool:
-    value = record.get(key, default)
-    if not isinstance(value, bool):
-        raise MeshError(f"device.{key} is {value!r}; expected true or false")
-    return value
-
-
-def _positive(record: dict, key: str, where: str, integer: bool = False) -> float:
-    """A finite number > 0 (an integer if asked): bandwidths, sizes and FLOP/s."""
-    value = _value(record, key, int if integer else (int, float), where)
-    if not 0 < value < math.inf:
-        raise MeshError(f"{where}.{key} is {value!r}; it must be a finite number above 0")
-    return value
-
-
-def _flops(dev: dict) -> dict:
-    flops = _value(dev, "peak_flops", dict, "device")
-    if "float32" not in flops:
-        raise MeshError("device.peak_flops needs a 'float32' entry (the fallback for other dtypes)")
-    for dtype in flops:
-        _positive(flops, dtype, "device.peak_flops")
-    return dict(flops)
-
-
-def _link(record: dict, key: str, where: str) -> Link:
-    link = _value(record, key, dict, where)
-    unknown = sorted(set(link) - {"name", "bandwidth", "latency", "efficiency", "measured"})
-    if unknown:
-        raise MeshError(f"{where}.{key} has unknown keys {unknown}")
-    where = f"{where}.{key}"
-    efficiency = _value(link, "efficiency", (int, float), where) if "efficiency" in link else 1.0
-    return Link(name=_value(link, "name", str, where), bandwidth=_positive(link, "bandwidth", where),
-                latency=float(_value(link, "latency", (int, float), where)), efficiency=float(efficiency),
-                # measured (collective, latency, bandwidth, group size) rows, as `autopar calibrate
-                # --mesh` fits them; a row without a size (files before sizes) stands for any
+def _link(link: dict) -> Link:
+    # measured (collective, latency, bandwidth, group size) rows, as `autopar calibrate --mesh`
+    # fits them; a row without a size (files before sizes) stands for any
+    return Link(name=link["name"], bandwidth=link["bandwidth"], latency=float(link["latency"]),
+                efficiency=float(link.get("efficiency", 1.0)),
                 measured=tuple((*entry, 0) if len(entry) == 3 else tuple(entry)
                                for entry in link.get("measured", ())))
 

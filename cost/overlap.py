@@ -6,7 +6,7 @@ hides. Both depend on the runtime that trains, so the runtime is named (`RUNTIME
                    whose collectives is one call per group; gradients reduced on the last
                    micro-batch only (`set_requires_gradient_sync`) for plain data parallelism
                    and ZeRO-1, after every micro-batch for ZeRO-2/3 except under zero-bubble
-                   schedules (`autopar.cost.memory.reduces_every_micro_batch`). ZeRO-1/2
+                   schedules (`autopar.plans.zero.reduces_every_micro_batch`). ZeRO-1/2
                    (`reshard_after_forward=False`) gather the weights before each micro-batch's
                    forward on one stage (FSDP2 frees them after every backward), once per step
                    under a pipeline schedule (torch's stages keep them until the last backward);

@@ -22,6 +22,7 @@ from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_
 from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
+from autopar.plans.stage_flow import live
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -71,10 +72,10 @@ class PriceCache:
 
     def layout(self, spec: StageSpec) -> GraphLayout:
         """The stage's layout: its tensor-parallel placements, then its expert parallelism."""
-        tp, sequence_parallel, placements, ep = spec.layout_key
-        tensor = self._get(("layout", tp, sequence_parallel, placements),
-                           lambda: infer_layout(self.graph, tp, sequence_parallel=sequence_parallel,
-                                                compute_dtype=self.dtype, placements=placements))
+        tp, _, placements, ep = spec.layout_key
+        tensor = self._get(("layout", tp, placements),
+                           lambda: infer_layout(self.graph, tp, compute_dtype=self.dtype,
+                                                placements=placements))
         return self._get(("layout", *spec.layout_key), lambda: with_expert_parallelism(
             tensor, self.expert_layers(), self.graph, ep=ep, tp=tp))
 
@@ -105,7 +106,8 @@ class PriceCache:
         return self._get(("split", key), lambda: self._make_split(key, stages))
 
     def _make_split(self, key: tuple, stages: list[StageSpec]) -> Split:
-        owner = chunk_of_nodes(self.graph, stages)
+        flow = self._get(("flow",), lambda: live(self.graph.flow_nodes()))
+        owner = chunk_of_nodes(self.graph, stages, flow)
         members: list[list[int]] = [[] for _ in stages]
         for i, c in enumerate(owner):
             members[c].append(i)

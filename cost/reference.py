@@ -29,7 +29,8 @@ published_runs.csv, runs of other kinds, with the runtime each used, which decid
     prefetch, gradients reduce-scattered per block during the backward of every micro-batch,
     activation checkpointing inside the FSDP unit (no second gather) ("torch"); MPT's dropouts
     are 0 by default; FlashAttention.
-Nothing here is fitted to the published figures.
+Every run is priced on Megatron-LM's tensor-parallel layout (`ReferenceRun.placements`), the
+one these frameworks trained with. Nothing here is fitted to the published figures.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.cost.config import Config
+from autopar.cost.layout import TensorPlacements
+from autopar.cost.megatron import megatron_placements
 from autopar.cost.mesh import Mesh
+from autopar.plans.vocabulary import Recompute, Schedule
 
 SC21_DROPOUT = 0.1
 SC21_ATTENTION = "unfused"
@@ -59,11 +63,17 @@ class ReferenceRun:
     runtime: str                  # how it overlapped communication: a cost/overlap.py runtime
     published_tflops: float = 0.0  # per GPU, recomputation counted (SC'21 rows)
 
+    def placements(self, graph) -> TensorPlacements | None:
+        """The run's tensor parallelism as it was trained: Megatron-LM's layout (cost.megatron),
+        which the estimator prices as `estimate(..., placements=run.placements(graph))`."""
+        return megatron_placements(graph, self.config.tp,
+                                   sequence_parallel=self.config.sequence_parallel)
+
 
 def sc21_step_flops(*, batch: int, seq: int, layers: int, hidden: int, vocab: int,
                     recompute: str) -> float:
     """FLOPs of one step by the SC'21 paper's formula (recomputed forward counted with "full")."""
-    factor = 96 if recompute == "full" else 72
+    factor = 96 if recompute == Recompute.FULL else 72
     return factor * batch * seq * layers * hidden ** 2 * (
         1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
@@ -81,7 +91,7 @@ def _sc21_run(row: dict) -> ReferenceRun:
     config = Config(tp=tp, pp=pp, dp=gpus // (tp * pp), virtual=virtual,
                     global_batch=value("global_batch"), micro_batch=value("micro_batch"),
                     recompute=row["recompute"],
-                    schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
+                    schedule=Schedule.INTERLEAVED_1F1B if virtual > 1 else Schedule.ONE_F_ONE_B)
     tflops = float(row["published_tflops_per_gpu"])
     flops = sc21_step_flops(batch=config.global_batch, seq=value("seq"), layers=value("layers"),
                             hidden=value("hidden"), vocab=value("vocab"), recompute=config.recompute)
@@ -117,7 +127,7 @@ def _published_run(row: dict) -> ReferenceRun:
                     global_batch=value("global_batch"), micro_batch=value("micro_batch"),
                     recompute=row["recompute"], zero=value("zero"),
                     sequence_parallel=bool(value("sequence_parallel")),
-                    schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
+                    schedule=Schedule.INTERLEAVED_1F1B if virtual > 1 else Schedule.ONE_F_ONE_B)
     return ReferenceRun(name=_short_name(row["source"], mesh), spec=spec, mesh=mesh, config=config,
                         attention=row["attention"], published_step_s=float(row["published_step_s"]),
                         runtime=runtime)

@@ -1,7 +1,10 @@
 """Which nodes each pipeline chunk holds.
 
-A stage (`StageSpec`) lists block instances by module path, or node ranges; nodes outside every
-block (embeddings, the head, the loss) join the nearest chunk, parameters their first consumer.
+A stage (`StageSpec`) lists modules by path (block instances, an embedding, a head), or node
+ranges. Modules take their nodes by the stage-flow rules the runtime's split applies
+(autopar.plans.stage_flow), so that the planner, the estimator and the runtime cut a model alike;
+nodes outside every listed module (embeddings and heads a Megatron-style chunk does not name,
+glue, the loss) go where those rules send them, parameters with their first consumer.
 A Megatron-style configuration splits the blocks over pp x virtual chunks, evenly where they
 divide and otherwise by `blocks_per_chunk`.
 """
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 from autopar.cost.config import Config
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
+from autopar.plans.stage_flow import assign_units, live
+from autopar.plans.vocabulary import Recompute
 
 
 @dataclass(kw_only=True, slots=True)
@@ -22,11 +27,11 @@ class StageSpec:
     layers: list
     tp: int = 1
     dp: int = 1
-    recompute: str = "none"
+    recompute: Recompute = Recompute.NONE
     zero: int = 0
     sequence_parallel: bool = False
-    # A plan's own per-op placements on the tensor-parallel axis (cost.layout.TensorPlacements);
-    # None prices Megatron's layout for `tp`.
+    # Per-op placements on the tensor-parallel axis (cost.layout.TensorPlacements), the sharding
+    # ILP's or Megatron's (cost.megatron); None without a tensor-parallel axis (tp = 1).
     placements: object = None
     ep: int = 1                     # expert parallelism (cost/experts.py)
     cp: int = 1                     # context parallelism (cost/context.py)
@@ -57,7 +62,8 @@ def block_refs(graph: Graph) -> list:
     return [(i.start, i.stop) for i in instances]
 
 
-def uniform_stages(graph: Graph, config: Config) -> list[StageSpec]:
+def uniform_stages(graph: Graph, config: Config, placements=None) -> list[StageSpec]:
+    """Megatron's chunks of `config`, each placed on the tensor-parallel axis as `placements`."""
     chunks = config.pp * config.virtual
     paths = block_refs(graph)
     if chunks == 1:
@@ -72,7 +78,8 @@ def uniform_stages(graph: Graph, config: Config) -> list[StageSpec]:
         groups = [paths[start:start + count] for start, count in zip(starts, counts)]
     return [StageSpec(layers=group, tp=config.tp, dp=config.dp, recompute=config.recompute,
                       zero=config.zero, sequence_parallel=config.sequence_parallel,
-                      ep=config.ep, cp=config.cp, cp_kind=config.cp_kind, offload=config.offload)
+                      placements=placements, ep=config.ep, cp=config.cp, cp_kind=config.cp_kind,
+                      offload=config.offload)
             for group in groups]
 
 
@@ -89,8 +96,43 @@ def blocks_per_chunk(blocks: int, chunks: int) -> list[int]:
     return counts
 
 
-def chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:
-    """The chunk each graph node belongs to; nodes outside blocks join the nearest assigned one."""
+def chunk_of_nodes(graph: Graph, stages: list[StageSpec], flow: list | None = None) -> list[int]:
+    """The chunk each graph node belongs to. Chunks named by module paths (a plan's stages, the
+    planner's candidates, Megatron's chunks of blocks) hold the nodes the stage-flow rules give
+    their modules, the rules the runtime's split applies (autopar.plans.stage_flow.assign_units;
+    `flow`: the graph's live `flow_nodes`, if the caller has them). Chunks named by node ranges
+    (a block module that runs more than once, whose path says no one call) hold those ranges.
+    Nodes left over (constants every reader copies, checks the runtime drops, parameters) join
+    the nearest chunk before them; parameters and inputs their first consumer."""
+    if all(isinstance(layer, str) for stage in stages for layer in stage.layers):
+        owner = _flow_owner(graph, stages, flow)
+    else:
+        owner = _range_owner(graph, stages)
+    return _fill_owners(graph, owner)
+
+
+def _flow_owner(graph: Graph, stages: list[StageSpec], flow: list | None) -> list[int]:
+    paths = {node.module_path for node in graph.nodes if node.module_path}
+    for c, stage in enumerate(stages):
+        for layer in stage.layers:
+            if not any(path == layer or path.startswith(layer + ".") for path in paths):
+                blocks = [inst.module_path for kind in graph.blocks for inst in kind.instances]
+                raise AutoparError(f"stage {c} names layer {layer!r}, which is not a block of the "
+                                   f"graph nor a module that runs in it; blocks are {blocks[:4]}...")
+    if len(stages) == 1:
+        return [0] * len(graph.nodes)
+    units = [layer for stage in stages for layer in stage.layers]
+    unit_stage = [c for c, stage in enumerate(stages) for _ in stage.layers]
+    assigned = assign_units(flow if flow is not None else live(graph.flow_nodes()), units)
+    owner = [unit_stage[assigned[node.name]] if node.name in assigned else -1 for node in graph.nodes]
+    for c, stage in enumerate(stages):
+        if c not in owner:
+            raise AutoparError(f"stage {c} ({', '.join(stage.layers[:4])}) holds no op of the "
+                               f"graph: the stages before and after it run all of its modules")
+    return owner
+
+
+def _range_owner(graph: Graph, stages: list[StageSpec]) -> list[int]:
     ranges: dict[str, list[tuple[int, int]]] = {}     # a shared block: every call of it
     for kind in graph.blocks:
         for inst in kind.instances:
@@ -103,7 +145,7 @@ def chunk_of_nodes(graph: Graph, stages: list[StageSpec]) -> list[int]:
                                    f"graph; blocks are {list(ranges)[:4]}...")
             for start, stop in ranges[layer] if isinstance(layer, str) else [layer]:
                 _assign(graph, owner, range(start, stop), c)
-    return _fill_owners(graph, owner)
+    return owner
 
 
 def _assign(graph: Graph, owner: list[int], indices: range, chunk: int) -> None:

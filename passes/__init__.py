@@ -6,7 +6,7 @@ rank's program in one direction:
     program.py          export_for_pipeline: the model for one micro-batch as one flat ATen
                         GraphModule whose tensors are TensorRef modules (named as in the model)
     stage_split.py      split_model: that program cut into the plan's stages (StageProgram), by
-                        the rules of autopar.solver.stage_flow that the planner priced with
+                        the rules of autopar.plans.stage_flow that the planner priced with
     stage_interfaces.py what crosses from stage to stage: relays, input and output order,
                         mixed precision's 16-bit boundaries, the meta tensors each stage sends
     then, on each stage the rank holds, the PASSES below in order:

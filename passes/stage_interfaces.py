@@ -32,14 +32,14 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import AutoparError
-from autopar.solver.stage_flow import skips_a_stage, spans, stage_of
+from autopar.plans.stage_flow import skips_a_stage, spans, stage_of
 
 
 def pass_along(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int],
                flow: list) -> list[str]:
     """Relay (copy) each value through the stages between its producer and its readers; a relay
     runs in the first unit of its stage, and `unit_of_node` learns it. `flow`: the graph's nodes
-    as autopar.solver.stage_flow sees them, whose rule (`skips_a_stage`, the planner's too) says
+    as autopar.plans.stage_flow sees them, whose rule (`skips_a_stage`, the planner's too) says
     which values need relays. Returns the relayed values that a stage computed (not model
     inputs): gradients flow back through their relays."""
     relayed: list[str] = []

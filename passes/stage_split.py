@@ -11,7 +11,7 @@ the exported graph gets a stage:
   gradients `autopar.runtime.tied` keeps equal;
 - nodes no output depends on are dropped, as are checks of constants (`_assert_tensor_metadata`
   on a rotary table); a check of an activation runs with that activation.
-These rules are autopar.solver.stage_flow's, which the planner applies to its captured graph
+These rules are autopar.plans.stage_flow's, which the planner applies to its captured graph
 too (so it knows which cuts relay an activation). A view that another unit reads is taken again
 in that unit, so no unit returns a view (FSDP2 hooks what a unit returns).
 Values that a later stage reads are passed along the stages between (stage_interfaces.py). Two
@@ -35,7 +35,7 @@ from autopar.errors import PlanMismatchError
 from autopar.passes.program import (PassTarget, StageProgram, TensorRef, is_tensor_read, parameter_names,
                                     signature)
 from autopar.passes.stage_interfaces import interface_examples, order_interfaces, pass_along
-from autopar.solver.stage_flow import (BUFFER, FUNCTION, INPUT, OTHER, OUTPUT, PARAMETER, FlowNode,
+from autopar.plans.stage_flow import (BUFFER, FUNCTION, INPUT, OTHER, OUTPUT, PARAMETER, FlowNode,
                                        assign_units, dead, reader_unit, shared_values)
 from autopar.tracer import written_inputs
 
@@ -116,7 +116,7 @@ def _drop_unused(module: fx.GraphModule) -> None:
     of a tensor's dtype, device and layout (`_assert_tensor_metadata`): they restate what the
     export traced, name the device it traced on (a stage may run on another), and DTensor has no
     rule for them. Other checks of activations stay and run with the value they check. The rule
-    is autopar.solver.stage_flow's, which the planner applies to its graph too."""
+    is autopar.plans.stage_flow's, which the planner applies to its graph too."""
     dropped = set(dead(flow_nodes(module)))
     for node in reversed(list(module.graph.nodes)):
         if node.name in dropped:
@@ -127,7 +127,7 @@ def _drop_unused(module: fx.GraphModule) -> None:
 def _assign_units(module: fx.GraphModule, units: list[str], unit_stage: list[int]) -> dict[str, int]:
     """Unit index of every node that is not a graph input or output.
 
-    Nodes go to units by autopar.solver.stage_flow's rules (the planner's too): a layer's own
+    Nodes go to units by autopar.plans.stage_flow's rules (the planner's too): a layer's own
     nodes to it, glue after its latest input or with its first reader. Constants (buffers and
     what is computed from them alone, e.g. rotary tables) are copied into every unit that reads
     them, and parameters into every stage, so no stage waits for another's; a parameter that
@@ -148,7 +148,7 @@ def _views_with_readers(module: fx.GraphModule, assigned: dict[str, int], unit_s
     units it wraps for its backward all-gather, an in-place op on a returned view loses that
     hook (torch warns of it), and a view costs nothing to take again. Only views taken in the
     unit that makes their base move, so what crosses from stage to stage (which
-    autopar.solver.stage_flow predicts for the planner) is the same tensor as before."""
+    autopar.plans.stage_flow predicts for the planner) is the same tensor as before."""
     for node in reversed(list(module.graph.nodes)):
         if not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view) \
                 or node.name not in assigned or not node.all_input_nodes:
@@ -161,7 +161,7 @@ def _views_with_readers(module: fx.GraphModule, assigned: dict[str, int], unit_s
 
 
 def flow_nodes(module: fx.GraphModule) -> list[FlowNode]:
-    """The graph's nodes as autopar.solver.stage_flow's rules see them."""
+    """The graph's nodes as autopar.plans.stage_flow's rules see them."""
     nodes = []
     for node in module.graph.nodes:
         if node.op in ("placeholder", "output"):

@@ -210,6 +210,14 @@ def shapes(change: dict) -> Callable[[Path], object]:
     return run
 
 
+def node_dims(change: dict) -> Callable[[Path], object]:
+    def run(scratch: Path):
+        plan = Plan.from_dict(plan_dict())
+        plan.nodes.update(change)
+        return plan.check_node_ranks({"mm": 2})
+    return run
+
+
 PLAN_FILE_CASES = [
     Case("plan-file-missing", lambda s: Plan.load(s / "none.json"), "no plan file"),
     Case("plan-file-not-json", lambda s: Plan.load(write("p.json", "{not json")(s)), "not valid JSON"),
@@ -221,6 +229,8 @@ PLAN_FILE_CASES = [
     Case("plan-shard-uneven", shapes({"tok_emb.weight": ["S(0)", "S(0)"]}),
          r"dim 0 of parameter 'tok_emb.weight' \(size 250\) into 4 parts"),
     Case("plan-unknown-parameter", shapes({"nope.weight": ["R", "R"]}), "nope.weight.*does not have"),
+    Case("plan-node-shard-beyond-its-dims", node_dims({"mm": ["S(0)", "S(3)"]}),
+         "node 'mm' on dim 3, but its output has 2 dims"),
 ]
 
 # ---------------------------------------------------------------------------------------------

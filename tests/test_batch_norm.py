@@ -27,7 +27,7 @@ import autopar
 from autopar.api import plan_graph
 from autopar.cost.config import Config
 from autopar.testing.equivalence import mismatches, train_single_process
-from autopar.solver.stage_flow import constants, dead, graph_flow
+from autopar.plans.stage_flow import constants, dead
 from autopar.solver.units import pipeline_units
 
 transformers = pytest.importorskip("transformers")
@@ -286,6 +286,6 @@ def test_buffer_writes_are_recorded_and_no_stage_drops_them():
     graph = autopar.capture(mlp(norm=True), (vectors()[0][0][:2],))
     written = {graph.node(name).param_fqn for node in graph.nodes for name in node.writes}
     assert written == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
-    flow = graph_flow(graph)
+    flow = graph.flow_nodes()
     counter = next(node.name for node in graph.nodes if node.target == "aten.add_.Tensor")
     assert counter not in dead(flow) and counter not in constants(flow)

@@ -14,12 +14,25 @@ from autopar.cost.compute import Efficiencies, compute_time, gemm_utilization, o
 from autopar.cost.config import Config
 from autopar.cost.estimator import (StageSpec, estimate, estimate_stages, max_batch, max_seq,
                                     memory_expression)
-from autopar.cost.memory import in_flight, model_state_bytes, reduces_every_micro_batch
+from autopar.cost.megatron import megatron_placements
+from autopar.cost.memory import in_flight, model_state_bytes
+from autopar.plans.zero import reduces_every_micro_batch
 from autopar.cost.mesh import DEVICES, Mesh
 from autopar.errors import AutoparError, MeshError
 from autopar.graph import Graph, Node, Role
 
 A100 = DEVICES["a100-80g"]
+
+
+def megatron(graph, config):
+    """Megatron-LM's placements for `config` (cost.megatron): the layout the figures these tests
+    check by hand, and Megatron's formulas, are of."""
+    return megatron_placements(graph, config.tp, sequence_parallel=config.sequence_parallel)
+
+
+def megatron_estimate(graph, mesh, config, **options):
+    """`estimate` on Megatron-LM's placements."""
+    return estimate(graph, mesh, config, placements=megatron(graph, config), **options)
 NVLINK_BW = 300e9 * 0.77
 IB_BW = 25e9 * 0.90
 
@@ -141,7 +154,7 @@ def test_estimate_of_a_hand_made_graph_matches_hand_computed_times():
     hidden, batch = 4096, 8192
     graph = _mlp_graph(batch, hidden)
     mesh = Mesh.parse("1:a100-80g")
-    result = estimate(graph, mesh, Config(global_batch=batch, micro_batch=batch))
+    result = megatron_estimate(graph, mesh, Config(global_batch=batch, micro_batch=batch))
     eff = Efficiencies()
     bf16 = 2
     mm_flops = 2 * batch * hidden * hidden
@@ -174,8 +187,8 @@ def tiny_gpt():
 
 def test_tensor_parallelism_across_nodes_costs_more_than_inside_one(tiny_gpt):
     config = Config(tp=4, dp=1, global_batch=8, micro_batch=8)
-    inside = estimate(tiny_gpt, Mesh.parse("4:a100-80g"), config)
-    across = estimate(tiny_gpt, Mesh.parse("4x1:a100-80g"), config)
+    inside = megatron_estimate(tiny_gpt, Mesh.parse("4:a100-80g"), config)
+    across = megatron_estimate(tiny_gpt, Mesh.parse("4x1:a100-80g"), config)
     assert across.breakdown["exposed_comm"] > inside.breakdown["exposed_comm"]
     assert across.step_time_s > inside.step_time_s
 
@@ -183,16 +196,16 @@ def test_tensor_parallelism_across_nodes_costs_more_than_inside_one(tiny_gpt):
 def test_recompute_zero_and_sequence_parallel_trade_time_for_memory(tiny_gpt):
     mesh = Mesh.parse("8:a100-80g")
     base = dict(tp=2, pp=2, dp=2, global_batch=32, micro_batch=4)
-    plain = estimate(tiny_gpt, mesh, Config(**base))
-    full = estimate(tiny_gpt, mesh, Config(**base, recompute="full"))
+    plain = megatron_estimate(tiny_gpt, mesh, Config(**base))
+    full = megatron_estimate(tiny_gpt, mesh, Config(**base, recompute="full"))
     assert full.memory_breakdown["activations"] < plain.memory_breakdown["activations"]
     assert full.step_time_s > plain.step_time_s
     assert full.tflops_per_gpu * full.step_time_s > plain.tflops_per_gpu * plain.step_time_s
     assert full.model_tflops_per_gpu * full.step_time_s == pytest.approx(
         plain.model_tflops_per_gpu * plain.step_time_s)
-    sp = estimate(tiny_gpt, mesh, Config(**base, sequence_parallel=True))
+    sp = megatron_estimate(tiny_gpt, mesh, Config(**base, sequence_parallel=True))
     assert sp.memory_breakdown["activations"] < plain.memory_breakdown["activations"]
-    zero = [estimate(tiny_gpt, mesh, Config(**base, zero=z)).memory_per_gpu_bytes for z in range(4)]
+    zero = [megatron_estimate(tiny_gpt, mesh, Config(**base, zero=z)).memory_per_gpu_bytes for z in range(4)]
     assert zero == sorted(zero, reverse=True) and zero[3] < zero[0]
 
 
@@ -200,10 +213,10 @@ def test_bubble_fraction_is_p_minus_1_over_v_m_for_equal_stages():
     from autopar.commands.estimate import capture_training_step
     graph = capture_training_step("gpt:layers=8,hidden=128,heads=4,seq=64,vocab=128")
     mesh = Mesh.parse("4:a100-80g")
-    one = estimate(graph, mesh, Config(pp=4, global_batch=16, micro_batch=1))
+    one = megatron_estimate(graph, mesh, Config(pp=4, global_batch=16, micro_batch=1))
     # The first and last stages carry the embedding and the head: nearly, not exactly, equal.
     assert one.bubble_fraction == pytest.approx(3 / 16, rel=0.15)
-    two = estimate(graph, mesh, Config(pp=4, virtual=2, schedule="interleaved-1f1b",
+    two = megatron_estimate(graph, mesh, Config(pp=4, virtual=2, schedule="interleaved-1f1b",
                                        global_batch=16, micro_batch=1))
     assert two.bubble_fraction == pytest.approx(3 / 32, rel=0.15)
 
@@ -218,8 +231,8 @@ def test_graph_activations_agree_with_the_megatron_formula():
     for tp in (1, 4):
         config = Config(tp=tp, dp=8 // tp, global_batch=batch * 8 // tp, micro_batch=batch)
         short = capture_training_step(spec.replace("layers=4", "layers=2"))
-        per_layer = (estimate(graph, mesh, config, attention="unfused").memory_breakdown["activations"]
-                     - estimate(short, mesh, config, attention="unfused").memory_breakdown["activations"]) / 2
+        per_layer = (megatron_estimate(graph, mesh, config, attention="unfused").memory_breakdown["activations"]
+                     - megatron_estimate(short, mesh, config, attention="unfused").memory_breakdown["activations"]) / 2
         formula = megatron_activation_bytes(seq=seq, batch=batch, hidden=hidden, heads=heads, tp=tp)
         # The graph keeps FlashAttention-free attention's output besides the projection's input.
         assert per_layer == pytest.approx(formula, rel=0.1)
@@ -229,17 +242,17 @@ def test_max_batch_agrees_with_the_numeric_memory_model(tiny_gpt):
     mesh = Mesh.parse("2x4:a100-40g")
     config = Config(tp=2, pp=2, dp=2, global_batch=16, micro_batch=2, recompute="selective")
     limit = 3e9
-    best = max_batch(tiny_gpt, mesh, config, limit)
+    best = max_batch(tiny_gpt, mesh, config, limit, placements=megatron(tiny_gpt, config))
     assert best > 2
     def memory(b):
         c = Config(**{**config.to_dict(), "micro_batch": b,
                       "global_batch": b * config.dp * config.micro_batches})
-        return estimate(tiny_gpt, mesh, c).memory_per_gpu_bytes
+        return megatron_estimate(tiny_gpt, mesh, c).memory_per_gpu_bytes
     assert memory(best) <= limit < memory(best + 1)
     b = sympy.Symbol("b", positive=True)
-    expression = memory_expression(tiny_gpt, mesh, config, batch=b)
+    expression = memory_expression(tiny_gpt, mesh, config, batch=b, placements=megatron(tiny_gpt, config))
     assert float(expression.subs(b, best)) == pytest.approx(memory(best))
-    assert max_batch(tiny_gpt, mesh, config, 1e6) == 0
+    assert max_batch(tiny_gpt, mesh, config, 1e6, placements=megatron(tiny_gpt, config)) == 0
 
 
 SEQ_MODELS = ["gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128,dropout=0.1",
@@ -271,13 +284,15 @@ def test_memory_expression_in_batch_and_sequence_matches_captures_at_each_length
     mesh = Mesh.parse("2x2:a100-80g")
     config = Config(tp=2, pp=2, dp=1, global_batch=8, micro_batch=2, recompute=recompute)
     b, s = sympy.symbols("b s", positive=True)
-    expression = memory_expression(short, mesh, config, batch=b, seq=s, attention=attention)
+    expression = memory_expression(short, mesh, config, batch=b, seq=s, attention=attention,
+                                   placements=megatron(short, config))
     assert expression.free_symbols == {b, s}
     for graph, length in ((short, 16), (long, 32)):
-        numeric = estimate(graph, mesh, config, attention=attention).memory_per_gpu_bytes
+        numeric = megatron_estimate(graph, mesh, config, attention=attention).memory_per_gpu_bytes
         assert float(expression.subs({b: 2, s: length})) == pytest.approx(numeric, rel=1e-12)
     # Without `seq` the expression is the batch-only one, at the captured length.
-    batch_only = memory_expression(short, mesh, config, batch=b, attention=attention)
+    batch_only = memory_expression(short, mesh, config, batch=b, attention=attention,
+                                   placements=megatron(short, config))
     assert float(batch_only.subs(b, 2)) == pytest.approx(float(expression.subs({b: 2, s: 16})))
 
 
@@ -299,14 +314,15 @@ def test_max_seq_agrees_with_the_numeric_memory_model(captured_16_and_32, recomp
     short, long = captured_16_and_32
     mesh = Mesh.parse("2x2:a100-80g")
     config = Config(tp=2, pp=2, dp=1, global_batch=8, micro_batch=2, recompute=recompute)
-    at_32 = estimate(long, mesh, config).memory_per_gpu_bytes
-    assert max_seq(short, mesh, config, at_32) == 32
-    assert max_seq(short, mesh, config, at_32 - 1) == 31
+    at_32 = megatron_estimate(long, mesh, config).memory_per_gpu_bytes
+    placements = megatron(short, config)
+    assert max_seq(short, mesh, config, at_32, placements=placements) == 32
+    assert max_seq(short, mesh, config, at_32 - 1, placements=placements) == 31
     s = sympy.Symbol("s", positive=True)
-    expression = memory_expression(short, mesh, config, batch=2, seq=s)
-    best = max_seq(short, mesh, config, 1e8)
+    expression = memory_expression(short, mesh, config, batch=2, seq=s, placements=placements)
+    best = max_seq(short, mesh, config, 1e8, placements=placements)
     assert float(expression.subs(s, best)) <= 1e8 < float(expression.subs(s, best + 1))
-    assert max_seq(short, mesh, config, 1e3) == 0
+    assert max_seq(short, mesh, config, 1e3, placements=placements) == 0
 
 
 def test_max_seq_needs_a_sequence():
@@ -318,8 +334,10 @@ def test_max_seq_needs_a_sequence():
 
 def test_estimate_stages_prices_non_uniform_stages(tiny_gpt):
     mesh = Mesh.parse("8:a100-80g")
-    stages = [StageSpec(layers=["model.layers.0"], tp=2, dp=2, recompute="full"),
-              StageSpec(layers=["model.layers.1", "model.layers.2", "model.layers.3"], tp=2, dp=2)]
+    placements = megatron_placements(tiny_gpt, 2)
+    stages = [StageSpec(layers=["model.layers.0"], tp=2, dp=2, recompute="full", placements=placements),
+              StageSpec(layers=["model.layers.1", "model.layers.2", "model.layers.3"], tp=2, dp=2,
+                        placements=placements)]
     result = estimate_stages(tiny_gpt, mesh, stages, global_batch=16, micro_batch=2)
     assert len(result.devices) == 2 and result.step_time_s > 0
     with pytest.raises(AutoparError, match="not a block"):
@@ -329,9 +347,9 @@ def test_estimate_stages_prices_non_uniform_stages(tiny_gpt):
 
 def test_estimate_rejects_a_bad_factorization(tiny_gpt):
     with pytest.raises(AutoparError, match="does not match the 8 devices"):
-        estimate(tiny_gpt, Mesh.parse("8:a100-80g"), Config(tp=2, dp=2, global_batch=8))
+        megatron_estimate(tiny_gpt, Mesh.parse("8:a100-80g"), Config(tp=2, dp=2, global_batch=8))
     with pytest.raises(AutoparError, match="cannot fill"):
-        estimate(tiny_gpt, Mesh.parse("5:a100-80g"), Config(pp=5, global_batch=5))
+        megatron_estimate(tiny_gpt, Mesh.parse("5:a100-80g"), Config(pp=5, global_batch=5))
 
 
 def test_uneven_pipelines_give_the_extra_blocks_to_the_middle_stages(tiny_gpt):
@@ -340,7 +358,7 @@ def test_uneven_pipelines_give_the_extra_blocks_to_the_middle_stages(tiny_gpt):
     assert blocks_per_chunk(5, 2) == [3, 2] and blocks_per_chunk(4, 4) == [1] * 4
     stages = uniform_stages(tiny_gpt, Config(pp=3, global_batch=3))
     assert [len(s.layers) for s in stages] == [1, 2, 1]
-    result = estimate(tiny_gpt, Mesh.parse("3:a100-80g"), Config(pp=3, global_batch=6))
+    result = megatron_estimate(tiny_gpt, Mesh.parse("3:a100-80g"), Config(pp=3, global_batch=6))
     middle = result.devices[1]["time_per_micro_batch_s"]
     assert len(result.devices) == 3 and middle > result.devices[0]["time_per_micro_batch_s"]
 
@@ -397,12 +415,35 @@ def test_tensor_parallel_degree_must_divide_query_heads_not_key_value_heads():
     from autopar.commands.estimate import capture_training_step
     gpt = capture_training_step("gpt:layers=2,hidden=96,heads=6,seq=32,vocab=128")
     with pytest.raises(AutoparError, match="tp=4 does not divide the 6 heads"):
-        estimate(gpt, Mesh.parse("4:a100-80g"), Config(tp=4, global_batch=4))
+        megatron_estimate(gpt, Mesh.parse("4:a100-80g"), Config(tp=4, global_batch=4))
     llama = capture_training_step("llama-tiny")      # 4 query heads, 2 key/value heads
-    whole_kv = estimate(llama, Mesh.parse("4:a100-80g"), Config(tp=4, global_batch=4))
-    split_kv = estimate(llama, Mesh.parse("4:a100-80g"), Config(tp=2, dp=2, global_batch=4))
+    whole_kv = megatron_estimate(llama, Mesh.parse("4:a100-80g"), Config(tp=4, global_batch=4))
+    split_kv = megatron_estimate(llama, Mesh.parse("4:a100-80g"), Config(tp=2, dp=2, global_batch=4))
     assert whole_kv.fits and split_kv.fits
     assert whole_kv.comm_breakdown["tensor"] > 0
+
+
+def test_megatron_placements_are_column_then_row_and_split_the_stream_with_sequence_parallelism(tiny_gpt):
+    """Megatron-LM's layout read off the graph: q/k/v and the MLP's first linear column-parallel
+    (split output features), the attention output and the MLP's second linear row-parallel (split
+    input features, partial sums out, reduced where the residual stream reads them), the
+    embedding vocab-parallel; with sequence parallelism every norm reads the stream split on the
+    sequence, and the partial sums are reduce-scattered onto it."""
+    fqn = {n.name: n.param_fqn for n in tiny_gpt.parameters}
+    by_name = {n.name: n for n in tiny_gpt.nodes}
+    for sp in (False, True):
+        placed = megatron_placements(tiny_gpt, 2, sequence_parallel=sp)
+        weights = {fqn[name]: placement for name, placement in placed.parameters.items()}
+        for module, expected in (("attn.wq", "S(0)"), ("attn.wv", "S(0)"), ("mlp.fc1", "S(0)"),
+                                 ("attn.wo", "S(1)"), ("mlp.fc2", "S(1)")):
+            assert weights[f"model.layers.1.{module}.weight"] == expected, (module, sp)
+        assert weights["model.tok_emb.weight"] == "S(0)" and weights["model.layers.1.mlp.fc2.bias"] == "R"
+        norms = {placed.nodes[norm] for norm, _, _ in tiny_gpt.norm_reads()}
+        assert norms == ({"S(1)"} if sp else {"R"})
+        rows = [name for name, node in by_name.items()
+                if node.module_path.endswith("mlp.fc2") and node.target == "aten.linear.default"]
+        assert {placed.nodes[name] for name in rows} == {"P"}
+    assert megatron_placements(tiny_gpt, 1) is None
 
 
 def test_a_weight_used_through_a_view_is_still_tensor_parallel():
@@ -421,7 +462,7 @@ def test_a_weight_used_through_a_view_is_still_tensor_parallel():
              Node(name="output", target="output", role=Role.OUTPUT, shape=(), dtype="", bytes=0,
                   inputs=("mm",))]
     graph = Graph(nodes=nodes, blocks=[])
-    result = estimate(graph, Mesh.parse("2:a100-80g"), Config(tp=2, global_batch=batch,
+    result = megatron_estimate(graph, Mesh.parse("2:a100-80g"), Config(tp=2, global_batch=batch,
                                                               micro_batch=batch))
     assert result.memory_breakdown["weights"] == hidden * hidden * 2 / 2
 
@@ -444,7 +485,7 @@ def test_meshes_for_users_own_clusters_from_python_and_files(tmp_path):
 def test_selective_recompute_drops_what_the_attention_module_keeps(tiny_gpt):
     mesh = Mesh.parse("8:a100-80g")
     base = dict(tp=2, dp=4, global_batch=16, micro_batch=4)
-    memory = {(kernel, mode): estimate(tiny_gpt, mesh, Config(**base, recompute=mode),
+    memory = {(kernel, mode): megatron_estimate(tiny_gpt, mesh, Config(**base, recompute=mode),
                                        attention=kernel).memory_breakdown["activations"]
               for kernel in ("flash", "unfused") for mode in ("none", "selective")}
     # Scores of 4 heads / 2 ranks x 128 x 128 per sample, kept as softmax output (2 bytes),
@@ -459,7 +500,7 @@ def test_selective_recompute_drops_what_the_attention_module_keeps(tiny_gpt):
 
 def test_gpipe_holds_every_micro_batch_and_1f1b_holds_p(tiny_gpt):
     mesh = Mesh.parse("4:a100-80g")
-    kept = {schedule: estimate(tiny_gpt, mesh, Config(pp=4, global_batch=16, micro_batch=1,
+    kept = {schedule: megatron_estimate(tiny_gpt, mesh, Config(pp=4, global_batch=16, micro_batch=1,
                                                       schedule=schedule)).devices
             for schedule in ("gpipe", "1f1b")}
     per_stage = lambda s: [d["memory_bytes"] for d in kept[s]]

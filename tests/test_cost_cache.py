@@ -4,6 +4,7 @@ import pytest
 
 from autopar.cost.config import Config
 from autopar.cost.estimator import StageSpec, estimate, estimate_stages
+from autopar.cost.megatron import megatron_placements
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError
 
@@ -24,10 +25,18 @@ def _config(fields: dict) -> Config:
     return Config(**{"global_batch": 32, "micro_batch": 4, **fields})
 
 
-def _stages(tp: int, dp: int, recompute: str) -> list[StageSpec]:
-    return [StageSpec(layers=["model.layers.0"], tp=tp, dp=dp, recompute=recompute),
-            StageSpec(layers=["model.layers.1", "model.layers.2"], tp=tp, dp=dp),
-            StageSpec(layers=["model.layers.3"], tp=tp, dp=dp, recompute=recompute, zero=1)]
+def megatron_estimate(graph, mesh, config, **options):
+    """`estimate` on Megatron-LM's placements (cost.megatron)."""
+    placements = megatron_placements(graph, config.tp, sequence_parallel=config.sequence_parallel)
+    return estimate(graph, mesh, config, placements=placements, **options)
+
+
+def _stages(graph, tp: int, dp: int, recompute: str) -> list[StageSpec]:
+    placements = megatron_placements(graph, tp)
+    return [StageSpec(layers=["model.layers.0"], tp=tp, dp=dp, recompute=recompute, placements=placements),
+            StageSpec(layers=["model.layers.1", "model.layers.2"], tp=tp, dp=dp, placements=placements),
+            StageSpec(layers=["model.layers.3"], tp=tp, dp=dp, recompute=recompute, zero=1,
+                      placements=placements)]
 
 
 def test_a_shared_cache_gives_the_same_estimates_as_none(tiny_gpt):
@@ -36,14 +45,14 @@ def test_a_shared_cache_gives_the_same_estimates_as_none(tiny_gpt):
     stage_caches: dict = {}     # one per mesh
     for _ in range(2):      # the second round answers from the caches alone
         for fields in CONFIGS:
-            fresh = estimate(tiny_gpt, mesh, _config(fields))
-            cached = estimate(tiny_gpt, mesh, _config(fields), cache=cache)
+            fresh = megatron_estimate(tiny_gpt, mesh, _config(fields))
+            cached = megatron_estimate(tiny_gpt, mesh, _config(fields), cache=cache)
             assert cached.to_dict() == fresh.to_dict(), fields
         for tp, dp, recompute in [(1, 2, "full"), (2, 1, "none"), (1, 2, "selective")]:
             kwargs = dict(global_batch=16, micro_batch=2, schedule="1f1b")
             stages_mesh = Mesh.parse(f"{3 * tp * dp}:a100-80g")
-            fresh = estimate_stages(tiny_gpt, stages_mesh, _stages(tp, dp, recompute), **kwargs)
-            cached = estimate_stages(tiny_gpt, stages_mesh, _stages(tp, dp, recompute), **kwargs,
+            fresh = estimate_stages(tiny_gpt, stages_mesh, _stages(tiny_gpt, tp, dp, recompute), **kwargs)
+            cached = estimate_stages(tiny_gpt, stages_mesh, _stages(tiny_gpt, tp, dp, recompute), **kwargs,
                                      cache=stage_caches.setdefault(tp * dp, {}))
             assert cached.to_dict() == fresh.to_dict(), (tp, dp, recompute)
     assert any(key[0] == "chunk" for key in cache if isinstance(key, tuple))
@@ -66,25 +75,26 @@ def test_a_shared_cache_keeps_host_costs_apart_on_a_calibrated_cpu_mesh(tiny_gpt
                    dict(pp=4), dict(pp=4, schedule="zero-bubble", recompute="selective"),
                    dict(pp=2, dp=2, zero=3, recompute="full"), dict(pp=2, dp=2), dict(dp=4, zero=3),
                    dict(dp=4)):
-        fresh = estimate(tiny_gpt, mesh, _config(fields), efficiencies=host)
-        cached = estimate(tiny_gpt, mesh, _config(fields), efficiencies=host, cache=cache)
+        fresh = megatron_estimate(tiny_gpt, mesh, _config(fields), efficiencies=host)
+        cached = megatron_estimate(tiny_gpt, mesh, _config(fields), efficiencies=host, cache=cache)
         assert cached.to_dict() == fresh.to_dict(), fields
 
 
 def test_a_cache_is_refused_for_another_mesh_or_graph(tiny_gpt):
     cache: dict = {}
-    estimate(tiny_gpt, Mesh.parse("8:a100-80g"), _config(CONFIGS[0]), cache=cache)
+    megatron_estimate(tiny_gpt, Mesh.parse("8:a100-80g"), _config(CONFIGS[0]), cache=cache)
     with pytest.raises(AutoparError, match="another graph, mesh"):
-        estimate(tiny_gpt, Mesh.parse("8:h100-80g"), _config(CONFIGS[0]), cache=cache)
+        megatron_estimate(tiny_gpt, Mesh.parse("8:h100-80g"), _config(CONFIGS[0]), cache=cache)
 
 
 def test_the_estimator_is_autopar_cost_estimate(tiny_gpt):
     import autopar.cost
 
     mesh = Mesh.parse("8:a100-80g")
-    result = autopar.cost.estimate(tiny_gpt, mesh, _config(CONFIGS[0]))
+    result = autopar.cost.estimate(tiny_gpt, mesh, _config(CONFIGS[0]),
+                                   placements=megatron_placements(tiny_gpt, 2))
     assert isinstance(result, autopar.cost.Estimate)
-    assert result.to_dict() == estimate(tiny_gpt, mesh, _config(CONFIGS[0])).to_dict()
+    assert result.to_dict() == megatron_estimate(tiny_gpt, mesh, _config(CONFIGS[0])).to_dict()
     assert autopar.cost.StageSpec is StageSpec and callable(autopar.cost.max_batch)
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         autopar.cost.nonsense

@@ -1,5 +1,6 @@
 """The estimator against published measurements: every row of Megatron-LM's SC'21 table 1 given in
-shared/reference, predicted within 15% of its TFLOP/s per GPU, fitting in 80 GB."""
+shared/reference, predicted within 15% of its TFLOP/s per GPU, fitting in 80 GB. Each run is priced
+on the tensor-parallel layout it trained with, Megatron-LM's (`ReferenceRun.placements`)."""
 
 from pathlib import Path
 
@@ -27,8 +28,9 @@ def graphs():
 @pytest.mark.skipif(not REFERENCE.exists(), reason=f"reference table not found at {REFERENCE}")
 @pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
 def test_predicted_tflops_within_15_percent_and_memory_fits(run, graphs):
-    result = estimate(graphs(run.spec), run.mesh, run.config, attention=run.attention,
-                      runtime=run.runtime)
+    graph = graphs(run.spec)
+    result = estimate(graph, run.mesh, run.config, attention=run.attention, runtime=run.runtime,
+                      placements=run.placements(graph))
     error = result.tflops_per_gpu / run.published_tflops - 1
     assert abs(error) <= 0.15, (f"{run.name}: predicted {result.tflops_per_gpu:.1f} TFLOP/s per GPU, "
                                 f"published {run.published_tflops:.0f} ({error:+.1%})")
@@ -44,7 +46,9 @@ def test_predicted_tflops_within_15_percent_and_memory_fits(run, graphs):
 def test_hardware_flops_follow_megatrons_formula(graphs):
     """F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation."""
     run = RUNS[0]
-    result = estimate(graphs(run.spec), run.mesh, run.config, attention=run.attention)
+    graph = graphs(run.spec)
+    result = estimate(graph, run.mesh, run.config, attention=run.attention,
+                      placements=run.placements(graph))
     fields = dict(item.split("=") for item in run.spec.split(":")[1].split(","))
     s, l, h, v = (int(fields[k]) for k in ("seq", "layers", "hidden", "vocab"))
     batch = run.config.global_batch
@@ -63,8 +67,9 @@ OTHER_RUNS = published_runs(PUBLISHED) if PUBLISHED.exists() else []
 def test_published_runs_within_25_percent_with_their_runtimes(run, graphs):
     """Megatron with selective recompute, DeepSpeed ZeRO-3, FSDP on A100 and H100: the step time
     of each as its runtime overlapped communication (autopar/cost/reference.py)."""
-    result = estimate(graphs(run.spec), run.mesh, run.config, attention=run.attention,
-                      runtime=run.runtime)
+    graph = graphs(run.spec)
+    result = estimate(graph, run.mesh, run.config, attention=run.attention, runtime=run.runtime,
+                      placements=run.placements(graph))
     error = result.step_time_s / run.published_step_s - 1
     assert abs(error) <= 0.25, (f"{run.name}: predicted {result.step_time_s:.3f} s per step, "
                                 f"published {run.published_step_s:.3f} ({error:+.1%})")

@@ -11,12 +11,19 @@ from autopar.cost.calibration import KINDS, ring_terms, with_measured_links
 from autopar.cost.collectives import Group
 from autopar.cost.config import Config
 from autopar.cost.estimator import estimate
+from autopar.cost.megatron import megatron_placements
 from autopar.cost.mesh import Mesh
-from autopar.cost.memory import reduces_every_micro_batch
+from autopar.plans.zero import reduces_every_micro_batch
 from autopar.cost.overlap import RUNTIMES, DeviceWork, exposed_data_parallel
 from autopar.errors import AutoparError
 
 MESH = Mesh.parse("4x8:a100-80g")
+
+
+def megatron_estimate(graph, mesh, config, **options):
+    """`estimate` on Megatron-LM's placements (cost.megatron)."""
+    placements = megatron_placements(graph, config.tp, sequence_parallel=config.sequence_parallel)
+    return estimate(graph, mesh, config, placements=placements, **options)
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +92,15 @@ def test_zero_3_gathers_every_micro_batch_and_shows_what_compute_cannot_hide():
 def test_zero_3_on_many_nodes_is_slower_than_without_communication(tiny_gpt):
     mesh = Mesh.parse("4x8:a100-80g")
     config = Config(dp=32, global_batch=32, zero=3, recompute="full")
-    fsdp = estimate(tiny_gpt, mesh, config, runtime="torch")
-    deepspeed = estimate(tiny_gpt, mesh, config, runtime="deepspeed-2021")
+    fsdp = megatron_estimate(tiny_gpt, mesh, config, runtime="torch")
+    deepspeed = megatron_estimate(tiny_gpt, mesh, config, runtime="deepspeed-2021")
     assert 0 < fsdp.comm_breakdown["data"] < deepspeed.comm_breakdown["data"]
     # autopar's runtime is FSDP2, one group per layer, reducing gradients in fp32: more than
     # torch's FSDP in the plan's 16 bits, less than DeepSpeed's per-tensor gathers
-    autopar_data = estimate(tiny_gpt, mesh, config).comm_breakdown["data"]
+    autopar_data = megatron_estimate(tiny_gpt, mesh, config).comm_breakdown["data"]
     assert fsdp.comm_breakdown["data"] < autopar_data < deepspeed.comm_breakdown["data"]
     with pytest.raises(AutoparError, match="runtime 'nccl' is unknown"):
-        estimate(tiny_gpt, mesh, config, runtime="nccl")
+        megatron_estimate(tiny_gpt, mesh, config, runtime="nccl")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -117,11 +124,11 @@ def test_measured_links_replace_the_mesh_links_per_collective(tiny_gpt, tmp_path
     path.write_text(json.dumps({"device": "cpu", "collectives": {"device": "cpu", "ranks": 4,
                                                                  "fits": fits}}))
     config = Config(dp=4, global_batch=8)
-    default = estimate(tiny_gpt, mesh, config)
-    calibrated = estimate(tiny_gpt, mesh, config, calibration=path)
+    default = megatron_estimate(tiny_gpt, mesh, config)
+    calibrated = megatron_estimate(tiny_gpt, mesh, config, calibration=path)
     assert calibrated.comm_breakdown["data"] > default.comm_breakdown["data"]
     with pytest.raises(AutoparError, match="measured collectives on 'cpu'"):
-        estimate(tiny_gpt, Mesh.parse("4:a100-80g"), config, calibration=path)
+        megatron_estimate(tiny_gpt, Mesh.parse("4:a100-80g"), config, calibration=path)
 
 
 def test_each_group_size_is_priced_with_the_fit_measured_on_that_size():
@@ -139,9 +146,10 @@ def test_each_group_size_is_priced_with_the_fit_measured_on_that_size():
 
 
 def test_measured_rows_without_a_group_size_still_load():
-    from autopar.cost.mesh import _link
-    link = _link({"l": {"name": "gloo", "bandwidth": 1e9, "latency": 1e-5,
-                        "measured": [["all_reduce", 1e-3, 1e8]]}}, "l", "mesh")
+    data = Mesh.parse("2:cpu").to_dict()
+    data["device"]["intra_node"] = {"name": "gloo", "bandwidth": 1e9, "latency": 1e-5,
+                                    "measured": [["all_reduce", 1e-3, 1e8]]}
+    link = Mesh.from_dict(data).device.intra_node
     assert link.alpha_beta("all_reduce", 2) == (1e-3, 1e8)
 
 
@@ -184,8 +192,8 @@ def test_ops_on_distributed_tensors_pay_the_measured_host_latency(tiny_gpt):
     for config, distributed in ((Config(dp=4, global_batch=8), False),
                                 (Config(tp=2, dp=2, global_batch=8), True),
                                 (Config(dp=4, zero=3, global_batch=8), False)):
-        before = estimate(tiny_gpt, mesh, config, efficiencies=plain).breakdown["compute"]
-        after = estimate(tiny_gpt, mesh, config, efficiencies=hosted).breakdown["compute"]
+        before = megatron_estimate(tiny_gpt, mesh, config, efficiencies=plain).breakdown["compute"]
+        after = megatron_estimate(tiny_gpt, mesh, config, efficiencies=hosted).breakdown["compute"]
         assert (after > before) == distributed, config
 
 
@@ -202,8 +210,8 @@ def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(
                           data_parallel_group_latency_s=group)
 
     def added(config):
-        before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
-        after = estimate(tiny_gpt, mesh, config, efficiencies=hosted)
+        before = megatron_estimate(tiny_gpt, mesh, config, efficiencies=plain)
+        after = megatron_estimate(tiny_gpt, mesh, config, efficiencies=hosted)
         return after.step_time_s - before.step_time_s, after
 
     single, _ = added(Config(tp=4, global_batch=8, micro_batch=2))
@@ -218,8 +226,8 @@ def test_the_runtime_machinery_costs_each_action_and_each_group_per_micro_batch(
     assert groups >= 2 and extra == pytest.approx(result.micro_batches * groups * group)
     per_tensor = Efficiencies(device="cpu", data_parallel_tensor_latency_s=1e-4)
     config = Config(dp=4, global_batch=16, micro_batch=2)
-    before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
-    after = estimate(tiny_gpt, mesh, config, efficiencies=per_tensor)
+    before = megatron_estimate(tiny_gpt, mesh, config, efficiencies=plain)
+    after = megatron_estimate(tiny_gpt, mesh, config, efficiencies=per_tensor)
     tensors = (after.step_time_s - before.step_time_s) / (after.micro_batches * 1e-4)
     assert tensors == pytest.approx(round(tensors)) and round(tensors) > groups   # every tensor once
 
@@ -233,7 +241,7 @@ def test_zero_bubbles_split_backward_costs_the_host_per_op_of_each_stage(tiny_gp
     plain, walked = Efficiencies(device="cpu"), Efficiencies(device="cpu", split_backward_op_latency_s=per_op)
     for schedule in ("1f1b", "zero-bubble"):
         config = Config(pp=4, global_batch=8, micro_batch=2, schedule=schedule)
-        before, after = (estimate(tiny_gpt, mesh, config, efficiencies=e) for e in (plain, walked))
+        before, after = (megatron_estimate(tiny_gpt, mesh, config, efficiencies=e) for e in (plain, walked))
         extra = after.step_time_s - before.step_time_s
         if schedule == "1f1b":
             assert extra == 0.0
@@ -254,7 +262,7 @@ def test_each_recomputed_region_costs_the_host_its_checkpoint(tiny_gpt):
 
     def extra(recompute, eff, unit):
         config = Config(dp=4, global_batch=8, micro_batch=1, recompute=recompute)
-        base, priced = (estimate(tiny_gpt, mesh, config, efficiencies=e) for e in (plain, eff))
+        base, priced = (megatron_estimate(tiny_gpt, mesh, config, efficiencies=e) for e in (plain, eff))
         return (priced.step_time_s - base.step_time_s) / (priced.micro_batches * unit)
 
     assert extra("none", per_region, 1e-4) == 0.0 and extra("none", per_op, 1e-5) == 0.0
@@ -273,9 +281,9 @@ def test_ranks_sharing_a_hosts_cores_lend_them_while_idle_in_the_bubble(tiny_gpt
     mesh = Mesh.parse("4:cpu")
     own, shared = Efficiencies(device="cpu", host_cores=4), Efficiencies(device="cpu", host_cores=2)
     pipeline = Config(pp=4, global_batch=8, micro_batch=1, schedule="1f1b")
-    alone, lent = (estimate(tiny_gpt, mesh, pipeline, efficiencies=e) for e in (own, shared))
+    alone, lent = (megatron_estimate(tiny_gpt, mesh, pipeline, efficiencies=e) for e in (own, shared))
     assert "lent_cores" not in alone.breakdown
-    assert alone.step_time_s == estimate(tiny_gpt, mesh, pipeline).step_time_s
+    assert alone.step_time_s == megatron_estimate(tiny_gpt, mesh, pipeline).step_time_s
     per_mb = [d["time_per_micro_batch_s"] for d in lent.devices]
     average = lent.micro_batches * sum(per_mb) / len(per_mb)
     pipeline_part = alone.breakdown["bubble"] + lent.breakdown["lent_cores"] + lent.micro_batches * max(per_mb)
@@ -284,8 +292,8 @@ def test_ranks_sharing_a_hosts_cores_lend_them_while_idle_in_the_bubble(tiny_gpt
     assert lent.breakdown["lent_cores"] < 0
     assert lent.step_time_s == pytest.approx(sum(lent.breakdown.values()))
     flat = Config(dp=4, global_batch=8, micro_batch=1)
-    assert estimate(tiny_gpt, mesh, flat, efficiencies=shared).step_time_s == \
-        estimate(tiny_gpt, mesh, flat, efficiencies=own).step_time_s
+    assert megatron_estimate(tiny_gpt, mesh, flat, efficiencies=shared).step_time_s == \
+        megatron_estimate(tiny_gpt, mesh, flat, efficiencies=own).step_time_s
 
 
 def test_zero_bubble_fills_the_bubble_with_the_weight_halves_of_the_backward():
@@ -296,7 +304,7 @@ def test_zero_bubble_fills_the_bubble_with_the_weight_halves_of_the_backward():
 
     def ratio(spec, mesh, efficiencies=None):
         graph = capture_training_step(spec)
-        bubble = {s: estimate(graph, Mesh.parse(mesh), Config(pp=4, global_batch=8, micro_batch=1,
+        bubble = {s: megatron_estimate(graph, Mesh.parse(mesh), Config(pp=4, global_batch=8, micro_batch=1,
                                                               schedule=s), efficiencies=efficiencies)
                   .breakdown["bubble"] for s in ("1f1b", "zero-bubble")}
         return bubble["zero-bubble"] / bubble["1f1b"]
@@ -323,16 +331,16 @@ def test_blocking_collectives_wait_for_the_last_rank_in_proportion_to_the_comput
     slow = Efficiencies(device="cpu", collective_wait_s=2e-3, collective_wait_span_s=1e3)
     waited = Efficiencies(device="cpu", collective_wait_s=2e-3, collective_wait_span_s=1e-9)
     for config in (Config(tp=4, global_batch=8), Config(pp=4, global_batch=8, micro_batch=2)):
-        before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
-        after = estimate(tiny_gpt, mesh, config, efficiencies=waited)
+        before = megatron_estimate(tiny_gpt, mesh, config, efficiencies=plain)
+        after = megatron_estimate(tiny_gpt, mesh, config, efficiencies=waited)
         assert after.step_time_s - before.step_time_s == pytest.approx(2e-3)   # the loss only
         assert after.comm_breakdown["loss"] - before.comm_breakdown["loss"] == pytest.approx(2e-3)
     config = Config(dp=4, global_batch=8)
-    before = estimate(tiny_gpt, mesh, config, efficiencies=plain)
-    after = estimate(tiny_gpt, mesh, config, efficiencies=waited)
+    before = megatron_estimate(tiny_gpt, mesh, config, efficiencies=plain)
+    after = megatron_estimate(tiny_gpt, mesh, config, efficiencies=waited)
     groups = round((after.comm_breakdown["data"] - before.comm_breakdown["data"]) / 2e-3)
     assert groups >= 2 and after.comm_breakdown["data"] - before.comm_breakdown["data"] == pytest.approx(groups * 2e-3)
-    partly = estimate(tiny_gpt, mesh, config, efficiencies=slow)
+    partly = megatron_estimate(tiny_gpt, mesh, config, efficiencies=slow)
     assert before.step_time_s < partly.step_time_s < after.step_time_s
 
 
@@ -345,8 +353,8 @@ def test_a_pipeline_transfer_holds_both_ends_where_the_cores_that_compute_move_t
     cpu = Mesh.parse("2:cpu")
     beside = Mesh(replace(cpu.device, overlaps_communication=True), cpu.axes)
     config = Config(pp=2, global_batch=8, micro_batch=2)
-    blocking = estimate(tiny_gpt, cpu, config).devices
-    overlapped = estimate(tiny_gpt, beside, config).devices
+    blocking = megatron_estimate(tiny_gpt, cpu, config).devices
+    overlapped = megatron_estimate(tiny_gpt, beside, config).devices
     sender = overlapped[0]["time_per_micro_batch_s"]
     assert blocking[0]["time_per_micro_batch_s"] == pytest.approx(sender)
     assert blocking[1]["time_per_micro_batch_s"] > overlapped[1]["time_per_micro_batch_s"]
@@ -457,7 +465,7 @@ def test_the_reduction_cost_reaches_the_step_from_a_calibration(tiny_gpt):
     plain = Efficiencies(device="cpu")
     hosted = Efficiencies(device="cpu", data_parallel_reduce_group_s=1e-3,
                           data_parallel_reduce_byte_s=1e-9)
-    step = lambda config, eff: estimate(tiny_gpt, Mesh.parse("4:cpu"), config,
+    step = lambda config, eff: megatron_estimate(tiny_gpt, Mesh.parse("4:cpu"), config,
                                         efficiencies=eff).step_time_s
     dp = Config(dp=4, global_batch=16, micro_batch=2)
     assert step(dp, hosted) > step(dp, plain)

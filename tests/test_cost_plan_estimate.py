@@ -140,6 +140,39 @@ def test_autopar_estimate_prices_a_saved_plan(tmp_path, capsys):
     assert "another graph" in capsys.readouterr().err
 
 
+def test_autopar_estimate_of_a_config_prices_what_compile_runs(capsys):
+    """`autopar estimate --tp 2` and `compile(plan=Config(tp=2))` (which plans the Config with
+    `plan_from_config`) price the same placements, the sharding ILP's, and agree; Megatron-LM's
+    layout is another producer of placements, asked for by name; a tensor-parallel Config without
+    placements is refused, naming both producers."""
+    import json
+
+    from autopar.api import plan_from_config
+    from autopar.cli import main
+    from autopar.commands.estimate import capture_model
+    from autopar.cost.config import Config
+    from autopar.cost.estimator import estimate
+    from autopar.cost.megatron import megatron_placements
+    from autopar.cost.plan_estimate import tensor_placements
+
+    spec, mesh = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "2x2:a100-80g"
+    assert main(["estimate", spec, "--mesh", mesh, "--tp", "2", "--pp", "2", "--global-batch", "8",
+                 "--micro-batch", "2", "--sequence-parallel", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    graph = capture_model(spec)
+    config = Config(tp=2, pp=2, dp=1, global_batch=8, micro_batch=2, sequence_parallel=True)
+    plan = plan_from_config(graph, Mesh.parse(mesh), config)
+    for key in ("step_time_s", "memory_per_gpu_bytes", "breakdown", "memory_breakdown"):
+        assert report[key] == plan.predicted[key], key
+    ilp = estimate(graph, Mesh.parse(mesh), config, placements=tensor_placements(graph, plan))
+    assert ilp.step_time_s == report["step_time_s"]
+    megatron = estimate(graph, Mesh.parse(mesh), config,
+                        placements=megatron_placements(graph, 2, sequence_parallel=True))
+    assert megatron.comm_breakdown["tensor"] > 0
+    with pytest.raises(AutoparError, match="priced on placements.*plan_from_config.*megatron_placements"):
+        estimate(graph, Mesh.parse(mesh), config)
+
+
 WIDE_GPT = "gpt:layers=2,hidden=1024,heads=16,seq=512,vocab=4096"
 
 

@@ -9,10 +9,11 @@ import torch._dynamo  # noqa: F401
 
 import autopar
 from autopar.cost.config import Config
+from autopar.cost.megatron import megatron_placements
 from autopar.models import build_model, lm_loss
 from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.solver.planner import plan_config, plan_graph
-from autopar.solver.schedules import runs
+from autopar.plans.schedules import runs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +29,8 @@ def _plans() -> list:
     mesh = autopar.Mesh.parse("4:cpu")
     plans = [plan_config(graph, mesh, config) for config in FORCED]
     # a limit that rules out plain data parallelism on 2 replicas (7 per replica, odd)
-    replica = autopar.estimate(graph, mesh, Config(dp=2, tp=2, global_batch=14, micro_batch=1))
+    replica = autopar.estimate(graph, mesh, Config(dp=2, tp=2, global_batch=14, micro_batch=1),
+                               placements=megatron_placements(graph, 2))
     plans.append(plan_graph(graph, mesh, global_batch=14, time_limit=20,
                             memory_limit=0.55 * replica.memory_per_gpu_bytes))
     return plans

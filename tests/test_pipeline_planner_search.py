@@ -12,7 +12,7 @@ from autopar.cost.estimator import estimate
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.solver.candidates import layout_error
-from autopar.solver.schedules import runs
+from autopar.plans.schedules import runs
 
 SMALL_GPT = "gpt:layers=8,hidden=128,heads=2,seq=256,vocab=4096"
 BLOCKS = 8

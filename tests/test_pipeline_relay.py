@@ -1,5 +1,5 @@
 """Activations that skip a pipeline stage: the planner and the runtime's split see the same ones
-(autopar.solver.stage_flow), and the planner never emits zero-bubble for cuts that relay one
+(autopar.plans.stage_flow), and the planner never emits zero-bubble for cuts that relay one
 (torch's split backward trains them wrong; the runtime refuses such a plan).
 
 Tier 1: a small encoder-decoder whose encoder output every decoder block reads, and T5, cut in

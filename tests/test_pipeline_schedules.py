@@ -1,4 +1,4 @@
-"""autopar.solver.schedules against torch itself: a layout is accepted exactly when torch's
+"""autopar.plans.schedules against torch itself: a layout is accepted exactly when torch's
 schedule class constructs it (no process group: stand-in stages), and what it accepts runs every
 forward and backward once, in an order the simulator completes."""
 
@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from autopar.errors import AutoparError
-from autopar.solver.schedules import (SCHEDULES, check_schedule, runs, schedule_error,
+from autopar.plans.schedules import (SCHEDULES, check_schedule, runs, schedule_error,
                                       torch_schedule, valid_micro_batch_counts)
 from autopar.timeline import _StandInStage, simulate
 

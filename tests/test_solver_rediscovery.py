@@ -88,7 +88,7 @@ def assert_megatron_on_gpu_axis(solution):
 
 
 def test_megatron_on_the_nvlink_axis_batch_on_the_node_axis(gpt_6_7b):
-    solution = solve_intra_op(gpt_6_7b, Mesh.parse("2x4:a100-80g"), roles={"node": "data"})
+    solution = solve_intra_op(gpt_6_7b, Mesh.parse("2x4:a100-80g"), roles={"node": "dp"})
     assert_megatron_on_gpu_axis(solution)
     assert all(p[0] == "S(0)" for p in by_label(solution, ("wq", "wo", "fc1", "fc2")))
     assert solution.zero_stage("node") == 0
@@ -138,7 +138,7 @@ def test_cp_sat_agrees_with_highs_on_a_real_graph():
 def test_roles_are_checked(small_gpt):
     from autopar.errors import AutoparError
     with pytest.raises(AutoparError, match="does not have"):
-        solve_intra_op(small_gpt, Mesh.parse("8:a100-80g"), roles={"node": "data"})
+        solve_intra_op(small_gpt, Mesh.parse("8:a100-80g"), roles={"node": "dp"})
     with pytest.raises(AutoparError, match="unknown"):
         solve_intra_op(small_gpt, Mesh.parse("8:a100-80g"), roles={"gpu": "pipeline"})
 
@@ -161,13 +161,13 @@ def test_rotary_models_get_megatron_on_the_tensor_axis(spec):
     keys whole through the rotation (an all-gather or a reduce-scatter per layer)."""
     model, inputs = build_model(spec, batch=2)
     graph = autopar.capture(model, inputs)
-    solution = solve_intra_op(graph, Mesh.parse("2:cpu"), roles={"gpu": "tensor"})
+    solution = solve_intra_op(graph, Mesh.parse("2:cpu"), roles={"gpu": "tp"})
     for fqn, used in solution.parameter_use_placements.items():
         if fqn.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")):
             assert used == ["S(0)"], (fqn, used)          # column-parallel
         if fqn.endswith(("wo.weight", "w2.weight")):
             assert used == ["S(1)"], (fqn, used)          # row-parallel
-    problem = build_problem(graph, Mesh.parse("2:cpu"), roles={"gpu": "tensor"})
+    problem = build_problem(graph, Mesh.parse("2:cpu"), roles={"gpu": "tp"})
     grad, nodes = graph.requiring_grad(), {node.name: node for node in problem.nodes}
     read_whole = 0
     for edge in problem.edges:

@@ -19,6 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from autopar.plans.vocabulary import Schedule
+
 # (model, mesh, global batch): GPT-3 and Llama sizes on A100 and H100 clusters of 8 to 1024 GPUs,
 # each model on clusters where it is trained in practice (weak scaling, as Megatron-LM's Table 1).
 # Three more rows on 40 GB A100s, where memory binds and per-stage choices matter.
@@ -153,7 +155,7 @@ def why(plan, config, grid_best, autopar_step: float) -> str:
                        f"head are not free)")
     if plan.pp != config.pp and any(b != blocks[0] for b in blocks):
         reasons.append(f"pp={plan.pp}, which does not divide the layers")
-    if plan.schedule not in ("1f1b", "interleaved-1f1b"):
+    if plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B):
         reasons.append(f"{plan.schedule} schedule")
     if plan.micro_batch_size & (plan.micro_batch_size - 1):
         reasons.append(f"micro-batch size {plan.micro_batch_size}, not a power of two")

@@ -2,8 +2,10 @@
 configuration's step time, throughput and memory per device without running it;
 `autopar estimate MODEL --plan plan.json` prices a saved plan from its own stages.
 
-The model is captured on the meta device as one training step: for language models the forward
-and the next-token loss. dp is the world size over tp x pp.
+The model is captured on the meta device as `autopar plan` and `autopar.compile` capture it, and a
+configuration is priced on the placements `autopar.compile(plan=Config(...))` runs: the sharding
+ILP's on its tensor-parallel axis (`autopar.plan_from_config`), so the two agree. dp is the world
+size over tp x pp. (Published runs are priced on Megatron-LM's own layout: benchmarks/.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cost.vocabulary import CONTEXT_PARALLEL, RECOMPUTE, SCHEDULES
+from autopar.plans.vocabulary import CONTEXT_PARALLEL, RECOMPUTE, SCHEDULES, Recompute, Schedule
 from autopar.errors import AutoparError, MeshError
 
 
@@ -36,7 +38,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--global-batch", type=int,
                         help="sequences per step (required unless --plan)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default=Recompute.NONE.value)
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--ep", type=int, default=1,
@@ -115,7 +117,7 @@ def build_config(args, mesh):
     if args.tp > mesh.gpus_per_node or mesh.gpus_per_node % args.tp:
         raise AutoparError(f"tp={args.tp} must divide the {mesh.gpus_per_node} devices of one node "
                            f"(tensor parallelism needs the fast links inside a node)")
-    schedule = args.schedule or ("interleaved-1f1b" if args.virtual > 1 else "1f1b")
+    schedule = args.schedule or (Schedule.INTERLEAVED_1F1B if args.virtual > 1 else Schedule.ONE_F_ONE_B)
     return Config(tp=args.tp, pp=args.pp, dp=mesh.world_size // per_replica, virtual=args.virtual,
                   global_batch=args.global_batch, micro_batch=args.micro_batch,
                   recompute=args.recompute, zero=args.zero,
@@ -124,11 +126,21 @@ def build_config(args, mesh):
                   routing_imbalance=args.routing_imbalance)
 
 
+def capture_model(spec: str):
+    """`spec` captured on meta as `autopar plan` captures it (so that fingerprints match)."""
+    from autopar.models import build_model
+    from autopar.tracer import capture
+
+    model, inputs = build_model(spec)
+    return capture(model, example_inputs=inputs)
+
+
 def run(args) -> int:
     from autopar.cost.compute import Efficiencies
     from autopar.cost.estimator import estimate
 
-    from autopar.api import check_planning
+    from autopar.api import check_planning, plan_from_config
+    from autopar.cost.plan_estimate import tensor_placements
     from autopar.models import parse_spec
 
     if args.plan is not None:
@@ -145,9 +157,14 @@ def run(args) -> int:
         status.print(f"[yellow]warning:[/] {args.calibration} was measured on "
                      f"{efficiencies.device}, the mesh has {mesh.device.name}")
     with status.status(f"capturing {args.model} on the meta device"):
-        graph = capture_training_step(args.model)
-    price = lambda config: estimate(graph, mesh, config, attention=args.attention,
-                                    runtime=args.runtime, calibration=args.calibration)
+        graph = capture_model(args.model)
+    placements = None
+    if config.tp > 1:
+        with status.status("placing each op on the tensor-parallel axis (sharding ILP)"):
+            placements = tensor_placements(graph, plan_from_config(graph, mesh, config,
+                                                                   calibration=args.calibration))
+    price = lambda config: estimate(graph, mesh, config, attention=args.attention, runtime=args.runtime,
+                                    calibration=args.calibration, placements=placements)
     config, result, forms = _context_parallel_forms(config, price, fixed=args.cp_kind is not None)
     report = {"model": args.model, "mesh": str(mesh), "config": config.to_dict(),
               "attention": args.attention, "runtime": args.runtime, "calibration": str(args.calibration or ""),
@@ -190,18 +207,14 @@ def _run_plan(args) -> int:
     plan records as `predicted` when the calibration and runtime are the planner's."""
     from autopar.cost.mesh import Mesh
     from autopar.cost.plan_estimate import estimate_plan
-    from autopar.models import build_model
     from autopar.plans import Plan
-    from autopar.tracer import capture
 
     if args.mesh is not None or args.global_batch is not None:
         raise AutoparError("--plan takes its mesh and global batch from the plan; drop --mesh "
                            "and --global-batch")
     plan = Plan.load(args.plan)
     with Console(stderr=True).status(f"capturing {args.model} on the meta device"):
-        # captured as `autopar plan` captures it, so that the fingerprints can match
-        model, inputs = build_model(args.model)
-        graph = capture(model, example_inputs=inputs)
+        graph = capture_model(args.model)
     result = estimate_plan(graph, plan, runtime=args.runtime, attention=args.attention,
                            calibration=args.calibration)
     mesh = Mesh.from_dict(plan.mesh)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from autopar.plans.vocabulary import Recompute, Schedule
+
 SEED = 0
 
 
@@ -100,14 +102,15 @@ def candidate_configs(spec: str, world: int, global_batch: int, micro_batch: int
     layers = getattr(model, "layers", 1)
     heads = getattr(model, "kv_heads", 0) or getattr(model, "heads", 1)
     half = world // 2
+    full, selective = Recompute.FULL, Recompute.SELECTIVE
     forms = [dict(dp=world), dict(dp=world, zero=1), dict(dp=world, zero=2), dict(dp=world, zero=3),
-             dict(dp=world, recompute="full"), dict(dp=world, zero=3, recompute="full"),
+             dict(dp=world, recompute=full), dict(dp=world, zero=3, recompute=full),
              dict(tp=2, dp=half), dict(tp=2, dp=half, sequence_parallel=True),
-             dict(tp=world), dict(tp=world, recompute="selective"),
-             dict(pp=2, dp=half), dict(pp=2, dp=half, schedule="gpipe"),
-             dict(pp=2, tp=half), dict(pp=world), dict(pp=world, schedule="zero-bubble"),
-             dict(pp=2, dp=half, virtual=2, schedule="interleaved-1f1b"),
-             dict(pp=world, recompute="full")]
+             dict(tp=world), dict(tp=world, recompute=selective),
+             dict(pp=2, dp=half), dict(pp=2, dp=half, schedule=Schedule.GPIPE),
+             dict(pp=2, tp=half), dict(pp=world), dict(pp=world, schedule=Schedule.ZERO_BUBBLE),
+             dict(pp=2, dp=half, virtual=2, schedule=Schedule.INTERLEAVED_1F1B),
+             dict(pp=world, recompute=full)]
     configs = []
     for form in forms:
         tp, pp, virtual = form.get("tp", 1), form.get("pp", 1), form.get("virtual", 1)
@@ -132,7 +135,7 @@ def describe(config) -> str:
         parts.append(f"zero{config.zero}")
     if config.sequence_parallel:
         parts.append("sp")
-    if config.recompute != "none":
+    if config.recompute != Recompute.NONE:
         parts.append(f"rc-{config.recompute}")
     if config.pp > 1:
         parts.append(config.schedule + (f" v{config.virtual}" if config.virtual > 1 else ""))

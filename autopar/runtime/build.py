@@ -24,7 +24,7 @@ from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.passes import PassTarget, run_passes, split_model
 from autopar.passes.program import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                     signature)
-from autopar.plans import Plan
+from autopar.plans import AxisRole, Plan
 from autopar.runtime import materialize
 from autopar.runtime import precision as mixed
 from autopar.runtime.checks import (check_example_kwargs, check_loss, check_loss_reduction,
@@ -35,7 +35,7 @@ from autopar.runtime.rank_grid import PipelineLayout, device_mesh, pipeline_layo
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.stage_state import broadcast_from_first_rank, hold_unread_buffers
 from autopar.runtime.tied import TiedWeights
-from autopar.solver.schedules import relay_error
+from autopar.plans.schedules import relay_error
 
 
 def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
@@ -129,13 +129,13 @@ def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout
     values of the stage's first rank), then are rewritten by the passes (tensor parallelism
     distributes whole tensors, so after the copy)."""
     target = PassTarget(tp_mesh=mesh["tp"] if layout.tp > 1 else None,
-                        tp_axis=[name for name, _ in plan.axes].index("tp") if layout.tp > 1 else None,
+                        tp_axis=plan.axis_index(AxisRole.TENSOR) if layout.tp > 1 else None,
                         compute_dtype=mixed.compute_dtype(plan.precision),
                         batch_norm_group=mesh["dp"].get_group() if sync_batchnorm and layout.dp > 1
                         else None)
     programs = split_model(exported, plan, target, blocks=_repeated_layers(model, plan))
     hold_unread_buffers(programs, model, [stage.layers for stage in plan.stages])
-    # the planner never emits this (autopar.solver.stage_flow finds the same values); a plan
+    # the planner never emits this (autopar.plans.stage_flow finds the same values); a plan
     # written by hand, or for other stages, may
     refusal = relay_error(plan.schedule, programs[0].relayed)
     if refusal is not None:

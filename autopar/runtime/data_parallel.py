@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
-from autopar.cost.memory import reduces_every_micro_batch
+from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 from autopar.passes.tensor_parallel import TensorParallelStage
 from autopar.plans import Plan
 from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
@@ -38,7 +38,7 @@ def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMe
         wrap = functools.partial(replicate, mesh=dp_mesh, **policy)
     else:
         wrap = functools.partial(fully_shard, mesh=dp_mesh, **policy,
-                                 reshard_after_forward=zero == 3 and schedule != "zero-bubble")
+                                 reshard_after_forward=not keeps_weights_gathered(zero, schedule))
     for layer in _layers(module):
         wrap(layer)
     wrap(module)

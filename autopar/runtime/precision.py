@@ -38,21 +38,23 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The precisions whose range loses gradients unless the loss is scaled.
-SCALED = ("fp16",)
+from autopar.plans.vocabulary import PRECISIONS, Precision
 
 
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise AutoparError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}; use 'bf16' "
-                           f"(or 'fp16' where bf16 is not supported) for mixed precision")
+def check_precision(precision: str) -> Precision:
+    try:
+        return Precision(precision)
+    except ValueError:
+        raise AutoparError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}; use "
+                           f"'bf16' (or 'fp16' where bf16 is not supported) for mixed "
+                           f"precision") from None
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
-    check_precision(precision)
-    return PRECISIONS[precision]
+    """The 16-bit dtype a mixed precision computes in (the plan language names it); None for fp32,
+    which runs without autocast."""
+    chosen = check_precision(precision)
+    return None if chosen is Precision.FP32 else getattr(torch, chosen.dtype)
 
 
 def mp_policy(precision: str) -> MixedPrecisionPolicy | None:
@@ -135,8 +137,7 @@ class LossScaler(ShardedGradScaler):
 
 def loss_scaler(precision: str, device: torch.device) -> LossScaler | None:
     """The loss scaler the precision needs (fp16), or None."""
-    check_precision(precision)
-    return LossScaler(device) if precision in SCALED else None
+    return LossScaler(device) if check_precision(precision).scales_loss else None
 
 
 def scaled_loss(loss_fn, scaler: LossScaler | None):

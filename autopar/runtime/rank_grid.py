@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
-from autopar.plans import Plan
+from autopar.plans import AxisRole, Plan
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,7 +67,7 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
         if key not in rank_sets:
             rank_sets.append(key)
         stage_rank.append(rank_sets.index(key))
-    dp_major = [name for name, _ in plan.axes][:1] != ["tp"]
+    dp_major = plan.axis_roles[:1] != [AxisRole.TENSOR]
     grid = [[[ranks[_flat(d, t, first.dp, first.tp, dp_major)] for t in range(first.tp)]
              for d in range(first.dp)] for ranks in rank_sets]
     everyone = sorted(r for ranks in rank_sets for r in ranks)

@@ -1,12 +1,12 @@
 """The schedule that runs a plan's micro-batches on this rank's stages.
 
 A plan with several stages runs the torch.distributed.pipelining schedule that
-`autopar.solver.schedules` names for it (the one statement of what torch runs, which the planner
+`autopar.plans.schedules` names for it (the one statement of what torch runs, which the planner
 also searches with). A plan with one stage has nothing to pipeline: its schedule is a loop of
 forward and backward per micro-batch, as torch's single-stage schedules do, without their
 per-chunk bookkeeping.
 
-Data-parallel gradients are reduced when `autopar.cost.memory.reduces_every_micro_batch` says
+Data-parallel gradients are reduced when `autopar.plans.zero.reduces_every_micro_batch` says
 (the rule the cost model prices): after every micro-batch under ZeRO-2 and 3, so that a rank
 accumulates only its shard, otherwise once, on the last micro-batch.
 """
@@ -19,10 +19,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._backward import stage_backward
 
-from autopar.cost.memory import reduces_every_micro_batch
+from autopar.plans.zero import reduces_every_micro_batch
 from autopar.errors import PlanMismatchError
 from autopar.plans import Plan
-from autopar.solver.schedules import schedule_error, torch_schedule
+from autopar.plans.schedules import schedule_error, torch_schedule
 
 
 class MicroBatchLoop:

@@ -12,7 +12,7 @@ its gradient all-reduced there: data parallelism, priced on the edge. Graph inpu
 placement for free (each rank loads its part); graph outputs are made replicated (priced on their
 producer's strategy).
 
-Roles. `roles={"node": "data", "gpu": "tensor"}` restricts axes: a data axis shards every
+Roles. `roles={"node": "dp", "gpu": "tp"}` (`AxisRole`) restricts axes: a data axis shards every
 activation that has a batch dim on it and nothing else, its ops see parameters replicated (stored
 R, Z or S: ZeRO); a tensor axis never shards the batch, and stores every matrix parameter
 sharded on it (what a tensor-parallel degree means to the estimator and to a user who forces one). The batch dim of every tensor is found by following the graph inputs'
@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 from autopar.cost.mesh import Mesh
 from autopar.cost.reshard import gradient_given, gradient_need, work_split
-from autopar.cost.vocabulary import AXIS_ROLES, AxisRole
+from autopar.plans.vocabulary import AXIS_ROLES, AxisRole
 from autopar.cost.strategies import (R, S, OpStrategy, OpView, axis_strategies, combine,
                                       placement_str)
 from autopar.errors import AutoparError
@@ -48,7 +48,6 @@ from autopar.solver.op_prices import (NOT_DIFFERENTIABLE, ZERO2, OpPricer, local
                                     optimizer_bytes, saved_for_backward)
 from autopar.solver.problem import Edge, Problem, ProblemNode, Strategy
 
-ROLES = AXIS_ROLES
 SKIPPED = ("output",)
 SEQUENCE_DIM = 1        # of the residual stream, [batch, sequence, hidden]
 
@@ -78,9 +77,9 @@ def check_roles(mesh: Mesh, roles: Mapping[str, str] | None) -> list[str | None]
         if name not in names:
             raise AutoparError(f"roles name axis {name!r}, which mesh {mesh} does not have; "
                                f"its axes are {names}")
-        if role not in ROLES:
-            raise AutoparError(f"role {role!r} for axis {name!r} is unknown; roles are {ROLES}")
-    return [roles.get(name) for name in names]
+        if role not in AXIS_ROLES:
+            raise AutoparError(f"role {role!r} for axis {name!r} is unknown; roles are {AXIS_ROLES}")
+    return [AxisRole(roles[name]) if name in roles else None for name in names]
 
 
 class _Builder:

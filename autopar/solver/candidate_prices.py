@@ -19,7 +19,7 @@ from autopar.cost.config import Config
 from autopar.cost.estimator import StageSpec, estimate, estimate_stages
 from autopar.cost.layout import TensorPlacements
 from autopar.cost.mesh import Mesh, MeshAxis
-from autopar.cost.vocabulary import AxisRole
+from autopar.plans.vocabulary import AxisRole
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.solver.candidates import Candidate, Priced, Unit
@@ -73,7 +73,7 @@ class CandidatePricer:
 
     def stages_estimate(self, candidate: Candidate, units: list[Unit]):
         shape = candidate.shape
-        specs = [StageSpec(layers=[u.ref for u in units[candidate.cuts[i]:candidate.cuts[i + 1]]],
+        specs = [StageSpec(layers=chunk_layers(units, candidate, i),
                            tp=shape.tp, dp=shape.dp,
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
                            sequence_parallel=self.splits_stream(shape),
@@ -116,9 +116,9 @@ class CandidatePricer:
                     "replicated_ops": [], "stats": {"status": "no tensor axis", "seconds": 0.0}}, None
         from autopar.solver import solve_intra_op
 
-        axis = Mesh(self.mesh.device, (MeshAxis("tp", tp, self.mesh.device.intra_node),))
+        axis = Mesh(self.mesh.device, (MeshAxis(AxisRole.TENSOR, tp, self.mesh.device.intra_node),))
         # the calibrated mesh's own link and efficiencies: the prices the estimator uses
-        intra = solve_intra_op(graph, axis, roles={"tp": AxisRole.TENSOR}, memory_limit=float("inf"),
+        intra = solve_intra_op(graph, axis, roles={AxisRole.TENSOR: AxisRole.TENSOR}, memory_limit=float("inf"),
                                time_limit=max(1.0, self.deadline - time.monotonic()),
                                efficiencies=self.efficiencies,
                                sequence_parallel=self.sequence_parallel)

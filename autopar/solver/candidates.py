@@ -8,7 +8,7 @@ with recompute and ZeRO per chunk. Layouts come from Megatron's grid (`megatron_
 pipelines whose degree does not divide the blocks (`autopar_shapes`) and, when nothing else fits,
 pipelines shorter than their stages (`short_pipeline_shapes`); cuts are Megatron's uniform ones
 or balanced by a dynamic program (`balanced_cuts`). What the runtime cannot run is never proposed
-(`layout_error`, the rules of autopar.solver.schedules).
+(`layout_error`, the rules of autopar.plans.schedules).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autopar.solver.schedules import runs, schedule_error
+from autopar.plans.schedules import runs, schedule_error
+from autopar.plans.vocabulary import Recompute, Schedule
 from autopar.solver.units import Unit, pipeline_units, unit_weights  # noqa: F401 (the planner's API)
 
-RECOMPUTE_ORDER = ("none", "selective", "full")   # cheapest time first
+RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)   # cheapest time first
 GRID_VIRTUAL = (2, 3, 4, 6, 8)
 GRID_MICRO_BATCH = (1, 2, 4, 8, 16)
 MAX_MICRO_BATCH = 32
@@ -138,13 +139,13 @@ def megatron_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: i
                 m = global_batch // (dp * mbs)
                 sp = tp > 1
                 if pp == 1:
-                    shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                    shapes.append(Shape(tp, pp, dp, mbs, Schedule.ONE_F_ONE_B, 1, sp))
                     continue
-                if runs("1f1b", pp, m):
-                    shapes.append(Shape(tp, pp, dp, mbs, "1f1b", 1, sp))
+                if runs(Schedule.ONE_F_ONE_B, pp, m):
+                    shapes.append(Shape(tp, pp, dp, mbs, Schedule.ONE_F_ONE_B, 1, sp))
                 # Megatron interleaves only when the micro-batches fill whole rounds
                 if m % pp == 0:
-                    shapes += [Shape(tp, pp, dp, mbs, "interleaved-1f1b", v, sp) for v in GRID_VIRTUAL
+                    shapes += [Shape(tp, pp, dp, mbs, Schedule.INTERLEAVED_1F1B, v, sp) for v in GRID_VIRTUAL
                                if blocks % (pp * v) == 0]
     return shapes
 
@@ -179,5 +180,5 @@ def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_ba
                 continue
             for mbs in micro_batch_sizes(global_batch // dp, whole_batch):
                 if global_batch // (dp * mbs) < pp:
-                    shapes.append(Shape(tp, pp, dp, mbs, "gpipe", 1, tp > 1))
+                    shapes.append(Shape(tp, pp, dp, mbs, Schedule.GPIPE, 1, tp > 1))
     return shapes

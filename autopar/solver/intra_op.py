@@ -1,6 +1,6 @@
 """`solve_intra_op`: the per-op sharding of one graph on one (sub-)mesh, from the ILP.
 
-    solution = solve_intra_op(graph, Mesh.parse("2x4:a100-80g"), roles={"node": "data"})
+    solution = solve_intra_op(graph, Mesh.parse("2x4:a100-80g"), roles={"node": "dp"})
     solution.parameter_placements["layers.0.mlp.fc1.weight"]   # ["R", "S(0)"]
 
 Build the `Problem` (autopar.solver.build), solve it (autopar.solver.ilp), read the placements
@@ -60,9 +60,9 @@ def solve_intra_op(graph: Graph, mesh: Mesh, *, memory_limit: float | None = Non
                    backend: str = "highs", tie_blocks: bool = True,
                    efficiencies=None, sequence_parallel: bool | None = None) -> IntraOpSolution:
     """Choose every op's placement on every axis of `mesh`, fastest within `memory_limit` bytes
-    per device (None: the device's memory). `roles` pins what an axis may do ({"node": "data",
-    "gpu": "tensor"}). `efficiencies` (a calibration's) price the ops' compute; the mesh's links
-    price their communication. `sequence_parallel` forces the residual stream entering each norm
+    per device (None: the device's memory). `roles` pins what an axis may do (`AxisRole` values:
+    {"node": "dp", "gpu": "tp"}). `efficiencies` (a calibration's) price the ops' compute; the
+    mesh's links price their communication. `sequence_parallel` forces the residual stream entering each norm
     split on the sequence (True) or whole (False) on a tensor axis (`build_problem`). Raises
     InfeasibleError when nothing fits."""
     limit = mesh.device.memory_bytes if memory_limit is None else memory_limit

@@ -25,13 +25,13 @@ from autopar.cost.stages import blocks_per_chunk
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, InfeasibleError, format_bytes
 from autopar.graph import Graph, Role
-from autopar.plans import Plan, Stage
+from autopar.plans import AxisRole, Plan, Stage
 from autopar.solver.candidate_prices import CandidatePricer, chunk_layers
 from autopar.solver.candidates import (MAX_TP, Candidate, Priced, Shape, autopar_shapes, balanced_cuts,
                                        layout_error, megatron_shapes, module_shapes, pipeline_units,
                                        short_pipeline_shapes, uniform_cuts, unit_weights)
 from autopar.solver.search import Search, grid_phase, refine, uneven_phase
-from autopar.solver.stage_flow import skipping_pairs
+from autopar.plans.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
 
 REFINED_SHAPES = 3          # the best distinct device layouts that the local search starts from
@@ -188,7 +188,7 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
                     sequence_parallel=sequence_parallel)
     units = pipeline_units(graph)
     return Search(pricer=pricer, units=units, deadline=deadline,
-                  skipping=skipping_pairs(graph, [unit.layers for unit in units]),
+                  skipping=skipping_pairs(graph.flow_nodes(), [unit.layers for unit in units]),
                   coupling=graph.batch_coupling())
 
 
@@ -267,7 +267,7 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     # the placements were solved while pricing (their seconds are in the search's)
     solver = {**solver, "intra_op": tensor["stats"]}
     plan = Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
-                axes=[["dp", shape.dp], ["tp", shape.tp]], stages=stages,
+                axes=[[AxisRole.DATA, shape.dp], [AxisRole.TENSOR, shape.tp]], stages=stages,
                 global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
                 micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
                 parameters=parameters, nodes=nodes, solver=solver,

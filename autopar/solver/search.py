@@ -18,8 +18,8 @@ The search, in three phases, prices every candidate with the one estimator of au
 ZeRO 1-3 are candidates in phases 1 and 2 wherever there is data parallelism (ZeRO-0 in phase 3).
 What the runtime cannot run is never generated (`layout_error`): the global batch divides into
 dp x micro-batch x count, and torch.distributed.pipelining runs the schedule with that count on
-pp ranks of v chunks (the rules are in autopar.solver.schedules); and zero-bubble is no candidate
-for cuts that make an activation skip a stage (`Search.relay_error`, autopar.solver.stage_flow).
+pp ranks of v chunks (the rules are in autopar.plans.schedules); and zero-bubble is no candidate
+for cuts that make an activation skip a stage (`Search.relay_error`, autopar.plans.stage_flow).
 A model whose numbers change with micro-batching (BatchNorm in training mode, buffers written in
 forward: `Graph.batch_coupling`) gets one micro-batch per replica (`whole_batch`), which the
 runtime requires of it.
@@ -32,8 +32,9 @@ from dataclasses import dataclass, replace
 
 from autopar.solver.candidates import (MAX_MICRO_BATCH, RECOMPUTE_ORDER, Candidate, Priced, Shape, Unit,
                                        balanced_cuts, layout_error, uniform_cuts)
-from autopar.solver.schedules import relay_error, runs
-from autopar.solver.stage_flow import skips_a_stage
+from autopar.plans.schedules import relay_error, runs
+from autopar.plans.stage_flow import skips_a_stage
+from autopar.plans.vocabulary import Recompute, Schedule
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,11 +71,11 @@ class Search:
 
     def relay_error(self, candidate: Candidate) -> str | None:
         """Why the candidate's schedule cannot train the activations its cuts relay."""
-        if candidate.shape.schedule != "zero-bubble":
+        if candidate.shape.schedule != Schedule.ZERO_BUBBLE:
             return None
         unit_stage = [c for c in range(candidate.chunks)
                       for _ in range(candidate.cuts[c], candidate.cuts[c + 1])]
-        return relay_error("zero-bubble", [value for (made, read), value in self.skipping.items()
+        return relay_error(Schedule.ZERO_BUBBLE, [value for (made, read), value in self.skipping.items()
                                            if skips_a_stage(made, read, unit_stage)])
 
     def candidates(self) -> list[Priced]:
@@ -130,7 +131,7 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
             if fastest is None:
                 break
             fitted = True
-            needed[layout] = fastest.candidate.recompute[0] != "none"
+            needed[layout] = fastest.candidate.recompute[0] != Recompute.NONE
         if not fitted and not refused:
             too_big.add(layout)
     return results
@@ -142,7 +143,8 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_
     and that one (None when none fits); None when the estimator refuses the configuration."""
     chunks = len(cuts) - 1
     priced: list[Priced] = []
-    for recompute in ("none", "full", "selective") if try_none_first else ("full", "none", "selective"):
+    for recompute in ((Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE) if try_none_first
+                      else (Recompute.FULL, Recompute.NONE, Recompute.SELECTIVE)):
         candidate = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
                                  uniform=uniform)
         if candidate is None:
@@ -150,7 +152,7 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_
                 return None
             break
         priced.append(candidate)
-        if (recompute == "none" and candidate.fits) or (recompute == "full" and not candidate.fits):
+        if (recompute == Recompute.NONE and candidate.fits) or (recompute == Recompute.FULL and not candidate.fits):
             break       # the fastest fits, or the most saving does not
     fitting = [p for p in priced if p.fits]
     return priced, min(fitting, key=lambda p: p.step_time_s) if fitting else None
@@ -177,7 +179,7 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
             results.extend(priced)
             if fastest is None:
                 break
-            needs_recompute = fastest.candidate.recompute[0] != "none"
+            needs_recompute = fastest.candidate.recompute[0] != Recompute.NONE
     return results
 
 
@@ -221,9 +223,10 @@ def _schedule_moves(current: Priced, global_batch: int, weights_for):
         return
     m = global_batch // (shape.dp * shape.micro_batch)
     if shape.virtual > 1:
-        options = ("zero-bubble", "interleaved-1f1b") if m >= shape.pp else ()
+        options = (Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED_1F1B) if m >= shape.pp else ()
     else:
-        options = ("zero-bubble", "gpipe", "1f1b") if m >= shape.pp else ("gpipe",)
+        options = ((Schedule.ZERO_BUBBLE, Schedule.GPIPE, Schedule.ONE_F_ONE_B) if m >= shape.pp
+                   else (Schedule.GPIPE,))
     for schedule in options:
         if schedule != shape.schedule and runs(schedule, shape.pp, m, shape.virtual):
             yield replace(candidate, shape=replace(shape, schedule=schedule))
@@ -240,7 +243,7 @@ def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
         if per_replica % size or size == shape.micro_batch:
             continue
         if shape.pp > 1 and (not runs(shape.schedule, shape.pp, m, shape.virtual) or
-                             (shape.schedule != "gpipe" and m < shape.pp)):
+                             (shape.schedule != Schedule.GPIPE and m < shape.pp)):
             continue
         yield replace(candidate, shape=replace(shape, micro_batch=size))
 

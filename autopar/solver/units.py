@@ -31,12 +31,6 @@ class Unit:
     stop: int
     block: bool = False         # a repeated block instance
 
-    @property
-    def ref(self) -> tuple[int, int]:
-        """How the estimator's StageSpec names the unit: its node range (a path would be ambiguous
-        for a block module that runs more than once)."""
-        return (self.start, self.stop)
-
 
 def pipeline_units(graph: Graph) -> list[Unit]:
     """Embedding, block instances in order, head: the pieces stage cuts may not split; for a

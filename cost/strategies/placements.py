@@ -1,17 +1,17 @@
-"""Placements on one mesh axis, as torch's DTensor defines them, and their text form.
+"""Placements on one mesh axis as torch's DTensor objects, and their text form.
 
 `Shard(d)` prints as "S(d)", `Replicate()` as "R", `Partial()` as "P": the form plans and the
-torch-free `Problem` use. Strategies work with torch's placement objects; everything that leaves
-this package (problems, solutions, plans) carries the strings.
+torch-free `Problem` use, which autopar.plans.placements parses and prints (the one parser).
+Strategies work with torch's placement objects; everything that leaves this package (problems,
+solutions, plans) carries the strings.
 """
 
 from __future__ import annotations
 
-import re
-
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autopar.errors import AutoparError
+from autopar.plans import placements as text
 
 R = Replicate()
 P = Partial()
@@ -23,23 +23,19 @@ def S(dim: int) -> Shard:
 
 def placement_str(placement: Placement) -> str:
     if isinstance(placement, Shard):
-        return f"S({placement.dim})"
+        return str(text.shard(placement.dim))
     if isinstance(placement, Replicate):
-        return "R"
+        return str(text.REPLICATE)
     if isinstance(placement, Partial):
-        return "P"
+        return str(text.PARTIAL)
     raise AutoparError(f"placement {placement!r} is not Shard, Replicate or Partial")
 
 
-def parse_placement(text: str) -> Placement:
-    if text == "R":
-        return R
-    if text == "P":
-        return P
-    match = re.fullmatch(r"S\((\d+)\)", text)
-    if not match:
-        raise AutoparError(f"placement {text!r} is malformed: expected 'R', 'P' or 'S(dim)'")
-    return Shard(int(match.group(1)))
+def parse_placement(written: str) -> Placement:
+    parsed = text.parse_placement(written)
+    if parsed.is_shard:
+        return Shard(parsed.dim)
+    return R if parsed == text.REPLICATE else P
 
 
 def is_shard(placement: Placement) -> bool:

@@ -3,7 +3,7 @@ pipeline depth, chunks per rank and micro-batch count make a schedule torch can 
 
 The planner generates only candidates these rules accept, and the runtime builds the torch
 schedule these rules name, so a plan never names a schedule that fails when the runtime builds it.
-No torch import: the solver stays torch-free.
+No torch import: plans stay torch-free.
 
 The rules, read from torch/distributed/pipelining/schedules.py and checked by constructing every
 class for 1-8 ranks, 1-4 chunks per rank and 1-40 micro-batches (tests/test_pipeline_schedules.py):
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopar.cost.vocabulary import SCHEDULES
+from autopar.plans.vocabulary import SCHEDULES, Schedule
 from autopar.errors import AutoparError
 
 
@@ -35,12 +35,12 @@ def torch_schedule(schedule: str, stages_per_rank: int, v_shape: bool = False) -
     stages on each rank (`v_shape`: rank r holds stages r and 2 pp - 1 - r)."""
     if schedule not in SCHEDULES:
         raise AutoparError(f"schedule {schedule!r} is unknown; expected one of {', '.join(SCHEDULES)}")
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         if stages_per_rank != 1:
             raise AutoparError(f"schedule {schedule!r} runs one stage per rank, but each rank holds "
                                f"{stages_per_rank}; use 'interleaved-1f1b' or 'zero-bubble'")
-        return "ScheduleGPipe" if schedule == "gpipe" else "Schedule1F1B"
-    if schedule == "interleaved-1f1b":
+        return "ScheduleGPipe" if schedule == Schedule.GPIPE else "Schedule1F1B"
+    if schedule == Schedule.INTERLEAVED_1F1B:
         return "ScheduleInterleaved1F1B"
     if v_shape and stages_per_rank == 2:
         return "ScheduleZBVZeroBubble"
@@ -77,11 +77,11 @@ def schedule_error(schedule: str, pp: int, micro_batches: int, virtual: int = 1,
 def relay_error(schedule: str, relayed: Sequence[str]) -> str | None:
     """Why torch cannot train `schedule` on stages that relay the activations `relayed` (values a
     stage reads more than one stage after the stage computing them, passed along the stages
-    between; autopar.solver.stage_flow finds them); None when it can. Seen on T5, whose encoder
+    between; autopar.plans.stage_flow finds them); None when it can. Seen on T5, whose encoder
     output every decoder stage reads: the split backward of torch's zero-bubble schedules
     (gradients of the inputs first, of the weights later) then gives gradients that differ from
     one process, where 1F1B's and GPipe's whole backward does not."""
-    if schedule != "zero-bubble" or not relayed:
+    if schedule != Schedule.ZERO_BUBBLE or not relayed:
         return None
     return (f"the zero-bubble schedule cannot train these stages: activations such as "
             f"{relayed[0]} are read more than one stage after the one that computes them, and "

@@ -1,12 +1,12 @@
 """Which pipeline unit computes each value of a model, and which values skip a stage.
 
-The one place both sides read: the runtime's split (autopar.passes.stage_split and
-stage_interfaces) assigns the nodes of the exported graph to units and relays every value a stage
-reads more than one stage after the stage that computes it; the planner
-(autopar.solver.search) asks the same of its captured Graph, before choosing a schedule, since
-torch's zero-bubble schedules train relayed activations wrong (seen on T5, whose encoder output
-every decoder stage reads). No torch import: the solver stays torch-free, so both sides describe
-their nodes as `FlowNode`s.
+The one place the planner, the estimator and the runtime read: the runtime's split assigns the
+nodes of the exported graph to units and relays every value a stage reads more than one stage
+after the stage that computes it; the estimator prices a plan's stages on the nodes these rules
+give them (autopar.cost.plan_estimate); the planner asks the same of its captured Graph before
+choosing a schedule, since torch's zero-bubble schedules train relayed activations wrong (seen on
+T5, whose encoder output every decoder stage reads). No torch import: plans stay torch-free, so
+each side describes its nodes as `FlowNode`s (`Graph.flow_nodes()` for a captured graph).
 
 A unit is a module path ("embed", "layers.0", "head"), in model order; `unit_stage[u]` is the
 pipeline stage of unit u. The rules:
@@ -29,21 +29,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from autopar.graph import Graph, Role
+from enum import StrEnum
 
 # the export's check of a tensor's dtype, device and layout: it restates what the export traced
 # and names the device it traced on, so it never keeps a node alive
 ASSERT_METADATA = "aten._assert_tensor_metadata.default"
-INPUT, PARAMETER, BUFFER, FUNCTION, OTHER, OUTPUT = ("input", "parameter", "buffer", "function",
-                                                     "other", "output")
+
+
+class NodeKind(StrEnum):
+    INPUT = "input"                 # a model input
+    PARAMETER = "parameter"
+    BUFFER = "buffer"               # or a constant the export lifted
+    FUNCTION = "function"           # an op
+    OTHER = "other"                 # a get_attr
+    OUTPUT = "output"               # the graph's outputs
+
+
+INPUT, PARAMETER, BUFFER, FUNCTION, OTHER, OUTPUT = NodeKind
 
 
 @dataclass(frozen=True, slots=True)
 class FlowNode:
     name: str
-    kind: str                       # INPUT (a model input), PARAMETER, BUFFER (or a lifted
-                                    # constant), FUNCTION (an op), OTHER, OUTPUT (the graph's)
+    kind: NodeKind
     inputs: tuple[str, ...] = ()    # the nodes it reads, each once
     module_path: str = ""           # the innermost module it ran in; "" at the top level
     target: str = ""                # "aten.mm.default" for an op
@@ -62,15 +70,6 @@ class Span:
     @property
     def furthest(self) -> int:
         return max(self.readers, default=self.made)
-
-
-def graph_flow(graph: Graph) -> list[FlowNode]:
-    """A captured Graph's nodes as the rules see them (the same as the runtime's export)."""
-    kinds = {Role.INPUT: INPUT, Role.PARAMETER: PARAMETER, Role.BUFFER: BUFFER, Role.OUTPUT: OUTPUT}
-    return [FlowNode(name=node.name, inputs=node.inputs, module_path=node.module_path,
-                     target=node.target, effect=node.effect, writes=bool(node.writes),
-                     kind=kinds.get(node.role) or (OTHER if node.target == "get_attr" else FUNCTION))
-            for node in graph.nodes]
 
 
 def constants(nodes: Sequence[FlowNode]) -> set[str]:
@@ -176,7 +175,8 @@ def skips_a_stage(made: int, read: int, unit_stage: Sequence[int]) -> bool:
     return stage_of(read, unit_stage) > stage_of(made, unit_stage) + 1
 
 
-def skipping_pairs(graph: Graph, unit_layers: Sequence[Sequence[str]]) -> dict[tuple[int, int], str]:
+def skipping_pairs(nodes: Sequence[FlowNode],
+                   unit_layers: Sequence[Sequence[str]]) -> dict[tuple[int, int], str]:
     """For the planner, whose units are groups of layers (`unit_layers`, in model order): the
     (unit that computes, furthest unit that reads) of every activation that some cut could make
     skip a stage, i.e. read two or more units later, with the first such activation's name; the
@@ -184,7 +184,7 @@ def skipping_pairs(graph: Graph, unit_layers: Sequence[Sequence[str]]) -> dict[t
     when `skips_a_stage` says so for one of these pairs (with each unit's stage)."""
     layers = [layer for group in unit_layers for layer in group]
     group_of = [g for g, group in enumerate(unit_layers) for _ in group] + [len(unit_layers)]
-    nodes = _live(graph_flow(graph))
+    nodes = live(nodes)
     unit_of_node = assign_units(nodes, layers)
     pairs: dict[tuple[int, int], str] = {}
     for span in spans(nodes, unit_of_node, len(layers)):
@@ -196,7 +196,8 @@ def skipping_pairs(graph: Graph, unit_layers: Sequence[Sequence[str]]) -> dict[t
     return pairs
 
 
-def _live(nodes: list[FlowNode]) -> list[FlowNode]:
+def live(nodes: Sequence[FlowNode]) -> list[FlowNode]:
+    """`nodes` without those `dead` drops."""
     dropped = set(dead(nodes))
     return [node for node in nodes if node.name not in dropped]
 

@@ -1,0 +1,29 @@
+"""How a plan's data parallelism runs under each ZeRO stage and schedule: the rules the runtime
+follows when it wraps a stage in FSDP2 and the cost model prices, written once.
+
+ZeRO-2 and 3 reduce-scatter the gradients after every micro-batch, so that a rank accumulates
+only its shard (DeepSpeed's stage 2 and torchtitan's FSDP do the same); plain data parallelism and
+ZeRO-1 (whose point is to split only the optimizer state) accumulate them whole and reduce once,
+on the last micro-batch. ZeRO-3 frees its gathered weights after each forward and gathers them
+again for the backward. Zero-bubble schedules split the backward into an input half and a weight
+half that runs later: FSDP's per-layer reduction would fire between them, and freeing weights
+between forward and backward gives wrong weight gradients in torch 2.13, so under them gradients
+accumulate whole and ZeRO-3 keeps its weights gathered.
+"""
+
+from __future__ import annotations
+
+from autopar.plans.vocabulary import Schedule
+
+
+def reduces_every_micro_batch(zero: int, schedule: str) -> bool:
+    """Whether gradients are reduce-scattered after every micro-batch's backward, rather than
+    accumulated whole and reduced on the last micro-batch."""
+    return zero >= 2 and schedule != Schedule.ZERO_BUBBLE
+
+
+def keeps_weights_gathered(zero: int, schedule: str) -> bool:
+    """Whether a stage keeps its weights gathered from a micro-batch's forward to its backward
+    (FSDP2's `reshard_after_forward=False`): below ZeRO-3 always, under ZeRO-3 only with a
+    zero-bubble schedule."""
+    return zero < 3 or schedule == Schedule.ZERO_BUBBLE
