@@ -187,26 +187,14 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     models run one micro-batch per replica (more would normalize over fewer samples): a free plan
     does so, and a plan with more micro-batches is refused."""
     from autopar.tracer import capture
-    from autopar.cost.config import Config
-    from autopar.runtime.materialize import check_sources
     from autopar.runtime.build import build_runtime
     from autopar.solver.planner import at_precision
 
     # Every argument first: a mistake is named before any process group or collective.
     mesh = _as_mesh(mesh)
     _check_training(model, example_inputs, loss_fn, optimizer, example_kwargs)
-    if not isinstance(sync_batchnorm, bool):
-        raise AutoparError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}")
-    check_precision(precision)
-    if plan is None:
-        check_planning(global_batch or 1, time_limit, memory_limit)
-    elif global_batch is not None:
-        check_planning(global_batch, time_limit, None)
-    if not isinstance(plan, Config) and plan is not None:
-        plan = _load_plan(plan)
-    check_sources(model, load_from, init)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise AutoparError(f"seed={seed!r} must be an integer (it seeds init= per module)")
+    plan = _checked_plan_arguments(plan, global_batch, time_limit, memory_limit, precision)
+    _check_model_arguments(model, load_from, init, seed, sync_batchnorm)
     _join_process_group(mesh)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     example_kwargs = dict(example_kwargs or {})
@@ -223,6 +211,30 @@ def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_k
     return build_runtime(model, plan, graph=graph, example_inputs=example_inputs,
                          example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=optimizer,
                          load_from=load_from, init=init, seed=seed, sync_batchnorm=sync_batchnorm)
+
+
+def _checked_plan_arguments(plan, global_batch, time_limit, memory_limit, precision):
+    """The plan as compile takes it (a file read, a Plan checked as one read from JSON, a
+    Config), after the planning arguments are checked."""
+    from autopar.cost.config import Config
+
+    check_precision(precision)
+    if plan is None:
+        check_planning(global_batch or 1, time_limit, memory_limit)
+    elif global_batch is not None:
+        check_planning(global_batch, time_limit, None)
+    return plan if plan is None or isinstance(plan, Config) else _load_plan(plan)
+
+
+def _check_model_arguments(model, load_from, init, seed, sync_batchnorm) -> None:
+    """Where the model's values come from, and how BatchNorm normalizes."""
+    from autopar.runtime.materialize import check_sources
+
+    if not isinstance(sync_batchnorm, bool):
+        raise AutoparError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}")
+    check_sources(model, load_from, init)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise AutoparError(f"seed={seed!r} must be an integer (it seeds init= per module)")
 
 
 def _plan_to_run(graph, mesh, plan, batch: int, *, memory_limit, time_limit: float,

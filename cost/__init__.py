@@ -9,7 +9,8 @@
     memory.py       model states under ZeRO, activations in flight per pipeline schedule
     overlap.py      data-parallel traffic (gradients, ZeRO gathers) and what each runtime hides
     stages.py       which nodes each pipeline chunk holds (StageSpec, even and uneven splits)
-    estimator.py    the one estimator: `estimate`, `estimate_stages`, `max_batch`, `max_seq`
+    estimator.py    the one estimator: `estimate`, `estimate_stages`
+    capacity.py     how large a micro-batch or sequence fits: `max_batch`, `max_seq`
     plan_estimate.py  `estimate_plan`: a Plan priced from its own stages and placements (what it
                     records)
     price_cache.py  what the estimator's calls share, in a dict the caller passes as `cache=`
@@ -29,8 +30,8 @@ _LAZY = {
     "estimate": "autopar.cost.estimator",
     "estimate_stages": "autopar.cost.estimator",
     "estimate_plan": "autopar.cost.plan_estimate",
-    "max_batch": "autopar.cost.estimator",
-    "max_seq": "autopar.cost.estimator",
+    "max_batch": "autopar.cost.capacity",
+    "max_seq": "autopar.cost.capacity",
     "Estimate": "autopar.cost.estimator",
     "StageSpec": "autopar.cost.stages",
 }

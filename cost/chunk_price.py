@@ -137,21 +137,10 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     for node in nodes:
         i = layout.index[node.name]
-        fwd, bwd, comm_fwd, comm_bwd, kept, exchange = prices[node.name]
-        out.forward_s += fwd
-        out.tensor_comm_s += comm_fwd
-        out.exchange_s += exchange
-        if node.requires_grad:
-            out.backward_s += bwd
-            out.weight_backward_s += bwd * WEIGHT_SHARE_OF_BACKWARD if node.param_bytes else 0.0
-            out.autograd_ops += 1
-            out.tensor_comm_s += comm_bwd
-            out.exchange_s += exchange          # the gradients go back the same way
+        kept = prices[node.name][4]
         region = regions[i]
+        _add_times(out, node, prices[node.name], recomputed=bool(region))
         if region:
-            out.recompute_s += fwd
-            out.tensor_comm_s += comm_fwd
-            out.exchange_s += exchange
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)
             region_nodes.setdefault(region, set()).add(i)
@@ -185,6 +174,25 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     # it kept for the next op's backward (as large) is freed by then
     out.flowing_poly = {widest[1]: widest[0]}
     return out
+
+
+def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) -> None:
+    """A node's seconds (`node_prices`) added to its chunk's: forward, backward, tensor-parallel
+    collectives and the experts' exchanges, again in the backward where it recomputes."""
+    fwd, bwd, comm_fwd, comm_bwd, _, exchange = price
+    out.forward_s += fwd
+    out.tensor_comm_s += comm_fwd
+    out.exchange_s += exchange
+    if node.requires_grad:
+        out.backward_s += bwd
+        out.weight_backward_s += bwd * WEIGHT_SHARE_OF_BACKWARD if node.param_bytes else 0.0
+        out.autograd_ops += 1
+        out.tensor_comm_s += comm_bwd
+        out.exchange_s += exchange          # the gradients go back the same way
+    if recomputed:
+        out.recompute_s += fwd
+        out.tensor_comm_s += comm_fwd
+        out.exchange_s += exchange
 
 
 def _collectives_time(group: Group, collectives: tuple, b: int) -> float:

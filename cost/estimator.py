@@ -58,7 +58,6 @@ from autopar.graph import Graph
 from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
-from autopar.cost.layout import graph_sequence
 from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
@@ -70,7 +69,7 @@ from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step
                                 sharded_traffic)
 from autopar.cost.offload import offloaded_memory
 from autopar.cost.stages import StageSpec, uniform_stages
-from autopar.plans.vocabulary import DTYPE_BYTES, PRECISIONS, Precision, Recompute, Schedule
+from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
@@ -124,7 +123,7 @@ def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficien
     `estimate_stages`; `runtime`: the training runtime whose overlap applies (cost/overlap.py);
     `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
     collectives replace the defaults and the mesh's links; `precision`: see `estimate_stages`."""
-    _check_world(mesh, config)
+    check_world(mesh, config)
     stages = uniform_stages(graph, config, placements)
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,
@@ -134,7 +133,7 @@ def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficien
                            routing_imbalance=config.routing_imbalance)
 
 
-def _check_world(mesh: Mesh, config: Config) -> None:
+def check_world(mesh: Mesh, config: Config) -> None:
     if config.world_size != mesh.world_size:
         raise AutoparError(f"tp x cp x pp x dp = {config.tp} x {config.cp} x {config.pp} x "
                            f"{config.dp} = {config.world_size} does not match the "
@@ -157,23 +156,17 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     pays for each part once; results are the same with or without it. `precision` "bf16" or
     "fp16" (mixed precision, the same bytes) or "fp32": the bytes of activations, model states and
     data-parallel traffic, and the FLOP/s of the device's matmuls in that dtype; by default what
-    the device trains in (bf16 on GPUs, fp32 on CPUs).; "fp8": see _ACTIVATION_DTYPE. `routing_imbalance`: the
-    slowest rank's expert rows over the mean; `dispatch`: "all-to-all" or "deduplicated"
+    the device trains in (bf16 on GPUs, fp32 on CPUs); "fp8": see _ACTIVATION_DTYPE.
+    `routing_imbalance`: the slowest rank's expert rows over the mean; `dispatch`: "all-to-all" or "deduplicated"
     (cost.experts.exchange_time); `overlap_exchange`: the experts' all-to-alls run behind
     another micro-batch's compute (Megatron-Core's 1F1B all-to-all overlap, DualPipe), showing
     only where they outlast it."""
     mesh, eff = calibrated(mesh, efficiencies, calibration)
     runtime = runtime_named(runtime)
     precision = precision or default_precision(mesh)
-    if precision not in _ACTIVATION_DTYPE:
-        raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
-    gemm_dtype = "float8" if precision == "fp8" and "float8" in mesh.device.peak_flops else ""
-    if dispatch not in DISPATCHES:
-        raise AutoparError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCHES)}")
-    memo = PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision], routing_imbalance,
-                         gemm_dtype, dispatch)
+    memo = _price_cache(cache, graph, mesh, eff, precision, routing_imbalance, dispatch)
     check_stages(graph, stages, memo)
-    pipe = _price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
+    pipe = price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo,
                            whole_sends=runtime.whole_stage_sends)
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
@@ -181,9 +174,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for c, spec in enumerate(stages):
         chunks[c].host_s = host_time(spec, split.groups[c], chunks[c],
                                       pipelined=len(devices) > 1, schedule=schedule, eff=eff)
-    for chunk in chunks:
-        chunk.exchange_s = (max(0.0, chunk.exchange_s - chunk.forward_s - chunk.backward_s)
-                            if overlap_exchange else chunk.exchange_s)
+    for chunk in chunks if overlap_exchange else ():
+        chunk.exchange_s = max(0.0, chunk.exchange_s - chunk.forward_s - chunk.backward_s)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
     ideal = m * max(per_mb)
     bubble = _bubble(chunks, devices, per_mb, schedule, virtual)
@@ -191,24 +183,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     sharing = ranks_per_core(mesh, eff)
     if len(devices) > 1 and sharing > 1:
         lent = shared_host_time(per_mb, m, ideal + bubble, sharing) - ideal - bubble
-    data_comm, optimizer, offloaded = [], [], []
-    for d, cs in enumerate(devices):
-        spec = stages[cs[0]]
-        work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
-                            [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
-                            kept_gathered=keeps_weights_gathered(spec.zero, schedule),
-                            reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
-        data_comm.append(sharded_traffic(work, spec, micro_batches=m, mesh=mesh, runtime=runtime,
-                                         element_bytes=DTYPE_BYTES[memo.dtype]))
-        local_params = sharded_params(work, spec)
-        if spec.offload:
-            offloaded.append(offload_step(work, spec, micro_batches=m, schedule=schedule,
-                                          mesh=mesh, eff=eff))
-            optimizer.append(offloaded[-1][1])
-            continue
-        optimizer.append(compute_time(0, local_params * OPTIMIZER_STEP_BYTES_PER_PARAM,
-                                      mesh.device, "elementwise", efficiencies=eff))
-    memory, host = _memory(pipe, stages, pipe.samples, schedule, virtual, precision=precision)
+    data_comm, optimizer, offloaded = _device_steps(pipe, stages, split, schedule, mesh=mesh,
+                                                    eff=eff, runtime=runtime, memo=memo)
+    memory, host = pipeline_memory(pipe, stages, pipe.samples, schedule, virtual, precision=precision)
     exposed_copies = max((copies for copies, _ in offloaded), default=0.0)
     tied = tied_exposed(memo.readers(split), memo.layout(stages[0]), stages[0], mesh,
                         pp=len(devices))
@@ -224,6 +201,42 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         result.comm_breakdown["host"] = exposed_copies
         result.host_memory_bytes = max(host)
     return result
+
+
+def _price_cache(cache: dict | None, graph: Graph, mesh: Mesh, eff: Efficiencies, precision: str,
+                 routing_imbalance: float, dispatch: str) -> PriceCache:
+    """What the estimator's calls on this graph, mesh and precision share (price_cache.py)."""
+    if precision not in _ACTIVATION_DTYPE:
+        raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
+    gemm_dtype = "float8" if precision == "fp8" and "float8" in mesh.device.peak_flops else ""
+    if dispatch not in DISPATCHES:
+        raise AutoparError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCHES)}")
+    return PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision], routing_imbalance,
+                         gemm_dtype, dispatch)
+
+
+def _device_steps(pipe: _Pipeline, stages: list[StageSpec], split, schedule: str, *, mesh: Mesh,
+                  eff: Efficiencies, runtime: Runtime, memo: PriceCache) -> tuple[list, list, list]:
+    """Per pipeline rank: its exposed data-parallel traffic and its optimizer step's seconds; and
+    for the ranks that offload, (exposed host copies, the host's step)."""
+    chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
+    data_comm, optimizer, offloaded = [], [], []
+    for d, cs in enumerate(devices):
+        spec = stages[cs[0]]
+        work = _device_work([chunks[c] for c in cs], [stages[c] for c in cs],
+                            [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
+                            kept_gathered=keeps_weights_gathered(spec.zero, schedule),
+                            reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
+        data_comm.append(sharded_traffic(work, spec, micro_batches=m, mesh=mesh, runtime=runtime,
+                                         element_bytes=DTYPE_BYTES[memo.dtype]))
+        if spec.offload:
+            offloaded.append(offload_step(work, spec, micro_batches=m, schedule=schedule,
+                                          mesh=mesh, eff=eff))
+            optimizer.append(offloaded[-1][1])
+            continue
+        optimizer.append(compute_time(0, sharded_params(work, spec) * OPTIMIZER_STEP_BYTES_PER_PARAM,
+                                      mesh.device, "elementwise", efficiencies=eff))
+    return data_comm, optimizer, offloaded
 
 
 def _bubble(chunks: list[Chunk], devices: list[list[int]], per_mb: list[float], schedule: str,
@@ -266,7 +279,7 @@ class _Pipeline:
     samples: float = 1.0            # sequences of a micro-batch on one rank: micro_batch / cp
 
 
-def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
+def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, virtual: int, efficiencies: Efficiencies,
                     attention: str, memo: PriceCache, whole_sends: bool = False) -> _Pipeline:
     pp, dp = _pipeline_shape(stages, virtual, mesh)
@@ -296,7 +309,7 @@ def _price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples)
 
 
-def _memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
+def pipeline_memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
             virtual: int, seq_ratio=1, precision: str = Precision.BF16) -> tuple[list[dict], list]:
     """Memory breakdown of each pipeline rank and the bytes it keeps on its host (offload);
     `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the
@@ -306,87 +319,6 @@ def _memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
                             seq_ratio=seq_ratio, precision=precision)
              for d, cs in enumerate(pipe.devices)]
     return [device for device, _ in parts], [host for _, host in parts]
-
-
-def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
-                      batch: sympy.Symbol | None = None, seq: sympy.Symbol | None = None,
-                      attention: str = "flash", placements=None) -> sympy.Expr:
-    """Bytes on the fullest device as an expression in the micro-batch size `batch` (a sympy
-    symbol), for config's number of micro-batches per step; with `seq`, also in the sequence
-    length.
-
-    Sequence scaling comes from the graph (`autopar.cost.memory.sequence_dims`): every saved
-    tensor's bytes are its captured bytes times (seq / captured seq) to the number of its dims
-    that derive from the input ids' dim 1 (2 for unfused attention's score matrices); parameters
-    and optimizer states do not scale (a learned position table is fixed in size). Exact while
-    the model's ops keep their shapes' structure as the sequence changes, as transformers do."""
-    _check_world(mesh, config)
-    batch = batch if batch is not None else sympy.Symbol("b", positive=True, integer=True)
-    pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
-    ratio = 1 if seq is None else seq / _captured_sequence(graph)
-    totals = [sympy.Add(*part.values()) for part in _memory(
-        pipe, stages, batch / config.cp, config.schedule, config.virtual, ratio)[0]]
-    return sympy.Max(*totals)
-
-
-def _uniform_pipeline(graph: Graph, mesh: Mesh, config: Config, attention: str,
-                      placements=None) -> tuple[_Pipeline, list[StageSpec]]:
-    stages = uniform_stages(graph, config, placements)
-    pipe = _price_pipeline(graph, mesh, stages, global_batch=config.global_batch,
-                           micro_batch=config.micro_batch, virtual=config.virtual,
-                           efficiencies=Efficiencies(), attention=attention,
-                           memo=PriceCache.of(None, graph, mesh, Efficiencies()))
-    return pipe, stages
-
-
-def _captured_sequence(graph: Graph) -> int:
-    seq = graph_sequence(graph)
-    if not seq:
-        raise AutoparError("the graph has no sequence length: its first input is not a "
-                           "[batch, seq] tensor of token ids; capture a language model")
-    return seq
-
-
-def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
-              attention: str = "flash", placements=None) -> int:
-    """The largest MICRO-batch that fits `memory_limit` bytes per device (the device's memory by
-    default), keeping config's number of micro-batches per step (so the global batch grows with it).
-    0 when even the model states do not fit."""
-    _check_world(mesh, config)
-    limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
-    pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
-    memory = lambda size: max(sum(part.values()) for part in _memory(
-        pipe, stages, size / config.cp, config.schedule, config.virtual)[0])
-    return 0 if memory(0) > limit else _largest_fitting(memory, limit, 0)
-
-
-def max_seq(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | None = None, *,
-            attention: str = "flash", placements=None) -> int:
-    """The longest sequence that fits `memory_limit` bytes per device (the device's memory by
-    default) at config's micro-batch, by `memory_expression` in the sequence length (see there
-    for how it scales). 0 when not even a sequence of 1 fits. The model's own limit (its position
-    table or rotary tables) is not checked."""
-    limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
-    s = sympy.Symbol("s", positive=True)
-    expression = memory_expression(graph, mesh, config, batch=config.micro_batch, seq=s,
-                                   attention=attention, placements=placements)
-    if s not in expression.free_symbols:
-        raise AutoparError("no activation of this graph grows with the sequence length, so no "
-                           "length bounds its memory")
-    memory = sympy.lambdify(s, expression, "math")
-    return 0 if memory(1) > limit else _largest_fitting(memory, limit, 1)
-
-
-def _largest_fitting(memory, limit: float, low: int) -> int:
-    """The largest size from `low` on whose `memory` fits `limit`, memory growing with the size
-    and memory(low) fitting: doubling, then bisection."""
-    high = max(1, 2 * low)            # memory(low) fits, memory(high) is not yet known to
-    while memory(high) <= limit:
-        low, high = high, 2 * high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if memory(middle) <= limit else (low, middle)
-    return low
 
 
 def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[int, int]:

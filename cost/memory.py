@@ -46,7 +46,7 @@ from __future__ import annotations
 import sympy
 
 from autopar.errors import AutoparError
-from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
+from autopar.plans.vocabulary import Precision, Recompute, Schedule
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
 MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
@@ -87,28 +87,23 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                precision: str, micro_batches: int, held: int, pipelined: bool, activations,
                logits, recomputed, flowing, reduce_every: bool = False, blocks: int = 0,
                block_kept=0.0, expert_params: float = 0.0, expert_dp: int = 1) -> dict:
-    """Memory of one device at its peak, by part; the parts sum to the peak.
+    """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`).
 
-    `params` elements of its stage(s), `gathered` the elements ZeRO-3 holds gathered at once,
-    `activations` the bytes the schedule keeps for the backward: `held` micro-batches of the
-    `micro_batches` of a step; on the last stage each also keeps the loss's copy of its
-    `logits` elements (fp32) until its backward, the one that runs it among the `buffers`, and
-    in a pipeline the logits themselves (torch's PipelineStage caches a stage's outputs for its
-    backward; other stages' sent outputs are in `activations`). The parts and phases are the
-    module docstring's. In a backward the transients (`buffers`) are the larger of the loss's kept copy and its
-    gradients (at its start) and what a block's backward holds later: the activations of a
-    recomputed region (`recomputed`), the gradients flowing through its widest op beyond the
-    activations it frees (`flowing`) and the gradient of the weight it reads
-    (`weight` elements, the largest parameter); in a pipeline both also hold the logits, which
-    torch's PipelineStage keeps until the micro-batch's backward on the stage ends. With symbolic sizes (sympy) the parts are the
-    first backward's, and `later_phase` what the others need beyond it.
-
-    Of the `params`, `expert_params` are experts' weights under expert parallelism
-    (cost/experts.py), whose optimizer state and gradient shards ZeRO splits over their own
-    `expert_dp` ranks rather than over `dp`."""
+    `params` elements of its stage(s) (of them, `expert_params` experts' weights under expert
+    parallelism, whose optimizer state and gradient shards ZeRO splits over their own `expert_dp`
+    ranks), `gathered` the elements ZeRO-3 holds gathered at once, `activations` the bytes the
+    schedule keeps for the backward: `held` micro-batches of the `micro_batches` of a step; on the
+    last stage each also keeps the loss's copy of its `logits` elements (fp32) until its backward,
+    the one that runs it among the `buffers`, and in a pipeline the logits themselves (torch's
+    PipelineStage caches a stage's outputs for its backward; other stages' sent outputs are in
+    `activations`). The parts and phases are the module docstring's. In a backward the
+    transients (`buffers`) are the larger of the loss's kept copy and its gradients (at its
+    start) and what a block's backward holds later: the activations of a recomputed region
+    (`recomputed`), the gradients flowing through its widest op beyond the activations it frees
+    (`flowing`) and the gradient of the weight it reads (`weight` elements, the largest
+    parameter); in a pipeline both also hold the logits until the micro-batch's backward ends."""
     wrapped = dp > 1
-    split = dp if wrapped and zero >= 1 else 1
-    expert_split = expert_dp if expert_dp > 1 and zero >= 1 else 1
+    split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
     master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params)
@@ -117,8 +112,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     kept = LOSS_KEPT_COPIES * 4 * logits + cached
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element + cached
-    sharded = lambda per_param: (params - expert_params) * per_param / split \
-        + expert_params * per_param / expert_split
+    sharded = lambda per: (params - expert_params) * per / split + expert_params * per / expert_split
     persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master)}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = sharded(GRADIENT_BYTES)

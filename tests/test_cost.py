@@ -12,8 +12,8 @@ from autopar.cost.collectives import (Group, all_gather_time, all_reduce_time, a
 from autopar.cost.stages import blocks_per_chunk, uniform_stages
 from autopar.cost.compute import Efficiencies, compute_time, gemm_utilization, op_family
 from autopar.cost.config import Config
-from autopar.cost.estimator import (StageSpec, estimate, estimate_stages, max_batch, max_seq,
-                                    memory_expression)
+from autopar.cost.capacity import max_batch, max_seq, memory_expression
+from autopar.cost.estimator import StageSpec, estimate, estimate_stages
 from autopar.cost.megatron import megatron_placements
 from autopar.cost.memory import in_flight, model_state_bytes
 from autopar.plans.zero import reduces_every_micro_batch

@@ -16,7 +16,7 @@ from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
 from autopar.testing.equivalence import train_single_process
 from autopar.passes.program import TensorRef, export_for_pipeline
 from autopar.passes.stage_split import split_stages
-from autopar.runtime.precision import follow_weight_dtypes
+from autopar.passes.precision import follow_weight_dtypes
 
 pytest.importorskip("transformers")
 BATCH, STEPS = 8, 3
