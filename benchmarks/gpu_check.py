@@ -185,7 +185,8 @@ def check_forms(args, spec: str, device: torch.device, mesh) -> None:
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference[0]))
         peaks = [None] * world
         dist.all_gather_object(peaks, peak)
-        predicted = autopar.estimate(graph, mesh, config, precision="fp32")
+        placements = tensor_placements(graph, cm.plan)      # what the compiled plan runs
+        predicted = autopar.estimate(graph, mesh, config, precision="fp32", placements=placements)
         memory = "n/a on CPU" if peak is None else f"{max(peaks) / 2**30:.2f} GiB"
         if rank == 0:
             print(f"{name:<8} losses vs one device: max rel {worst:.1e} "

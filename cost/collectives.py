@@ -109,9 +109,10 @@ class Group:
 
     def all_to_all(self, nbytes: float) -> float:
         """Each device holds nbytes/N and keeps 1/N of it; the rest leaves over the level that first
-        separates it from its destination. NCCL posts a device's sends to all its peers at once
-        (grouped point-to-point), so a level pays one latency; a link whose all-to-all was
-        measured (`autopar calibrate --mesh`: gloo sends peer by peer) pays its fit per peer."""
+        separates it from its destination, one message per peer: each peer's exchange pays a
+        latency (as NCCL's grouped point-to-point calls and gloo's peer-by-peer sends do; a
+        cheaper all-to-all would make the sharding ILP trade Megatron's layouts for chains of
+        all-to-all redistributions that no runtime measurement has supported)."""
         devices = self.size
         if devices == 1:
             return 0.0
@@ -121,8 +122,7 @@ class Group:
             before, reached = reached, reached * level.size
             leaving = local * (reached - before) / devices
             latency, bandwidth = level.link.alpha_beta("all_to_all", level.size)
-            steps = level.size - 1 if level.link.measures("all_to_all") else 1
-            total += steps * latency + leaving / bandwidth
+            total += (level.size - 1) * latency + leaving / bandwidth
         return total
 
 

@@ -174,9 +174,13 @@ def interface_examples(stages: list[fx.GraphModule], inputs: list) -> list[tuple
         for stage in stages:
             # on fake copies of the stage's tensors: fake mode runs some in-place ops (BatchNorm's
             # num_batches_tracked.add_) on the real tensor they are given, the model's own
-            state = {name: mode.from_tensor(tensor) for name, tensor in
-                     [*stage.named_parameters(), *stage.named_buffers()]}
-            output = torch.func.functional_call(stage, state, values)
+            # (one name per module: a module two units share is swapped once, since torch's
+            # reparametrization restores a name it swapped twice to the first swap's fake)
+            state = {f"{path}.{name}" if path else name: mode.from_tensor(tensor)
+                     for path, module in stage.named_modules()
+                     for name, tensor in [*module._parameters.items(), *module._buffers.items()]
+                     if tensor is not None}
+            output = torch.func.functional_call(stage, state, values, tie_weights=False)
             outputs = output if isinstance(output, tuple) else (output,)
             examples.append((values, tuple(x for x in outputs if isinstance(x, torch.Tensor))))
             values = outputs
