@@ -43,6 +43,7 @@ def main(argv=None) -> list[float]:
                          loss_fn=lm_loss, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3),
                          plan=autopar.Config(dp=world, global_batch=8, micro_batch=2))
     last = Path(args.checkpoint)
+    # `last` is a link switched atomically by every save: it exists only as a complete checkpoint
     losses = cm.load(last)["losses"] if last.exists() else []
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for inputs, targets in batches(args.steps)[cm.steps:]:    # the data position is the step count
