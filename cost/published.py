@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.cost.config import Config
+from autopar.cost.megatron import megatron_placements
 from autopar.cost.estimator import estimate_stages
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import uniform_stages
@@ -104,8 +105,11 @@ def parse_row(row: dict, index: int) -> PublishedRun:
 def estimate_run(graph, run: PublishedRun, *, calibration=None, cache: dict | None = None):
     """The estimator's prediction for a row: its configuration on its mesh, as its runtime
     overlaps, at its precision; offload on every stage where the row offloads (ZeRO-Offload's
-    optimizer-only form under ZeRO-1/2, which a Config does not take)."""
-    stages = uniform_stages(graph, run.config)
+    optimizer-only form under ZeRO-1/2, which a Config does not take). Tensor parallelism is
+    priced on Megatron-LM's layout, as these frameworks split the dense layers (cost.megatron)."""
+    placements = megatron_placements(graph, run.config.tp,
+                                     sequence_parallel=run.config.sequence_parallel)
+    stages = uniform_stages(graph, run.config, placements)
     for stage in stages:
         stage.offload = run.offload
     config = run.config
