@@ -42,6 +42,7 @@ from autopar.cost.estimator import estimate_stages
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import uniform_stages
 from autopar.errors import AutoparError
+from autopar.plans.vocabulary import Schedule
 
 KINDS = ("moe", "cp", "offload")
 # Where a row's MLA gives only its ranks (Kimi-K2), DeepSeek-V3's head dims, which it shares.
@@ -313,7 +314,7 @@ def _config(row: dict, mesh: Mesh, assumed: list) -> Config:
         return Config(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual=virtual, global_batch=batch,
                       micro_batch=micro, recompute=_recompute(_text(row, "recompute")), zero=zero,
                       sequence_parallel=tp > 1,
-                      schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
+                      schedule=Schedule.INTERLEAVED_1F1B if virtual > 1 else Schedule.ONE_F_ONE_B)
     except AutoparError as err:
         raise RowError(f"configuration: {err}") from None
 
