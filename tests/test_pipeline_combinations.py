@@ -104,7 +104,7 @@ def check(results: list[list[dict]], combinations: list) -> None:
 SLICE = [("zero-bubble", 1, "1,0"), ("zero-bubble", 2, "0,3")]
 
 
-@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("train", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eval", "train"])
 def test_tied_copies_at_different_zero_levels_train_like_one_process(train):
     """In eval mode against one process; in train mode (dropout on) the same layouts run."""
     results = autopar.launch(train_combinations, 4, "opt", SLICE, train, timeout=400)

@@ -40,7 +40,8 @@ def _check_runnable(plan):
         assert runs(plan.schedule, plan.pp, plan.micro_batches, plan.virtual), plan.summary()
 
 
-@pytest.mark.parametrize("batch", [5, 6, 10, 14, 25, 50, 125, 250])
+@pytest.mark.parametrize("batch", [5, 50, *(pytest.param(b, marks=pytest.mark.slow)
+                                            for b in (6, 10, 14, 25, 125, 250))])
 def test_odd_global_batches_plan_with_a_schedule_torch_runs(graphs, batch):
     # 8 devices, 4 per node; the model's 2 heads allow tp <= 2, so dp = 1 (odd batches) needs a
     # pipeline of 4 or 8 stages, where zero-bubble and interleaving need counts torch accepts
@@ -108,7 +109,13 @@ CASES = [(SMALL_GPT, "2x2:a100-80g", 16, None), (SMALL_GPT, "2x1:cpu", 2, 0.9),
          ("llama-tiny", "1x4:a100-40g", 32, 0.3), ("llama-tiny", "4:cpu", 12, 0.5)]
 
 
-@pytest.mark.parametrize("model,mesh,batch,fraction", CASES)
+# without a limit and under one in the default tier; the others in the slow one
+SEARCH_DEFAULT = {(SMALL_GPT, "2x2:a100-80g", 16, None), (SMALL_GPT, "4:cpu", 8, 0.5)}
+
+
+@pytest.mark.parametrize("model,mesh,batch,fraction",
+                         [case if case in SEARCH_DEFAULT else pytest.param(*case, marks=pytest.mark.slow)
+                          for case in CASES])
 def test_plan_is_the_fastest_fitting_candidate_and_never_slower_than_the_grid(graphs, model, mesh,
                                                                              batch, fraction):
     graph = graphs[model]
