@@ -144,6 +144,25 @@ def test_explain_and_diff_commands(tmp_path, capsys, monkeypatch):
     assert "stages[1].recompute" in out and "selective" in out
 
 
+def test_expert_parallelism_is_recorded_shown_and_compared(tmp_path, capsys, monkeypatch):
+    """A stage's ep: exact round trip, in the summary, a column of explain, a decision of diff."""
+    monkeypatch.setenv("COLUMNS", "200")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    make_plan().save(a)
+    plan = make_plan()
+    for stage in plan.stages:
+        stage.ep = 4
+    plan.save(b)
+    assert Plan.load(b) == plan and Plan.load(b).ep == 4
+    assert "ep=4" in plan.summary() and "ep=" not in make_plan().summary()
+    assert main(["explain", str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "ep=4" in out and "│ 2 x 2   │ 4  │" in out
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "stages[0].ep" in out and "stages[1].ep" in out
+
+
 def test_explain_of_a_broken_file_is_a_clear_error(tmp_path, capsys):
     path = tmp_path / "bad.json"
     path.write_text("{}")

@@ -70,13 +70,13 @@ def headline(plan: Plan) -> Text:
 
 
 def stage_table(plan: Plan) -> Table:
-    result = table("stages", ["stage", "ranks", "layers", "tp x dp", "recompute", "ZeRO",
+    result = table("stages", ["stage", "ranks", "layers", "tp x dp", "ep", "recompute", "ZeRO",
                               "time per micro-batch", "memory"], right=("stage", "memory"),
                    wrap=("layers", "time per micro-batch", "memory"))
     for stage in plan.stages:
         predicted = stage.predicted
         result.add_row(*map(plain, (stage.index, rank_ranges(stage.ranks), compress_layers(stage.layers),
-                                    f"{stage.tp} x {stage.dp}", stage.recompute, stage.zero,
+                                    f"{stage.tp} x {stage.dp}", stage.ep, stage.recompute, stage.zero,
                                     _stage_time(predicted), _fmt_gib(predicted.get("memory_bytes")))))
     return result
 

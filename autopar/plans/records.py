@@ -27,7 +27,8 @@ from autopar.plans.checks import check_plan_dict, read_plan_json
 from autopar.plans.placements import shard_dim
 from autopar.plans.vocabulary import AxisRole, Precision, Recompute, Schedule
 
-SCHEMA_VERSION = 1
+# 2: stages record `ep`, the expert-parallel degree
+SCHEMA_VERSION = 2
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +41,9 @@ class Stage:
     recompute: Recompute = Recompute.NONE
     zero: int = 0                     # 0-3
     sequence_parallel: bool = False
+    # expert parallelism: each MoE layer's experts split over `ep` of the stage's dp x tp ranks
+    # (consecutive in row-major (dp, tp) order), as Megatron-Core carves it out of them
+    ep: int = 1
     predicted: dict = field(default_factory=dict)   # time and memory breakdowns of this stage
 
     def __post_init__(self):
@@ -89,6 +93,11 @@ class Plan:
         return self.pp * self.dp * self.tp
 
     @property
+    def ep(self) -> int:
+        """The largest expert-parallel degree of any stage (1: every expert on every rank)."""
+        return max(stage.ep for stage in self.stages)
+
+    @property
     def axis_roles(self) -> list[AxisRole]:
         return [role for role, _ in self.axes]
 
@@ -109,7 +118,10 @@ class Plan:
         zero = [s.zero for s in self.stages]
         zero = zero[:1] if len(set(zero)) == 1 else zero
         schedule = self.schedule + (f" v={self.virtual}" if self.virtual > 1 else "")
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} {schedule} mbs={self.micro_batch_size} "
+        ep = [s.ep for s in self.stages]
+        ep = ep[:1] if len(set(ep)) == 1 else ep
+        experts = f" ep={'/'.join(map(str, ep))}" if max(ep) > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{experts} {schedule} mbs={self.micro_batch_size} "
                 f"m={self.micro_batches} recompute={'/'.join(recompute)} zero={'/'.join(map(str, zero))}"
                 + (f" blocks={layer_counts}" if len(self.stages) > 1 else ""))
 
