@@ -10,6 +10,9 @@ rank's program in one direction:
     stage_interfaces.py what crosses from stage to stage: relays, input and output order,
                         mixed precision's 16-bit boundaries, the meta tensors each stage sends
     then, on each stage the rank holds, the PASSES below in order:
+    expert_parallel.py  split_experts: MoE layers (found by structure, experts.py) whose experts
+                        are split over the stage's ep ranks, rows dispatched and combined by
+                        all-to-all (expert_dispatch.py)
     recompute.py        recompute_layers: layers (or their attention) under checkpoints
     precision.py        cast_to_weight_dtypes: casts to a weight's dtype follow the weight's
                         dtype at run time (FSDP2 may hand weights in 16 bits)
@@ -28,6 +31,7 @@ Passes never import the runtime; what both read (TensorRef, StageProgram) is her
 
 from autopar.passes.batch_norm import normalize_batch_norms
 from autopar.passes.collectives import Redistribute
+from autopar.passes.expert_parallel import split_experts
 from autopar.passes.precision import cast_to_weight_dtypes, drop_traced_dtype_checks
 from autopar.passes.program import PassTarget, StageProgram
 from autopar.passes.recompute import Recomputed, checkpoint_regions, recompute_layers
@@ -36,7 +40,10 @@ from autopar.passes.tensor_parallel import shard_tensor_parallel
 
 # Each pass: (a stage's program, the plan, where it runs) -> the rewritten program.
 PASSES = (
-    # first, on the layers as the split left them: tensor parallelism wraps the stage, and it
+    # first, on each layer's graph as the split traced it: the MoE layers are found by their ops,
+    # and their experts' weights placed before tensor parallelism places the rest
+    split_experts,
+    # on the layers as the split left them: tensor parallelism wraps the stage, and it
     # distributes the tensors of whatever the checkpoints hold
     recompute_layers,
     # on the traced graph, before tensor parallelism inserts its redistributions: casts to a

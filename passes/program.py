@@ -55,6 +55,9 @@ class PassTarget:
     compute_dtype: torch.dtype | None = None    # mixed precision's 16-bit dtype; None in fp32
     # the data-parallel group BatchNorm normalizes over (sync_batchnorm); None: each replica's own
     batch_norm_group: ProcessGroup | None = None
+    # ep -> the (pp, edp, ep) mesh of the stages of that expert-parallel degree > 1
+    # (autopar.passes.expert_parallel); empty when no stage splits experts
+    expert_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
 
 
 class TensorRef(nn.Module):

@@ -237,7 +237,8 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[
     """Distribute the stage's tensors by the plan's placements on axis `tp_axis`; unplaced ones
     (buffers, constants, parameters the plan leaves out) are replicated. Then place the nodes."""
     for ref in module.modules():
-        if not isinstance(ref, TensorRef):
+        # a DTensor is placed already: an expert weight split over its expert-parallel ranks
+        if not isinstance(ref, TensorRef) or isinstance(ref.value, DTensor):
             continue
         texts = parameters.get(ref.fqn)
         placement = parse_placement(texts[tp_axis]) if texts else Replicate()

@@ -2,13 +2,16 @@
 
 Every rank runs the same steps, in this order:
 1. check what was given against the plan, before any collective, so every rank refuses alike;
-2. the rank grid (pp, dp, tp) and the process group of each axis (rank_grid.py);
-3. the model exported for one micro-batch (on meta for a meta model): shapes in the graph are
-   static, and a stage only ever sees micro-batches;
+2. the model exported for one micro-batch (on meta for a meta model): shapes in the graph are
+   static, and a stage only ever sees micro-batches; its MoE layers checked against the plan's
+   expert parallelism, the last check before any collective;
+3. the rank grid (pp, dp, tp) and the process group of each axis, and the expert-parallel
+   groups of stages that split experts (rank_grid.py);
 4. its program cut into the plan's stages, this rank's stages kept with their own copy of only
-   their tensors, and each rewritten by autopar.passes.PASSES (recompute, tensor parallelism,
-   precision);
-5. data parallelism and ZeRO: FSDP2 over dp, each layer its own group (data_parallel.py);
+   their tensors, and each rewritten by autopar.passes.PASSES (expert parallelism, recompute,
+   tensor parallelism, precision);
+5. data parallelism and ZeRO: FSDP2 over dp, each layer its own group, split experts over the
+   ranks holding the same ones (data_parallel.py);
 6. a meta model's shards, or `load_from`/`init`, filled: this rank's only (materialize.py);
 7. the plan's precision (autocast, fp16's loss scaler), weights tied across stages, the schedule
    of the micro-batches (schedule.py) and the optimizer on the local shards (compiled_model.py).
@@ -22,6 +25,7 @@ from torch import fx, nn
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.passes import PassTarget, run_passes, split_model
+from autopar.passes.expert_parallel import check_expert_parallelism
 from autopar.passes.program import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                     signature)
 from autopar.plans import AxisRole, Plan
@@ -30,8 +34,8 @@ from autopar.runtime import precision as mixed
 from autopar.runtime.checks import (check_example_kwargs, check_loss, check_loss_reduction,
                                    check_micro_batching, check_optimizer)
 from autopar.runtime.compiled_model import CompiledModel, state_aliases
-from autopar.runtime.data_parallel import data_parallel, stage_class
-from autopar.runtime.rank_grid import PipelineLayout, device_mesh, pipeline_layout
+from autopar.runtime.data_parallel import data_parallel, expert_data_parallel, stage_class
+from autopar.runtime.rank_grid import PipelineLayout, device_mesh, expert_meshes, pipeline_layout
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.stage_state import broadcast_from_first_rank, hold_unread_buffers
 from autopar.runtime.tied import TiedWeights
@@ -58,13 +62,17 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     example_kwargs = dict(example_kwargs or {})
     layout = check_inputs(model, plan, example_inputs, example_kwargs, load_from, init)
     device = torch.device(device or _default_device())
-    mesh = device_mesh(layout, device)
     meta = materialize.is_meta_model(model)
     exported = export_micro_batch(model, plan, graph, example_inputs, example_kwargs, device, meta)
+    # the last check of the plan against the model (its MoE layers for the plan's ep), then the
+    # first collectives: the process groups
+    check_expert_parallelism(exported, plan)
+    mesh = device_mesh(layout, device)
+    experts = expert_meshes(layout, plan, device)
     programs = rank_programs(exported, model, plan, layout, mesh, device, meta,
                              from_model=not meta and load_from is None and init is None,
-                             sync_batchnorm=sync_batchnorm)
-    wrap_data_parallel(programs, plan, layout, mesh)
+                             sync_batchnorm=sync_batchnorm, expert_meshes=experts)
+    wrap_data_parallel(programs, plan, layout, mesh, experts)
     if meta or load_from is not None or init is not None:
         materialize.fill_stages([p.module for p in programs], model, device, load_from=load_from,
                                 init=init, seed=seed)
@@ -99,7 +107,7 @@ def check_layers(model: nn.Module, plan: Plan) -> None:
 
 def export_micro_batch(model: nn.Module, plan: Plan, graph, example_inputs: tuple,
                        example_kwargs: dict, device: torch.device, meta: bool) -> fx.GraphModule:
-    """Step 3: the model's program for one micro-batch (the capture's when it was made so), whose
+    """Step 2: the model's program for one micro-batch (the capture's when it was made so), whose
     tensors are `TensorRef`s, and whose tensor keyword inputs are those of `example_kwargs`."""
     program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
         else None
@@ -123,7 +131,7 @@ def export_micro_batch(model: nn.Module, plan: Plan, graph, example_inputs: tupl
 
 def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout: PipelineLayout,
                   mesh, device: torch.device, meta: bool = False, *, from_model: bool = False,
-                  sync_batchnorm: bool = False) -> list[StageProgram]:
+                  sync_batchnorm: bool = False, expert_meshes: dict | None = None) -> list[StageProgram]:
     """Step 4: this rank's stages, in order. The export is cut into the plan's stages, each buffer
     of the model held by one; ours keep their own copy of only their tensors (`from_model`: the
     values of the stage's first rank), then are rewritten by the passes (tensor parallelism
@@ -132,7 +140,7 @@ def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout
                         tp_axis=plan.axis_index(AxisRole.TENSOR) if layout.tp > 1 else None,
                         compute_dtype=mixed.compute_dtype(plan.precision),
                         batch_norm_group=mesh["dp"].get_group() if sync_batchnorm and layout.dp > 1
-                        else None)
+                        else None, expert_meshes=expert_meshes or {})
     programs = split_model(exported, plan, target, blocks=_repeated_layers(model, plan))
     hold_unread_buffers(programs, model, [stage.layers for stage in plan.stages])
     # the planner never emits this (autopar.plans.stage_flow finds the same values); a plan
@@ -147,14 +155,19 @@ def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout
     return [run_passes(program, plan, target) for program in mine]
 
 
-def wrap_data_parallel(programs: list[StageProgram], plan: Plan, layout: PipelineLayout, mesh) -> None:
+def wrap_data_parallel(programs: list[StageProgram], plan: Plan, layout: PipelineLayout, mesh,
+                       expert_meshes: dict | None = None) -> None:
     """Step 5: plain data parallelism or ZeRO over dp, after the passes: FSDP2 shards what tensor
-    parallelism left."""
-    if layout.dp == 1:
-        return
+    parallelism left. Split experts first, over the ranks that hold the same experts."""
     for program in programs:
-        data_parallel(program.module, plan.stages[program.index].zero, plan.schedule, mesh["dp"],
-                      mixed.mp_policy(plan.precision))
+        stage = plan.stages[program.index]
+        if stage.ep > 1:
+            expert_data_parallel(program.module, stage.zero, plan.schedule,
+                                 expert_meshes[stage.ep]["edp"], layout.dp,
+                                 mixed.mp_policy(plan.precision))
+        if layout.dp > 1:
+            data_parallel(program.module, stage.zero, plan.schedule, mesh["dp"],
+                          mixed.mp_policy(plan.precision))
 
 
 def compiled_model(model: nn.Module, plan: Plan, programs: list[StageProgram], layout: PipelineLayout,

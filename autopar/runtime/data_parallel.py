@@ -6,6 +6,10 @@ split) is its own group, so that its collectives overlap the neighbouring layers
 keep parameters gathered from forward to backward, 3 frees them between; 2 and 3 reduce-scatter the
 gradients after every micro-batch, 1 once a step, schedule.py). It comes after tensor parallelism:
 FSDP2 shards what tensor parallelism left.
+
+The experts of a stage that splits them over ep ranks (autopar.passes.expert_parallel) are wrapped
+first, over their own group: the ranks that hold the same experts ("edp"). FSDP2 leaves a wrapped
+module's parameters to it, so the stage's own groups over "dp" then take the rest.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import functools
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
+from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.passes.tensor_parallel import TensorParallelStage
 from autopar.plans import Plan
 from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
@@ -44,6 +49,29 @@ def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMe
     wrap(module)
     if zero:
         reduce_in_place_on_cpu(module)
+
+
+def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: DeviceMesh,
+                         dp: int, mp_policy=None) -> None:
+    """The gradients of the stage's split experts reduced over `edp_mesh` (plain data parallelism
+    or ZeRO there, as the stage's `zero` says), with FSDP2 as `data_parallel` does; also over a
+    mesh of one rank when the stage has data parallelism, whose groups must leave the experts
+    alone. The experts' inputs are left as they come: a routing value cast to 16 bits would
+    count exactly only up to 256."""
+    if edp_mesh.size() == 1 and dp == 1:
+        return
+    policy = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+        cast_forward_inputs=False)}
+    if zero == 0:
+        wrap = functools.partial(replicate, mesh=edp_mesh, **policy)
+    else:
+        wrap = functools.partial(fully_shard, mesh=edp_mesh, **policy,
+                                 reshard_after_forward=not keeps_weights_gathered(zero, schedule))
+    for experts in [m for m in module.modules() if isinstance(m, ExpertParallel)]:
+        wrap(experts)
+        if zero:
+            reduce_in_place_on_cpu(experts)
 
 
 def stage_class(plan: Plan, index: int, dp: int) -> type:

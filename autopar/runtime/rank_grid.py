@@ -3,7 +3,10 @@
 Stages with the same ranks share a pipeline rank (interleaved and V schedules place several stages
 on one); each stage's ranks are row-major over the plan's (dp, tp) axes. The device mesh over that
 grid gives every axis its process group: "pp" for the pipeline's sends, "dp" for FSDP2, "tp" for
-the DTensors of tensor-parallel stages.
+the DTensors of tensor-parallel stages. Stages that split their experts over ep ranks get one more
+mesh per distinct ep over the same grid, (pp, edp, ep): each stage's dp x tp ranks in row-major
+order cut into consecutive blocks of ep ("ep": ranks holding different experts; "edp": ranks
+holding the same ones, autopar.passes.expert_parallel).
 """
 
 from __future__ import annotations
@@ -89,3 +92,13 @@ def device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
     if torch.equal(grid.flatten(), torch.arange(grid.numel())):
         return init_device_mesh(device.type, tuple(grid.shape), mesh_dim_names=names)
     return DeviceMesh(device.type, grid, mesh_dim_names=names)
+
+
+def expert_meshes(layout: PipelineLayout, plan: Plan, device: torch.device) -> dict[int, DeviceMesh]:
+    """A (pp, edp, ep) mesh over the rank grid for each ep > 1 of the plan's stages (module doc),
+    made in the same order on every rank (making one is a collective)."""
+    grid = torch.tensor(layout.grid)
+    ranks = layout.dp * layout.tp
+    return {ep: DeviceMesh(device.type, grid.reshape(layout.pp, ranks // ep, ep),
+                           mesh_dim_names=("pp", "edp", "ep"))
+            for ep in sorted({stage.ep for stage in plan.stages} - {1})}

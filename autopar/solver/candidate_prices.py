@@ -66,7 +66,7 @@ class CandidatePricer:
 
     def config(self, candidate: Candidate) -> Config:
         shape = candidate.shape
-        return Config(tp=shape.tp, pp=shape.pp, dp=shape.dp, virtual=shape.virtual,
+        return Config(tp=shape.tp, pp=shape.pp, dp=shape.dp, ep=shape.ep, virtual=shape.virtual,
                       global_batch=self.global_batch, micro_batch=shape.micro_batch,
                       recompute=candidate.recompute[0], zero=candidate.zero[0],
                       sequence_parallel=self.splits_stream(shape), schedule=shape.schedule)
@@ -74,7 +74,7 @@ class CandidatePricer:
     def stages_estimate(self, candidate: Candidate, units: list[Unit]):
         shape = candidate.shape
         specs = [StageSpec(layers=chunk_layers(units, candidate, i),
-                           tp=shape.tp, dp=shape.dp,
+                           tp=shape.tp, dp=shape.dp, ep=shape.ep,
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
                            sequence_parallel=self.splits_stream(shape),
                            placements=self.placements(shape.tp))

@@ -37,6 +37,7 @@ class Shape:
     schedule: str
     virtual: int = 1
     sequence_parallel: bool = False
+    ep: int = 1                 # expert parallelism, carved out of the dp x tp ranks of a stage
 
 
 @dataclass(frozen=True, slots=True)

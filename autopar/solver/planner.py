@@ -132,7 +132,7 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         _module_cuts(graph, mesh, search.units, config)
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
-                  config.virtual, config.sequence_parallel)
+                  config.virtual, config.sequence_parallel, config.ep)
     candidate = Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks)
     error = layout_error(shape, config.global_batch, search.coupling) or search.relay_error(candidate)
     if error is not None:
@@ -256,7 +256,7 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
     stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
                     ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
                     tp=shape.tp, dp=shape.dp, recompute=candidate.recompute[i], zero=candidate.zero[i],
-                    sequence_parallel=pricer.splits_stream(shape))
+                    sequence_parallel=pricer.splits_stream(shape), ep=shape.ep)
               for i in range(candidate.chunks)]
     batch = _batch_nodes(graph)
     shapes = {n.name: n.shape for n in graph.nodes}

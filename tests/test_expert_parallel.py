@@ -1,0 +1,171 @@
+"""Expert parallelism: MoE layers found by structure, their experts split over ep ranks, rows
+dispatched and combined with all-to-all, dropless; trained on real gloo ranks, it equals one
+process (loss at every step and final parameters, fp32, AdamW with a large eps), and each rank
+holds 1/ep of every expert weight. Bad plans are refused before any collective."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: each would import it again)
+from torch import nn
+
+import autopar
+from autopar.cost.config import Config
+from autopar.errors import PlanMismatchError
+from autopar.models import build_model, lm_loss
+from autopar.passes.expert_dispatch import ExpertParallel
+from autopar.passes.expert_parallel import check_expert_parallelism, rewrite_experts
+from autopar.passes.experts import ExpertStructureError, find_expert_layers
+from autopar.passes.program import export_for_pipeline
+from autopar.plans import Plan
+from autopar.testing.equivalence import mismatches, train_single_process
+
+VOCAB, SEQ, BATCH = 64, 8, 8
+MOE = f"moe:layers=2,hidden=32,heads=4,kv_heads=2,seq={SEQ},vocab={VOCAB},experts=4,top_k=2,expert_ffn=16"
+DENSE = f"gpt:layers=2,hidden=32,heads=4,seq={SEQ},vocab={VOCAB}"
+DEFAULT_FORMS = {"ep4": Config(dp=4, ep=4, global_batch=BATCH, micro_batch=2),
+                 "dp2 x ep2": Config(dp=4, ep=2, global_batch=BATCH, micro_batch=2)}
+
+
+def make(spec: str = MOE) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(spec, device="cpu", batch=2)[0]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def batches(steps: int = 3):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(steps)]
+
+
+def expert_shards(cm) -> list[tuple[int, int, int]]:
+    """(ep of the call, experts, rows of each expert weight this rank holds) per MoE layer."""
+    found = []
+    for module in cm.stages.modules():
+        if isinstance(module, ExpertParallel):
+            for holder in module.experts:
+                value = holder.value
+                local = value.to_local() if hasattr(value, "to_local") else value
+                # FSDP2 over the replicas may shard the rank's experts further (ZeRO)
+                found.append((module.ep, module.num_experts, local.shape[0]))
+    return found
+
+
+def train_forms(forms: dict, spec: str = MOE, precision: str | None = None) -> dict:
+    """On every rank: each form trained on `batches()` against one process: {name: (losses,
+    mismatches, expert_shards)}."""
+    data = batches()
+    reference = train_single_process(make(spec), data, lm_loss, adamw)
+    results = {}
+    for name, config in forms.items():
+        cm = autopar.compile(make(spec), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
+                             example_inputs=(data[0][0][:config.micro_batch],), plan=config,
+                             precision=precision)
+        losses = [cm.step(ids, targets) for ids, targets in data]
+        results[name] = (losses, mismatches(reference, losses, cm.full_state_dict()), expert_shards(cm))
+    return results
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_trains_like_one_process():
+    """ep4: every rank one expert of each layer; dp2 x ep2: two replicas of each expert, whose
+    gradients are reduced over the replicas alone."""
+    ranks = autopar.launch(train_forms, 4, DEFAULT_FORMS, timeout=300)
+    for rank in ranks:
+        for name, config in DEFAULT_FORMS.items():
+            losses, problems, shards = rank[name]
+            assert problems == [], (name, problems)
+            # two MoE layers of three expert weights each, 1/ep of the 4 experts on this rank
+            assert shards == [(config.ep, 4, 4 // config.ep)] * 6, (name, shards)
+
+
+def test_moe_layers_are_found_by_structure_and_rewritten_exactly():
+    model = make()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    program = export_for_pipeline(model, (ids,))
+    want = program(ids)
+    layers = find_expert_layers(program)
+    assert [(layer.num_experts, len(layer.holders), layer.where) for layer in layers] == [
+        (4, 3, "module layers.0.ffn.experts"), (4, 3, "module layers.1.ffn.experts")]
+    modules = rewrite_experts(program)
+    assert [module.ep for module in modules] == [1, 1]     # no group bound: every expert here
+    assert torch.equal(program(ids), want)
+
+
+class FixedTokenCount(nn.Module):
+    """A MoE layer whose experts' output is viewed to the traced number of tokens: it cannot run
+    on the rows a rank receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.weight = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        tokens = x.flatten(0, 1)
+        scores = self.gate(tokens).softmax(-1)
+        top, ids = scores.topk(1, dim=-1)
+        out = torch.bmm(tokens.unsqueeze(1), self.weight[ids.view(-1)]).view(16, 8)
+        return (out * top).view(x.shape).sum()
+
+
+def _with_ep(plan: Plan, ep: int) -> Plan:
+    return Plan.from_dict({**plan.to_dict(), "stages": [{**s, "ep": ep} for s in plan.to_dict()["stages"]]})
+
+
+def test_a_router_the_runtime_cannot_split_is_refused_by_name():
+    program = export_for_pipeline(FixedTokenCount(), (torch.randn(2, 8, 8),))
+    stage = autopar.plans.Stage(index=0, layers=[], ranks=[0, 1], dp=2, ep=2)
+    plan = replace(_plan_shell(), stages=[stage])
+    with pytest.raises(ExpertStructureError, match="cannot run on another number of tokens.*ep=1"):
+        check_expert_parallelism(program, plan)
+
+
+def _plan_shell() -> Plan:
+    """A plan whose stages a test sets (check_expert_parallelism reads only those)."""
+    from autopar.cost.mesh import Mesh
+
+    return Plan(fingerprint="", mesh=Mesh.parse("2:cpu").to_dict(), axes=[["dp", 2], ["tp", 1]],
+                stages=[], global_batch=2, micro_batches=1, micro_batch_size=1)
+
+
+def refusals(plans: dict) -> dict:
+    """On every rank: each (spec, plan) compiled, the error it raised; then one collective of
+    every rank, which completes only if no rank entered a collective before refusing."""
+    found = {}
+    for name, (spec, plan) in plans.items():
+        ids = torch.zeros(2, SEQ, dtype=torch.long)
+        try:
+            autopar.compile(make(spec), "2:cpu", loss_fn=lm_loss, optimizer=adamw,
+                            example_inputs=(ids[:1],), plan=plan)
+            found[name] = None
+        except PlanMismatchError as err:
+            found[name] = str(err)
+    flag = torch.ones(())
+    torch.distributed.all_reduce(flag)
+    return found | {"everyone": flag.item()}
+
+
+@pytest.mark.multiprocess
+def test_bad_expert_plans_are_refused_on_every_rank_before_any_collective():
+    import autopar.api
+
+    dense_spec = DENSE
+    odd_spec = MOE.replace("experts=4", "experts=3")
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    plans = {}
+    for name, spec in (("dense", dense_spec), ("three experts", odd_spec)):
+        graph = autopar.capture(make(spec), (ids[:1],))
+        plan = autopar.api.plan_from_config(graph, "2:cpu", Config(dp=2, global_batch=2))
+        plans[name] = (spec, _with_ep(plan, 2))
+    ranks = autopar.launch(refusals, 2, plans, timeout=300)
+    for rank in ranks:
+        assert rank["everyone"] == 2
+        assert "no mixture-of-experts layer" in rank["dense"] and "ep=1" in rank["dense"]
+        assert "ep=2 does not divide the 3 experts" in rank["three experts"]
+
