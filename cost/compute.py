@@ -59,9 +59,10 @@ BACKWARD = {"matmul": (2.0, 2.0), "attention": (2.5, 2.0), "norm": (2.0, 2.0),
             "embedding": (0.0, 2.0), "loss": (1.0, 1.5), "view": (0.0, 0.0)}
 
 
-# Ops of autopar's own library (autopar/models/experts.py) that run kernels: the experts of a
-# mixture-of-experts layer as one grouped matmul.
-_OWN_OPS = {"autopar.grouped_mm": "matmul"}
+# Ops of libraries other than ATen that run kernels: the experts of a mixture-of-experts layer
+# as one grouped matmul, autopar's own (autopar/models/experts.py) and the one HuggingFace
+# transformers runs where torch._grouped_mm does not (rows sorted by expert, [E, K, N] weights).
+_OWN_OPS = {"autopar.grouped_mm": "matmul", "transformers.grouped_mm_fallback": "matmul"}
 
 
 def op_family(target: str) -> str:

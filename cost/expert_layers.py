@@ -1,8 +1,8 @@
 """Mixture-of-experts layers found in a captured graph by their structure, not by class names.
 
-An expert layer is a set of grouped matmuls (family "matmul" reading a 3-D parameter [E, K, N],
-the experts' weights, and 2-D rows [M, K] sorted by expert) that share one routing: the third
-input, the rows' group offsets. Its rows per token are the top-k it routes to (M over the tokens
+An expert layer is a set of grouped matmuls (family "matmul" reading a 3-D parameter [E, K, N]
+or a view of one, as HuggingFace transposes its [E, N, K] weights, the experts' weights, and 2-D
+rows [M, K] sorted by expert) that share one routing: the third input, the rows' group offsets. Its rows per token are the top-k it routes to (M over the tokens
 its dispatch gathered from); its members are the grouped matmuls and the ops between them (the
 activation of a SwiGLU expert), which run on the rows, not on the tokens. Its router is the
 matmul whose output a top-k choice reads.
@@ -31,10 +31,11 @@ def expert_layers(graph: Graph) -> list[ExpertLayer]:
     by_name = {n.name: n for n in graph.nodes}
     routed: dict[str, list] = {}
     for node in graph.nodes:
-        weight = _expert_weight(node, by_name)
-        if weight is not None:
+        read = _expert_weight(node, by_name)
+        if read is not None:
+            weight, parameter = read
             routing = next((i for i in node.inputs[1:] if i != weight), node.inputs[-1])
-            routed.setdefault(routing, []).append((node, weight))
+            routed.setdefault(routing, []).append((node, parameter))
     layers = []
     for found in routed.values():
         matmuls = [node.name for node, _ in found]
@@ -71,15 +72,26 @@ def routers(graph: Graph) -> set[str]:
     return found
 
 
-def _expert_weight(node, by_name) -> str | None:
-    """The experts' weight a grouped matmul reads ([E, K, N] parameter, [M, K] rows), or None."""
+def _expert_weight(node, by_name) -> tuple[str, str] | None:
+    """The experts' weight a grouped matmul reads ([E, K, N] parameter or a view of one, [M, K]
+    rows): (the input it reads, the parameter's node); or None."""
     if node.role is not Role.ACTIVATION or op_family(node.target) != "matmul" or len(node.shape) != 2:
         return None
     for name in node.inputs:
-        source = by_name[name]
-        if source.role is Role.PARAMETER and len(source.shape) == 3:
-            return name
+        if len(by_name[name].shape) == 3:
+            parameter = parameter_behind(name, by_name)
+            if parameter is not None:
+                return name, parameter
     return None
+
+
+def parameter_behind(name: str, by_name: dict) -> str | None:
+    """The parameter node that `name` is, or is a view or cast of (a transpose, a dtype), else None."""
+    node = by_name[name]
+    while node.role is Role.ACTIVATION and len(node.inputs) == 1 \
+            and (op_family(node.target) == "view" or node.target.startswith(("aten.to.", "aten._to_copy"))):
+        node = by_name[node.inputs[0]]
+    return node.name if node.role is Role.PARAMETER else None
 
 
 def _members(graph: Graph, matmuls: list[str]) -> frozenset[str]:
@@ -103,9 +115,11 @@ def _members(graph: Graph, matmuls: list[str]) -> frozenset[str]:
 
 def _tokens(by_name: dict, matmul) -> int:
     """Tokens the rows were gathered from: the rows of the tensor the dispatch indexes (the
-    first matmul's rows input, an index op over [tokens, hidden]); the rows themselves when the
-    dispatch is not such a gather (top-1 then)."""
+    first matmul's rows input, an index op over [tokens, hidden], behind any casts); the rows
+    themselves when the dispatch is not such a gather (top-1 then)."""
     rows = by_name[matmul.inputs[0]]
+    while rows.target.startswith(("aten.to.", "aten._to_copy")) and rows.inputs:
+        rows = by_name[rows.inputs[0]]
     source = by_name[rows.inputs[0]] if rows.inputs else rows
     return source.shape[0] if len(source.shape) == 2 else rows.shape[0]
 

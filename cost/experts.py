@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from autopar.cost.expert_layers import ExpertLayer
+from autopar.cost.expert_layers import ExpertLayer, parameter_behind
 from autopar.cost.layout import GraphLayout
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.errors import AutoparError
@@ -105,8 +105,9 @@ def _sample_bytes(node, layout: GraphLayout) -> float:
 
 
 def _weight_of(node, by_name: dict) -> str:
-    return next(name for name in node.inputs
-                if by_name[name].role is Role.PARAMETER and len(by_name[name].shape) == 3)
+    """The parameter node of the experts' weight a grouped matmul reads (directly or in a view)."""
+    return next(parameter_behind(name, by_name) for name in node.inputs
+                if len(by_name[name].shape) == 3 and parameter_behind(name, by_name) is not None)
 
 
 def exchange_time(group, nbytes: float, *, top_k: float, experts: int,

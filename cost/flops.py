@@ -6,7 +6,8 @@ mv, dot, einsum, convolution) count 2*M*N*K plus one per output element for a bi
 score matrix, 2*B*H*Sq*Sk*(Dqk + Dv), even when causal, as Megatron-LM's and the PaLM paper's
 MFU formulas do, plus ~5 per score for the softmax. Norms ~5 per input element, softmax ~5,
 elementwise ops 1 per output element, reductions 1 per input element, losses ~4 per input element.
-A grouped matmul (`autopar::grouped_mm` or torch's `_grouped_mm`, the experts of a mixture-of-experts layer: rows [M, K]
+A grouped matmul (`autopar::grouped_mm`, torch's `_grouped_mm` or transformers' `grouped_mm_fallback`,
+the experts of a mixture-of-experts layer: rows [M, K]
 sorted by expert times weights [E, K, N]) counts 2*M*N*K: each row meets one expert, so the count
 is the experts the tokens actually use (k of E per token), however the rows fall among them.
 Views, embeddings (a gather), factories and getitem count 0. A training step is usually estimated as
@@ -120,6 +121,7 @@ _MATMUL_COUNTERS = {
     "addmm": _mm_like(1, True), "baddbmm": _mm_like(1, True), "mv": _mm_like(0, False),
     "dot": _mm_like(0, False), "addmv": _mm_like(1, True), "einsum": _einsum,
     "grouped_mm": _mm_like(0, False), "_grouped_mm": _mm_like(0, False),
+    "grouped_mm_fallback": _mm_like(0, False),
     "convolution": _convolution, "conv1d": _convolution, "conv2d": _convolution,
     "conv3d": _convolution, "_convolution": _convolution,
 }

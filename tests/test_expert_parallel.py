@@ -169,3 +169,36 @@ def test_bad_expert_plans_are_refused_on_every_rank_before_any_collective():
         assert "no mixture-of-experts layer" in rank["dense"] and "ep=1" in rank["dense"]
         assert "ep=2 does not divide the 3 experts" in rank["three experts"]
 
+
+def found_alike(name: str) -> None:
+    """The cost model and the runtime find the same MoE layers in an architecture of the zoo (the
+    planner proposes ep only where the runtime splits experts), and its expert matmuls' FLOPs
+    count the experts the tokens use: 2 x rows x in x out each."""
+    from autopar.cost.expert_layers import expert_layers
+    from autopar.models.hf_zoo import ARCHITECTURES
+
+    arch = ARCHITECTURES[name]
+    model = arch.build()
+    ids, _ = arch.batch(2, torch.Generator().manual_seed(0))
+    graph = autopar.capture(model, (ids,))
+    priced = expert_layers(graph)
+    run = find_expert_layers(export_for_pipeline(model, (), graph.program))
+    assert [layer.experts for layer in priced] == [layer.num_experts for layer in run] != []
+    by_name = {node.name: node for node in graph.nodes}
+    for layer in priced:
+        assert layer.top_k == 2
+        for matmul in layer.matmuls:
+            rows, inner = by_name[by_name[matmul].inputs[0]].shape
+            assert by_name[matmul].flops == 2 * rows * inner * by_name[matmul].shape[1] > 0
+
+
+def test_huggingface_experts_are_found_alike_by_the_cost_model_and_the_runtime():
+    pytest.importorskip("transformers")
+    found_alike("olmoe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss", "deepseek-v3"])
+def test_every_huggingface_moe_architecture_is_found_alike(name):
+    pytest.importorskip("transformers")
+    found_alike(name)
