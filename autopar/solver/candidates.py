@@ -6,7 +6,8 @@ without repeated blocks, its modules (`module_shapes`). A candidate cuts that se
 into pp * v contiguous chunks (v chunks per pipeline rank when interleaved) on a device layout,
 with recompute and ZeRO per chunk. Layouts come from Megatron's grid (`megatron_shapes`), from
 pipelines whose degree does not divide the blocks (`autopar_shapes`) and, when nothing else fits,
-pipelines shorter than their stages (`short_pipeline_shapes`); cuts are Megatron's uniform ones
+pipelines shorter than their stages (`short_pipeline_shapes`), each at a few expert-parallel
+degrees for a model with MoE layers (`with_expert_degrees`); cuts are Megatron's uniform ones
 or balanced by a dynamic program (`balanced_cuts`). What the runtime cannot run is never proposed
 (`layout_error`, the rules of autopar.plans.schedules).
 """
@@ -14,7 +15,7 @@ or balanced by a dynamic program (`balanced_cuts`). What the runtime cannot run 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.plans.schedules import runs, schedule_error
 from autopar.plans.vocabulary import Recompute, Schedule
@@ -166,6 +167,25 @@ def module_shapes(units: int, world: int, gpus_per_node: int, global_batch: int,
     return [shape for shape in megatron_shapes(units, world, gpus_per_node, global_batch,
                                                pp_divides_blocks=False, whole_batch=whole_batch)
             if shape.virtual == 1 and shape.pp > 1]
+
+
+def expert_degrees(ranks: int, experts: int, gpus_per_node: int, every: bool = False) -> list[int]:
+    """Expert-parallel degrees for a stage of `ranks` (dp x tp) devices whose MoE layers have
+    `experts` experts (the gcd of their counts; 0 for a model without MoE layers): those that
+    divide both, which the runtime runs. The grid tries two of them (`every`: all): 1, and the
+    largest whose all-to-alls stay inside a node (NVLink), or the smallest past it; the
+    refinement moves the best layouts to every other (search.py)."""
+    valid = [d for d in range(2, ranks + 1) if ranks % d == 0 and experts and experts % d == 0]
+    if every or not valid:
+        return [1, *valid]
+    inside = [d for d in valid if d <= gpus_per_node]
+    return [1, inside[-1] if inside else valid[0]]
+
+
+def with_expert_degrees(shapes: list[Shape], experts: int, gpus_per_node: int) -> list[Shape]:
+    """Each shape at each of the grid's expert-parallel degrees (`expert_degrees`)."""
+    return [replace(shape, ep=ep) for shape in shapes
+            for ep in expert_degrees(shape.tp * shape.dp, experts, gpus_per_node)]
 
 
 def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int,

@@ -13,6 +13,7 @@ precision (bf16, fp16, fp32; the device's training dtype by default), which the 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from functools import cache
@@ -20,6 +21,7 @@ from functools import cache
 from autopar.cost.calibration import calibrated
 from autopar.cost.config import Config
 from autopar.cost.estimator import default_precision
+from autopar.cost.expert_layers import expert_layers
 from autopar.cost.plan_estimate import estimate_plan
 from autopar.cost.stages import blocks_per_chunk
 from autopar.cost.mesh import Mesh
@@ -29,7 +31,8 @@ from autopar.plans import AxisRole, Plan, Stage
 from autopar.solver.candidate_prices import CandidatePricer, chunk_layers
 from autopar.solver.candidates import (MAX_TP, Candidate, Priced, Shape, autopar_shapes, balanced_cuts,
                                        layout_error, megatron_shapes, module_shapes, pipeline_units,
-                                       short_pipeline_shapes, uniform_cuts, unit_weights)
+                                       short_pipeline_shapes, uniform_cuts, unit_weights,
+                                       with_expert_degrees)
 from autopar.solver.search import Search, grid_phase, refine, uneven_phase
 from autopar.plans.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
@@ -81,7 +84,8 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
     blocks = sum(1 for unit in search.units if unit.block)
     whole = search.coupling is not None
-    grid = megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch, whole_batch=whole)
+    grid = with_expert_degrees(megatron_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch,
+                                               whole_batch=whole), search.experts, mesh.gpus_per_node)
     _report(progress, "Megatron grid", 0, 3)
     # ZeRO-1 moves the bytes of ZeRO-0's all-reduce (reduce-scatter, then all-gather) and steps
     # the optimizer on 1/dp of the parameters: never slower, less memory. The grid's ZeRO-0 points
@@ -93,12 +97,13 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     # a model without repeated blocks is cut between its modules (balanced by cost) at any depth
     uneven = autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch, whole) if blocks \
         else module_shapes(len(search.units), mesh.world_size, mesh.gpus_per_node, global_batch, whole)
-    uneven_phase(search, uneven, weights_for)
+    uneven_phase(search, with_expert_degrees(uneven, search.experts, mesh.gpus_per_node), weights_for)
     if search.best is None:
         # a pipeline with fewer micro-batches than stages (GPipe only) is all bubble: tried
         # only when nothing else fits
-        uneven_phase(search, short_pipeline_shapes(blocks or len(search.units), mesh.world_size,
-                                                   mesh.gpus_per_node, global_batch, whole),
+        short = short_pipeline_shapes(blocks or len(search.units), mesh.world_size,
+                                      mesh.gpus_per_node, global_batch, whole)
+        uneven_phase(search, with_expert_degrees(short, search.experts, mesh.gpus_per_node),
                      weights_for)
     _report(progress, "refining", 2, 3)
     for seed in _seeds(search):
@@ -189,7 +194,8 @@ def new_search(graph: Graph, mesh: Mesh, global_batch: int, limit: float, deadli
     units = pipeline_units(graph)
     return Search(pricer=pricer, units=units, deadline=deadline,
                   skipping=skipping_pairs(graph.flow_nodes(), [unit.layers for unit in units]),
-                  coupling=graph.batch_coupling())
+                  coupling=graph.batch_coupling(),
+                  experts=math.gcd(*(layer.experts for layer in expert_layers(graph))))
 
 
 def _seeds(search: Search) -> list[Priced]:
@@ -202,7 +208,8 @@ def _seeds(search: Search) -> list[Priced]:
     seeds: dict[tuple, Priced] = {}
     for candidate in ranked:
         shape = candidate.candidate.shape
-        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.micro_batch, shape.virtual), candidate)
+        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.ep, shape.micro_batch, shape.virtual),
+                         candidate)
         if len(seeds) == REFINED_SHAPES:
             break
     return list(seeds.values())
@@ -344,6 +351,7 @@ def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
     return InfeasibleError(
         f"no plan fits {format_bytes(memory_limit)} per device; the least memory found is "
         f"{format_bytes(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
+        f"{f'ep={shape.ep} ' if shape.ep > 1 else ''}"
         f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
         f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model"
         + ("; the search stopped at its time limit, and a longer one may find a plan"

@@ -11,7 +11,8 @@ The search, in three phases, prices every candidate with the one estimator of au
 2. Shapes the grid cannot express: PP that does not divide the blocks, with stages balanced by a
    dynamic program over contiguous cuts (`balanced_cuts`).
 3. Refinement of the best shapes, one estimator call per move, kept when it is faster and fits:
-   other schedules (zero-bubble, GPipe), any micro-batch size that divides the batch, a unit moved
+   other schedules (zero-bubble, GPipe), any micro-batch size that divides the batch, every
+   expert-parallel degree the runtime runs (the grid tries three: candidates.expert_degrees), a unit moved
    off the slowest pipeline rank (the embedding and head are not free, so the outer stages take
    fewer blocks), recompute and ZeRO changed rank by rank (the first rank keeps p micro-batches in
    flight, the last one).
@@ -27,11 +28,12 @@ runtime requires of it.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 
 from autopar.solver.candidates import (MAX_MICRO_BATCH, RECOMPUTE_ORDER, Candidate, Priced, Shape, Unit,
-                                       balanced_cuts, layout_error, uniform_cuts)
+                                       balanced_cuts, expert_degrees, layout_error, uniform_cuts)
 from autopar.plans.schedules import relay_error, runs
 from autopar.plans.stage_flow import skips_a_stage
 from autopar.plans.vocabulary import Recompute, Schedule
@@ -46,6 +48,7 @@ class Search:
     # (unit computing, furthest unit reading) -> an activation: stage_flow.skipping_pairs
     skipping: dict[tuple[int, int], str]
     coupling: str | None = None     # why micro-batches would change the model's numbers
+    experts: int = 0                # the gcd of the MoE layers' expert counts; 0: none
     best: Priced | None = None
     least_memory: Priced | None = None
     timed_out: bool = False
@@ -115,7 +118,7 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
         # past the deadline, stop once something fits (the plan then says "time_limit")
         if search.best is not None and search.out_of_time():
             break
-        layout = (shape.tp, shape.pp, shape.dp, shape.virtual, shape.schedule)
+        layout = (shape.tp, shape.pp, shape.dp, shape.virtual, shape.schedule, shape.ep)
         cuts = uniform_cuts(search.units, shape.pp * shape.virtual)
         if cuts is None or layout in too_big:
             continue
@@ -190,8 +193,9 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
     anything that fits or needs less memory. Schedules are tried again after the micro-batch
     size changed: which schedules torch runs, and which is fastest, depends on the count."""
     current = start
-    for move in (_schedule_moves, _micro_batch_moves, _schedule_moves, _balanced_move,
-                 _boundary_moves, _recompute_moves, _zero_moves, _boundary_moves):
+    experts = functools.partial(_expert_moves, experts=search.experts)
+    for move in (_schedule_moves, _micro_batch_moves, _schedule_moves, experts, _balanced_move,
+                 _boundary_moves, _recompute_moves, _zero_moves, experts, _boundary_moves):
         if move is _micro_batch_moves and search.coupling is not None:
             continue        # one micro-batch per replica (layout_error)
         improved = True
@@ -246,6 +250,15 @@ def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
                              (shape.schedule != Schedule.GPIPE and m < shape.pp)):
             continue
         yield replace(candidate, shape=replace(shape, micro_batch=size))
+
+
+def _expert_moves(current: Priced, global_batch: int, weights_for, *, experts: int):
+    """Every other expert-parallel degree the runtime runs for the same stages (the grid tries
+    two of them)."""
+    candidate, shape = current.candidate, current.candidate.shape
+    for ep in expert_degrees(shape.tp * shape.dp, experts, 0, every=True):
+        if ep != shape.ep:
+            yield replace(candidate, shape=replace(shape, ep=ep))
 
 
 def _balanced_move(current: Priced, global_batch: int, weights_for):
