@@ -12,6 +12,7 @@ from torch import nn
 
 import autopar
 from autopar.cost.config import Config
+from autopar.cost.mesh import Mesh
 from autopar.errors import PlanMismatchError
 from autopar.models import build_model, lm_loss
 from autopar.passes.expert_dispatch import ExpertParallel
@@ -202,3 +203,210 @@ def test_huggingface_experts_are_found_alike_by_the_cost_model_and_the_runtime()
 def test_every_huggingface_moe_architecture_is_found_alike(name):
     pytest.importorskip("transformers")
     found_alike(name)
+
+
+SLOW_FORMS_ON_4 = {
+    "dp2 x tp2 x ep2": Config(dp=2, tp=2, ep=2, global_batch=BATCH, micro_batch=2),
+    "tp4 x ep2": Config(tp=4, ep=2, global_batch=BATCH, micro_batch=4),
+    "pp2 x dp2 x ep2 1f1b": Config(pp=2, dp=2, ep=2, global_batch=BATCH, micro_batch=2),
+    "ep2 zero-1": Config(dp=4, ep=2, zero=1, global_batch=BATCH, micro_batch=2),
+    "ep2 zero-2": Config(dp=4, ep=2, zero=2, global_batch=BATCH, micro_batch=1),
+    "ep4 zero-3": Config(dp=4, ep=4, zero=3, global_batch=BATCH, micro_batch=1),
+    "dp2 x ep2 full recompute": Config(dp=4, ep=2, recompute="full", global_batch=BATCH, micro_batch=2),
+}
+# four layers, for two chunks on each of two pipeline ranks
+INTERLEAVED = {"pp2 x dp2 x ep2 interleaved": Config(pp=2, dp=2, ep=2, virtual=2, schedule="interleaved-1f1b",
+                                                     global_batch=BATCH, micro_batch=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_parallelism_composes_with_every_form():
+    ranks = autopar.launch(train_forms, 4, SLOW_FORMS_ON_4, timeout=900)
+    interleaved = autopar.launch(train_forms, 4, INTERLEAVED, MOE.replace("layers=2", "layers=4"),
+                                 timeout=900)
+    for rank in (a | b for a, b in zip(ranks, interleaved)):
+        for name, config in (SLOW_FORMS_ON_4 | INTERLEAVED).items():
+            losses, problems, shards = rank[name]
+            assert problems == [], (name, problems)
+            assert shards and all(ep == config.ep for ep, _, _ in shards), (name, shards)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_autopar_moe_preset_under_ep4():
+    forms = {"ep4": Config(dp=4, ep=4, global_batch=BATCH, micro_batch=2)}
+    spec = "moe-tiny"
+    ranks = autopar.launch(train_forms, 4, forms, spec, timeout=600)
+    assert all(rank["ep4"][1] == [] for rank in ranks), ranks[0]["ep4"][1]
+
+
+def train_huggingface(names: list[str], classes: dict, config: Config) -> dict:
+    """On every rank: each zoo architecture under `config` against one process."""
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn
+
+    found = {}
+    for name in names:
+        arch = ARCHITECTURES[name]
+        generator = torch.Generator().manual_seed(1)
+        data = [arch.batch(BATCH, generator) for _ in range(3)]
+        reference = train_single_process(arch.build(classes[name]), data, loss_fn, adamw)
+        cm = autopar.compile(arch.build(classes[name]), f"{config.world_size}:cpu", loss_fn=loss_fn,
+                             optimizer=adamw, plan=config, example_inputs=(data[0][0][:config.micro_batch],))
+        losses = [cm.step(*batch) for batch in data]
+        found[name] = (mismatches(reference, losses, cm.full_state_dict()), expert_shards(cm))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_huggingface_moe_architectures_under_expert_parallelism():
+    pytest.importorskip("transformers")
+    from autopar.models.hf_zoo import resolve
+
+    names = ["mixtral", "qwen2-moe", "olmoe", "qwen3-moe", "gpt-oss", "deepseek-v3"]
+    config = Config(dp=2, ep=2, global_batch=BATCH, micro_batch=4)
+    ranks = autopar.launch(train_huggingface, 2, names, resolve(names), config, timeout=1200)
+    for name in names:
+        problems, shards = ranks[0][name]
+        assert problems == [], (name, problems)
+        assert shards and all(ep == 2 and local * 2 == experts for ep, experts, local in shards), shards
+
+
+def save_and_load(path: str) -> dict:
+    """On every rank: trained a step under dp2 x ep2 and saved; loaded under ep1 (dp4) and under
+    tp2 x ep2: the same parameters, and a next step (optimizer state included) the same as the
+    saving plan's."""
+    data = batches(2)
+    example = (data[0][0][:2],)
+    saving = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=adamw, example_inputs=example,
+                             plan=Config(dp=4, ep=2, global_batch=BATCH, micro_batch=2))
+    saving.step(*data[0])
+    saving.save(path)
+    state = saving.full_state_dict()
+    expected = ([saving.step(*data[1])], saving.full_state_dict())
+    found = {}
+    for name, config in {"ep1": Config(dp=4, global_batch=BATCH, micro_batch=2),
+                         "tp2 x ep2": Config(dp=2, tp=2, ep=2, global_batch=BATCH, micro_batch=2)}.items():
+        cm = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=adamw, example_inputs=example,
+                             plan=config)
+        cm.load(path)
+        loaded = mismatches(([], state), [], cm.full_state_dict(), rtol=0, atol=0)
+        found[name] = (loaded, mismatches(expected, [cm.step(*data[1])], cm.full_state_dict()))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_checkpoint_saved_under_expert_parallelism_loads_under_other_plans(tmp_path):
+    ranks = autopar.launch(save_and_load, 4, str(tmp_path / "ckpt"), timeout=600)
+    for rank in ranks:
+        assert rank == {"ep1": ([], []), "tp2 x ep2": ([], [])}
+
+
+def train_bf16() -> tuple:
+    """On every rank: dp2 x ep2 under precision="bf16" against one process under autocast: the
+    first loss's difference, the distance of the parameters over the reference's own movement."""
+    from autopar.models.hf_zoo import loss_fn  # noqa: F401  (the same mean cross-entropy)
+
+    data = batches()
+
+    def autocast(function):
+        def run(*args):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return function(*args)
+        return run
+
+    start = make().state_dict()
+    reference = train_single_process(make(), data, autocast(lm_loss), adamw,
+                                     call=lambda model, inputs: autocast(model)(*inputs))
+    config = Config(dp=4, ep=2, zero=3, global_batch=BATCH, micro_batch=2)
+    cm = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=adamw, plan=config,
+                         precision="bf16", example_inputs=(data[0][0][:2],))
+    losses = [cm.step(*batch) for batch in data]
+
+    def distance(a, b):
+        return sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a).sqrt().item()
+    return (abs(losses[0] - reference[0][0]),
+            distance(cm.full_state_dict(), reference[1]) / distance(reference[1], start),
+            {p.dtype for p in cm.stages.parameters()})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_parallelism_under_bf16_tracks_one_process_under_autocast():
+    for first_loss, apart, dtypes in autopar.launch(train_bf16, 4, timeout=600):
+        assert first_loss < 2e-3 and apart < 0.3 and dtypes == {torch.float32}, (first_loss, apart)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_huggingface_moe_on_meta_loads_only_its_experts_and_trains_exactly(tmp_path):
+    """Built on meta and filled from a safetensors file of the model's state_dict (transformers'
+    save_pretrained stores each expert apart, which autopar refuses to merge): each rank reads
+    only the slices of the expert weights it holds."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from autopar.models.hf_zoo import ARCHITECTURES, resolve
+
+    names = ["mixtral", "deepseek-v3"]
+    classes = resolve(names)
+    for name in names:
+        state = ARCHITECTURES[name].build(classes[name]).state_dict()
+        save_file({key: value.contiguous() for key, value in state.items()},
+                  str(tmp_path / f"{name}.safetensors"))
+    config = Config(dp=4, ep=2, zero=3, global_batch=BATCH, micro_batch=2)
+    ranks = autopar.launch(train_meta_models, 4, tmp_path, names, classes, config, timeout=600)
+    assert all(rank == {name: [] for name in names} for rank in ranks), ranks[0]
+
+
+def train_meta_models(tmp_path, names: list[str], classes: dict, config: Config) -> dict:
+    """On every rank: each model built on meta, filled from its directory and trained, against
+    one process training the model built normally."""
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn
+
+    found = {}
+    for name in names:
+        arch = ARCHITECTURES[name]
+        generator = torch.Generator().manual_seed(1)
+        data = [arch.batch(BATCH, generator) for _ in range(2)]
+        reference = train_single_process(arch.build(classes[name]), data, loss_fn, adamw)
+        with torch.device("meta"):
+            model = classes[name](arch.build(classes[name]).config).eval()
+        cm = autopar.compile(model, f"{config.world_size}:cpu", loss_fn=loss_fn, optimizer=adamw,
+                             plan=config, example_inputs=(data[0][0][:config.micro_batch],),
+                             load_from=tmp_path / f"{name}.safetensors")
+        losses = [cm.step(*batch) for batch in data]
+        found[name] = mismatches(reference, losses, cm.full_state_dict())
+    return found
+
+
+def free_plan_under_a_limit(limit: int) -> tuple:
+    """On every rank: the free plan of `make()` on 4 CPU ranks, one a node (no tensor
+    parallelism, which would split the experts too), under `limit` bytes per device, trained
+    against one process."""
+    data = batches()
+    reference = train_single_process(make(), data, lm_loss, adamw)
+    cm = autopar.compile(make(), "4x1:cpu", loss_fn=lm_loss, optimizer=adamw, global_batch=BATCH,
+                         memory_limit=limit, example_inputs=(data[0][0][:2],))
+    losses = [cm.step(*batch) for batch in data]
+    return cm.plan.ep, mismatches(reference, losses, cm.full_state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_free_plan_under_a_limit_that_needs_expert_parallelism_runs_exactly():
+    """The limit between the least memory the search finds without EP and the least with it."""
+    from autopar.solver.planner import plan_and_search
+
+    graph = autopar.capture(make(), (batches(1)[0][0][:2],))
+    _, search = plan_and_search(graph, Mesh.parse("4x1:cpu"), global_batch=BATCH, time_limit=120)
+    least = {}
+    for priced in search.candidates():
+        split = priced.candidate.shape.ep > 1
+        least[split] = min(least.get(split, float("inf")), priced.memory_bytes)
+    assert least[True] < least[False]
+    limit = int((least[True] + least[False]) / 2)
+    for ep, problems in autopar.launch(free_plan_under_a_limit, 4, limit, timeout=600):
+        assert ep > 1 and problems == [], (ep, problems)
