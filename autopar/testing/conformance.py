@@ -10,8 +10,11 @@ parameters. An `AutoparError` before the first step is a refusal (autopar says w
 and why); any other error, or a difference, is a failure.
 
 Free plans are made on rank 0 and sent to every rank, as `autopar.compile` does. The
-"memory-limited" form asks the planner for a plan under the largest of a few decreasing memory
-limits (fractions of what its unconstrained plan needs per device) that makes it pipeline.
+"memory-limited" forms ask the planner for a plan under the largest of a few decreasing memory
+limits (fractions of what its unconstrained plan needs per device) that makes it pipeline, or
+split the experts of a mixture of experts (on nodes of one device, where tensor parallelism
+cannot split them instead). Forms with expert parallelism run on the MoE architectures only
+(`Form.experts`, `Architecture.moe`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class Form:
     mesh: str
     config: Config | None = None      # None: the planner's own plan
     pipeline_by_memory: bool = False  # plan under a memory limit that makes it pipeline
+    experts_by_memory: bool = False   # plan under a memory limit that makes it split experts
+
+    @property
+    def experts(self) -> bool:
+        """Whether the form splits experts: for mixtures of experts only."""
+        return self.experts_by_memory or (self.config is not None and self.config.ep > 1)
 
     @property
     def world_size(self) -> int:
@@ -56,6 +65,10 @@ FORMS: dict[str, Form] = {
     "pp2 interleaved 1f1b": Form("2:cpu", _config(pp=2, virtual=2, micro_batch=2,
                                                   schedule="interleaved-1f1b")),
     "tp2 x pp2 sp": Form("4:cpu", _config(tp=2, pp=2, micro_batch=2, sequence_parallel=True)),
+    "ep4": Form("4:cpu", _config(dp=4, ep=4, micro_batch=2)),
+    "dp2 x tp2 x ep2": Form("4:cpu", _config(dp=2, tp=2, ep=2, micro_batch=4)),
+    "pp2 x dp2 x ep2 1f1b": Form("4:cpu", _config(pp=2, dp=2, ep=2, micro_batch=2, schedule="1f1b")),
+    "plan 4x1 memory-limited ep": Form("4x1:cpu", experts_by_memory=True),
 }
 
 
@@ -161,8 +174,8 @@ def _free_plan(model, form: Form, example: tuple):
         try:
             graph = autopar.capture(model, example_inputs=example)
             plan = plan_graph(graph, form.mesh, global_batch=GLOBAL_BATCH, time_limit=30)
-            if form.pipeline_by_memory:
-                plan = _pipelining_plan(graph, form.mesh, plan)
+            if form.pipeline_by_memory or form.experts_by_memory:
+                plan = _plan_under_memory(graph, form, plan)
             message[0] = ("plan", plan.to_dict())
         except AutoparError as err:
             message[0] = ("error", err)
@@ -173,22 +186,23 @@ def _free_plan(model, form: Form, example: tuple):
     return Plan.from_dict(payload)
 
 
-def _pipelining_plan(graph, mesh: str, unconstrained):
+def _plan_under_memory(graph, form: Form, unconstrained):
     """The plan under the largest memory limit (a fraction of the unconstrained plan's memory
-    per device) under which the planner pipelines."""
+    per device) under which the planner pipelines (or splits experts, as the form asks)."""
     from autopar.api import plan_graph
 
+    wanted = "split experts" if form.experts_by_memory else "pipeline"
     needed = unconstrained.predicted["memory_per_gpu_bytes"]
     last_error = None
     for fraction in MEMORY_FRACTIONS:
         try:
-            plan = plan_graph(graph, mesh, global_batch=GLOBAL_BATCH, time_limit=30,
+            plan = plan_graph(graph, form.mesh, global_batch=GLOBAL_BATCH, time_limit=30,
                               memory_limit=int(needed * fraction))
         except AutoparError as err:
             last_error = err
             continue
-        if len(plan.stages) > 1:
+        if (plan.ep > 1) if form.experts_by_memory else (len(plan.stages) > 1):
             return plan
     raise AutoparError(f"no memory limit down to {MEMORY_FRACTIONS[-1]:.0%} of the unconstrained "
-                       f"plan's {format_bytes(needed)} per device makes the planner pipeline"
+                       f"plan's {format_bytes(needed)} per device makes the planner {wanted}"
                        + (f" (last: {last_error})" if last_error else ""))
