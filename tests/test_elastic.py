@@ -7,8 +7,12 @@ trained on the same global batches (each step's loss and the final parameters wi
 """
 
 import importlib.util
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.models import build_model, lm_loss
+from autopar.runtime.launch import free_port
 from autopar.runtime.checkpoint import export
 from autopar.runtime.compiled_model import CompiledModel
 from autopar.runtime.sampler import GlobalBatchSampler
@@ -97,6 +102,46 @@ def test_a_run_that_loses_a_node_resumes_on_the_ranks_left(tmp_path):
     print(f"4 ranks, node lost after step 5, resumed on 2 ranks (dp {resumed['dp']}, "
           f"{resumed['micro_batches']} micro-batches per replica): largest loss difference "
           f"{max(abs(a - b) for a, b in zip(resumed['losses'], reference[0])):.2e}")
+    assert found == [], found
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_example_on_the_node_left(tmp_path):
+    """Two torchrun agents of 2 ranks each, one job (`--nnodes 1:2`, c10d rendezvous): node 1
+    holds after step 5 and is killed with its ranks, as a lost machine; torchrun restarts the job
+    on node 0 alone, whose 2 ranks plan again and resume from the checkpoint of step 4. The
+    losses and the final checkpoint equal one uninterrupted process's."""
+    hold = tmp_path / "hold.log"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               "--rdzv-id", "elastic-test", "--rdzv-conf", "last_call_timeout=5",
+               str(Path(__file__).parent / "torchrun_elastic.py"), "--hold-at-step", "5", "--hold-log",
+               str(hold), "--checkpoint", str(tmp_path / "last"), "--steps", str(STEPS),
+               "--losses", str(tmp_path / "losses.json")]
+    # sessions of their own, as two machines: the first agent hosts the rendezvous store
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)]
+    time.sleep(1)
+    nodes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True))
+    try:
+        deadline = time.monotonic() + 240
+        while len(hold.read_text().splitlines() if hold.exists() else []) < 2:
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "node 1 never held"
+            time.sleep(0.2)
+        os.killpg(nodes[1].pid, signal.SIGKILL)        # the agent of node 1, and then its ranks
+        for line in hold.read_text().splitlines():     # (torchrun starts them in sessions of their own)
+            os.kill(int(line.split()[2]), signal.SIGKILL)
+        stdout, stderr = nodes[0].communicate(timeout=240)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert nodes[0].returncode == 0, stderr[-4000:]
+    assert "4 ranks from step 0" in stdout and "2 ranks from step 4 (sample 32)" in stdout, stdout
+    export(tmp_path / "last", tmp_path / "final.safetensors")
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    found = mismatches(uninterrupted(example()), losses, load_file(tmp_path / "final.safetensors"))
     assert found == [], found
 
 
