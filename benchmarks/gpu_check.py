@@ -118,16 +118,18 @@ def check_data_parallel(args, spec: str, device: torch.device, mesh) -> None:
     config = Config(dp=world, global_batch=args.batch, micro_batch=args.batch // world)
     cm = autopar.compile(build_model(spec, device=device)[0], mesh, loss_fn=lm_loss, optimizer=sgd,
                          plan=config, example_inputs=(ids[rows],))
-    ddp = DistributedDataParallel(build_model(spec, device=device)[0],
-                                  device_ids=[device.index] if device.type == "cuda" else None)
+    # each race starts both contenders from the same initial weights: a DDP model the first race
+    # trained would be steps ahead of the second race's fresh one
+    ddp = lambda: DistributedDataParallel(build_model(spec, device=device)[0],
+                                          device_ids=[device.index] if device.type == "cuda" else None)
     by_hand = build_model(spec, device=device)[0]
     replica_mesh = init_device_mesh(device.type, (world,))
     for layer in by_hand.layers:
         replicate(layer, mesh=replica_mesh)
     replicate(by_hand, mesh=replica_mesh)
     rows_step = lambda model: hand_step(model, ids[rows], targets[rows])
-    results = {"autopar dp vs DDP": race(lambda: cm.step(ids, targets), rows_step(ddp), args.steps, device),
-               "torch FSDP2 replicate vs DDP (baseline)": race(rows_step(by_hand), rows_step(ddp),
+    results = {"autopar dp vs DDP": race(lambda: cm.step(ids, targets), rows_step(ddp()), args.steps, device),
+               "torch FSDP2 replicate vs DDP (baseline)": race(rows_step(by_hand), rows_step(ddp()),
                                                                 args.steps, device)}
     if rank == 0:
         for name, r in results.items():
