@@ -153,6 +153,7 @@ def test_measured_rows_without_a_group_size_still_load():
     assert link.alpha_beta("all_reduce", 2) == (1e-3, 1e8)
 
 
+@pytest.mark.slow
 def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, capsys):
     """Every figure measured in each of `--rounds` rounds (the median kept, the spread shown),
     the collectives fitted, and `estimate --calibration` pricing with the file."""

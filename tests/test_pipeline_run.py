@@ -160,6 +160,7 @@ def test_data_parallel_pipelines_with_zero1_global_and_local_batches():
         assert_equal_to_one_process(report)
 
 
+@pytest.mark.slow
 def test_zero2_and_zero3_across_pipeline_replicas():
     cut = [UNITS[:5], UNITS[5:]]
     plans = [make_plan(cut, pp=2, dp=2, schedule=schedule, micro_batches=2, zero=zero)

@@ -95,6 +95,7 @@ def load_and_train(directory) -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_meta_model_loads_each_rank_shards_from_every_source(tmp_path):
     write_sources(tmp_path)

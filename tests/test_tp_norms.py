@@ -67,6 +67,7 @@ def check(found: dict) -> None:
     assert found["torch.float32"]["mismatches"] == [], found
 
 
+@pytest.mark.slow
 def test_qk_norms_over_the_whole_projection_under_dp_x_tp_are_exact_in_float64():
     config = Config(dp=2, tp=2, micro_batch=4, global_batch=GLOBAL_BATCH)
     check(autopar.launch(train_at, 4, config, [torch.float64, torch.float32], timeout=400)[0])
