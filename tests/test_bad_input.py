@@ -127,7 +127,7 @@ def interleaved(data: dict) -> None:
 PLAN_CASES = [
     Case("plan-schema-string", bad_plan(lambda d: d.update(schema_version="1")), "schema version"),
     Case("plan-schema-bool", bad_plan(lambda d: d.update(schema_version=True)), "schema version"),
-    Case("plan-schema-future", bad_plan(lambda d: d.update(schema_version=3)), "schema version 3"),
+    Case("plan-schema-future", bad_plan(lambda d: d.update(schema_version=4)), "schema version 4"),
     Case("plan-missing-field", bad_plan(lambda d: d.pop("stages")), r"lacks fields \['stages'\]"),
     Case("plan-unknown-field", bad_plan(lambda d: d.update(colour="blue")), "unknown fields.*colour"),
     Case("plan-not-object", lambda s: Plan.from_dict([1, 2]), "JSON object"),

@@ -39,6 +39,14 @@ class Shape:
     virtual: int = 1
     sequence_parallel: bool = False
     ep: int = 1                 # expert parallelism, carved out of the dp x tp ranks of a stage
+    cp: int = 1                 # context parallelism: every sequence split over cp ranks
+    cp_kind: str = "ring"       # ring | all-to-all
+    offload: bool = False       # ZeRO-3's states on the host
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that hold the same weights and reduce their gradients (ZeRO's group)."""
+        return self.dp * self.cp
 
 
 @dataclass(frozen=True, slots=True)
