@@ -21,6 +21,7 @@ from autopar.testing.equivalence import train_forms_against_one_process
 pytestmark = pytest.mark.multiprocess
 
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64"
+LLAMA_4 = "llama:layers=4,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64"   # 2 blocks a pipeline stage
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
 BATCH = 4
 RECOMPUTE = ("none", "full", "selective")
@@ -29,8 +30,8 @@ FORMS_ON_4 = {
     "cp4 all-to-all": Config(cp=4, cp_kind="all-to-all", global_batch=BATCH, micro_batch=2),
     "dp2 x cp2, zero-3": Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=1),
     "tp2 x cp2": Config(tp=2, cp=2, global_batch=BATCH, micro_batch=BATCH),
-    "pp2 x cp2 1f1b": Config(pp=2, cp=2, global_batch=BATCH, micro_batch=1),
 }
+PIPELINES_ON_4 = {"pp2 x cp2 1f1b": Config(pp=2, cp=2, global_batch=BATCH, micro_batch=1)}
 
 
 def sgd(params):
@@ -123,14 +124,18 @@ def test_zero3_offload_trains_like_one_process(form_problems):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("form", FORMS_ON_4)
+@pytest.mark.parametrize("form", [*FORMS_ON_4, *PIPELINES_ON_4])
 def test_context_parallel_forms_on_4_ranks(four_ranks, form, recompute, form_problems):
     assert form_problems(four_ranks, (form, recompute)) == []
 
 
+def on_four_ranks():
+    return {**train(LLAMA, FORMS_ON_4, RECOMPUTE), **train(LLAMA_4, PIPELINES_ON_4, RECOMPUTE)}
+
+
 @pytest.fixture(scope="module")
 def four_ranks():
-    return autopar.launch(train, 4, LLAMA, FORMS_ON_4, RECOMPUTE, timeout=900)
+    return autopar.launch(on_four_ranks, 4, timeout=900)
 
 
 @pytest.mark.slow

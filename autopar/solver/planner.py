@@ -22,6 +22,7 @@ from autopar.cost.calibration import calibrated
 from autopar.cost.config import Config
 from autopar.cost.estimator import default_precision
 from autopar.cost.expert_layers import expert_layers
+from autopar.cost.context import sequence_split_error
 from autopar.cost.layout import graph_sequence
 from autopar.cost.plan_estimate import estimate_plan
 from autopar.cost.stages import blocks_per_chunk
@@ -31,10 +32,11 @@ from autopar.graph import Graph, Role
 from autopar.plans import AxisRole, Plan, Stage
 from autopar.solver.candidate_prices import CandidatePricer, chunk_layers
 from autopar.solver.candidates import (MAX_TP, Candidate, Priced, Shape, autopar_shapes, balanced_cuts,
-                                       layout_error, megatron_shapes, module_shapes, pipeline_units,
-                                       short_pipeline_shapes, uniform_cuts, unit_weights,
-                                       with_expert_degrees)
-from autopar.solver.search import Search, grid_phase, refine, uneven_phase
+                                       context_shapes, layout_error, megatron_shapes, module_shapes,
+                                       pipeline_units, short_pipeline_shapes, uniform_cuts,
+                                       unit_weights, with_expert_degrees)
+from autopar.solver.search import (Search, context_phase, grid_phase, offload_phase, refine,
+                                   uneven_phase)
 from autopar.plans.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
 
@@ -99,6 +101,10 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     uneven = autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch, whole) if blocks \
         else module_shapes(len(search.units), mesh.world_size, mesh.gpus_per_node, global_batch, whole)
     uneven_phase(search, with_expert_degrees(uneven, search.experts, mesh.gpus_per_node), weights_for)
+    # where activations bind: context parallelism, when the model's sequence can be split
+    if blocks and sequence_split_error(graph) is None:
+        context_phase(search, context_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
+                                             global_batch, graph_sequence(graph), whole))
     if search.best is None:
         # a pipeline with fewer micro-batches than stages (GPipe only) is all bubble: tried
         # only when nothing else fits
@@ -106,6 +112,8 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
                                       mesh.gpus_per_node, global_batch, whole)
         uneven_phase(search, with_expert_degrees(short, search.experts, mesh.gpus_per_node),
                      weights_for)
+    # then the model's states on the host
+    offload_phase(search, grid)
     _report(progress, "refining", 2, 3)
     for seed in _seeds(search):
         refine(search, seed, weights_for)
@@ -211,8 +219,8 @@ def _seeds(search: Search) -> list[Priced]:
     seeds: dict[tuple, Priced] = {}
     for candidate in ranked:
         shape = candidate.candidate.shape
-        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.ep, shape.micro_batch, shape.virtual),
-                         candidate)
+        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.ep, shape.micro_batch, shape.virtual,
+                          shape.cp, shape.offload), candidate)
         if len(seeds) == REFINED_SHAPES:
             break
     return list(seeds.values())
