@@ -7,9 +7,11 @@ as many earlier keys to attend to). `chunk_positions` gives a rank's positions.
 - `RingAttention` (ring attention, Liu et al. 2023; Megatron-Core's and torchtitan's default):
   the rank keeps its queries and passes its K/V block around the ring of cp ranks, computing
   attention against the block in hand while the next one travels (point-to-point to the ring's
-  neighbours, started before the block's compute and waited for after it). Blocks are merged with
-  the online softmax (a running log-sum-exp per query row), so only one remote block is held at a
-  time. Its backward passes each K/V block around again with the gradients of that block
+  neighbours, started before the block's compute and waited for after it). With the load-balanced
+  chunks each step is one unmasked rectangle of the block or its own causal block (`_pairs`), the
+  same work on every rank, computed by CPU flash attention's kernel where the ranks are CPUs.
+  Blocks are merged with the online softmax (a running log-sum-exp per query row), so only one
+  remote block is held at a time. Its backward passes each K/V block around again with the gradients of that block
   accumulated on the way, as flash attention's backward computes them from the forward's
   output and log-sum-exp; one last hop brings every block's gradients home.
 - `ulysses_attention` (DeepSpeed-Ulysses): an all-to-all swaps the sequence split of q, k and v
@@ -40,14 +42,6 @@ def chunk_positions(rank: int, cp: int, chunk: int, device=None) -> torch.Tensor
     return torch.cat([first, second])
 
 
-def _allowed(query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool):
-    """Which keys each query attends to (None: all of them)."""
-    if not causal:
-        return None
-    allowed = key_positions[None, :] <= query_positions[:, None]
-    return None if bool(allowed.all()) else allowed
-
-
 def _repeat_heads(tensor: torch.Tensor, group: int) -> torch.Tensor:
     """Grouped-query attention: each key/value head serves `group` consecutive query heads."""
     return tensor if group == 1 else tensor.repeat_interleave(group, dim=-3)
@@ -61,17 +55,67 @@ def _fold_heads(grad: torch.Tensor, group: int) -> torch.Tensor:
     return grad.view(*lead, heads // group, group, tokens, dim).sum(-3)
 
 
-def _block_scores(query, key, allowed, scale):
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+def _pairs(rank: int, source: int, chunk: int, causal: bool) -> tuple[slice, slice, bool]:
+    """Which of this rank's query rows attend to which of `source`'s key columns, and whether
+    causally. A rank's 2 chunks are in position order, so its own block is plain causal
+    attention; a rank before it (source < rank) holds one chunk earlier than both of this rank's
+    and one later than both: every query sees the first, none the second; a rank after it holds
+    two chunks between this rank's: only this rank's second chunk sees them, whole. So each step
+    computes one unmasked rectangle, and every rank as much as any other."""
+    if not causal:
+        return slice(None), slice(None), False
+    if source == rank:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, None), slice(None), False
 
 
-def _block_forward(query, key, value, allowed, scale):
-    """One block's output and log-sum-exp per query row (-inf where the block masks the row)."""
-    scores = _block_scores(query, key, allowed, scale)
+def _attend(query, key, value, causal: bool, scale: float, kernel: bool):
+    """(output, log-sum-exp per query row) of one block, fp32: with `kernel`, CPU flash
+    attention's (nothing of size queries x keys is kept), plain products otherwise."""
+    if kernel:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)
+        return out, lse
+    scores = _scores(query, key, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.matmul(torch.exp(scores - finite.unsqueeze(-1)), value), lse
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value), lse
+
+
+def _scores(query, key, causal: bool, scale: float):
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def _attend_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float,
+                     kernel: bool):
+    """(dq, dk, dv) of one block given the whole attention's output and log-sum-exp (flash
+    attention's backward: what the block contributed to them); `kernel` as for `_attend`."""
+    if kernel:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
+    probs = torch.exp(_scores(query, key, causal, scale) - lse.unsqueeze(-1))
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_scores = probs * (torch.matmul(grad_out, value.transpose(-1, -2)) - delta)
+    return (torch.matmul(grad_scores, key) * scale,
+            torch.matmul(grad_scores.transpose(-1, -2), query) * scale,
+            torch.matmul(probs.transpose(-1, -2), grad_out))
+
+
+def _merge(out, lse, part, part_lse, rows: slice):
+    """The running output and log-sum-exp with one more block's, on the rows that attended it."""
+    merged = torch.logaddexp(lse[..., rows], part_lse)
+    mixed = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1) \
+        + part * torch.exp(part_lse - merged).unsqueeze(-1)
+    if rows == slice(None):
+        return mixed, merged
+    start = rows.start
+    return (torch.cat([out[..., :start, :], mixed], dim=-2),
+            torch.cat([lse[..., :start], merged], dim=-1))
 
 
 class _Ring:
@@ -107,82 +151,75 @@ class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries over every rank's keys and values, passed around a ring."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, causal: bool, scale: float, chunk: int):
+    def forward(ctx, query, key, value, group, causal: bool, scale: float):
         ring = _Ring(group)
-        dtype = query.dtype
-        query, key, value = (t.float() for t in (query, key, value))
+        dtype, chunk = query.dtype, query.shape[-2] // 2
+        query, key, value = (t.float().contiguous() for t in (query, key, value))
         heads = query.shape[-3] // key.shape[-3]
-        mine = chunk_positions(ring.rank, ring.size, chunk, query.device)
         block = torch.cat([key, value], dim=-1)     # one message per hop
         out = lse = None
         for step in range(ring.size):
             pending = ring.start(block) if step < ring.size - 1 else None
-            theirs = chunk_positions(ring.source(step), ring.size, chunk, query.device)
-            k, v = block.split([key.shape[-1], value.shape[-1]], dim=-1)
-            part, part_lse = _block_forward(query, _repeat_heads(k, heads), _repeat_heads(v, heads),
-                                            _allowed(mine, theirs, causal), scale)
-            if out is None:
-                out, lse = part, part_lse
-            else:
-                merged = torch.logaddexp(lse, part_lse)
-                out = out * torch.exp(lse - merged).unsqueeze(-1) \
-                    + part * torch.exp(part_lse - merged).unsqueeze(-1)
-                lse = merged
+            rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
+            k, v = (_repeat_heads(t[..., cols, :], heads).contiguous()
+                    for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
+            part, part_lse = _attend(query[..., rows, :], k, v, diagonal, scale, kernel=query.device.type == "cpu")
+            out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
             if pending is not None:
                 block = ring.finish(pending)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.settings = (group, causal, scale, chunk, dtype)
+        ctx.settings = (group, causal, scale, dtype)
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        group, causal, scale, chunk, dtype = ctx.settings
+        group, causal, scale, dtype = ctx.settings
         ring = _Ring(group)
-        heads = query.shape[-3] // key.shape[-3]
-        grad_out = grad_out.float()
-        delta = (grad_out * out).sum(-1, keepdim=True)      # rowsum(dO * O), flash attention's D
-        mine = chunk_positions(ring.rank, ring.size, chunk, query.device)
+        chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
+        grad_out = grad_out.float().contiguous()
         sizes = [key.shape[-1], value.shape[-1]]
         # each block travels with its gradients so far: [K, V, dK, dV]
         block = torch.cat([key, value, torch.zeros_like(key), torch.zeros_like(value)], dim=-1)
         grad_query = torch.zeros_like(query)
         for step in range(ring.size):
             k, v, grad_k, grad_v = block.split(sizes + sizes, dim=-1)
-            theirs = chunk_positions(ring.source(step), ring.size, chunk, query.device)
-            k_all, v_all = _repeat_heads(k, heads), _repeat_heads(v, heads)
-            scores = _block_scores(query, k_all, _allowed(mine, theirs, causal), scale)
-            probs = torch.exp(scores - lse.unsqueeze(-1))
-            grad_scores = probs * (torch.matmul(grad_out, v_all.transpose(-1, -2)) - delta)
-            grad_query += torch.matmul(grad_scores, k_all) * scale
-            grad_k = grad_k + _fold_heads(torch.matmul(grad_scores.transpose(-1, -2), query) * scale, heads)
-            grad_v = grad_v + _fold_heads(torch.matmul(probs.transpose(-1, -2), grad_out), heads)
+            rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
+            parts = _attend_backward(
+                grad_out[..., rows, :], query[..., rows, :],
+                _repeat_heads(k[..., cols, :], heads).contiguous(),
+                _repeat_heads(v[..., cols, :], heads).contiguous(),
+                out[..., rows, :].contiguous(), lse[..., rows].contiguous(), diagonal, scale,
+                kernel=query.device.type == "cpu")
+            grad_query[..., rows, :] += parts[0]
+            grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `block`: in place
+            grad_v[..., cols, :] += _fold_heads(parts[2], heads)
             block = ring.finish(ring.start(torch.cat([k, v, grad_k, grad_v], dim=-1)))
         # after cp hops every block, with all of its gradients, is back on the rank that owns it
         _, _, grad_key, grad_value = block.split(sizes + sizes, dim=-1)
-        return (grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None, None, None)
+        return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None, None
 
 
 def ring_attention(query, key, value, group, *, causal: bool, scale: float | None = None):
     """Attention of this rank's tokens (2 chunks) over the whole sequence by a ring over `group`."""
-    chunk = query.shape[-2] // 2
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return RingAttention.apply(query, key, value, group, causal, scale, chunk)
+    return RingAttention.apply(query, key, value, group, causal, scale)
 
 
 def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | None = None):
-    """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim], attention
-    with the chunks' true positions, all-to-all back."""
+    """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim] (rank r's
+    chunks r-th), the sequence put in position order, causal attention over it, and back."""
     size = dist.get_world_size(group)
     chunk = query.shape[-2] // 2
     dtype = query.dtype
     query, key, value = (_sequence_to_heads(t.float(), group, size) for t in (query, key, value))
-    positions = torch.cat([chunk_positions(r, size, chunk, query.device) for r in range(size)])
-    allowed = _allowed(positions, positions, causal)
+    arrived = torch.cat([chunk_positions(r, size, chunk, query.device) for r in range(size)])
+    order = torch.argsort(arrived)          # where each position arrived
+    query, key, value = (t.index_select(-2, order) for t in (query, key, value))
     heads = query.shape[-3] // key.shape[-3]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, _repeat_heads(key, heads), _repeat_heads(value, heads), attn_mask=allowed,
-        scale=scale)
+        query, _repeat_heads(key, heads), _repeat_heads(value, heads), is_causal=causal, scale=scale)
+    out = out.index_select(-2, torch.argsort(order))     # back to the order they arrived in
     return _heads_to_sequence(out, group, size).to(dtype)
 
 

@@ -169,3 +169,32 @@ def test_huggingface_models_cp(name, form_problems):
     forms = {"dp2 x cp2, zero-3": Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=2)}
     by_rank = autopar.launch(train_hf, 4, name, forms, timeout=600)
     assert form_problems(by_rank, ("dp2 x cp2, zero-3", "none")) == []
+
+
+def checkpoint_across_plans(path):
+    """A checkpoint saved under dp2 x cp2 (ZeRO-3) loaded under dp2 x tp2: the next step's loss
+    and parameters as if the first plan had gone on; and cp=4 in bf16."""
+    make = model_of(LLAMA)
+    ids, targets = batches(steps=1)[0]
+    first = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=sgd, example_inputs=(ids[:1],),
+                            plan=Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=1))
+    first.step(ids, targets)
+    first.save(path)
+    went_on = first.step(ids, targets), first.full_state_dict()
+    second = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=sgd, example_inputs=(ids[:2],),
+                             plan=Config(dp=2, tp=2, global_batch=BATCH, micro_batch=2))
+    second.load(path)
+    resumed = second.step(ids, targets), second.full_state_dict()
+    bf16 = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=sgd, example_inputs=(ids[:1],),
+                           plan=Config(cp=4, global_batch=BATCH, micro_batch=1), precision="bf16")
+    return went_on, resumed, [bf16.step(ids, targets) for _ in range(2)]
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_plans_and_bf16_runs(tmp_path):
+    went_on, resumed, bf16 = autopar.launch(checkpoint_across_plans, 4, str(tmp_path / "ckpt"),
+                                            timeout=600)[0]
+    assert resumed[0] == pytest.approx(went_on[0], rel=1e-5)
+    assert all(torch.allclose(resumed[1][k], went_on[1][k], atol=1e-6) for k in went_on[1])
+    # bf16 trains (its losses fall from log(vocab))
+    assert bf16[0] == pytest.approx(4.16, abs=0.05) and bf16[1] < bf16[0]

@@ -139,3 +139,19 @@ def test_runtime_checks_before_any_collective():
         check_forms(plan(cp=1, offload=True, zero=2), (ids,), {})
     with pytest.raises(AutoparError, match="offload=True .* needs ZeRO-3"):
         Config(dp=2, zero=2, offload=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_attention_without_the_kernel_matches_it(causal):
+    """Off CPUs a ring block is computed by plain products: the same numbers as CPU flash
+    attention's kernel, forward and backward."""
+    from autopar.passes.context_attention import _attend, _attend_backward
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 6, 8, generator=generator) for _ in range(4))
+    out, lse = _attend(q, k, v, causal, 0.3, kernel=True)
+    plain_out, plain_lse = _attend(q, k, v, causal, 0.3, kernel=False)
+    assert torch.allclose(out, plain_out, atol=1e-6) and torch.allclose(lse, plain_lse, atol=1e-6)
+    for a, b in zip(_attend_backward(grad, q, k, v, out, lse, causal, 0.3, kernel=True),
+                    _attend_backward(grad, q, k, v, out, lse, causal, 0.3, kernel=False)):
+        assert torch.allclose(a, b, atol=1e-5)
