@@ -118,16 +118,18 @@ def check_data_parallel(args, spec: str, device: torch.device, mesh) -> None:
     config = Config(dp=world, global_batch=args.batch, micro_batch=args.batch // world)
     cm = autopar.compile(build_model(spec, device=device)[0], mesh, loss_fn=lm_loss, optimizer=sgd,
                          plan=config, example_inputs=(ids[rows],))
-    ddp = DistributedDataParallel(build_model(spec, device=device)[0],
-                                  device_ids=[device.index] if device.type == "cuda" else None)
+    # each race starts both contenders from the same initial weights: a DDP model the first race
+    # trained would be steps ahead of the second race's fresh one
+    ddp = lambda: DistributedDataParallel(build_model(spec, device=device)[0],
+                                          device_ids=[device.index] if device.type == "cuda" else None)
     by_hand = build_model(spec, device=device)[0]
     replica_mesh = init_device_mesh(device.type, (world,))
     for layer in by_hand.layers:
         replicate(layer, mesh=replica_mesh)
     replicate(by_hand, mesh=replica_mesh)
     rows_step = lambda model: hand_step(model, ids[rows], targets[rows])
-    results = {"autopar dp vs DDP": race(lambda: cm.step(ids, targets), rows_step(ddp), args.steps, device),
-               "torch FSDP2 replicate vs DDP (baseline)": race(rows_step(by_hand), rows_step(ddp),
+    results = {"autopar dp vs DDP": race(lambda: cm.step(ids, targets), rows_step(ddp()), args.steps, device),
+               "torch FSDP2 replicate vs DDP (baseline)": race(rows_step(by_hand), rows_step(ddp()),
                                                                 args.steps, device)}
     if rank == 0:
         for name, r in results.items():
@@ -156,7 +158,7 @@ def forms(world: int, batch_size: int) -> dict:
 
 def check_forms(args, spec: str, device: torch.device, mesh) -> None:
     import autopar
-    from autopar.cost.plan_estimate import tensor_placements
+    from autopar.cost.plan_estimate import estimate_plan
     from autopar.models import build_model
     from autopar.models.gpt import lm_loss
 
@@ -179,14 +181,14 @@ def check_forms(args, spec: str, device: torch.device, mesh) -> None:
     for name, config in forms(world, args.batch).items():
         example = (ids[:config.micro_batch],)
         graph = autopar.capture(build_model(spec, device="meta")[0], (example[0].cpu(),))
+        # fp32 as the reference trains (a GPU's default precision is bf16)
         cm = autopar.compile(build_model(spec, device=device)[0], mesh, loss_fn=lm_loss, optimizer=sgd,
-                             plan=config, example_inputs=example, graph=graph)
+                             plan=config, example_inputs=example, graph=graph, precision="fp32")
         seconds, peak, losses = timed_steps(lambda: cm.step(ids, targets), args.steps, device)
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference[0]))
         peaks = [None] * world
         dist.all_gather_object(peaks, peak)
-        placements = tensor_placements(graph, cm.plan)      # what the compiled plan runs
-        predicted = autopar.estimate(graph, mesh, config, precision="fp32", placements=placements)
+        predicted = estimate_plan(graph, cm.plan)      # the plan the ranks run, as it was priced
         memory = "n/a on CPU" if peak is None else f"{max(peaks) / 2**30:.2f} GiB"
         if rank == 0:
             print(f"{name:<8} losses vs one device: max rel {worst:.1e} "

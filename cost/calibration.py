@@ -49,6 +49,36 @@ def load(path: str | Path) -> dict:
                            f"`autopar calibrate --mesh 4:cpu --out {path}`") from err
 
 
+def figures(data: dict) -> dict[str, float]:
+    """Every figure of a calibration file by name: each efficiency ("compute.matmul",
+    "memory.norm"), latency ("kernel_latency_s", ...) and collective fit's alpha and bandwidth
+    ("all_reduce on 4 ranks: latency_s"). Those a calibration measured are the names of its
+    "rounds" section; the others are the published defaults it carries."""
+    found = {}
+    for name, value in Efficiencies.from_dict(data).to_dict().items():
+        if isinstance(value, dict):
+            found.update({f"{name}.{family}": float(v) for family, v in value.items()})
+        elif isinstance(value, float):
+            found[name] = value
+    collectives = data.get("collectives") or {}
+    by_size = {collectives.get("ranks", 0): collectives.get("fits", {}),
+               **{int(size): fits for size, fits in collectives.get("group_fits", {}).items()}}
+    for size, fits in sorted(by_size.items(), reverse=True):
+        for kind, fit in fits.items():
+            for key in ("latency_s", "bandwidth"):
+                found[f"{kind} on {size} ranks: {key}"] = float(fit[key])
+    return found
+
+
+def spread(values: list[float]) -> float:
+    """The largest over the smallest of a figure's measurements: 1.0 when they agree; inf when
+    one is 0 and another is not (a probe's difference of two timings that noise made 0)."""
+    low, high = min(values), max(values)
+    if high == low:
+        return 1.0
+    return high / low if low > 0 else float("inf")
+
+
 def calibrated(mesh: Mesh, efficiencies: Efficiencies | None,
                calibration: str | Path | None) -> tuple[Mesh, Efficiencies]:
     """The mesh and efficiencies to price with: the calibration file's where one is given

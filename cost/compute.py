@@ -198,7 +198,8 @@ class Efficiencies:
     @classmethod
     def from_dict(cls, data: dict) -> Efficiencies:
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known - {"measurements", "collectives"}
+        # the raw timings and each figure's rounds are for readers, not for pricing
+        unknown = set(data) - known - {"measurements", "collectives", "rounds"}
         if unknown:
             raise AutoparError(f"calibration file has unknown fields {sorted(unknown)}; "
                                f"expected {sorted(known)}")
@@ -214,14 +215,17 @@ class Efficiencies:
         return cls.from_dict(data)
 
     def save(self, path: str | Path, measurements: dict | None = None,
-             collectives: dict | None = None) -> None:
-        """Write a calibration file: these efficiencies, the raw measurements, and the mesh's
-        measured collectives (cost/calibration.py) when given."""
+             collectives: dict | None = None, rounds: dict | None = None) -> None:
+        """Write a calibration file: these efficiencies, the raw measurements, the mesh's
+        measured collectives (cost/calibration.py) when given, and `rounds`, each figure's value
+        in every round it was measured in (`cost.calibration.figures` names them)."""
         data = self.to_dict()
         if measurements:
             data["measurements"] = measurements
         if collectives:
             data["collectives"] = collectives
+        if rounds:
+            data["rounds"] = rounds
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 

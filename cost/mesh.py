@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import tomllib
 from dataclasses import asdict, dataclass
@@ -232,6 +233,27 @@ class Mesh:
         return cls(device, (MeshAxis("node", nodes, device.inter_node), inner))
 
     @classmethod
+    def from_world(cls, device: str | DeviceSpec) -> Mesh:
+        """The mesh of the ranks this process trains among, for a script that compiles with the
+        world it is given: after torchrun (`--nnodes MIN:MAX`) restarts it on fewer nodes, or a
+        relaunch with fewer ranks, the same script plans for the new world.
+
+        The world is the default process group's size when one is started, else what the
+        launcher set (torchrun and autopar.launch: WORLD_SIZE, the same variables `compile`
+        starts the process group from), else this one process. Devices per node are the
+        launcher's LOCAL_WORLD_SIZE (torchrun's --nproc-per-node): a world of several nodes is
+        a NODESxGPUS mesh whose inner axis has the fast links, one node a 1-D mesh."""
+        spec = device if isinstance(device, DeviceSpec) else device_spec(str(device))
+        world = _world_size()
+        local = _launcher_count("LOCAL_WORLD_SIZE", world)
+        if not 1 <= local <= world or world % local:
+            raise MeshError(f"a world of {world} ranks with {local} per node (LOCAL_WORLD_SIZE) is not "
+                            f"a whole number of equal nodes; start the same number of processes on "
+                            f"every node (torchrun --nproc-per-node), or build the mesh with "
+                            f"autopar.Mesh.parse('NODESxGPUS:{spec.name}')")
+        return cls.build(spec, gpus=local, nodes=world // local if world > local else None)
+
+    @classmethod
     def load(cls, path: str | Path) -> Mesh:
         """A mesh from a JSON or TOML file with the fields of `to_dict`, for users' own clusters."""
         try:
@@ -297,6 +319,25 @@ class Mesh:
             overlaps_communication=dev.get("overlaps_communication", True),
             host=_host_spec(dev["host"]) if dev.get("host") is not None else None)
         return cls(device, tuple(MeshAxis(a["name"], a["size"], _link(a["link"])) for a in data["axes"]))
+
+
+def _world_size() -> int:
+    """Ranks in the default process group, or those the launcher's environment names (the
+    group is started by `autopar.compile`), or 1 for a process no launcher started."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _launcher_count("WORLD_SIZE", 1)
+
+
+def _launcher_count(name: str, default: int) -> int:
+    """A count of ranks a launcher set in the environment (torchrun, autopar.launch)."""
+    text = os.environ.get(name, str(default))
+    if not text.isdigit() or int(text) < 1:
+        raise MeshError(f"{name}={text!r} in this process's environment is not a number of ranks; "
+                        f"start the script with torchrun or autopar.launch, which set it")
+    return int(text)
 
 
 def _host_spec(host: dict) -> HostSpec:

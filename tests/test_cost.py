@@ -383,9 +383,15 @@ def test_cli_estimate_bad_factorization_is_a_clear_error(capsys):
 
 def test_calibrate_on_cpu_writes_a_file_estimate_reads(tmp_path, capsys):
     out = tmp_path / "cal.json"
-    assert main(["calibrate", "--out", str(out), "--device", "cpu", "--budget", "0.01"]) == 0
+    assert main(["calibrate", "--out", str(out), "--device", "cpu", "--budget", "0.01", "--rounds", "2"]) == 0
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and 0 < data["compute"]["matmul"] <= 1
+    # the local device measures its efficiencies and an op's cost, in rounds; nothing of a mesh
+    assert sorted(data["rounds"]) == ["compute.attention", "compute.matmul", "kernel_latency_s",
+                                      "memory.elementwise", "memory.norm", "memory.reduction",
+                                      "memory.softmax"]
+    assert all(len(values) == 2 for values in data["rounds"].values())
+    assert "spread" in capsys.readouterr().out
     assert "mm 1024x1024x1024" in data["measurements"]
     capsys.readouterr()
     assert main(["estimate", "gpt-tiny", "--mesh", "2:cpu", "--global-batch", "4",
@@ -406,6 +412,22 @@ def test_a_mesh_calibration_keeps_each_figures_median_round():
     kept = median_measurements(records)["add"]
     assert kept["seconds"] == 2.0 and kept["bandwidth_fraction"] == 0.5
     assert kept["rounds_seconds"] == [3.0, 1.0, 2.0]
+
+
+def test_a_calibrations_figures_are_named_and_their_spread_is_largest_over_smallest():
+    """What benchmarks/calibration_repeat.py compares between two files, and calibrate reports
+    per figure over its rounds."""
+    from autopar.cost.calibration import figures, spread
+
+    data = {**Efficiencies(compute={"matmul": 0.4}, kernel_latency_s=2e-5, device="cpu").to_dict(),
+            "collectives": {"ranks": 4, "fits": {"all_reduce": {"latency_s": 1e-3, "bandwidth": 5e8}},
+                            "group_fits": {"2": {"all_gather": {"latency_s": 2e-3, "bandwidth": 3e8}}}}}
+    named = figures(data)
+    assert named["compute.matmul"] == 0.4 and named["kernel_latency_s"] == 2e-5
+    assert named["all_reduce on 4 ranks: bandwidth"] == 5e8
+    assert named["all_gather on 2 ranks: latency_s"] == 2e-3
+    assert spread([1.0, 1.2, 1.1]) == pytest.approx(1.2) and spread([3.0, 3.0]) == 1.0
+    assert spread([0.0, 0.0]) == 1.0 and spread([0.0, 1e-3]) == float("inf")
 
 
 def test_tensor_parallel_degree_must_divide_query_heads_not_key_value_heads():

@@ -7,7 +7,7 @@ import pytest
 
 from autopar.cli import main
 from autopar.calibrate.measure import fit_link
-from autopar.cost.calibration import KINDS, ring_terms, with_measured_links
+from autopar.cost.calibration import KINDS, figures, ring_terms, with_measured_links
 from autopar.cost.collectives import Group
 from autopar.cost.config import Config
 from autopar.cost.estimator import estimate
@@ -163,6 +163,13 @@ def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, c
     assert "spread" in capsys.readouterr().out
     assert data["collectives"]["rounds"] == 2
     assert all(len(m["rounds_seconds"]) == 2 for m in data["measurements"].values())
+    # every figure's two rounds, named as `figures` names the file's values; the kept one is
+    # one of them (the lower median of two)
+    kept = figures(data)
+    assert {"compute.matmul", "pipeline_action_latency_s", "all_reduce on 2 ranks: bandwidth",
+            "send_recv on 2 ranks: latency_s"} <= set(data["rounds"])
+    assert all(len(values) == 2 for values in data["rounds"].values())
+    assert all(kept[name] == min(values) for name, values in data["rounds"].items() if " ranks: " not in name)
     assert data["host_cores"] >= 1 and data["split_backward_op_latency_s"] >= 0
     assert data["checkpoint_region_latency_s"] >= 0 and data["checkpoint_op_latency_s"] >= 0
     assert set(data["collectives"]["fits"]) == set(KINDS) and data["collectives"]["ranks"] == 2

@@ -84,9 +84,9 @@ def test_killed_rank_is_named_with_its_signal():
 
 
 def test_launch_timeout_names_the_unfinished_rank():
-    with pytest.raises(autopar.LaunchError, match=r"rank 1 did not finish within 2 s \(timeout\); "
+    with pytest.raises(autopar.LaunchError, match=r"rank 1 did not finish within 6 s \(timeout\); "
                                                   r"rank 0 did") as caught:
-        autopar.launch(_rank_one_never_returns, 2, timeout=2, pg_timeout=30)
+        autopar.launch(_rank_one_never_returns, 2, timeout=6, pg_timeout=30)
     assert "_rank_one_never_returns" in str(caught.value)
 
 

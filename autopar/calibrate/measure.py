@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from autopar.cost.calibration import KINDS, ring_terms
+from autopar.cost.calibration import KINDS, figures, ring_terms
 from autopar.cost.compute import Efficiencies
 from autopar.calibrate.host_probes import (checkpoint_latency, data_parallel_group_latency,
                                       data_parallel_reduce_latency, distributed_op_latency,
@@ -120,15 +120,28 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
     return efficiencies, measurements
 
 
+def calibrate_rounds(device: str = "cpu", *, budget_s: float = 0.3, rounds: int = 3,
+                     progress: Callable[[str], None] | None = None) -> tuple[Efficiencies, dict, dict]:
+    """`calibrate` `rounds` times, one round of every figure after another: each figure's median
+    round, the measurements of that round, and every figure's value in each round."""
+    if rounds < 1:
+        raise AutoparError(f"--rounds {rounds}: give 1 or more rounds of measurements")
+    measured = [calibrate(device, budget_s=budget_s, progress=progress) for _ in range(rounds)]
+    return (median_efficiencies([eff for eff, _ in measured]),
+            median_measurements([records for _, records in measured]),
+            figure_rounds([{**eff.to_dict(), "measurements": records} for eff, records in measured]))
+
+
 def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
-                   rounds: int = 3) -> tuple[Efficiencies, dict, dict]:
+                   rounds: int = 3) -> tuple[Efficiencies, dict, dict, dict]:
     """Efficiencies and measurements as `calibrate` gives them, taken on rank 0 while every rank
-    of the gloo mesh computes, and the collectives section of a calibration file.
+    of the gloo mesh computes, the collectives section of a calibration file, and every figure's
+    value in each round.
 
     Every figure is measured `rounds` times, one round of all of them after another, and the
-    median round of each is kept: on a shared host one measurement of the same figure moved 3x
-    between two runs minutes apart, and a busy moment then falls on one round of several figures
-    rather than on every round of one."""
+    median round of each is kept (for a collective, the fit of each size's median time): on a
+    shared host one measurement of the same figure moved 3x between two runs minutes apart, and
+    a busy moment then falls on one round of several figures rather than on every round of one."""
     from autopar.runtime.launch import launch
 
     if mesh.device.name != "cpu":
@@ -141,20 +154,47 @@ def calibrate_mesh(mesh: Mesh, *, budget_s: float = 0.3, sizes: tuple[int, ...] 
         raise AutoparError(f"--rounds {rounds}: give 1 or more rounds of measurements")
     results = launch(_rank_calibration, ranks, budget_s, sizes, rounds, timeout=300.0 * rounds,
                      pg_timeout=120.0)
-    efficiencies = median_efficiencies([eff for eff, _, _ in results[0]])
-    measurements = median_measurements([measured for _, measured, _ in results[0]])
-    timings = [_slowest_rank([rank_rounds[i][2] for rank_rounds in results]) for i in range(rounds)]
+    # each round: rank 0's efficiencies and measurements, the slowest rank's collective timings
+    per_round = [(eff, measured, _slowest_rank([rank_rounds[i][2] for rank_rounds in results]))
+                 for i, (eff, measured, _) in enumerate(results[0])]
+    median_timings = {size: {kind: [_median([t[size][kind][p] for _, _, t in per_round])
+                                    for p in range(len(sizes))]
+                             for kind in per_round[0][2][size]}
+                      for size in per_round[0][2]}
+    collectives = {"device": mesh.device.name, "ranks": ranks, "backend": "gloo", "rounds": rounds,
+                   **_fitted(median_timings, sizes, ranks)}
+    return (median_efficiencies([eff for eff, _, _ in per_round]),
+            median_measurements([measured for _, measured, _ in per_round]), collectives,
+            figure_rounds([{**eff.to_dict(), "measurements": measured,
+                            "collectives": {"ranks": ranks, **_fitted(timings, sizes, ranks)}}
+                           for eff, measured, timings in per_round]))
+
+
+def _fitted(timings: dict, sizes: tuple[int, ...], ranks: int) -> dict:
+    """The "fits" (whole mesh) and "group_fits" (smaller groups) of {group size: {kind: seconds
+    per size}}, each with the points it was fitted to."""
     by_size = {}
-    for size in sorted(timings[0]):
+    for size in sorted(timings):
         by_size[size] = {}
-        for kind in timings[0][size]:
-            points = [(nbytes, _median([t[size][kind][p] for t in timings])) for p, nbytes in enumerate(sizes)]
+        for kind, seconds in timings[size].items():
+            points = list(zip(sizes, seconds))
             latency, bandwidth = fit_link(kind, size, points)
             by_size[size][kind] = {"latency_s": latency, "bandwidth": bandwidth, "points": points}
-    collectives = {"device": mesh.device.name, "ranks": ranks, "backend": "gloo", "rounds": rounds,
-                   "fits": by_size.pop(ranks),
-                   "group_fits": {str(size): fits for size, fits in by_size.items()}}
-    return efficiencies, measurements, collectives
+    return {"fits": by_size.pop(ranks), "group_fits": {str(size): fits for size, fits in by_size.items()}}
+
+
+def figure_rounds(rounds: list[dict]) -> dict[str, list[float]]:
+    """{figure: its value in each round} of calibration files made of one round each, for the
+    figures a round measured (`cost.calibration.figures` names them): the families it timed,
+    the cost of an op, and on a mesh the runtime's host costs and the collectives' fits."""
+    named = [figures(data) for data in rounds]
+    timed = {(table, record["family"]) for table, record in (
+        ("compute" if record["family"] in ("matmul", "attention") else "memory", record)
+        for record in rounds[0]["measurements"].values()) if record["family"] != "latency"}
+    measured = [f"{table}.{family}" for table, family in sorted(timed)] + ["kernel_latency_s"]
+    if "collectives" in rounds[0]:
+        measured += [*MESH_FIGURES, *(name for name in named[0] if " ranks: " in name)]
+    return {name: [round_figures[name] for round_figures in named] for name in measured}
 
 
 def fit_link(kind: str, ranks: int, points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -206,6 +246,14 @@ def median_measurements(rounds: list[dict]) -> dict:
 def _median(values: list[float]) -> float:
     """The lower median: a value that was measured (for two rounds, the smaller)."""
     return sorted(values)[(len(values) - 1) // 2]
+
+
+# What a round on a mesh measures beyond the local device's efficiencies (`_one_round`)
+MESH_FIGURES = ("distributed_op_latency_s", "pipeline_action_latency_s",
+                "data_parallel_group_latency_s", "data_parallel_tensor_latency_s",
+                "data_parallel_reduce_group_s", "data_parallel_reduce_byte_s", "sharded_reduce_group_s",
+                "collective_wait_s", "collective_wait_span_s", "split_backward_op_latency_s",
+                "checkpoint_region_latency_s", "checkpoint_op_latency_s")
 
 
 def _rank_calibration(budget_s: float, sizes: tuple[int, ...], rounds: int) -> list:

@@ -27,13 +27,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", type=float, default=0.3,
                         help="seconds of repeats per measured op (default 0.3)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="with --mesh: measure every figure this many times and keep each "
-                             "one's median (default 3; a shared host's figures move between runs)")
+                        help="measure every figure this many times and keep each one's median "
+                             "(default 3; a shared host's figures move between runs)")
 
 
 def run(args) -> int:
     from autopar.commands.output import check_output, plain, table
-    from autopar.calibrate.measure import calibrate, calibrate_mesh
+    from autopar.calibrate.measure import calibrate_mesh, calibrate_rounds
     from autopar.cost.mesh import Mesh
 
     check_output(args.out, "--out")
@@ -48,14 +48,14 @@ def run(args) -> int:
     if args.mesh:
         mesh = Mesh.parse(args.mesh)
         with console.status(f"calibrating compute and collectives on {mesh.world_size} gloo ranks"):
-            efficiencies, measurements, collectives = calibrate_mesh(mesh, budget_s=args.budget,
-                                                                     rounds=args.rounds)
+            efficiencies, measurements, collectives, rounds = calibrate_mesh(
+                mesh, budget_s=args.budget, rounds=args.rounds)
     else:
         with console.status("calibrating") as status:
-            efficiencies, measurements = calibrate(
-                args.device, budget_s=args.budget,
+            efficiencies, measurements, rounds = calibrate_rounds(
+                args.device, budget_s=args.budget, rounds=args.rounds,
                 progress=lambda label: status.update(f"timing {label} on {args.device}"))
-    efficiencies.save(args.out, measurements, collectives)
+    efficiencies.save(args.out, measurements, collectives, rounds)
     result = table(plain(f"{efficiencies.device}: measured efficiencies, written to {args.out}"),
                    ["op", "family", "ms", "spread", "of peak FLOP/s", "of HBM bw"],
                    right=("ms", "spread", "of peak FLOP/s", "of HBM bw"), wrap=("op",))
@@ -64,17 +64,53 @@ def run(args) -> int:
                        f"{m['flops_fraction']:.2f}", f"{m['bandwidth_fraction']:.2f}")
     Console().print(result)
     if collectives:
-        fits = table(plain(f"collectives over gloo on {collectives['ranks']} ranks, by group size"),
-                     ["collective", "group", "latency per step us", "bandwidth MB/s"],
-                     right=("group", "latency per step us", "bandwidth MB/s"))
-        sized = {collectives["ranks"]: collectives["fits"],
-                 **{int(size): group for size, group in collectives.get("group_fits", {}).items()}}
-        for size, group in sorted(sized.items(), reverse=True):
-            for kind, fit in group.items():
-                fits.add_row(kind, str(size), f"{fit['latency_s'] * 1e6:.1f}",
-                             f"{fit['bandwidth'] / 1e6:.0f}")
-        Console().print(fits)
+        Console().print(_collectives_table(collectives, rounds))
+    Console().print(_spread_summary(rounds))
     return 0
+
+
+def _collectives_table(collectives: dict, rounds: dict):
+    """Each collective's fit by group size, with the spread of the rounds' own fits."""
+    from autopar.commands.output import plain, table
+
+    numbers = ("group", "latency per step us", "spread", "bandwidth MB/s", "spread ")
+    fits = table(plain(f"collectives over gloo on {collectives['ranks']} ranks, by group size"),
+                 ["collective", *numbers], right=numbers)
+    sized = {collectives["ranks"]: collectives["fits"],
+             **{int(size): group for size, group in collectives.get("group_fits", {}).items()}}
+    for size, group in sorted(sized.items(), reverse=True):
+        for kind, fit in group.items():
+            name = f"{kind} on {size} ranks: "
+            fits.add_row(kind, str(size), f"{fit['latency_s'] * 1e6:.1f}",
+                         _ratio(rounds.get(name + "latency_s")), f"{fit['bandwidth'] / 1e6:.0f}",
+                         _ratio(rounds.get(name + "bandwidth")))
+    return fits
+
+
+def _spread_summary(rounds: dict) -> str:
+    """How far apart the rounds put the figures: the median figure's spread and the widest."""
+    from autopar.cost.calibration import spread
+
+    spreads = {name: spread(values) for name, values in rounds.items()}
+    if not spreads or len(next(iter(rounds.values()))) < 2:
+        return "one round: no spread measured (--rounds 3 or more to see how far figures move)"
+    ordered = sorted(spreads.values())
+    widest = max(spreads, key=spreads.get)
+    within = sum(value <= 1.15 for value in ordered)
+    return (f"{len(spreads)} figures over {len(next(iter(rounds.values())))} rounds (largest over "
+            f"smallest round): median spread {_ratio_of(ordered[(len(ordered) - 1) // 2])}, widest "
+            f"{_ratio_of(spreads[widest])} ({widest}); {within} within 1.15x. Each figure kept is "
+            f"its median round; every round is in the file under \"rounds\"")
+
+
+def _ratio(values) -> str:
+    from autopar.cost.calibration import spread
+
+    return _ratio_of(spread(values)) if values and len(values) > 1 else ""
+
+
+def _ratio_of(value: float) -> str:
+    return "from 0" if value == float("inf") else f"{value:.2f}x"
 
 
 def _spread(measurement: dict) -> str:

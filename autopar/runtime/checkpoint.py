@@ -13,7 +13,8 @@ One checkpoint directory holds, flattened by DCP:
 - `model.<name>`: each parameter and buffer a stage reads, once (a weight tied to another name is
   stored under the first of its names; `autopar.tied` maps the others to it);
 - `optim.state.<name>.<statistic>` and `optim.param_groups.<name>.<option>` (lr, betas, ...);
-- `autopar.step` (steps taken), `autopar.plan` (the saving plan's JSON), `autopar.tied`,
+- `autopar.step` (steps taken), `autopar.samples` (samples trained: the data position
+  `CompiledModel.sampler` resumes at, whatever plan and world load it), `autopar.plan` (the saving plan's JSON), `autopar.tied`,
   `autopar.extra` (the user's dict: a data position, a scheduler's state), and under fp16
   `autopar.scaler` (the loss scale, its growth count, the steps it skipped: the same on every rank),
   written by rank 0;
@@ -162,7 +163,7 @@ def save(cm, path: str | Path, extra: dict | None = None) -> Path:
     if optim_state:
         state["optim"] = names.rename_optimizer(optim_state, saving=True)
     if dist.get_rank() == 0:
-        state["autopar"] = {"step": cm.steps, "plan": cm.plan.to_json(), "tied": json.dumps(names.tied),
+        state["autopar"] = {"step": cm.steps, "samples": cm.samples, "plan": cm.plan.to_json(), "tied": json.dumps(names.tied),
                             "extra": payload}
         if cm.scaler is not None:
             state["autopar"]["scaler"] = pickle.dumps({"state": cm.scaler.state_dict(),
@@ -243,6 +244,9 @@ def load(cm, path: str | Path, strict: bool = True) -> dict | None:
     if f"rng.{rng_rank}.cuda" in metadata and torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     state = {"model": model, "autopar": {"step": 0, "extra": b""}, "rng": {rng_rank: rng}}
+    counted = "autopar.samples" in metadata
+    if counted:
+        state["autopar"]["samples"] = 0
     scaled = "autopar.scaler" in metadata
     if scaled:
         state["autopar"]["scaler"] = b""
@@ -265,6 +269,8 @@ def load(cm, path: str | Path, strict: bool = True) -> dict | None:
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
     cm.steps = state["autopar"]["step"]
+    # a checkpoint written before samples were counted: its steps took this run's global batch
+    cm.samples = state["autopar"]["samples"] if counted else cm.steps * cm.global_batch
     _restore_scaler(cm, pickle.loads(state["autopar"]["scaler"]) if scaled else None)
     return pickle.loads(state["autopar"]["extra"])
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.data.distributed import DistributedSampler
 
 from autopar.errors import AutoparError
 from autopar.passes.context_attention import chunk_positions
@@ -28,6 +27,7 @@ from autopar.runtime import precision as mixed
 from autopar.runtime.checks import check_step_inputs
 from autopar.runtime.gradients import reduce_partial_gradients
 from autopar.runtime.rank_grid import PipelineLayout
+from autopar.runtime.sampler import GlobalBatchSampler
 from autopar.runtime.tied import TiedWeights
 
 
@@ -59,11 +59,19 @@ class CompiledModel:
         self.is_first = any(p.index == 0 for p in programs)
         self.is_last = any(p.index == len(plan.stages) - 1 for p in programs)
         self.steps = 0                      # steps taken; saved and restored by checkpoints
+        # samples trained over all replicas: the data position `sampler` resumes at, saved in
+        # checkpoints (it stays right when a relaunch changes the plan or the world)
+        self.samples = 0
         self.skipped_steps = 0              # of those, updates fp16's scaler skipped (inf or NaN)
 
     @property
     def global_batch(self) -> int:
         return self.plan.global_batch
+
+    @property
+    def local_batch(self) -> int:
+        """The rows of a global batch this data-parallel replica takes (`step(local=True)`)."""
+        return self.global_batch // self.layout.dp
 
     @property
     def stages(self) -> nn.ModuleList:
@@ -77,7 +85,7 @@ class CompiledModel:
         micro-batches as the inputs are. Returns the mean loss over micro-batches and replicas on
         every rank. Under fp16, a step whose gradients overflow on any rank updates nothing on
         every rank (`skipped_steps` counts it) and still returns its loss."""
-        rows = self.global_batch // self.layout.dp if local else self.global_batch
+        rows = self.local_batch if local else self.global_batch
         tensors = check_step_inputs(self.example_kwargs, kwargs, rows,
                                     "" if local else " (or local=True with this rank's share)")
         if len(batch) >= 2:
@@ -106,13 +114,14 @@ class CompiledModel:
             self.skipped_steps += int(self.scaler.get_scale() < scale)
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        self.samples += self.global_batch
         return self._shared_loss(losses) / scale
 
     def _rows_of_this_rank(self, batch: tuple, local: bool) -> tuple:
         """Check the batch size (before any collective) and keep this data-parallel rank's rows."""
         if len(batch) < 2:
             raise AutoparError("step(*inputs, targets): pass the model's inputs and the targets")
-        share = self.global_batch // self.layout.dp
+        share = self.local_batch
         expected = share if local else self.global_batch
         for tensor in batch:
             if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] != expected:
@@ -142,9 +151,14 @@ class CompiledModel:
         positions = chunk_positions(self.cp_rank, cp, self.sequence // (2 * cp))
         return tuple(tensor.index_select(1, positions.to(tensor.device)) for tensor in batch)
 
-    def sampler(self, dataset, **kwargs) -> DistributedSampler:
-        """A DistributedSampler over the data-parallel replicas: feed its batches to step(local=True)."""
-        return DistributedSampler(dataset, num_replicas=self.layout.dp, rank=self.dp_rank, **kwargs)
+    def sampler(self, dataset, *, shuffle: bool = True, seed: int = 0) -> GlobalBatchSampler:
+        """This replica's rows of each global batch of `dataset` (sampler.py): give a DataLoader
+        of `local_batch` rows per batch to step(local=True). Each iteration is the rest of the
+        epoch the data position (`samples`, restored by `load`) is in, so a run resumed from a
+        checkpoint, under any plan and number of ranks, trains the samples that follow."""
+        return GlobalBatchSampler(len(dataset), global_batch=self.global_batch, replicas=self.layout.dp,
+                                  replica=self.dp_rank, position=lambda: self.samples, shuffle=shuffle,
+                                  seed=seed)
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean over micro-batches and replicas, the same on every rank."""

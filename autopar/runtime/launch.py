@@ -162,6 +162,9 @@ def _run_rank(fn, args, rank, world_size, port, pg_timeout, files: _RankFiles):
     status, payload, failed_at = "ok", None, None
     try:
         init_default_group("gloo", datetime.timedelta(seconds=pg_timeout))
+        # A rank whose function returns at once would otherwise tear its sockets down while a
+        # slower peer is still connecting, and that peer fails with "connection closed by peer".
+        dist.barrier()
         payload = fn(*args)
     except BaseException as err:  # reported to the parent, which raises it with the rank's name
         status = "timeout" if TIMEOUT_PATTERN.search(str(err)) else "error"
