@@ -3,8 +3,9 @@ loss at each of 3 SGD steps and the final full parameters (autopar.testing.equiv
 
 Default tier: the ring and all-to-all attentions against scaled_dot_product_attention, cp=2 on a
 small Llama (rotary tables, grouped-query attention), and dp=4 ZeRO-3 with offload. Slow tier:
-cp=4 (ring and all-to-all), dp2 x cp2 under ZeRO-3, tp2 x cp2, pp2 x cp2 under 1F1B, each with
-every recompute level, a GPT (learned positions) and HuggingFace Llama-style models."""
+cp=4 (ring and all-to-all), dp2 x cp2 under ZeRO-3, tp2 x cp2, tp2 with sequence parallelism x
+cp2 all-to-all, pp2 x cp2 under 1F1B, each with every recompute level, a GPT (learned positions)
+and HuggingFace Llama-style models."""
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ FORMS_ON_4 = {
     "cp4 all-to-all": Config(cp=4, cp_kind="all-to-all", global_batch=BATCH, micro_batch=2),
     "dp2 x cp2, zero-3": Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=1),
     "tp2 x cp2": Config(tp=2, cp=2, global_batch=BATCH, micro_batch=BATCH),
+    "tp2 + sp x cp2 all-to-all": Config(tp=2, cp=2, cp_kind="all-to-all", sequence_parallel=True,
+                                        global_batch=BATCH, micro_batch=BATCH),
 }
 PIPELINES_ON_4 = {"pp2 x cp2 1f1b": Config(pp=2, cp=2, global_batch=BATCH, micro_batch=1)}
 
