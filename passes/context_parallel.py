@@ -18,6 +18,10 @@ equal. Then:
   sequence, a token selected from it (a pooler's first token); so does a model whose outputs do
   not keep the sequence on dim 1 (the targets are split there) or whose graph changes with the
   length.
+Mixture-of-experts layers (found by structure, experts.py) sort and gather their routed rows along
+the tokens, but under dropless top-k routing each token's output depends on that token alone:
+their dispatch, experts and combine run on a rank's tokens as they are (`token_wise_nodes`), and
+expert parallelism composes with the split (the experts' ranks are carved out of dp x cp x tp).
 
 Weight gradients are each rank's gradients of its tokens' mean loss; the runtime averages them
 over the dp x cp ranks as over data-parallel replicas (FSDP2 over both), which is the gradient of
@@ -33,6 +37,7 @@ from torch import fx
 
 from autopar.errors import AutoparError
 from autopar.passes.context_attention import ContextParallelAttention
+from autopar.passes.experts import token_wise_nodes
 from autopar.passes.program import PassTarget, StageProgram
 
 aten = torch.ops.aten
@@ -104,6 +109,8 @@ def find_sequence_split(short: fx.GraphModule, long: fx.GraphModule, cp: int) ->
     seq = sequence_dims(short, long)
     length = _local_length(short, seq)
     live = _live(short)
+    # a MoE layer's dispatch, experts and combine reorder rows, yet each token's output is its own
+    routed = token_wise_nodes(short)
     # attention first: a model's mask is the reason to name, not the ops that build it
     marked = {node.name: (ATTENTION_CALL, *_attention(node, seq)) for node in live
               if node.op == "call_function" and node.target in ATTENTION}
@@ -116,7 +123,7 @@ def find_sequence_split(short: fx.GraphModule, long: fx.GraphModule, cp: int) ->
         elif node.target is aten.slice.Tensor and _sliced_dim(node) in seq.get(node.name, ()):
             if _table_slice(node, seq, length):
                 marked[node.name] = (TABLE,)
-        else:
+        elif node.name not in routed:
             _refuse_mixing(node, seq)
     if not any(mark[0] == ATTENTION_CALL for mark in marked.values()):
         raise AutoparError("context parallelism splits attention over the sequence, and this model "

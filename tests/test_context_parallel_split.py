@@ -111,6 +111,51 @@ def test_models_that_cannot_be_split_are_refused_with_the_reason(model, words):
         split(model())
 
 
+class Routed(Tokens):
+    """Attention, then one expert of 4 per token chosen by a router."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, 4)
+        self.experts = nn.Parameter(torch.randn(4, HIDDEN, HIDDEN) / 4)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attend(*self.heads(x)).transpose(1, 2).reshape(x.shape)
+        tokens = x.reshape(-1, HIDDEN)
+        return self.head(x + self.route(tokens).view(x.shape))
+
+
+class CapacityRouted(Routed):
+    """A token is dropped when 2 tokens before it chose its expert: its place counts the others."""
+
+    def route(self, tokens):
+        chosen = self.router(tokens).topk(1, dim=-1).indices.view(-1)
+        place = F.one_hot(chosen, 4).cumsum(0).gather(1, chosen[:, None])
+        return torch.bmm(tokens[:, None], self.experts[chosen])[:, 0] * (place <= 2)
+
+
+class ExpertChoice(Routed):
+    """Each expert picks its 2 best tokens: a top-k over the tokens."""
+
+    def route(self, tokens):
+        picked = self.router(tokens).t().topk(2, dim=-1).indices.reshape(-1)
+        out = torch.bmm(tokens[picked][:, None], self.experts.repeat_interleave(2, 0))[:, 0]
+        return torch.zeros_like(tokens).index_add(0, picked, out)
+
+
+def test_moe_layers_split_token_by_token_and_routing_over_tokens_is_refused():
+    # dropless top-k routing: the dispatch sorts and gathers rows, each token's output its own
+    model, _ = build_model("moe:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64,experts=4,"
+                           "top_k=2,expert_ffn=16")
+    _, found = split(model)
+    assert sorted(mark[0] for mark in found.marked.values()) == ["attention"] * 2 + ["table"] * 2
+    torch.manual_seed(0)
+    for routed in (CapacityRouted, ExpertChoice):
+        with pytest.raises(AutoparError, match="works along the sequence.*use cp=1"):
+            split(routed())
+
+
 def test_output_without_the_sequence_is_refused():
     class LastToken(Tokens):
         def forward(self, ids):

@@ -219,6 +219,44 @@ INTERLEAVED = {"pp2 x dp2 x ep2 interleaved": Config(pp=2, dp=2, ep=2, virtual=2
                                                      global_batch=BATCH, micro_batch=2)}
 
 
+# Megatron-Core's folding: the experts' ranks are carved out of the dp x cp x tp ranks of a stage
+WITH_CONTEXT_ON_4 = {
+    "dp2 x cp2 x ep2": Config(dp=2, cp=2, ep=2, global_batch=BATCH, micro_batch=2),
+    "cp2 x ep4 zero-3": Config(dp=2, cp=2, ep=4, zero=3, global_batch=BATCH, micro_batch=2),
+    "tp2 x cp2 x ep2": Config(tp=2, cp=2, ep=2, global_batch=BATCH, micro_batch=4),
+    "pp2 x cp2 x ep2 1f1b": Config(pp=2, cp=2, ep=2, global_batch=BATCH, micro_batch=2),
+    "dp4 x ep2 zero-3 offload": Config(dp=4, ep=2, zero=3, offload=True, global_batch=BATCH,
+                                       micro_batch=2),
+}
+
+
+def experts_offloaded(forms: dict) -> tuple[dict, bool]:
+    """`train_forms`, and whether every FSDP2 group of the last form's split experts offloads."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    results = train_forms(forms)
+    config = list(forms.values())[-1]
+    cm = autopar.compile(make(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
+                         example_inputs=(batches()[0][0][:config.micro_batch],), plan=config)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in cm.stages.modules()
+              if isinstance(m, ExpertParallel)]
+    return results, bool(groups) and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_parallelism_with_context_parallelism_and_offload():
+    """Each cp rank dispatches its own chunks' tokens: dp x cp x tp / ep ranks hold the same
+    experts, whose gradients are the mean over dp x cp; offload moves the experts' states too."""
+    ranks = autopar.launch(experts_offloaded, 4, WITH_CONTEXT_ON_4, timeout=900)
+    for rank, offloads in ranks:
+        assert offloads, "an expert group of the offloaded form keeps its states on the device"
+        for name, config in WITH_CONTEXT_ON_4.items():
+            losses, problems, shards = rank[name]
+            assert problems == [], (name, problems)
+            assert shards and all(ep == config.ep for ep, _, _ in shards), (name, shards)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_expert_parallelism_composes_with_every_form():

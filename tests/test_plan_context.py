@@ -40,6 +40,14 @@ def test_context_parallel_and_offload_round_trip(tmp_path):
     assert "cp=2 (all-to-all)" in plan.summary() and "offload" in plan.summary()
 
 
+def test_experts_are_carved_out_of_the_dp_x_cp_x_tp_ranks():
+    # ep=8 does not divide dp x tp = 4, but it divides the 8 ranks of dp x cp x tp (Megatron-Core)
+    data = context_plan().to_dict()
+    for stage in data["stages"]:
+        stage["ep"] = 8
+    assert [stage.ep for stage in Plan.from_dict(data).stages] == [8, 8]
+
+
 def test_forms_not_used_are_left_out_of_the_json():
     plain = Stage(index=0, layers=[], ranks=[0])
     plan = Plan(fingerprint="f", mesh=Mesh.parse("1:cpu").to_dict(), axes=[["dp", 1], ["tp", 1]],
@@ -56,6 +64,7 @@ def test_forms_not_used_are_left_out_of_the_json():
     (lambda d: d["stages"][0].update(zero=2), "stages\\[0\\].offload is true with zero=2"),
     (lambda d: d["stages"][0].update(cp=0), "'stages\\[0\\].cp' is 0"),
     (lambda d: d.update(axes=[["dp", 2], ["sp", 2], ["tp", 2]]), "names axis 'sp'"),
+    (lambda d: d["stages"][0].update(ep=3), "ep=3, which does not divide its dp x cp x tp = 2 x 2 x 2"),
 ])
 def test_bad_context_fields_are_named(change, message):
     data = context_plan(offload=True).to_dict()

@@ -5,7 +5,7 @@ estimator unchecked. None of it needs torch or the cost model.
 
 What is checked: field names (none unknown, none missing), types and ranges of every value, a mesh
 that is one (autopar.plans.mesh), axes named by their roles (dp, cp, tp), stages in order whose
-ranks cover the mesh once, an expert-parallel degree that divides each stage's dp x tp ranks,
+ranks cover the mesh once, an expert-parallel degree that divides each stage's dp x cp x tp ranks,
 one context-parallel degree for all of them, offload only under ZeRO-3, a batch that splits
 into dp x micro-batches x micro-batch size,
 placements that parse (one per axis, S(d) within any tensor's rank), and `predicted` and `solver`
@@ -227,11 +227,11 @@ def _check_stage(stage: dict, position: int, axes: list, sub: int, world: int) -
     _check_forms(stage, where)
     _expect(stage.get("sequence_parallel", False), bool, f"{where}.sequence_parallel")
     ep = _int(stage.get("ep", 1), f"{where}.ep", MAX_WORLD)
-    if (tp * dp) % ep:
-        fits = [d for d in range(1, tp * dp + 1) if tp * dp % d == 0]
-        raise PlanMismatchError(f"plan {where} has ep={ep}, which does not divide its dp x tp = "
-                                f"{dp} x {tp} = {dp * tp} ranks (expert parallelism is carved out "
-                                f"of them); use an ep in {fits}")
+    if sub % ep:
+        fits = [d for d in range(1, sub + 1) if sub % d == 0]
+        raise PlanMismatchError(f"plan {where} has ep={ep}, which does not divide its dp x cp x tp "
+                                f"= {dp} x {cp} x {tp} = {sub} ranks (expert parallelism is carved "
+                                f"out of them); use an ep in {fits}")
     _expect(stage.get("predicted", {}), dict, f"{where}.predicted")
     _check_record(stage.get("predicted", {}), STAGE_PREDICTED, f"{where}.predicted")
 

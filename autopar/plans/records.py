@@ -14,7 +14,7 @@ i % pp, as torch.distributed.pipelining places them; all stages share the sub-me
 The JSON form is exact: `Plan.load(path)` of a saved plan equals the plan, and saving it again
 writes the same bytes. Every value of a loaded file is checked (autopar.plans.checks).
 
-Context parallelism and offload (schema 2): a stage with `cp` > 1 splits every sequence over cp
+Context parallelism and offload (schema 3): a stage with `cp` > 1 splits every sequence over cp
 ranks (the plan then has a "cp" axis between "dp" and "tp", Megatron's rank order), its
 attention by `cp_kind`; `offload` keeps a ZeRO-3 stage's shards, gradients and optimizer state on
 the host. A stage writes these three fields only where they differ from their defaults, so a plan
@@ -48,8 +48,8 @@ class Stage:
     recompute: Recompute = Recompute.NONE
     zero: int = 0                     # 0-3
     sequence_parallel: bool = False
-    # expert parallelism: each MoE layer's experts split over `ep` of the stage's dp x tp ranks
-    # (consecutive in row-major (dp, tp) order), as Megatron-Core carves it out of them
+    # expert parallelism: each MoE layer's experts split over `ep` of the stage's dp x cp x tp
+    # ranks (consecutive in row-major (dp, cp, tp) order), as Megatron-Core carves it out of them
     ep: int = 1
     predicted: dict = field(default_factory=dict)   # time and memory breakdowns of this stage
     cp: int = 1                       # context parallelism: every sequence split over cp ranks

@@ -126,9 +126,6 @@ def check_forms(plan: Plan, example_inputs: tuple, example_kwargs: dict) -> None
     cp = plan.cp
     if cp == 1:
         return
-    if plan.ep > 1:
-        raise AutoparError(f"cp={cp} with ep={plan.ep}: autopar's runtime does not combine context "
-                           f"and expert parallelism yet; use one of them")
     ids = example_inputs[0]
     if ids.dim() < 2:
         raise AutoparError(f"cp={cp} splits every sequence on dim 1 of the model's first input, "
@@ -224,8 +221,8 @@ def wrap_data_parallel(programs: list[StageProgram], plan: Plan, layout: Pipelin
         stage = plan.stages[program.index]
         if stage.ep > 1:
             expert_data_parallel(program.module, stage.zero, plan.schedule,
-                                 expert_meshes[stage.ep]["edp"], layout.dp,
-                                 mixed.mp_policy(plan.precision))
+                                 expert_meshes[stage.ep]["edp"], layout.replicas,
+                                 mixed.mp_policy(plan.precision), offload=stage.offload)
         if layout.replicas > 1 or stage.offload:
             data_parallel(program.module, stage.zero, plan.schedule, mesh["dp"],
                           mixed.mp_policy(plan.precision), offload=stage.offload)

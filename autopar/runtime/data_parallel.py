@@ -66,17 +66,19 @@ def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMe
 
 
 def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: DeviceMesh,
-                         dp: int, mp_policy=None) -> None:
+                         replicas: int, mp_policy=None, offload: bool = False) -> None:
     """The gradients of the stage's split experts reduced over `edp_mesh` (plain data parallelism
     or ZeRO there, as the stage's `zero` says), with FSDP2 as `data_parallel` does; also over a
-    mesh of one rank when the stage has data parallelism, whose groups must leave the experts
-    alone. The experts' inputs are left as they come: a routing value cast to 16 bits would
-    count exactly only up to 256."""
-    if edp_mesh.size() == 1 and dp == 1:
+    mesh of one rank when the stage has dp x cp `replicas` (whose groups must leave the experts
+    alone) or offloads (the experts' states go to the host too). The experts' inputs are left as
+    they come: a routing value cast to 16 bits would count exactly only up to 256."""
+    if edp_mesh.size() == 1 and replicas == 1 and not offload:
         return
     policy = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         cast_forward_inputs=False)}
+    if offload:
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=edp_mesh.device_type != "cpu")
     if zero == 0:
         wrap = functools.partial(replicate, mesh=edp_mesh, **policy)
     else:

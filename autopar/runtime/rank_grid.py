@@ -7,9 +7,10 @@ for the DTensors of tensor-parallel stages. Context-parallel ranks hold the same
 data-parallel replicas do, so the mesh's "dp" axis holds the dp x cp replicas of a stage (FSDP2
 shards and reduces over them all) and each cp group of ranks that split the same sequences is a
 process group of its own (`context_group`). Stages that split their experts over ep ranks get one
-more mesh per distinct ep over the same grid, (pp, edp, ep): each stage's dp x tp ranks in
+more mesh per distinct ep over the same grid, (pp, edp, ep): each stage's dp x cp x tp ranks in
 row-major order cut into consecutive blocks of ep ("ep": ranks holding different experts; "edp":
-ranks holding the same ones, autopar.passes.expert_parallel).
+ranks holding the same ones, autopar.passes.expert_parallel), as Megatron-Core folds its expert
+groups into the dp x cp x tp ranks of its attention.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def expert_meshes(layout: PipelineLayout, plan: Plan, device: torch.device) -> d
     """A (pp, edp, ep) mesh over the rank grid for each ep > 1 of the plan's stages (module doc),
     made in the same order on every rank (making one is a collective)."""
     grid = torch.tensor(layout.grid)
-    ranks = layout.dp * layout.tp
+    ranks = layout.replicas * layout.tp
     return {ep: DeviceMesh(device.type, grid.reshape(layout.pp, ranks // ep, ep),
                            mesh_dim_names=("pp", "edp", "ep"))
             for ep in sorted({stage.ep for stage in plan.stages} - {1})}

@@ -8,7 +8,7 @@ with recompute and ZeRO per chunk. Layouts come from Megatron's grid (`megatron_
 pipelines whose degree does not divide the blocks (`autopar_shapes`), with context parallelism
 (`context_shapes`) and, when nothing else fits, pipelines shorter than their stages
 (`short_pipeline_shapes`), each at a few expert-parallel degrees for a model with MoE layers
-(`with_expert_degrees`; context parallelism at ep 1); cuts are Megatron's uniform ones
+(`with_expert_degrees`, carved out of a stage's dp x cp x tp ranks); cuts are Megatron's uniform ones
 or balanced by a dynamic program (`balanced_cuts`). What the runtime cannot run is never proposed
 (`layout_error`, the rules of autopar.plans.schedules).
 """
@@ -40,7 +40,7 @@ class Shape:
     schedule: str
     virtual: int = 1
     sequence_parallel: bool = False
-    ep: int = 1                 # expert parallelism, carved out of the dp x tp ranks of a stage
+    ep: int = 1                 # expert parallelism, carved out of the dp x cp x tp ranks of a stage
     cp: int = 1                 # context parallelism: every sequence split over cp ranks
     cp_kind: str = "ring"       # ring | all-to-all
     offload: bool = False       # ZeRO-3's states on the host
@@ -180,7 +180,7 @@ def module_shapes(units: int, world: int, gpus_per_node: int, global_batch: int,
 
 
 def expert_degrees(ranks: int, experts: int, gpus_per_node: int, every: bool = False) -> list[int]:
-    """Expert-parallel degrees for a stage of `ranks` (dp x tp) devices whose MoE layers have
+    """Expert-parallel degrees for a stage of `ranks` (dp x cp x tp) devices whose MoE layers have
     `experts` experts (the gcd of their counts; 0 for a model without MoE layers): those that
     divide both, which the runtime runs. The grid tries two of them (`every`: all): 1, and the
     largest whose all-to-alls stay inside a node (NVLink), or the smallest past it; the
@@ -195,7 +195,7 @@ def expert_degrees(ranks: int, experts: int, gpus_per_node: int, every: bool = F
 def with_expert_degrees(shapes: list[Shape], experts: int, gpus_per_node: int) -> list[Shape]:
     """Each shape at each of the grid's expert-parallel degrees (`expert_degrees`)."""
     return [replace(shape, ep=ep) for shape in shapes
-            for ep in expert_degrees(shape.tp * shape.dp, experts, gpus_per_node)]
+            for ep in expert_degrees(shape.tp * shape.dp * shape.cp, experts, gpus_per_node)]
 
 
 def context_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int, sequence: int,

@@ -103,8 +103,9 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     uneven_phase(search, with_expert_degrees(uneven, search.experts, mesh.gpus_per_node), weights_for)
     # where activations bind: context parallelism, when the model's sequence can be split
     if blocks and sequence_split_error(graph) is None:
-        context_phase(search, context_shapes(blocks, mesh.world_size, mesh.gpus_per_node,
-                                             global_batch, graph_sequence(graph), whole))
+        context_phase(search, with_expert_degrees(
+            context_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch,
+                           graph_sequence(graph), whole), search.experts, mesh.gpus_per_node))
     if search.best is None:
         # a pipeline with fewer micro-batches than stages (GPipe only) is all bubble: tried
         # only when nothing else fits

@@ -270,12 +270,9 @@ def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
 
 def _expert_moves(current: Priced, global_batch: int, weights_for, *, experts: int):
     """Every other expert-parallel degree the runtime runs for the same stages (the grid tries
-    two of them); none for a layout with context parallelism or offload, which the runtime does
-    not combine with expert parallelism."""
+    two of them), carved out of their dp x cp x tp ranks."""
     candidate, shape = current.candidate, current.candidate.shape
-    if shape.cp > 1 or shape.offload:
-        return
-    for ep in expert_degrees(shape.tp * shape.dp, experts, 0, every=True):
+    for ep in expert_degrees(shape.tp * shape.dp * shape.cp, experts, 0, every=True):
         if ep != shape.ep:
             yield replace(candidate, shape=replace(shape, ep=ep))
 
@@ -362,6 +359,6 @@ def offload_phase(search: Search, shapes: list[Shape]) -> list[Priced]:
     moves every gathered shard over the host link, which a layout that fits never needs."""
     if search.best is not None:
         return []
-    # the runtime offloads the stage's own FSDP2 groups, not experts split over ep ranks
-    return grid_phase(search, [replace(shape, offload=True) for shape in shapes if shape.ep == 1],
+    # split experts go to the host with the rest (their own FSDP2 groups offload too)
+    return grid_phase(search, [replace(shape, offload=True) for shape in shapes],
                       zero_levels=(3,))
