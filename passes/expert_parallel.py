@@ -8,8 +8,9 @@ x context x tensor parallelism, `ep` divides the stage's dp x cp x tp ranks: tho
 row-major (dp, cp, tp) order, are cut into consecutive blocks of `ep` (an *expert-parallel group*:
 its ranks hold E/ep experts each, in order); the ranks at the same position of every block (an
 *expert data-parallel group*, dp x cp x tp / ep of them) hold the same experts. A cp rank's rows
-are its chunks' tokens: experts see tokens, whichever sequence and place they come from. The runtime makes the groups, one device mesh
-(pp, edp, ep) per distinct ep, and hands them to the pass in `PassTarget.expert_meshes`.
+are its chunks' tokens: experts see tokens, whichever sequence and place they come from. The
+runtime makes the groups, one device mesh (pp, edp, ep) per distinct ep, and hands them to the
+pass in `PassTarget.expert_meshes`.
 
 What the pass does to a stage:
 - the rewrite (`rewrite_experts`), which without process groups computes what the graph did;
@@ -24,7 +25,8 @@ Gradients: the runtime reduces the experts' over the expert data-parallel group 
 rank of each expert's data-parallel group, so the sum over that group is the sum over all
 dp x cp replicas, of which the mean is wanted (what every other gradient gets, each cp rank's
 loss being its tokens' mean): FSDP2 divides by the group's size, so the experts' weight gradients
-are scaled by edp / (dp x cp) in the backward (a divide factor of FSDP2's own needs a pre-multiplied sum, which gloo lacks).
+are scaled by edp / (dp x cp) in the backward (a divide factor of FSDP2's own needs a
+pre-multiplied sum, which gloo lacks).
 
 `check_expert_parallelism` checks a plan's ep against the model's exported graph before any
 process group exists: MoE layers there are, their routers can be split, ep divides their experts.
