@@ -115,7 +115,7 @@ def find_sequence_split(short: fx.GraphModule, long: fx.GraphModule, cp: int) ->
     marked = {node.name: (ATTENTION_CALL, *_attention(node, seq)) for node in live
               if node.op == "call_function" and node.target in ATTENTION}
     for node in live:
-        if node.op != "call_function" or node.name in marked:
+        if node.op != "call_function" or node.name in marked or node.name in routed:
             continue
         if node.target in ARANGES and 0 in seq.get(node.name, ()):
             _check_positions(node, length)
@@ -123,7 +123,7 @@ def find_sequence_split(short: fx.GraphModule, long: fx.GraphModule, cp: int) ->
         elif node.target is aten.slice.Tensor and _sliced_dim(node) in seq.get(node.name, ()):
             if _table_slice(node, seq, length):
                 marked[node.name] = (TABLE,)
-        elif node.name not in routed:
+        else:
             _refuse_mixing(node, seq)
     if not any(mark[0] == ATTENTION_CALL for mark in marked.values()):
         raise AutoparError("context parallelism splits attention over the sequence, and this model "

@@ -311,6 +311,37 @@ def test_huggingface_moe_architectures_under_expert_parallelism():
         assert shards and all(ep == 2 and local * 2 == experts for ep, experts, local in shards), shards
 
 
+def train_huggingface_context(names: list[str], classes: dict, config: Config) -> dict:
+    """`train_huggingface` with causal attention without a mask (autopar.models.hf_attention),
+    which context parallelism splits."""
+    from autopar.models.hf_attention import causal_sdpa
+
+    return train_huggingface(names, {name: _causal(cls, causal_sdpa) for name, cls in classes.items()},
+                             config)
+
+
+def _causal(cls, causal_sdpa):
+    """A stand-in for `cls` whose instances run causal SDPA without a mask."""
+    return lambda *args, **kwargs: causal_sdpa(cls(*args, **kwargs))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_huggingface_moe_architectures_under_context_and_expert_parallelism():
+    """HuggingFace's dispatch (an inverse permutation by index_put of an arange over the rows)
+    runs on a rank's chunks as on the whole sequence."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_zoo import resolve
+
+    names = ["mixtral", "qwen2-moe", "olmoe", "qwen3-moe", "deepseek-v3"]
+    config = Config(cp=2, ep=2, global_batch=BATCH, micro_batch=4)
+    ranks = autopar.launch(train_huggingface_context, 2, names, resolve(names), config, timeout=1200)
+    for name in names:
+        problems, shards = ranks[0][name]
+        assert problems == [], (name, problems)
+        assert shards and all(ep == 2 and local * 2 == experts for ep, experts, local in shards), shards
+
+
 def save_and_load(path: str) -> dict:
     """On every rank: trained a step under dp2 x ep2 and saved; loaded under ep1 (dp4) and under
     tp2 x ep2: the same parameters, and a next step (optimizer state included) the same as the
