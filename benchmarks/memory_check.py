@@ -3,9 +3,11 @@
     python benchmarks/memory_check.py [--layers 4] [--hidden 128] [--seq 128] [--forms zero3,tp]
 
 On 4 CPU gloo ranks, a small GPT under each form (data parallelism, ZeRO-1/2/3, tensor x data,
-tensor, 2 pipeline stages x 2 replicas under 1F1B, GPipe and 1F1B with ZeRO-3; and a MoE model of
-the same size under expert parallelism: ep4, dp2 x ep2, ep2 with ZeRO-3, each with a line of the
-expert weights and optimizer state the rank holds against 1/ep of them) and recompute level
+tensor, 2 pipeline stages x 2 replicas under 1F1B, GPipe and 1F1B with ZeRO-3, context parallelism
+over 2 and 4 ranks, ZeRO-3 with offload: on a CPU its host memory is the rank's too, so the row
+compares the predicted device and host memory together; and a MoE model of the same size under
+expert parallelism: ep4, dp2 x ep2, ep2 with ZeRO-3, each with a line of the expert weights and
+optimizer state the rank holds against 1/ep of them) and recompute level
 (none, selective, full): one AdamW step to create the optimizer state,
 then a second step whose peak tensor memory is measured: every tensor storage alive on the rank
 (parameters, gradients, optimizer state, activations, FSDP's gathered parameters, the batch).
@@ -53,6 +55,12 @@ FORMS = {
     "ep4": Config(dp=4, ep=4, global_batch=BATCH, micro_batch=2),
     "dp2xep2": Config(dp=4, ep=2, global_batch=BATCH, micro_batch=2),
     "ep2xzero3": Config(dp=4, ep=2, zero=3, global_batch=BATCH, micro_batch=2),
+    # context parallelism: each rank holds 1/cp of every sequence's activations (against dp4)
+    "cp2xdp2": Config(cp=2, dp=2, global_batch=BATCH, micro_batch=2),
+    "cp4": Config(cp=4, global_batch=BATCH, micro_batch=2),
+    # ZeRO-3's states on the host: on a CPU the host is the device, so the rank holds the
+    # predicted device memory and the predicted host memory together
+    "zero3-offload": Config(dp=4, zero=3, offload=True, global_batch=BATCH, micro_batch=2),
 }
 RECOMPUTE = ("none", "selective", "full")
 
@@ -110,8 +118,9 @@ def measure_form(spec: str, name: str, args_tracker: str) -> list[dict]:
         cm.step(ids, targets)                  # creates the optimizer state
         measured, peak = peak_of_step(cm, ids, targets, args_tracker)
         device = cm.plan.stages[cm.pp_rank].predicted     # the rank's first (only) stage
+        host = cm.plan.predicted.get("host_memory_bytes", 0.0)    # offload (module docstring)
         rows.append({"form": name, "recompute": recompute, "pp_rank": cm.pp_rank,
-                     "predicted": device["memory_bytes"], "measured": measured,
+                     "predicted": device["memory_bytes"] + host, "measured": measured,
                      "predicted_parts": device["memory"], "experts": expert_bytes(cm),
                      "measured_parts": {k: v for k, v in peak.items() if k != "Total" and v}})
         del cm

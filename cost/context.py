@@ -87,20 +87,43 @@ def _op(target: str) -> str:
 
 
 def check_sequence_split(graph: Graph, cp: int) -> None:
-    """The captured sequence must split into 2 x cp chunks (causal load balancing)."""
+    """The captured sequence must split into 2 x cp chunks (causal load balancing), and the
+    model's attention over it (`sequence_split_error`)."""
     if cp == 1:
         return
     seq = graph_sequence(graph)
-    if not seq:
-        raise AutoparError(f"cp={cp}: the model's first input is not a [batch, seq] tensor of token "
-                           f"ids, so there is no sequence to split; use cp=1")
-    if seq % (2 * cp):
+    if seq and seq % (2 * cp):
         raise AutoparError(f"cp={cp}: the sequence of {seq} tokens does not split into 2 x cp = "
                            f"{2 * cp} equal chunks (each rank holds chunks i and 2cp-1-i); choose a "
                            f"cp with 2 x cp dividing {seq}, or a sequence length divisible by {2 * cp}")
-    if not any(op_family(n.target) == "attention" for n in graph.nodes):
-        raise AutoparError(f"cp={cp}: the model has no attention op to split over the sequence "
-                           f"(scaled_dot_product_attention); use cp=1")
+    error = sequence_split_error(graph)
+    if error is not None:
+        raise AutoparError(f"cp={cp}: {error}; use cp=1")
+
+
+def sequence_split_error(graph: Graph) -> str | None:
+    """Why context parallelism cannot split this model's sequence, as far as its capture tells
+    (None where it can): token ids to split, scaled_dot_product_attention to run over the
+    pieces, without an explicit mask (a mask built for one rank's tokens is not the whole
+    sequence's), and no softmax over the sequence outside it (attention written as its own ops).
+    The runtime's analysis of the program is the finer one (autopar.passes.context_parallel)."""
+    seq = graph_sequence(graph)
+    if not seq:
+        return ("the model's first input is not a [batch, seq] tensor of token ids, so there is no "
+                "sequence to split")
+    attention = [n for n in graph.nodes if op_family(n.target) == "attention"]
+    if not attention:
+        return "the model has no attention op to split over the sequence (scaled_dot_product_attention)"
+    masked = next((n for n in attention if len(n.inputs) > 3), None)
+    if masked is not None:
+        return (f"its attention ({masked.name}) takes an explicit mask, which autopar cannot split "
+                f"over the sequence (autopar.models.hf_attention.causal_sdpa gives HuggingFace "
+                f"models causal attention without one)")
+    softmax = next((n for n in graph.nodes if "softmax" in n.target and n.shape
+                    and n.shape[-1] == seq), None)
+    if softmax is not None:
+        return f"{softmax.name} takes a softmax over the sequence outside scaled_dot_product_attention"
+    return None
 
 
 def ulysses_error(layout: GraphLayout, cp: int) -> str | None:

@@ -369,7 +369,14 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     group = max(c.group for c in chunks)
+    element = 4 if precision == Precision.FP32 else 2
+
+    def offloaded(parts: dict) -> tuple[dict, float]:
+        return offloaded_memory(parts, params=params, shards=spec.dp * spec.cp, zero=spec.zero,
+                                gathered=gathered, group=group, element=element)
+    # offloaded, every phase keeps less on the device: the fullest is found among what stays
     parts = peak_bytes(params=params, gathered=gathered, group=group,
+                       place=(lambda phase: offloaded(phase)[0]) if spec.offload else None,
                        weight=max(c.largest for c in chunks),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m,
                        reduce_every=reduces_every_micro_batch(spec.zero, schedule),
@@ -381,10 +388,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                                              if c.blocks]) * b,
                        expert_params=sum(c.expert_params for c in chunks),
                        expert_dp=expert_data_parallel(spec))
-    if not spec.offload:
-        return parts, 0.0
-    return offloaded_memory(parts, params=params, shards=spec.dp * spec.cp, zero=spec.zero,
-                            gathered=gathered, group=group, element=4 if precision == Precision.FP32 else 2)
+    return parts, offloaded(parts)[1] if spec.offload else 0.0
 
 
 def _largest(values: list):

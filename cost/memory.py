@@ -86,7 +86,7 @@ GATHERED_GROUPS = 2
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations,
                logits, recomputed, flowing, reduce_every: bool = False, blocks: int = 0,
-               block_kept=0.0, expert_params: float = 0.0, expert_dp: int = 1) -> dict:
+               block_kept=0.0, expert_params: float = 0.0, expert_dp: int = 1, place=None) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`).
 
     `params` elements of its stage(s) (of them, `expert_params` experts' weights under expert
@@ -101,7 +101,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     start) and what a block's backward holds later: the activations of a recomputed region
     (`recomputed`), the gradients flowing through its widest op beyond the activations it frees
     (`flowing`) and the gradient of the weight it reads (`weight` elements, the largest
-    parameter); in a pipeline both also hold the logits until the micro-batch's backward ends."""
+    parameter); in a pipeline both also hold the logits until the micro-batch's backward ends;
+    `place`: what of a phase's parts stays on the device (`_at_peak`)."""
     wrapped = dp > 1
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -116,9 +117,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master)}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = sharded(GRADIENT_BYTES)
-    scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element,
-                                          blocks=blocks, block_kept=block_kept, new_shards=not earlier)
-                 for earlier in (False, True)}
+    scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element, blocks=blocks,
+                                          block_kept=block_kept, new_shards=not earlier) for earlier in (False, True)}
     # ZeRO-3 at the loss's backward: the groups were resharded after their forwards and are
     # gathered again as their backwards start; at most one, the output layer's, is by then
     loss_weights = {"weights": element * group} if zero == 3 else {}
@@ -142,18 +142,19 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
          "optimizer_step": sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
     ]
-    return _at_peak(persistent, phases)
+    return _at_peak(persistent, phases, place)
 
 
-def _at_peak(persistent: dict, phases: list[dict]) -> dict:
+def _at_peak(persistent: dict, phases: list[dict], place=None) -> dict:
     """The parts at the fullest phase; with symbolic sizes, the first phase's and what the others
-    need beyond it (`later_phase`)."""
-    totals = [sum({**persistent, **phase}.values()) for phase in phases]
+    need beyond it (`later_phase`). `place` maps each phase's parts to what stays on the device
+    (offload moves model states to the host, so another phase may then be the fullest)."""
+    placed = [(place or dict)({**persistent, **phase}) for phase in phases]
+    totals = [sum(parts.values()) for parts in placed]
     if all(isinstance(t, (int, float)) for t in totals):
         peak = max(range(len(phases)), key=lambda k: totals[k])
-        return {**persistent, **phases[peak], "later_phase": 0.0}
-    return {**persistent, **phases[0],
-            "later_phase": sympy.Max(0, *(t - totals[0] for t in totals[1:]))}
+        return {**placed[peak], "later_phase": 0.0}
+    return {**placed[0], "later_phase": sympy.Max(0, *(t - totals[0] for t in totals[1:]))}
 
 
 def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: int, block_kept,

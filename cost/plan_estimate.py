@@ -2,8 +2,8 @@
 
 `estimate_plan(graph, plan)` turns each of the plan's stages into the estimator's chunk
 (`StageSpec`): the modules it lists (which take their nodes as the runtime's split gives them,
-cost/stages.py), its tensor, data and expert parallelism,
-recompute, ZeRO and sequence parallelism, and the plan's per-op placements on its tensor-parallel
+cost/stages.py), its tensor, data, expert and context parallelism, recompute, ZeRO, offload and
+sequence parallelism, and the plan's per-op placements on its tensor-parallel
 axis, so that each op is priced at its own shard and each change of placement along the graph's
 edges with its collective (cost/layout.py, by the sharding ILP's facts in cost/reshard.py); the
 plan's micro-batch size, schedule and virtual chunks complete the call to `estimate_stages`, whose
@@ -33,7 +33,8 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
     placements = tensor_placements(graph, plan)
     specs = [StageSpec(layers=list(stage.layers), tp=stage.tp, dp=stage.dp, recompute=stage.recompute,
                        zero=stage.zero, sequence_parallel=stage.sequence_parallel,
-                       placements=placements, ep=stage.ep)
+                       placements=placements, ep=stage.ep, cp=stage.cp, cp_kind=stage.cp_kind,
+                       offload=stage.offload)
              for stage in plan.stages]
     return estimate_stages(graph, Mesh.from_dict(plan.mesh), specs, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch_size, schedule=plan.schedule,

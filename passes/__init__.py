@@ -18,6 +18,8 @@ rank's program in one direction:
                         dtype at run time (FSDP2 may hand weights in 16 bits)
     batch_norm.py       normalize_batch_norms: BatchNorm over each replica's samples, or over
                         all replicas' (sync_batchnorm), with fp32 weights under mixed precision
+    context_parallel.py split_sequence: a rank's positions and attention (a ring or all-to-all
+                        over the cp ranks, context_attention.py) for its chunks of each sequence
     tensor_parallel.py  shard_tensor_parallel: DTensors with the plan's placements on "tp", a
                         Redistribute where the plan places a value (collectives.py), and what
                         DTensor needs to run an export (dtensor_adapters.py, dtensor_rules.py)
@@ -32,6 +34,7 @@ Passes never import the runtime; what both read (TensorRef, StageProgram) is her
 from autopar.passes.batch_norm import normalize_batch_norms
 from autopar.passes.collectives import Redistribute
 from autopar.passes.expert_parallel import split_experts
+from autopar.passes.context_parallel import SequenceSplit, find_sequence_split, split_sequence
 from autopar.passes.precision import cast_to_weight_dtypes, drop_traced_dtype_checks
 from autopar.passes.program import PassTarget, StageProgram
 from autopar.passes.recompute import Recomputed, checkpoint_regions, recompute_layers
@@ -51,6 +54,9 @@ PASSES = (
     cast_to_weight_dtypes,
     # BatchNorm over each replica's samples or, under sync_batchnorm, over all replicas'
     normalize_batch_norms,
+    # before tensor parallelism, on the traced ATen ops it finds by name; its attention takes
+    # the DTensors tensor parallelism hands it (and its positions become replicated ones)
+    split_sequence,
     # before FSDP2 (which the runtime applies after the passes): FSDP2 shards what tp left
     shard_tensor_parallel,
     # last: it drops checks from every graph the passes before it made
@@ -65,5 +71,5 @@ def run_passes(program: StageProgram, plan, target: PassTarget) -> StageProgram:
     return program
 
 
-__all__ = ["PASSES", "PassTarget", "Recomputed", "Redistribute", "StageProgram", "checkpoint_regions",
-           "run_passes", "split_model"]
+__all__ = ["PASSES", "PassTarget", "Recomputed", "Redistribute", "SequenceSplit", "StageProgram",
+           "checkpoint_regions", "find_sequence_split", "run_passes", "split_model"]

@@ -4,11 +4,13 @@ A stage with `ep` > 1 (autopar.plans.Stage.ep) runs every MoE layer it holds (fo
 experts.py) as an `ExpertParallel` call (expert_dispatch.py): the experts' body is taken out of
 the layer's graph into a program of its own, and the call dispatches the rows to the ranks that
 hold their experts and combines them back. As Megatron-Core carves expert parallelism out of data
-x tensor parallelism, `ep` divides the stage's dp x tp ranks: those ranks, in row-major (dp, tp)
-order, are cut into consecutive blocks of `ep` (an *expert-parallel group*: its ranks hold E/ep
-experts each, in order); the ranks at the same position of every block (an *expert data-parallel
-group*, dp x tp / ep of them) hold the same experts. The runtime makes the groups, one device mesh
-(pp, edp, ep) per distinct ep, and hands them to the pass in `PassTarget.expert_meshes`.
+x context x tensor parallelism, `ep` divides the stage's dp x cp x tp ranks: those ranks, in
+row-major (dp, cp, tp) order, are cut into consecutive blocks of `ep` (an *expert-parallel group*:
+its ranks hold E/ep experts each, in order); the ranks at the same position of every block (an
+*expert data-parallel group*, dp x cp x tp / ep of them) hold the same experts. A cp rank's rows
+are its chunks' tokens: experts see tokens, whichever sequence and place they come from. The
+runtime makes the groups, one device mesh (pp, edp, ep) per distinct ep, and hands them to the
+pass in `PassTarget.expert_meshes`.
 
 What the pass does to a stage:
 - the rewrite (`rewrite_experts`), which without process groups computes what the graph did;
@@ -21,9 +23,10 @@ What the pass does to a stage:
 Gradients: the runtime reduces the experts' over the expert data-parallel group alone (FSDP2 over
 "edp", autopar.runtime.data_parallel). Every row of the global batch is computed by exactly one
 rank of each expert's data-parallel group, so the sum over that group is the sum over all
-data-parallel replicas, of which the mean over dp is wanted (what every other gradient gets):
-FSDP2 divides by the group's size, so the experts' weight gradients are scaled by edp / dp in the
-backward (a divide factor of FSDP2's own needs a pre-multiplied sum, which gloo lacks).
+dp x cp replicas, of which the mean is wanted (what every other gradient gets, each cp rank's
+loss being its tokens' mean): FSDP2 divides by the group's size, so the experts' weight gradients
+are scaled by edp / (dp x cp) in the backward (a divide factor of FSDP2's own needs a
+pre-multiplied sum, which gloo lacks).
 
 `check_expert_parallelism` checks a plan's ep against the model's exported graph before any
 process group exists: MoE layers there are, their routers can be split, ep divides their experts.
@@ -49,8 +52,9 @@ def split_experts(program: StageProgram, plan, target: PassTarget) -> StageProgr
     if stage.ep == 1:
         return program
     mesh = target.expert_meshes[stage.ep]
-    # FSDP2 averages the expert gradients over their replicas; the mean over dp is wanted
-    scale = (stage.dp * stage.tp // stage.ep) / stage.dp
+    # FSDP2 averages the expert gradients over their replicas; the mean over dp x cp is wanted
+    replicas = stage.dp * stage.cp
+    scale = (replicas * stage.tp // stage.ep) / replicas
     for graph_module in [m for m in program.module.modules() if isinstance(m, fx.GraphModule)]:
         for experts in rewrite_experts(graph_module):
             for holder in experts.experts:
@@ -79,7 +83,7 @@ def check_expert_parallelism(module: fx.GraphModule, plan) -> list[ExpertLayer]:
             fits = [d for d in range(1, layer.num_experts + 1) if layer.num_experts % d == 0]
             raise PlanMismatchError(
                 f"ep={ep} does not divide the {layer.num_experts} experts of {layer.where}; use "
-                f"an ep in {fits} that divides the stage's dp x tp ranks too")
+                f"an ep in {fits} that divides the stage's dp x cp x tp ranks too")
     return layers
 
 

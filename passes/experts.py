@@ -91,6 +91,40 @@ def find_expert_layers(gm: fx.GraphModule) -> list[ExpertLayer]:
     return list(layers.values())
 
 
+def token_wise_nodes(gm: fx.GraphModule) -> set[str]:
+    """The names of the nodes of `gm`'s MoE layers that work along the rows (one per routed
+    token-expert pair) and yet compute each token's output from that token alone: the experts'
+    body (row by row, as expert parallelism runs it on any rows), sorts of values computed from
+    the routed expert ids alone (the rows' order by expert), numberings of the rows that only
+    such values read (`arange` for an inverse permutation), and gathers of whole rows by such a
+    value (dispatch into that order and combine back). Under dropless routing a rank holding
+    only some tokens computes the same for each of them (context parallelism relies on it). A
+    router whose top-k runs over the tokens, or a token's place counted over the others
+    (capacity), is not among them."""
+    try:
+        layers = find_expert_layers(gm)
+    except ExpertStructureError:
+        return set()    # experts not understood: their ops are judged one by one
+    if not layers:
+        return set()
+    kinds = _kinds(gm)
+    found = {node.name for layer in layers for node in layer.body}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = str(node.target)
+        if target.startswith(("aten.sort.", "aten.argsort.")) and kinds[node] == ROUTE:
+            found.add(node.name)
+        elif target.startswith("aten.arange.") and node.users \
+                and all(kinds.get(user) == ROUTE for user in node.users):
+            found.add(node.name)
+        elif target in GATHERS:
+            source, index = _gather_arguments(node)
+            if source is not None and kinds.get(index) == ROUTE:
+                found.add(node.name)
+    return found
+
+
 # --- node kinds -----------------------------------------------------------------------------------
 
 def _kinds(gm: fx.GraphModule) -> dict[fx.Node, str]:

@@ -58,6 +58,11 @@ class PassTarget:
     # ep -> the (pp, edp, ep) mesh of the stages of that expert-parallel degree > 1
     # (autopar.passes.expert_parallel); empty when no stage splits experts
     expert_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
+    # context parallelism (context_parallel.py): the group of ranks that split each sequence,
+    # this rank's place in it, and what the split rewrites; None without context parallelism
+    cp_group: ProcessGroup | None = None
+    cp_rank: int = 0
+    sequence_split: object = None
 
 
 class TensorRef(nn.Module):

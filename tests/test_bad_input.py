@@ -127,7 +127,7 @@ def interleaved(data: dict) -> None:
 PLAN_CASES = [
     Case("plan-schema-string", bad_plan(lambda d: d.update(schema_version="1")), "schema version"),
     Case("plan-schema-bool", bad_plan(lambda d: d.update(schema_version=True)), "schema version"),
-    Case("plan-schema-future", bad_plan(lambda d: d.update(schema_version=3)), "schema version 3"),
+    Case("plan-schema-future", bad_plan(lambda d: d.update(schema_version=4)), "schema version 4"),
     Case("plan-missing-field", bad_plan(lambda d: d.pop("stages")), r"lacks fields \['stages'\]"),
     Case("plan-unknown-field", bad_plan(lambda d: d.update(colour="blue")), "unknown fields.*colour"),
     Case("plan-not-object", lambda s: Plan.from_dict([1, 2]), "JSON object"),
@@ -312,6 +312,19 @@ SIZE_CASES = [
     Case("plan-absurd-batch",
          lambda s: autopar.plan(nn.Linear(2, 2), "4:cpu", example_inputs=(torch.ones(1, 2),),
                                 global_batch=10**12), "global_batch"),
+    # context parallelism and offload
+    Case("plan-offload-without-zero3", bad_plan(lambda d: d["stages"][0].update(offload=True, zero=2)),
+         "offload is true with zero=2.*set stages\\[0\\].zero to 3"),
+    Case("plan-cp-kind-unknown", bad_plan(lambda d: d["stages"][1].update(cp_kind="spiral")),
+         "stages\\[1\\].cp_kind.*ring, all-to-all"),
+    Case("plan-cp-not-the-axes", bad_plan(lambda d: d["stages"][0].update(cp=2)),
+         "tp=2 x dp=2 x cp=2, which is not its sub-mesh"),
+    Case("estimate-offload-zero1", lambda s: cli("estimate", "gpt-tiny", "--mesh", "4:cpu",
+                                                 "--global-batch", "8", "--offload", "--zero", "1"),
+         "needs ZeRO-3"),
+    Case("estimate-cp-sequence", lambda s: cli("estimate", "gpt-tiny", "--mesh", "32:cpu",
+                                               "--global-batch", "1", "--cp", "32"),
+         "does not split into 2 x cp = 64 equal chunks"),
 ]
 
 

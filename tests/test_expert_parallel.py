@@ -219,6 +219,44 @@ INTERLEAVED = {"pp2 x dp2 x ep2 interleaved": Config(pp=2, dp=2, ep=2, virtual=2
                                                      global_batch=BATCH, micro_batch=2)}
 
 
+# Megatron-Core's folding: the experts' ranks are carved out of the dp x cp x tp ranks of a stage
+WITH_CONTEXT_ON_4 = {
+    "dp2 x cp2 x ep2": Config(dp=2, cp=2, ep=2, global_batch=BATCH, micro_batch=2),
+    "cp2 x ep4 zero-3": Config(dp=2, cp=2, ep=4, zero=3, global_batch=BATCH, micro_batch=2),
+    "tp2 x cp2 x ep2": Config(tp=2, cp=2, ep=2, global_batch=BATCH, micro_batch=4),
+    "pp2 x cp2 x ep2 1f1b": Config(pp=2, cp=2, ep=2, global_batch=BATCH, micro_batch=2),
+    "dp4 x ep2 zero-3 offload": Config(dp=4, ep=2, zero=3, offload=True, global_batch=BATCH,
+                                       micro_batch=2),
+}
+
+
+def experts_offloaded(forms: dict) -> tuple[dict, bool]:
+    """`train_forms`, and whether every FSDP2 group of the last form's split experts offloads."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    results = train_forms(forms)
+    config = list(forms.values())[-1]
+    cm = autopar.compile(make(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
+                         example_inputs=(batches()[0][0][:config.micro_batch],), plan=config)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in cm.stages.modules()
+              if isinstance(m, ExpertParallel)]
+    return results, bool(groups) and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_parallelism_with_context_parallelism_and_offload():
+    """Each cp rank dispatches its own chunks' tokens: dp x cp x tp / ep ranks hold the same
+    experts, whose gradients are the mean over dp x cp; offload moves the experts' states too."""
+    ranks = autopar.launch(experts_offloaded, 4, WITH_CONTEXT_ON_4, timeout=900)
+    for rank, offloads in ranks:
+        assert offloads, "an expert group of the offloaded form keeps its states on the device"
+        for name, config in WITH_CONTEXT_ON_4.items():
+            losses, problems, shards = rank[name]
+            assert problems == [], (name, problems)
+            assert shards and all(ep == config.ep for ep, _, _ in shards), (name, shards)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_expert_parallelism_composes_with_every_form():
@@ -267,6 +305,37 @@ def test_huggingface_moe_architectures_under_expert_parallelism():
     names = ["mixtral", "qwen2-moe", "olmoe", "qwen3-moe", "gpt-oss", "deepseek-v3"]
     config = Config(dp=2, ep=2, global_batch=BATCH, micro_batch=4)
     ranks = autopar.launch(train_huggingface, 2, names, resolve(names), config, timeout=1200)
+    for name in names:
+        problems, shards = ranks[0][name]
+        assert problems == [], (name, problems)
+        assert shards and all(ep == 2 and local * 2 == experts for ep, experts, local in shards), shards
+
+
+def train_huggingface_context(names: list[str], classes: dict, config: Config) -> dict:
+    """`train_huggingface` with causal attention without a mask (autopar.models.hf_attention),
+    which context parallelism splits."""
+    from autopar.models.hf_attention import causal_sdpa
+
+    return train_huggingface(names, {name: _causal(cls, causal_sdpa) for name, cls in classes.items()},
+                             config)
+
+
+def _causal(cls, causal_sdpa):
+    """A stand-in for `cls` whose instances run causal SDPA without a mask."""
+    return lambda *args, **kwargs: causal_sdpa(cls(*args, **kwargs))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_huggingface_moe_architectures_under_context_and_expert_parallelism():
+    """HuggingFace's dispatch (an inverse permutation by index_put of an arange over the rows)
+    runs on a rank's chunks as on the whole sequence."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_zoo import resolve
+
+    names = ["mixtral", "qwen2-moe", "olmoe", "qwen3-moe", "deepseek-v3"]
+    config = Config(cp=2, ep=2, global_batch=BATCH, micro_batch=4)
+    ranks = autopar.launch(train_huggingface_context, 2, names, resolve(names), config, timeout=1200)
     for name in names:
         problems, shards = ranks[0][name]
         assert problems == [], (name, problems)

@@ -1,6 +1,6 @@
 """Expert parallelism as a search dimension: the free plan splits experts where the cost model
 finds it faster, or where nothing else fits; it proposes only degrees the runtime runs (dividing
-the experts and the stage's dp x tp ranks), and none for a model without MoE layers."""
+the experts and the stage's dp x cp x tp ranks), and none for a model without MoE layers."""
 
 import functools
 
@@ -71,3 +71,6 @@ def test_expert_degrees_are_those_the_runtime_runs():
     assert expert_degrees(16, 0, 8, every=True) == [1]   # no MoE layer: no expert parallelism
     shapes = with_expert_degrees([Shape(tp=2, pp=1, dp=8, micro_batch=1, schedule="1f1b")], 6, 8)
     assert [shape.ep for shape in shapes] == [1, 2]
+    # context-parallel ranks count too (Megatron-Core folds the experts into dp x cp x tp)
+    shapes = with_expert_degrees([Shape(tp=1, pp=1, dp=1, micro_batch=1, schedule="1f1b", cp=8)], 8, 8)
+    assert [shape.ep for shape in shapes] == [1, 8]

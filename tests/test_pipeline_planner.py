@@ -167,7 +167,8 @@ def test_memory_limit_that_forbids_the_unpipelined_plan_forces_stages(graph):
     limit = 0.99 * _least_unpipelined_memory(graph, mesh, batch)
     forced = _search(graph, mesh, global_batch=batch, memory_limit=limit)
     best = forced.best
-    assert best.candidate.shape.pp > 1
+    # stages, or context parallelism: splitting the sequence also frees what the limit forbids
+    assert best.candidate.shape.pp > 1 or best.candidate.shape.cp > 1
     assert best.memory_bytes <= limit
     assert best.step_time_s >= free.best.step_time_s       # the limit costs time, never gains it
 

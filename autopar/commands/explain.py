@@ -64,19 +64,25 @@ def headline(plan: Plan) -> Text:
         plain(f" on {shape}:{device} ({plan.world_size} devices)"), "\n", plain(plan.summary()), "\n",
         plain(f"predicted step {_fmt_s(p.get('step_time_s'))}, {_fmt_num(p.get('tflops_per_gpu'))} "
             f"TFLOP/s per GPU, MFU {_fmt_pct(p.get('mfu'))}, memory "
-            f"{_fmt_gib(p.get('memory_per_gpu_bytes'))} on the fullest device, bubble "
+            f"{_fmt_gib(p.get('memory_per_gpu_bytes'))} on the fullest device"
+            + (f" (and {_fmt_gib(p['host_memory_bytes'])} of offloaded states on its host)"
+               if p.get("host_memory_bytes") else "") + ", bubble "
             f"{_fmt_pct(p.get('bubble_fraction'))} (simulated with torch's schedule: "
             f"{_fmt_pct(p.get('simulated_bubble_fraction'))})"))
 
 
 def stage_table(plan: Plan) -> Table:
-    result = table("stages", ["stage", "ranks", "layers", "tp x dp", "ep", "recompute", "ZeRO",
+    """One row per stage; a context-parallel degree (and its attention) and offload where used."""
+    degrees = "tp x dp x cp" if plan.cp > 1 else "tp x dp"
+    result = table("stages", ["stage", "ranks", "layers", degrees, "ep", "recompute", "ZeRO",
                               "time per micro-batch", "memory"], right=("stage", "memory"),
                    wrap=("layers", "time per micro-batch", "memory"))
     for stage in plan.stages:
         predicted = stage.predicted
+        shape = f"{stage.tp} x {stage.dp}" + (f" x {stage.cp} {stage.cp_kind}" if plan.cp > 1 else "")
+        zero = f"{stage.zero}, offloaded" if stage.offload else stage.zero
         result.add_row(*map(plain, (stage.index, rank_ranges(stage.ranks), compress_layers(stage.layers),
-                                    f"{stage.tp} x {stage.dp}", stage.ep, stage.recompute, stage.zero,
+                                    shape, stage.ep, stage.recompute, zero,
                                     _stage_time(predicted), _fmt_gib(predicted.get("memory_bytes")))))
     return result
 

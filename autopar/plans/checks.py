@@ -4,8 +4,10 @@ belongs, a string where an object belongs), and nothing of it reaches the runtim
 estimator unchecked. None of it needs torch or the cost model.
 
 What is checked: field names (none unknown, none missing), types and ranges of every value, a mesh
-that is one (autopar.plans.mesh), axes named by their roles (dp, tp), stages in order whose
-ranks cover the mesh once, an expert-parallel degree that divides each stage's dp x tp ranks, a batch that splits into dp x micro-batches x micro-batch size,
+that is one (autopar.plans.mesh), axes named by their roles (dp, cp, tp), stages in order whose
+ranks cover the mesh once, an expert-parallel degree that divides each stage's dp x cp x tp ranks,
+one context-parallel degree for all of them, offload only under ZeRO-3, a batch that splits
+into dp x micro-batches x micro-batch size,
 placements that parse (one per axis, S(d) within any tensor's rank), and `predicted` and `solver`
 records that hold finite numbers and words where `explain` and the timeline read them.
 """
@@ -20,8 +22,8 @@ from pathlib import Path
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plans.mesh import check_mesh_dict
 from autopar.plans.placements import parse_placement
-from autopar.plans.vocabulary import (AXIS_ROLES, MULTI_CHUNK_SCHEDULES, PRECISIONS, RECOMPUTE,
-                                      SCHEDULES)
+from autopar.plans.vocabulary import (AXIS_ROLES, CONTEXT_PARALLEL, MULTI_CHUNK_SCHEDULES,
+                                      PRECISIONS, RECOMPUTE, SCHEDULES)
 
 # Bounds that no real run comes near; a value past them is a corrupt or crafted file, and would
 # otherwise make explain or the runtime loop over billions of micro-batches or ranks.
@@ -209,10 +211,11 @@ def _check_stage(stage: dict, position: int, axes: list, sub: int, world: int) -
         raise PlanMismatchError(f"plan {where}.layers must be a list of module paths")
     tp = _int(stage.get("tp", 1), f"{where}.tp", MAX_WORLD)
     dp = _int(stage.get("dp", 1), f"{where}.dp", MAX_WORLD)
+    cp = _int(stage.get("cp", 1), f"{where}.cp", MAX_WORLD)
     named = dict(axes)
-    if (tp, dp) != (named.get("tp", 1), named.get("dp", 1)):
-        raise PlanMismatchError(f"plan {where} has tp={tp} x dp={dp}, which is not its sub-mesh "
-                                f"{axes}")
+    if (tp, dp, cp) != (named.get("tp", 1), named.get("dp", 1), named.get("cp", 1)):
+        raise PlanMismatchError(f"plan {where} has tp={tp} x dp={dp} x cp={cp}, which is not its "
+                                f"sub-mesh {axes}")
     ranks = stage["ranks"]
     if not isinstance(ranks, list) or len(ranks) != sub:
         raise PlanMismatchError(f"plan {where}.ranks must list the {sub} ranks of the stage's "
@@ -221,15 +224,27 @@ def _check_stage(stage: dict, position: int, axes: list, sub: int, world: int) -
         _int(rank, f"{where}.ranks", world - 1, smallest=0)
     _choice(stage.get("recompute", "none"), RECOMPUTE, f"{where}.recompute")
     _int(stage.get("zero", 0), f"{where}.zero", 3, smallest=0)
+    _check_forms(stage, where)
     _expect(stage.get("sequence_parallel", False), bool, f"{where}.sequence_parallel")
     ep = _int(stage.get("ep", 1), f"{where}.ep", MAX_WORLD)
-    if (tp * dp) % ep:
-        fits = [d for d in range(1, tp * dp + 1) if tp * dp % d == 0]
-        raise PlanMismatchError(f"plan {where} has ep={ep}, which does not divide its dp x tp = "
-                                f"{dp} x {tp} = {dp * tp} ranks (expert parallelism is carved out "
-                                f"of them); use an ep in {fits}")
+    if sub % ep:
+        fits = [d for d in range(1, sub + 1) if sub % d == 0]
+        raise PlanMismatchError(f"plan {where} has ep={ep}, which does not divide its dp x cp x tp "
+                                f"= {dp} x {cp} x {tp} = {sub} ranks (expert parallelism is carved "
+                                f"out of them); use an ep in {fits}")
     _expect(stage.get("predicted", {}), dict, f"{where}.predicted")
     _check_record(stage.get("predicted", {}), STAGE_PREDICTED, f"{where}.predicted")
+
+
+def _check_forms(stage: dict, where: str) -> None:
+    """Context parallelism's attention and offload (what the runtime runs: ZeRO-3's offload)."""
+    _choice(stage.get("cp_kind", "ring"), CONTEXT_PARALLEL, f"{where}.cp_kind")
+    offload = stage.get("offload", False)
+    _expect(offload, bool, f"{where}.offload")
+    if offload and stage.get("zero", 0) != 3:
+        raise PlanMismatchError(f"plan {where}.offload is true with zero={stage.get('zero', 0)}; "
+                                f"offload keeps ZeRO-3's shards, gradients and optimizer state on "
+                                f"the host: set {where}.zero to 3")
 
 
 def _check_ranks(stages: list, pp: int, world: int) -> None:

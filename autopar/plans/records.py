@@ -13,6 +13,12 @@ i % pp, as torch.distributed.pipelining places them; all stages share the sub-me
 
 The JSON form is exact: `Plan.load(path)` of a saved plan equals the plan, and saving it again
 writes the same bytes. Every value of a loaded file is checked (autopar.plans.checks).
+
+Context parallelism and offload (schema 3): a stage with `cp` > 1 splits every sequence over cp
+ranks (the plan then has a "cp" axis between "dp" and "tp", Megatron's rank order), its
+attention by `cp_kind`; `offload` keeps a ZeRO-3 stage's shards, gradients and optimizer state on
+the host. A stage writes these three fields only where they differ from their defaults, so a plan
+without either form reads as it did before them.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from pathlib import Path
 from autopar.errors import PlanMismatchError
 from autopar.plans.checks import check_plan_dict, read_plan_json
 from autopar.plans.placements import shard_dim
-from autopar.plans.vocabulary import AxisRole, Precision, Recompute, Schedule
+from autopar.plans.vocabulary import AxisRole, ContextParallel, Precision, Recompute, Schedule
 
 # 2: stages record `ep`, the expert-parallel degree
-SCHEMA_VERSION = 2
+# 3: stages record `cp`, `cp_kind` and `offload` where they use them
+SCHEMA_VERSION = 3
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,13 +48,21 @@ class Stage:
     recompute: Recompute = Recompute.NONE
     zero: int = 0                     # 0-3
     sequence_parallel: bool = False
-    # expert parallelism: each MoE layer's experts split over `ep` of the stage's dp x tp ranks
-    # (consecutive in row-major (dp, tp) order), as Megatron-Core carves it out of them
+    # expert parallelism: each MoE layer's experts split over `ep` of the stage's dp x cp x tp
+    # ranks (consecutive in row-major (dp, cp, tp) order), as Megatron-Core carves it out of them
     ep: int = 1
     predicted: dict = field(default_factory=dict)   # time and memory breakdowns of this stage
+    cp: int = 1                       # context parallelism: every sequence split over cp ranks
+    cp_kind: ContextParallel = ContextParallel.RING     # how attention runs over those ranks
+    offload: bool = False             # ZeRO-3's shards, gradients and optimizer state on the host
 
     def __post_init__(self):
         self.recompute = _member(Recompute, self.recompute, f"stages[{self.index}].recompute")
+        self.cp_kind = _member(ContextParallel, self.cp_kind, f"stages[{self.index}].cp_kind")
+
+
+# Stage fields written only where they differ from these defaults (module docstring).
+_UNUSED_FORMS = {"cp": 1, "cp_kind": ContextParallel.RING, "offload": False}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,8 +104,16 @@ class Plan:
         return self.stages[0].dp
 
     @property
+    def cp(self) -> int:
+        return self.stages[0].cp
+
+    @property
+    def offload(self) -> bool:
+        return any(stage.offload for stage in self.stages)
+
+    @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def ep(self) -> int:
@@ -121,13 +144,22 @@ class Plan:
         ep = [s.ep for s in self.stages]
         ep = ep[:1] if len(set(ep)) == 1 else ep
         experts = f" ep={'/'.join(map(str, ep))}" if max(ep) > 1 else ""
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{experts} {schedule} mbs={self.micro_batch_size} "
+        context = f" cp={self.cp} ({self.stages[0].cp_kind})" if self.cp > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{context}{experts} {schedule} "
+                f"mbs={self.micro_batch_size} "
                 f"m={self.micro_batches} recompute={'/'.join(recompute)} zero={'/'.join(map(str, zero))}"
+                + (" offload" if self.offload else "")
                 + (f" blocks={layer_counts}" if len(self.stages) > 1 else ""))
 
     def to_dict(self) -> dict:
-        """Plain JSON data: the vocabularies' members as their strings."""
-        return _plain(asdict(self))
+        """Plain JSON data: the vocabularies' members as their strings; a stage's fields of forms
+        it does not use left out (module docstring)."""
+        data = _plain(asdict(self))
+        for stage in data["stages"]:
+            for key, default in _UNUSED_FORMS.items():
+                if stage[key] == default:
+                    del stage[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -193,8 +225,15 @@ class Plan:
                                         f"output has {ranks[name]} dims; plan this model again")
 
     def diff(self, other: Plan) -> list[tuple[str, object, object]]:
-        """Differences as (path, this value, other value), paths like "stages[2].recompute"."""
-        return _diff(self.to_dict(), other.to_dict(), "")
+        """Differences as (path, this value, other value), paths like "stages[2].recompute"; a
+        form one plan's stage uses and the other's does not compared with its default."""
+        a, b = self.to_dict(), other.to_dict()
+        for mine, theirs in zip(a["stages"], b["stages"]):
+            for key, default in _UNUSED_FORMS.items():
+                if key in mine or key in theirs:
+                    mine.setdefault(key, _plain(default))
+                    theirs.setdefault(key, _plain(default))
+        return _diff(a, b, "")
 
 
 def _member(vocabulary, value, name: str):

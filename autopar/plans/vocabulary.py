@@ -80,6 +80,7 @@ class AxisRole(_Words):
     name by convention. (The intra-op solver alone works on the cluster's own axes, "node" and
     "gpu", given roles by its `roles=` argument; it writes a solution, not a Plan.)"""
     DATA = "dp"                                 # splits the batch (and ZeRO's states)
+    CONTEXT = "cp"                              # splits every sequence (context parallelism)
     TENSOR = "tp"                               # splits parameters and activations of each op
 
 

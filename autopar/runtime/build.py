@@ -3,15 +3,18 @@
 Every rank runs the same steps, in this order:
 1. check what was given against the plan, before any collective, so every rank refuses alike;
 2. the model exported for one micro-batch (on meta for a meta model): shapes in the graph are
-   static, and a stage only ever sees micro-batches; its MoE layers checked against the plan's
-   expert parallelism, the last check before any collective;
-3. the rank grid (pp, dp, tp) and the process group of each axis, and the expert-parallel
+   static, and a stage only ever sees micro-batches; under context parallelism, of a rank's
+   tokens, exported again at twice as many to find what the sequence split rewrites or refuses
+   (passes/context_parallel.py); its MoE layers checked against the plan's expert parallelism:
+   the last checks before any collective;
+3. the rank grid (pp, dp, cp, tp) and the process group of each axis, and the expert-parallel
    groups of stages that split experts (rank_grid.py);
 4. its program cut into the plan's stages, this rank's stages kept with their own copy of only
    their tensors, and each rewritten by autopar.passes.PASSES (expert parallelism, recompute,
-   tensor parallelism, precision);
-5. data parallelism and ZeRO: FSDP2 over dp, each layer its own group, split experts over the
-   ranks holding the same ones (data_parallel.py);
+   context parallelism, tensor parallelism, precision);
+5. data parallelism and ZeRO: FSDP2 over the dp x cp ranks, each layer its own group, split
+   experts over the ranks holding the same ones, the states on the host under offload
+   (data_parallel.py);
 6. a meta model's shards, or `load_from`/`init`, filled: this rank's only (materialize.py);
 7. the plan's precision (autocast, fp16's loss scaler), weights tied across stages, the schedule
    of the micro-batches (schedule.py) and the optimizer on the local shards (compiled_model.py).
@@ -24,7 +27,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
-from autopar.passes import PassTarget, run_passes, split_model
+from autopar.passes import PassTarget, find_sequence_split, run_passes, split_model
 from autopar.passes.expert_parallel import check_expert_parallelism
 from autopar.passes.program import (StageProgram, TensorRef, export_for_pipeline, model_outputs,
                                     signature)
@@ -35,7 +38,8 @@ from autopar.runtime.checks import (check_example_kwargs, check_loss, check_loss
                                    check_micro_batching, check_optimizer)
 from autopar.runtime.compiled_model import CompiledModel, state_aliases
 from autopar.runtime.data_parallel import data_parallel, expert_data_parallel, stage_class
-from autopar.runtime.rank_grid import PipelineLayout, device_mesh, expert_meshes, pipeline_layout
+from autopar.runtime.rank_grid import (PipelineLayout, context_group, device_mesh, expert_meshes,
+                                       pipeline_layout)
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.stage_state import broadcast_from_first_rank, hold_unread_buffers
 from autopar.runtime.tied import TiedWeights
@@ -63,21 +67,36 @@ def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_f
     layout = check_inputs(model, plan, example_inputs, example_kwargs, load_from, init)
     device = torch.device(device or _default_device())
     meta = materialize.is_meta_model(model)
-    exported = export_micro_batch(model, plan, graph, example_inputs, example_kwargs, device, meta)
-    # the last check of the plan against the model (its MoE layers for the plan's ep), then the
-    # first collectives: the process groups
-    check_expert_parallelism(exported, plan)
+    sequence = example_inputs[0].shape[1] if layout.cp > 1 else 0
+    exported, split = export_checked(model, plan, graph, example_inputs, example_kwargs, device,
+                                     meta, sequence // layout.cp)
+    # then the first collectives: the process groups
     mesh = device_mesh(layout, device)
     experts = expert_meshes(layout, plan, device)
     programs = rank_programs(exported, model, plan, layout, mesh, device, meta,
                              from_model=not meta and load_from is None and init is None,
-                             sync_batchnorm=sync_batchnorm, expert_meshes=experts)
+                             sync_batchnorm=sync_batchnorm, expert_meshes=experts,
+                             sequence_split=split)
     wrap_data_parallel(programs, plan, layout, mesh, experts)
     if meta or load_from is not None or init is not None:
         materialize.fill_stages([p.module for p in programs], model, device, load_from=load_from,
                                 init=init, seed=seed)
     return compiled_model(model, plan, programs, layout, mesh, device, loss_fn=loss_fn,
-                          optimizer=optimizer, example_kwargs=example_kwargs)
+                          optimizer=optimizer, example_kwargs=example_kwargs, sequence=sequence)
+
+
+def export_checked(model: nn.Module, plan: Plan, graph, example_inputs: tuple, example_kwargs: dict,
+                   device: torch.device, meta: bool, tokens: int):
+    """Step 2: the program of one micro-batch (of a context-parallel rank's `tokens`), and what
+    the sequence split rewrites (None without context parallelism), found against an export at
+    twice the tokens; the model's MoE layers checked against the plan's expert parallelism."""
+    exported = export_micro_batch(model, plan, graph, example_inputs, example_kwargs, device, meta,
+                                  tokens=tokens or None)
+    split = None if not tokens else find_sequence_split(
+        exported, export_micro_batch(model, plan, None, example_inputs, example_kwargs, device,
+                                     meta, tokens=2 * tokens), plan.cp)
+    check_expert_parallelism(exported, plan)
+    return exported, split
 
 
 def check_inputs(model: nn.Module, plan: Plan, example_inputs: tuple, example_kwargs: dict,
@@ -89,10 +108,39 @@ def check_inputs(model: nn.Module, plan: Plan, example_inputs: tuple, example_kw
     layout = pipeline_layout(plan)
     if dist.get_world_size() != layout.world_size:
         raise MeshError(f"the plan needs {layout.world_size} ranks (pp={layout.pp} x dp={layout.dp} x "
-                        f"tp={layout.tp}) but {dist.get_world_size()} are running; launch "
-                        f"{layout.world_size} ranks or plan for this world size")
+                        f"cp={layout.cp} x tp={layout.tp}) but {dist.get_world_size()} are running; "
+                        f"launch {layout.world_size} ranks or plan for this world size")
     check_layers(model, plan)
+    check_forms(plan, example_inputs, example_kwargs)
     return layout
+
+
+def check_forms(plan: Plan, example_inputs: tuple, example_kwargs: dict) -> None:
+    """Context parallelism and offload, as far as the inputs tell: a sequence that splits into
+    2 x cp chunks and no keyword tensors (masks) to split with it; offload under ZeRO-3 only."""
+    for stage in plan.stages:
+        if stage.offload and stage.zero != 3:
+            raise PlanMismatchError(f"stage {stage.index} offloads with ZeRO-{stage.zero}; offload "
+                                    f"keeps ZeRO-3's shards, gradients and optimizer state on the "
+                                    f"host: set zero=3")
+    cp = plan.cp
+    if cp == 1:
+        return
+    ids = example_inputs[0]
+    if ids.dim() < 2:
+        raise AutoparError(f"cp={cp} splits every sequence on dim 1 of the model's first input, "
+                           f"which has shape {list(ids.shape)}; use cp=1")
+    if ids.shape[1] % (2 * cp):
+        raise AutoparError(f"cp={cp}: the sequence of {ids.shape[1]} tokens does not split into 2 x "
+                           f"cp = {2 * cp} equal chunks (each rank holds chunks i and 2cp-1-i); use a "
+                           f"sequence length divisible by {2 * cp}, or a cp with 2 x cp dividing "
+                           f"{ids.shape[1]}")
+    masks = [name for name, value in example_kwargs.items() if isinstance(value, torch.Tensor)]
+    if masks:
+        raise AutoparError(f"cp={cp} with the keyword tensors {masks}: autopar splits attention over "
+                           f"the sequence without masks only (a padding mask would have to be split "
+                           f"with every chunk pair of the ring); use cp=1, or pad-free sequences "
+                           f"without an attention_mask")
 
 
 def check_layers(model: nn.Module, plan: Plan) -> None:
@@ -106,12 +154,17 @@ def check_layers(model: nn.Module, plan: Plan) -> None:
 
 
 def export_micro_batch(model: nn.Module, plan: Plan, graph, example_inputs: tuple,
-                       example_kwargs: dict, device: torch.device, meta: bool) -> fx.GraphModule:
+                       example_kwargs: dict, device: torch.device, meta: bool,
+                       tokens: int | None = None) -> fx.GraphModule:
     """Step 2: the model's program for one micro-batch (the capture's when it was made so), whose
-    tensors are `TensorRef`s, and whose tensor keyword inputs are those of `example_kwargs`."""
-    program = graph.program if graph is not None and _reusable(graph.program, example_inputs, plan) \
-        else None
+    tensors are `TensorRef`s, and whose tensor keyword inputs are those of `example_kwargs`;
+    `tokens`: of that many tokens per sequence (a context-parallel rank's)."""
+    program = graph.program if graph is not None and tokens is None \
+        and _reusable(graph.program, example_inputs, plan) else None
     micro = tuple(_micro_batch(x, plan.micro_batch_size) for x in example_inputs)
+    if tokens is not None:   # every input holds sequences on dim 1 (CompiledModel.step checks it)
+        micro = tuple(_tokens(x, tokens) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
+                      for x in micro)
     micro_kwargs = {name: _micro_batch(value, plan.micro_batch_size) if isinstance(value, torch.Tensor)
                     else value for name, value in example_kwargs.items()}
     if meta:    # exported on fake tensors, sharded on meta; then only local shards get storage
@@ -131,16 +184,19 @@ def export_micro_batch(model: nn.Module, plan: Plan, graph, example_inputs: tupl
 
 def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout: PipelineLayout,
                   mesh, device: torch.device, meta: bool = False, *, from_model: bool = False,
-                  sync_batchnorm: bool = False, expert_meshes: dict | None = None) -> list[StageProgram]:
+                  sync_batchnorm: bool = False, expert_meshes: dict | None = None,
+                  sequence_split=None) -> list[StageProgram]:
     """Step 4: this rank's stages, in order. The export is cut into the plan's stages, each buffer
     of the model held by one; ours keep their own copy of only their tensors (`from_model`: the
     values of the stage's first rank), then are rewritten by the passes (tensor parallelism
     distributes whole tensors, so after the copy)."""
+    cp_group, cp_rank = context_group(layout, dist.get_rank())
     target = PassTarget(tp_mesh=mesh["tp"] if layout.tp > 1 else None,
                         tp_axis=plan.axis_index(AxisRole.TENSOR) if layout.tp > 1 else None,
                         compute_dtype=mixed.compute_dtype(plan.precision),
-                        batch_norm_group=mesh["dp"].get_group() if sync_batchnorm and layout.dp > 1
-                        else None, expert_meshes=expert_meshes or {})
+                        batch_norm_group=mesh["dp"].get_group() if sync_batchnorm and layout.replicas > 1
+                        else None, expert_meshes=expert_meshes or {}, cp_group=cp_group,
+                        cp_rank=cp_rank, sequence_split=sequence_split)
     programs = split_model(exported, plan, target, blocks=_repeated_layers(model, plan))
     hold_unread_buffers(programs, model, [stage.layers for stage in plan.stages])
     # the planner never emits this (autopar.plans.stage_flow finds the same values); a plan
@@ -157,22 +213,24 @@ def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout
 
 def wrap_data_parallel(programs: list[StageProgram], plan: Plan, layout: PipelineLayout, mesh,
                        expert_meshes: dict | None = None) -> None:
-    """Step 5: plain data parallelism or ZeRO over dp, after the passes: FSDP2 shards what tensor
-    parallelism left. Split experts first, over the ranks that hold the same experts."""
+    """Step 5: plain data parallelism or ZeRO over the dp x cp ranks of the same weights, after
+    the passes: FSDP2 shards what tensor parallelism left. Split experts first, over the ranks
+    that hold the same experts. An offloaded stage is wrapped on a single replica too: FSDP2 is
+    what moves its states to the host."""
     for program in programs:
         stage = plan.stages[program.index]
         if stage.ep > 1:
             expert_data_parallel(program.module, stage.zero, plan.schedule,
-                                 expert_meshes[stage.ep]["edp"], layout.dp,
-                                 mixed.mp_policy(plan.precision))
-        if layout.dp > 1:
+                                 expert_meshes[stage.ep]["edp"], layout.replicas,
+                                 mixed.mp_policy(plan.precision), offload=stage.offload)
+        if layout.replicas > 1 or stage.offload:
             data_parallel(program.module, stage.zero, plan.schedule, mesh["dp"],
-                          mixed.mp_policy(plan.precision))
+                          mixed.mp_policy(plan.precision), offload=stage.offload)
 
 
 def compiled_model(model: nn.Module, plan: Plan, programs: list[StageProgram], layout: PipelineLayout,
                    mesh, device: torch.device, *, loss_fn, optimizer,
-                   example_kwargs: dict) -> CompiledModel:
+                   example_kwargs: dict, sequence: int = 0) -> CompiledModel:
     """Step 7: the stages under the plan's precision, the weights tied across them, the schedule of
     the micro-batches and the optimizer on this rank's parameters."""
     for p in programs:  # compute under autocast (FSDP2 casts the parameters it gathers)
@@ -180,10 +238,10 @@ def compiled_model(model: nn.Module, plan: Plan, programs: list[StageProgram], l
     loss_fn = mixed.autocast_loss(loss_fn, device, plan.precision)
     scaler = mixed.loss_scaler(plan.precision, device)
     tied = TiedWeights(programs, layout.stage_rank, layout.grid, mesh.get_group("pp"),
-                       zero=[stage.zero for stage in plan.stages], dp=layout.dp)
+                       zero=[stage.zero for stage in plan.stages], dp=layout.replicas)
     # the split's record of what each stage takes and returns spares torch a forward to learn it
     stages = None if len(plan.stages) == 1 else [
-        stage_class(plan, p.index, layout.dp)(
+        stage_class(plan, p.index, layout.replicas)(
             p.module, p.index, len(plan.stages), device, input_args=p.example_inputs,
             output_args=p.example_outputs, group=mesh.get_group("pp")) for p in programs]
     out_spec = programs[0].out_spec     # the last stage returns the model's outputs flat
@@ -193,7 +251,7 @@ def compiled_model(model: nn.Module, plan: Plan, programs: list[StageProgram], l
     return CompiledModel(plan=plan, layout=layout, mesh=mesh, programs=programs, schedule=schedule,
                          optimizer=check_optimizer(optimizer(params)), device=device,
                          state_aliases=state_aliases(model), tied=tied, example_kwargs=example_kwargs,
-                         scaler=scaler)
+                         scaler=scaler, sequence=sequence)
 
 
 def _checked_loss(loss_fn, out_spec):
@@ -246,6 +304,12 @@ def copy_tensors(program: StageProgram, model: nn.Module, device: torch.device,
             else:
                 ref.value = copy
     return program
+
+
+def _tokens(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`tensor`'s sequences cut or repeated to `tokens` on dim 1 (only shapes matter to an export)."""
+    repeats = -(-tokens // tensor.shape[1])
+    return tensor.repeat(1, repeats, *([1] * (tensor.dim() - 2)))[:, :tokens]
 
 
 def _micro_batch(tensor: torch.Tensor, size: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 It holds this rank's stages as the passes and FSDP2 left them (build.py makes it), their schedule
 and the optimizer on the local shards. `step` runs one optimizer step: the batch is checked and
-cut to this data-parallel rank's rows, the schedule runs the micro-batches, gradients that tensor
+cut to this data-parallel rank's rows (and, under context parallelism, to this rank's 2 chunks of
+every sequence, inputs and targets alike), the schedule runs the micro-batches, gradients that tensor
 parallelism left partial and those of weights tied across stages are reduced, and the optimizer
 steps (under fp16, with the loss scaler). The loss of one step is the mean over micro-batches and
 replicas, computed on the last stage and shared with every rank, so `step` returns the same float
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
+from autopar.passes.context_attention import chunk_positions
 from autopar.passes.program import StageProgram, TensorRef
 from autopar.plans import Plan
 from autopar.runtime import checkpoint
@@ -35,8 +37,10 @@ class CompiledModel:
     def __init__(self, *, plan: Plan, layout: PipelineLayout, mesh: DeviceMesh,
                  programs: list[StageProgram], schedule, optimizer, device: torch.device,
                  state_aliases: dict[str, list[str]], tied: TiedWeights | None = None,
-                 example_kwargs: dict | None = None, scaler: mixed.LossScaler | None = None):
+                 example_kwargs: dict | None = None, scaler: mixed.LossScaler | None = None,
+                 sequence: int = 0):
         self.plan = plan
+        self.sequence = sequence            # tokens per sequence, which cp ranks split
         self.scaler = scaler                # fp16's loss scaler (precision.py); None otherwise
         # the captured keyword inputs (tensors change per step, constants are in the graph) and
         # the order in which the first stage takes the tensor ones after the positional inputs
@@ -50,7 +54,8 @@ class CompiledModel:
         self.schedule = schedule
         self.optimizer = optimizer
         self.device = device
-        self.pp_rank, self.dp_rank, self.tp_rank = layout.coordinates(dist.get_rank())
+        self.pp_rank, self.replica, self.tp_rank = layout.coordinates(dist.get_rank())
+        self.dp_rank, self.cp_rank = layout.batch_and_context(self.replica)
         self.is_first = any(p.index == 0 for p in programs)
         self.is_last = any(p.index == len(plan.stages) - 1 for p in programs)
         self.steps = 0                      # steps taken; saved and restored by checkpoints
@@ -86,7 +91,7 @@ class CompiledModel:
         if len(batch) >= 2:
             # the first stage takes the tensor keywords after the positional inputs (autopar.passes.stage_split)
             batch = (*batch[:-1], *(tensors[name] for name in self.keywords), batch[-1])
-        batch = self._rows_of_this_rank(batch, local)
+        batch = self._tokens_of_this_rank(self._rows_of_this_rank(batch, local))
         *inputs, targets = (t.to(self.device) for t in batch)
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.is_first else ()
@@ -130,6 +135,22 @@ class CompiledModel:
             return batch
         return tuple(t[self.dp_rank * share:(self.dp_rank + 1) * share] for t in batch)
 
+    def _tokens_of_this_rank(self, batch: tuple) -> tuple:
+        """Under context parallelism, this rank's 2 chunks of every sequence (chunk r and chunk
+        2cp-1-r on dim 1, passes/context_parallel.py), checked before any collective."""
+        cp = self.layout.cp
+        if cp == 1:
+            return batch
+        for tensor in batch:
+            if tensor.dim() < 2 or tensor.shape[1] != self.sequence:
+                raise AutoparError(
+                    f"step got a tensor of shape {list(tensor.shape)}, but under cp={cp} every input "
+                    f"and the targets hold sequences of the {self.sequence} tokens the plan was made "
+                    f"for on dim 1, which the cp ranks split into 2 x cp = {2 * cp} chunks; pass "
+                    f"[rows, {self.sequence}, ...] tensors (targets one per token)")
+        positions = chunk_positions(self.cp_rank, cp, self.sequence // (2 * cp))
+        return tuple(tensor.index_select(1, positions.to(tensor.device)) for tensor in batch)
+
     def sampler(self, dataset, *, shuffle: bool = True, seed: int = 0) -> GlobalBatchSampler:
         """This replica's rows of each global batch of `dataset` (sampler.py): give a DataLoader
         of `local_batch` rows per batch to step(local=True). Each iteration is the rest of the
@@ -145,7 +166,8 @@ class CompiledModel:
         if self.is_last:
             value += torch.stack([loss.detach() for loss in losses]).double().mean()
         dist.all_reduce(value)
-        return (value / (self.layout.dp * self.layout.tp)).item()
+        # each cp rank's loss is the mean over its tokens, as many on every rank
+        return (value / (self.layout.replicas * self.layout.tp)).item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers under model.state_dict()'s names, gathered on every rank. A
@@ -158,7 +180,7 @@ class CompiledModel:
                     value = ref.value.detach()
                     value = value.full_tensor() if isinstance(value, DTensor) else value
                     mine[ref.fqn] = value.cpu().clone()
-        if (self.dp_rank, self.tp_rank) != (0, 0):
+        if (self.replica, self.tp_rank) != (0, 0):
             mine = {}
         gathered: list[dict] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)

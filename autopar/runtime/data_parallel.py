@@ -5,11 +5,17 @@ split) is its own group, so that its collectives overlap the neighbouring layers
 `replicate` (gradients all-reduced) for plain data parallelism, `fully_shard` for ZeRO (1 and 2
 keep parameters gathered from forward to backward, 3 frees them between; 2 and 3 reduce-scatter the
 gradients after every micro-batch, 1 once a step, schedule.py). It comes after tensor parallelism:
-FSDP2 shards what tensor parallelism left.
+FSDP2 shards what tensor parallelism left. Under context parallelism the "dp" mesh holds the dp x cp
+ranks of the same weights (rank_grid.py): their gradients are averaged over all of them.
 
 The experts of a stage that splits them over ep ranks (autopar.passes.expert_parallel) are wrapped
 first, over their own group: the ranks that hold the same experts ("edp"). FSDP2 leaves a wrapped
 module's parameters to it, so the stage's own groups over "dp" then take the rest.
+
+Offload (ZeRO-3 only): FSDP2's CPUOffloadPolicy keeps each rank's shards of the parameters, their
+gradients and so the optimizer state in host memory, and the optimizer steps there; every
+all-gather copies the shard to the device first, every reduce-scatter's shard comes back. Pinned
+host memory (for copies beside the compute) where the device is an accelerator.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import functools
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
+from autopar.errors import AutoparError
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.passes.tensor_parallel import TensorParallelStage
@@ -31,14 +38,21 @@ from autopar.runtime.schedule import ReducingStage, ReshardingStage
 
 
 def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMesh,
-                   mp_policy=None) -> None:
-    """Plain data parallelism or ZeRO over `dp_mesh`, one FSDP group per layer, then the rest.
+                  mp_policy=None, offload: bool = False) -> None:
+    """Plain data parallelism or ZeRO over `dp_mesh`, one FSDP group per layer, then the rest;
+    with `offload`, ZeRO-3's states on the host (module docstring).
 
     ZeRO-1 runs as ZeRO-2 but reduces its gradients once a step (schedule.py): FSDP2 shards them
     with the optimizer state after that reduce. Under zero-bubble schedules (backward split into input and weight
     parts) freeing parameters between forward and backward gives wrong weight gradients in this
     torch, so there ZeRO-3 keeps them, as ZeRO-2 does."""
+    if offload and zero != 3:
+        raise AutoparError(f"offload keeps ZeRO-3's shards, gradients and optimizer state on the "
+                           f"host; this stage has ZeRO-{zero}: set zero=3")
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if offload:
+        pinned = dp_mesh.device_type != "cpu"     # pinning needs an accelerator
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=pinned)
     if zero == 0:
         wrap = functools.partial(replicate, mesh=dp_mesh, **policy)
     else:
@@ -52,17 +66,19 @@ def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMe
 
 
 def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: DeviceMesh,
-                         dp: int, mp_policy=None) -> None:
+                         replicas: int, mp_policy=None, offload: bool = False) -> None:
     """The gradients of the stage's split experts reduced over `edp_mesh` (plain data parallelism
     or ZeRO there, as the stage's `zero` says), with FSDP2 as `data_parallel` does; also over a
-    mesh of one rank when the stage has data parallelism, whose groups must leave the experts
-    alone. The experts' inputs are left as they come: a routing value cast to 16 bits would
-    count exactly only up to 256."""
-    if edp_mesh.size() == 1 and dp == 1:
+    mesh of one rank when the stage has dp x cp `replicas` (whose groups must leave the experts
+    alone) or offloads (the experts' states go to the host too). The experts' inputs are left as
+    they come: a routing value cast to 16 bits would count exactly only up to 256."""
+    if edp_mesh.size() == 1 and replicas == 1 and not offload:
         return
     policy = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         cast_forward_inputs=False)}
+    if offload:
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=edp_mesh.device_type != "cpu")
     if zero == 0:
         wrap = functools.partial(replicate, mesh=edp_mesh, **policy)
     else:
@@ -74,11 +90,11 @@ def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: 
             reduce_in_place_on_cpu(experts)
 
 
-def stage_class(plan: Plan, index: int, dp: int) -> type:
+def stage_class(plan: Plan, index: int, replicas: int) -> type:
     """ZeRO-2 and 3 stages reduce their gradients after each micro-batch's backward, ZeRO-3
-    stages also free their gathered weights (schedule.py)."""
+    stages also free their gathered weights (schedule.py); `replicas`: the dp x cp ranks."""
     zero = plan.stages[index].zero
-    if dp == 1 or not reduces_every_micro_batch(zero, plan.schedule):
+    if (replicas == 1 and not plan.stages[index].offload) or not reduces_every_micro_batch(zero, plan.schedule):
         return PipelineStage
     return ReshardingStage if zero == 3 else ReducingStage
 

@@ -69,7 +69,8 @@ class CandidatePricer:
         return Config(tp=shape.tp, pp=shape.pp, dp=shape.dp, ep=shape.ep, virtual=shape.virtual,
                       global_batch=self.global_batch, micro_batch=shape.micro_batch,
                       recompute=candidate.recompute[0], zero=candidate.zero[0],
-                      sequence_parallel=self.splits_stream(shape), schedule=shape.schedule)
+                      sequence_parallel=self.splits_stream(shape), schedule=shape.schedule,
+                      cp=shape.cp, cp_kind=shape.cp_kind, offload=shape.offload)
 
     def stages_estimate(self, candidate: Candidate, units: list[Unit]):
         shape = candidate.shape
@@ -77,7 +78,8 @@ class CandidatePricer:
                            tp=shape.tp, dp=shape.dp, ep=shape.ep,
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
                            sequence_parallel=self.splits_stream(shape),
-                           placements=self.placements(shape.tp))
+                           placements=self.placements(shape.tp), cp=shape.cp,
+                           cp_kind=shape.cp_kind, offload=shape.offload)
                  for i in range(candidate.chunks)]
         return estimate_stages(self.graph, self.mesh, specs, global_batch=self.global_batch,
                                micro_batch=shape.micro_batch, schedule=shape.schedule,

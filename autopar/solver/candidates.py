@@ -5,9 +5,10 @@ repeated block), each block instance, and the head (every node after the last bl
 without repeated blocks, its modules (`module_shapes`). A candidate cuts that sequence
 into pp * v contiguous chunks (v chunks per pipeline rank when interleaved) on a device layout,
 with recompute and ZeRO per chunk. Layouts come from Megatron's grid (`megatron_shapes`), from
-pipelines whose degree does not divide the blocks (`autopar_shapes`) and, when nothing else fits,
-pipelines shorter than their stages (`short_pipeline_shapes`), each at a few expert-parallel
-degrees for a model with MoE layers (`with_expert_degrees`); cuts are Megatron's uniform ones
+pipelines whose degree does not divide the blocks (`autopar_shapes`), with context parallelism
+(`context_shapes`) and, when nothing else fits, pipelines shorter than their stages
+(`short_pipeline_shapes`), each at a few expert-parallel degrees for a model with MoE layers
+(`with_expert_degrees`, carved out of a stage's dp x cp x tp ranks); cuts are Megatron's uniform ones
 or balanced by a dynamic program (`balanced_cuts`). What the runtime cannot run is never proposed
 (`layout_error`, the rules of autopar.plans.schedules).
 """
@@ -26,6 +27,7 @@ GRID_VIRTUAL = (2, 3, 4, 6, 8)
 GRID_MICRO_BATCH = (1, 2, 4, 8, 16)
 MAX_MICRO_BATCH = 32
 MAX_TP = 8
+CONTEXT_DEGREES = (2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +40,15 @@ class Shape:
     schedule: str
     virtual: int = 1
     sequence_parallel: bool = False
-    ep: int = 1                 # expert parallelism, carved out of the dp x tp ranks of a stage
+    ep: int = 1                 # expert parallelism, carved out of the dp x cp x tp ranks of a stage
+    cp: int = 1                 # context parallelism: every sequence split over cp ranks
+    cp_kind: str = "ring"       # ring | all-to-all
+    offload: bool = False       # ZeRO-3's states on the host
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that hold the same weights and reduce their gradients (ZeRO's group)."""
+        return self.dp * self.cp
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +180,7 @@ def module_shapes(units: int, world: int, gpus_per_node: int, global_batch: int,
 
 
 def expert_degrees(ranks: int, experts: int, gpus_per_node: int, every: bool = False) -> list[int]:
-    """Expert-parallel degrees for a stage of `ranks` (dp x tp) devices whose MoE layers have
+    """Expert-parallel degrees for a stage of `ranks` (dp x cp x tp) devices whose MoE layers have
     `experts` experts (the gcd of their counts; 0 for a model without MoE layers): those that
     divide both, which the runtime runs. The grid tries two of them (`every`: all): 1, and the
     largest whose all-to-alls stay inside a node (NVLink), or the smallest past it; the
@@ -185,7 +195,25 @@ def expert_degrees(ranks: int, experts: int, gpus_per_node: int, every: bool = F
 def with_expert_degrees(shapes: list[Shape], experts: int, gpus_per_node: int) -> list[Shape]:
     """Each shape at each of the grid's expert-parallel degrees (`expert_degrees`)."""
     return [replace(shape, ep=ep) for shape in shapes
-            for ep in expert_degrees(shape.tp * shape.dp, experts, gpus_per_node)]
+            for ep in expert_degrees(shape.tp * shape.dp * shape.cp, experts, gpus_per_node)]
+
+
+def context_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int, sequence: int,
+                   whole_batch: bool = False) -> list[Shape]:
+    """The grid's layouts with context parallelism: cp ranks (between the tensor- and the
+    data-parallel ones in Megatron's rank order) split every sequence into 2 x cp chunks, so cp
+    divides the devices and 2 x cp the sequence; tp, pp and dp as the grid lays out the rest.
+    One sequence per micro-batch and one chunk per pipeline rank, as long-context runs are laid
+    out (a sequence long enough to split leaves no memory for more): the refinement tries other
+    micro-batch sizes and schedules from the best of them."""
+    shapes = []
+    for cp in CONTEXT_DEGREES:
+        if world % cp or not sequence or sequence % (2 * cp):
+            continue
+        shapes += [replace(shape, cp=cp) for shape in megatron_shapes(
+            blocks, world // cp, gpus_per_node, global_batch, whole_batch=whole_batch)
+            if shape.virtual == 1 and (shape.micro_batch == 1 or whole_batch)]
+    return shapes
 
 
 def short_pipeline_shapes(blocks: int, world: int, gpus_per_node: int, global_batch: int,

@@ -22,6 +22,8 @@ from autopar.cost.calibration import calibrated
 from autopar.cost.config import Config
 from autopar.cost.estimator import default_precision
 from autopar.cost.expert_layers import expert_layers
+from autopar.cost.context import sequence_split_error
+from autopar.cost.layout import graph_sequence
 from autopar.cost.plan_estimate import estimate_plan
 from autopar.cost.stages import blocks_per_chunk
 from autopar.cost.mesh import Mesh
@@ -30,10 +32,11 @@ from autopar.graph import Graph, Role
 from autopar.plans import AxisRole, Plan, Stage
 from autopar.solver.candidate_prices import CandidatePricer, chunk_layers
 from autopar.solver.candidates import (MAX_TP, Candidate, Priced, Shape, autopar_shapes, balanced_cuts,
-                                       layout_error, megatron_shapes, module_shapes, pipeline_units,
-                                       short_pipeline_shapes, uniform_cuts, unit_weights,
-                                       with_expert_degrees)
-from autopar.solver.search import Search, grid_phase, refine, uneven_phase
+                                       context_shapes, layout_error, megatron_shapes, module_shapes,
+                                       pipeline_units, short_pipeline_shapes, uniform_cuts,
+                                       unit_weights, with_expert_degrees)
+from autopar.solver.search import (Search, context_phase, grid_phase, offload_phase, refine,
+                                   uneven_phase)
 from autopar.plans.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
 
@@ -98,6 +101,11 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     uneven = autopar_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch, whole) if blocks \
         else module_shapes(len(search.units), mesh.world_size, mesh.gpus_per_node, global_batch, whole)
     uneven_phase(search, with_expert_degrees(uneven, search.experts, mesh.gpus_per_node), weights_for)
+    # where activations bind: context parallelism, when the model's sequence can be split
+    if blocks and sequence_split_error(graph) is None:
+        context_phase(search, with_expert_degrees(
+            context_shapes(blocks, mesh.world_size, mesh.gpus_per_node, global_batch,
+                           graph_sequence(graph), whole), search.experts, mesh.gpus_per_node))
     if search.best is None:
         # a pipeline with fewer micro-batches than stages (GPipe only) is all bubble: tried
         # only when nothing else fits
@@ -105,6 +113,8 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
                                       mesh.gpus_per_node, global_batch, whole)
         uneven_phase(search, with_expert_degrees(short, search.experts, mesh.gpus_per_node),
                      weights_for)
+    # then the model's states on the host
+    offload_phase(search, grid)
     _report(progress, "refining", 2, 3)
     for seed in _seeds(search):
         refine(search, seed, weights_for)
@@ -122,8 +132,9 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
     if calibration is not None:
         mesh, efficiencies = calibrated(mesh, None, calibration)
     if config.world_size != mesh.world_size:
-        raise AutoparError(f"config tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = "
-                           f"{config.world_size} devices, but mesh {mesh} has {mesh.world_size}")
+        raise AutoparError(f"config tp x cp x pp x dp = {config.tp} x {config.cp} x {config.pp} x "
+                           f"{config.dp} = {config.world_size} devices, but mesh {mesh} has "
+                           f"{mesh.world_size}")
     if config.tp > mesh.gpus_per_node or mesh.gpus_per_node % config.tp:
         raise AutoparError(f"tp={config.tp} must divide the {mesh.gpus_per_node} devices of a node: "
                            f"tensor parallelism stays inside a node")
@@ -137,7 +148,8 @@ def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float
         _module_cuts(graph, mesh, search.units, config)
     chunks = len(cuts) - 1
     shape = Shape(config.tp, config.pp, config.dp, config.micro_batch, config.schedule,
-                  config.virtual, config.sequence_parallel, config.ep)
+                  config.virtual, config.sequence_parallel, ep=config.ep, cp=config.cp,
+                  cp_kind=config.cp_kind, offload=config.offload)
     candidate = Candidate(shape, cuts, (config.recompute,) * chunks, (config.zero,) * chunks)
     error = layout_error(shape, config.global_batch, search.coupling) or search.relay_error(candidate)
     if error is not None:
@@ -208,8 +220,8 @@ def _seeds(search: Search) -> list[Priced]:
     seeds: dict[tuple, Priced] = {}
     for candidate in ranked:
         shape = candidate.candidate.shape
-        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.ep, shape.micro_batch, shape.virtual),
-                         candidate)
+        seeds.setdefault((shape.tp, shape.pp, shape.dp, shape.ep, shape.micro_batch, shape.virtual,
+                          shape.cp, shape.offload), candidate)
         if len(seeds) == REFINED_SHAPES:
             break
     return list(seeds.values())
@@ -245,6 +257,18 @@ def _data_placement(carries_batch: bool, node_shape: tuple) -> str:
     return "S(0)" if node_shape else "P"
 
 
+def _context_placement(carries_batch: bool, node_shape: tuple, sequence: int) -> str:
+    """On the context-parallel axis: batch-carrying tensors split on their first dim of the
+    sequence's length after the batch's; a batch-carrying scalar (the loss) is each rank's
+    partial value; everything else replicated."""
+    if not carries_batch:
+        return "R"
+    if not node_shape:
+        return "P"
+    dim = next((d for d, size in enumerate(node_shape) if d > 0 and size == sequence), None)
+    return "R" if dim is None else f"S({dim})"
+
+
 def _batch_nodes(graph: Graph) -> set[str]:
     """Nodes whose value depends on the inputs: the batch flows through them, so the data axis
     splits them (dim 0, where the models keep the batch); the rest derive from parameters alone."""
@@ -259,22 +283,29 @@ def _assemble(graph: Graph, mesh: Mesh, priced: Priced, units, *, global_batch: 
               pricer: CandidatePricer) -> Plan:
     candidate, shape = priced.candidate, priced.candidate.shape
     tensor = pricer.tensor_axis(shape.tp)[0]
-    group = shape.dp * shape.tp
+    group = shape.dp * shape.cp * shape.tp
     stages = [Stage(index=i, layers=chunk_layers(units, candidate, i),
                     ranks=list(range((i % shape.pp) * group, (i % shape.pp + 1) * group)),
                     tp=shape.tp, dp=shape.dp, recompute=candidate.recompute[i], zero=candidate.zero[i],
-                    sequence_parallel=pricer.splits_stream(shape), ep=shape.ep)
+                    sequence_parallel=pricer.splits_stream(shape), ep=shape.ep, cp=shape.cp,
+                    cp_kind=shape.cp_kind, offload=shape.offload)
               for i in range(candidate.chunks)]
     batch = _batch_nodes(graph)
     shapes = {n.name: n.shape for n in graph.nodes}
-    nodes = {name: [_data_placement(name in batch and shape.dp > 1, shapes.get(name, ())), *placements]
+    # Megatron's rank order: tensor-parallel ranks innermost, then context-, then data-parallel
+    context = [[AxisRole.CONTEXT, shape.cp]] if shape.cp > 1 else []
+    sequence = graph_sequence(graph) if shape.cp > 1 else 0
+    nodes = {name: [_data_placement(name in batch and shape.dp > 1, shapes.get(name, ())),
+                    *[_context_placement(name in batch, shapes.get(name, ()), sequence)
+                      for _ in context], *placements]
              for name, placements in tensor["nodes"].items()}
-    parameters = _with_zero3({fqn: ["R", *placements] for fqn, placements in tensor["parameters"].items()},
+    parameters = _with_zero3({fqn: ["R", *["R" for _ in context], *placements]
+                              for fqn, placements in tensor["parameters"].items()},
                              stages, {n.param_fqn: n.shape for n in graph.parameters})
     # the placements were solved while pricing (their seconds are in the search's)
     solver = {**solver, "intra_op": tensor["stats"]}
     plan = Plan(fingerprint=graph.fingerprint(), mesh=mesh.to_dict(),
-                axes=[[AxisRole.DATA, shape.dp], [AxisRole.TENSOR, shape.tp]], stages=stages,
+                axes=[[AxisRole.DATA, shape.dp], *context, [AxisRole.TENSOR, shape.tp]], stages=stages,
                 global_batch=global_batch, micro_batches=global_batch // (shape.dp * shape.micro_batch),
                 micro_batch_size=shape.micro_batch, schedule=shape.schedule, virtual=shape.virtual,
                 parameters=parameters, nodes=nodes, solver=solver,
@@ -322,14 +353,19 @@ def _with_zero3(parameters: dict[str, list[str]], stages: list[Stage],
     on the first dim whose size, after any tensor-parallel split, the data-parallel degree divides:
     OPT's 2050 positions split on the hidden dim over 4 ranks, and a parameter no dim of which
     divides stays whole (a runtime that accepts uneven shards loses nothing by it, and one that
-    does not can run every plan)."""
+    does not can run every plan). With context parallelism the shards are over dp x cp ranks (the
+    ranks holding the same weights), written on both axes (each splits the dim further)."""
     for stage in stages:
-        if stage.zero < 3 or stage.dp == 1:
+        replicas = stage.dp * stage.cp
+        if stage.zero < 3 or replicas == 1:
             continue
+        # the sizes of the plan's axes before the tensor-parallel one: dp, and cp where it is one
+        replica_axes = (stage.dp, stage.cp) if stage.cp > 1 else (stage.dp,)
         for fqn, placements in parameters.items():
             if any(fqn.startswith(layer + ".") for layer in stage.layers) and placements[0] == "R":
-                parameters[fqn] = [_data_shard(shapes[fqn], placements[1:], stage.tp, stage.dp),
-                                   *placements[1:]]
+                tensor = placements[len(replica_axes):]
+                shard = _data_shard(shapes[fqn], tensor, stage.tp, replicas)
+                parameters[fqn] = [shard if size > 1 else "R" for size in replica_axes] + tensor
     return parameters
 
 

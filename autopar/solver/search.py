@@ -16,7 +16,11 @@ The search, in three phases, prices every candidate with the one estimator of au
    off the slowest pipeline rank (the embedding and head are not free, so the outer stages take
    fewer blocks), recompute and ZeRO changed rank by rank (the first rank keeps p micro-batches in
    flight, the last one).
-ZeRO 1-3 are candidates in phases 1 and 2 wherever there is data parallelism (ZeRO-0 in phase 3).
+ZeRO 1-3 are candidates in phases 1 and 2 wherever there is data (or context) parallelism (ZeRO-0
+in phase 3). Context parallelism is a phase of its own, on the grid's layouts, where activations
+bind (nothing fits, or the best plan recomputes): it trades them for the ring's or all-to-all's
+traffic, as recompute trades them for compute. ZeRO-3 with offload is tried only where nothing
+else fits (`context_phase`, `offload_phase`).
 What the runtime cannot run is never generated (`layout_error`): the global batch divides into
 dp x micro-batch x count, and torch.distributed.pipelining runs the schedule with that count on
 pp ranks of v chunks (the rules are in autopar.plans.schedules); and zero-bubble is no candidate
@@ -98,10 +102,20 @@ class Search:
 
 def _preference(priced: Priced) -> tuple:
     """Faster first; between candidates the estimator prices alike, the one that recomputes and
-    shards less and pipelines less (simpler to run, and what a user expects of a tie)."""
+    shards less, pipelines less, splits sequences over fewer ranks and keeps its states on the
+    device (simpler to run, and what a user expects of a tie)."""
     candidate = priced.candidate
     return (priced.step_time_s, sum(RECOMPUTE_ORDER.index(r) for r in candidate.recompute),
-            sum(candidate.zero), candidate.shape.pp, candidate.shape.virtual)
+            sum(candidate.zero), candidate.shape.pp, candidate.shape.virtual, candidate.shape.cp,
+            candidate.shape.offload)
+
+
+def _zero_levels(shape: Shape, levels: tuple[int, ...]) -> tuple[int, ...]:
+    """The ZeRO levels a layout can take: those asked where dp x cp ranks share the weights, none
+    on a single replica; ZeRO-3 alone with offload (the form the runtime offloads)."""
+    if shape.offload:
+        return (3,)
+    return levels if shape.replicas > 1 else (0,)
 
 
 def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[Priced]:
@@ -118,12 +132,13 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
         # past the deadline, stop once something fits (the plan then says "time_limit")
         if search.best is not None and search.out_of_time():
             break
-        layout = (shape.tp, shape.pp, shape.dp, shape.virtual, shape.schedule, shape.ep)
+        layout = (shape.tp, shape.pp, shape.dp, shape.virtual, shape.schedule, shape.ep, shape.cp,
+                  shape.offload)
         cuts = uniform_cuts(search.units, shape.pp * shape.virtual)
         if cuts is None or layout in too_big:
             continue
         fitted = refused = False
-        for zero in sorted(zero_levels if shape.dp > 1 else (0,), reverse=True):
+        for zero in sorted(_zero_levels(shape, zero_levels), reverse=True):
             ladder = _recompute_ladder(search, shape, cuts, zero,
                                        try_none_first=not needed.get(layout, True))
             if ladder is None:
@@ -173,7 +188,7 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
         if cuts is None:
             continue
         needs_recompute = True
-        for zero in (3, 2, 1) if shape.dp > 1 else (0,):
+        for zero in _zero_levels(shape, (3, 2, 1)):
             ladder = _recompute_ladder(search, shape, cuts, zero, try_none_first=not needs_recompute,
                                        uniform=False)
             if ladder is None:
@@ -195,7 +210,8 @@ def refine(search: Search, start: Priced, weights_for) -> Priced:
     current = start
     experts = functools.partial(_expert_moves, experts=search.experts)
     for move in (_schedule_moves, _micro_batch_moves, _schedule_moves, experts, _balanced_move,
-                 _boundary_moves, _recompute_moves, _zero_moves, experts, _boundary_moves):
+                 _boundary_moves, _recompute_moves, _zero_moves, experts, _context_kind_moves,
+                 _boundary_moves):
         if move is _micro_batch_moves and search.coupling is not None:
             continue        # one micro-batch per replica (layout_error)
         improved = True
@@ -254,9 +270,9 @@ def _micro_batch_moves(current: Priced, global_batch: int, weights_for):
 
 def _expert_moves(current: Priced, global_batch: int, weights_for, *, experts: int):
     """Every other expert-parallel degree the runtime runs for the same stages (the grid tries
-    two of them)."""
+    two of them), carved out of their dp x cp x tp ranks."""
     candidate, shape = current.candidate, current.candidate.shape
-    for ep in expert_degrees(shape.tp * shape.dp, experts, 0, every=True):
+    for ep in expert_degrees(shape.tp * shape.dp * shape.cp, experts, 0, every=True):
         if ep != shape.ep:
             yield replace(candidate, shape=replace(shape, ep=ep))
 
@@ -302,11 +318,20 @@ def _recompute_moves(current: Priced, global_batch: int, weights_for):
                 yield replace(candidate, recompute=tuple(recompute))
 
 
+def _context_kind_moves(current: Priced, global_batch: int, weights_for):
+    """The other context-parallel attention: all-to-all for a ring, a ring for an all-to-all
+    (the estimator refuses an all-to-all whose heads do not divide)."""
+    candidate, shape = current.candidate, current.candidate.shape
+    if shape.cp > 1:
+        kind = "all-to-all" if shape.cp_kind == "ring" else "ring"
+        yield replace(candidate, shape=replace(shape, cp_kind=kind))
+
+
 def _zero_moves(current: Priced, global_batch: int, weights_for):
     """ZeRO levels for all chunks at once, then for the chunks of one pipeline rank."""
     candidate = current.candidate
-    if candidate.shape.dp == 1:
-        return
+    if candidate.shape.replicas == 1 or candidate.shape.offload:
+        return      # nothing to shard, or offload's ZeRO-3 (what the runtime offloads)
     for zero in (0, 1, 2, 3):
         if (zero,) * candidate.chunks != candidate.zero:
             yield replace(candidate, zero=(zero,) * candidate.chunks)
@@ -317,3 +342,23 @@ def _zero_moves(current: Priced, global_batch: int, weights_for):
                 levels[chunk] = zero
             if tuple(levels) != candidate.zero:
                 yield replace(candidate, zero=tuple(levels))
+
+
+def context_phase(search: Search, shapes: list[Shape]) -> list[Priced]:
+    """Context parallelism on the grid's layouts (`candidates.context_shapes`), where activations
+    bind: when nothing fits yet, or the best plan found recomputes. Then each shape's ring form
+    is priced (the all-to-all is a refinement move, `_context_kind_moves`)."""
+    best = search.best
+    if best is not None and all(r == Recompute.NONE for r in best.candidate.recompute):
+        return []
+    return grid_phase(search, shapes, zero_levels=(1, 2, 3))
+
+
+def offload_phase(search: Search, shapes: list[Shape]) -> list[Priced]:
+    """ZeRO-3 with its states on the host, on the given layouts, only when nothing fits: it
+    moves every gathered shard over the host link, which a layout that fits never needs."""
+    if search.best is not None:
+        return []
+    # split experts go to the host with the rest (their own FSDP2 groups offload too)
+    return grid_phase(search, [replace(shape, offload=True) for shape in shapes],
+                      zero_levels=(3,))

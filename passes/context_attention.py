@@ -1,0 +1,282 @@
+"""Attention over a sequence split across context-parallel ranks: a ring or an all-to-all.
+
+Each of the cp ranks holds 2 chunks of every sequence, chunk r and chunk 2cp-1-r of 2cp equal
+chunks (load-balanced causal attention, as Llama 3 and torchtitan split it: every rank then has
+as many earlier keys to attend to). `chunk_positions` gives a rank's positions.
+
+- `RingAttention` (ring attention, Liu et al. 2023; Megatron-Core's and torchtitan's default):
+  the rank keeps its queries and passes its K/V block around the ring of cp ranks, computing
+  attention against the block in hand while the next one travels (point-to-point to the ring's
+  neighbours, started before the block's compute and waited for after it). With the load-balanced
+  chunks each step is one unmasked rectangle of the block or its own causal block (`_pairs`), the
+  same work on every rank, computed by CPU flash attention's kernel where the ranks are CPUs.
+  Blocks are merged with the online softmax (a running log-sum-exp per query row), so only one
+  remote block is held at a time. Its backward passes each K/V block around again with the gradients of that block
+  accumulated on the way, as flash attention's backward computes them from the forward's
+  output and log-sum-exp; one last hop brings every block's gradients home.
+- `ulysses_attention` (DeepSpeed-Ulysses): an all-to-all swaps the sequence split of q, k and v
+  for a split of the heads, every rank attends over the whole sequence for its heads (the
+  chunks in rank order, masked by their true positions), and an all-to-all swaps back.
+
+Both take plain tensors [batch, heads, tokens, head_dim] of this rank's 2 chunks and compute in
+fp32, on any backend (gloo's send and receive, NCCL's). `ContextParallelAttention` is the module
+the pass puts in place of an attention call: it takes DTensors as tensor parallelism hands them
+(heads split) and runs the split on each rank's local heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def chunk_positions(rank: int, cp: int, chunk: int, device=None) -> torch.Tensor:
+    """The positions of rank `rank`'s tokens: chunk `rank`, then chunk 2cp-1-rank, of `chunk` each."""
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def _repeat_heads(tensor: torch.Tensor, group: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves `group` consecutive query heads."""
+    return tensor if group == 1 else tensor.repeat_interleave(group, dim=-3)
+
+
+def _fold_heads(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """The gradient of `_repeat_heads`: the repeated heads' gradients summed."""
+    if group == 1:
+        return grad
+    *lead, heads, tokens, dim = grad.shape
+    return grad.view(*lead, heads // group, group, tokens, dim).sum(-3)
+
+
+def _pairs(rank: int, source: int, chunk: int, causal: bool) -> tuple[slice, slice, bool]:
+    """Which of this rank's query rows attend to which of `source`'s key columns, and whether
+    causally. A rank's 2 chunks are in position order, so its own block is plain causal
+    attention; a rank before it (source < rank) holds one chunk earlier than both of this rank's
+    and one later than both: every query sees the first, none the second; a rank after it holds
+    two chunks between this rank's: only this rank's second chunk sees them, whole. So each step
+    computes one unmasked rectangle, and every rank as much as any other."""
+    if not causal:
+        return slice(None), slice(None), False
+    if source == rank:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, None), slice(None), False
+
+
+def _attend(query, key, value, causal: bool, scale: float, kernel: bool):
+    """(output, log-sum-exp per query row) of one block, fp32: with `kernel`, CPU flash
+    attention's (nothing of size queries x keys is kept), plain products otherwise."""
+    if kernel:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)
+        return out, lse
+    scores = _scores(query, key, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value), lse
+
+
+def _scores(query, key, causal: bool, scale: float):
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def _attend_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float,
+                     kernel: bool):
+    """(dq, dk, dv) of one block given the whole attention's output and log-sum-exp (flash
+    attention's backward: what the block contributed to them); `kernel` as for `_attend`."""
+    if kernel:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
+    probs = torch.exp(_scores(query, key, causal, scale) - lse.unsqueeze(-1))
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_scores = probs * (torch.matmul(grad_out, value.transpose(-1, -2)) - delta)
+    return (torch.matmul(grad_scores, key) * scale,
+            torch.matmul(grad_scores.transpose(-1, -2), query) * scale,
+            torch.matmul(probs.transpose(-1, -2), grad_out))
+
+
+def _merge(out, lse, part, part_lse, rows: slice):
+    """The running output and log-sum-exp with one more block's, on the rows that attended it."""
+    merged = torch.logaddexp(lse[..., rows], part_lse)
+    mixed = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1) \
+        + part * torch.exp(part_lse - merged).unsqueeze(-1)
+    if rows == slice(None):
+        return mixed, merged
+    start = rows.start
+    return (torch.cat([out[..., :start, :], mixed], dim=-2),
+            torch.cat([lse[..., :start], merged], dim=-1))
+
+
+class _Ring:
+    """The ring of a context-parallel group: who sends to whom, and one exchange at a time."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, tensor: torch.Tensor):
+        """Send `tensor` to the next rank and receive the previous rank's; (works, received)."""
+        received = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
+                                        dist.P2POp(dist.irecv, received, self.previous, self.group)])
+        return works, received
+
+    @staticmethod
+    def finish(pending) -> torch.Tensor:
+        works, received = pending
+        for work in works:
+            work.wait()
+        return received
+
+    def source(self, step: int) -> int:
+        """Whose block this rank holds after `step` hops."""
+        return (self.rank - step) % self.size
+
+
+class RingAttention(torch.autograd.Function):
+    """Attention of this rank's queries over every rank's keys and values, passed around a ring."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, causal: bool, scale: float):
+        ring = _Ring(group)
+        dtype, chunk = query.dtype, query.shape[-2] // 2
+        query, key, value = (t.float().contiguous() for t in (query, key, value))
+        heads = query.shape[-3] // key.shape[-3]
+        block = torch.cat([key, value], dim=-1)     # one message per hop
+        out = lse = None
+        for step in range(ring.size):
+            pending = ring.start(block) if step < ring.size - 1 else None
+            rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
+            k, v = (_repeat_heads(t[..., cols, :], heads).contiguous()
+                    for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
+            part, part_lse = _attend(query[..., rows, :], k, v, diagonal, scale, kernel=query.device.type == "cpu")
+            out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
+            if pending is not None:
+                block = ring.finish(pending)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.settings = (group, causal, scale, dtype)
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        group, causal, scale, dtype = ctx.settings
+        ring = _Ring(group)
+        chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
+        grad_out = grad_out.float().contiguous()
+        sizes = [key.shape[-1], value.shape[-1]]
+        # each block travels with its gradients so far: [K, V, dK, dV]
+        block = torch.cat([key, value, torch.zeros_like(key), torch.zeros_like(value)], dim=-1)
+        grad_query = torch.zeros_like(query)
+        for step in range(ring.size):
+            k, v, grad_k, grad_v = block.split(sizes + sizes, dim=-1)
+            rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
+            parts = _attend_backward(
+                grad_out[..., rows, :], query[..., rows, :],
+                _repeat_heads(k[..., cols, :], heads).contiguous(),
+                _repeat_heads(v[..., cols, :], heads).contiguous(),
+                out[..., rows, :].contiguous(), lse[..., rows].contiguous(), diagonal, scale,
+                kernel=query.device.type == "cpu")
+            grad_query[..., rows, :] += parts[0]
+            grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `block`: in place
+            grad_v[..., cols, :] += _fold_heads(parts[2], heads)
+            block = ring.finish(ring.start(torch.cat([k, v, grad_k, grad_v], dim=-1)))
+        # after cp hops every block, with all of its gradients, is back on the rank that owns it
+        _, _, grad_key, grad_value = block.split(sizes + sizes, dim=-1)
+        return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None, None
+
+
+def ring_attention(query, key, value, group, *, causal: bool, scale: float | None = None):
+    """Attention of this rank's tokens (2 chunks) over the whole sequence by a ring over `group`."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return RingAttention.apply(query, key, value, group, causal, scale)
+
+
+def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | None = None):
+    """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim] (rank r's
+    chunks r-th), the sequence put in position order, causal attention over it, and back."""
+    size = dist.get_world_size(group)
+    chunk = query.shape[-2] // 2
+    dtype = query.dtype
+    query, key, value = (_sequence_to_heads(t.float(), group, size) for t in (query, key, value))
+    arrived = torch.cat([chunk_positions(r, size, chunk, query.device) for r in range(size)])
+    order = torch.argsort(arrived)          # where each position arrived
+    query, key, value = (t.index_select(-2, order) for t in (query, key, value))
+    heads = query.shape[-3] // key.shape[-3]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, _repeat_heads(key, heads), _repeat_heads(value, heads), is_causal=causal, scale=scale)
+    out = out.index_select(-2, torch.argsort(order))     # back to the order they arrived in
+    return _heads_to_sequence(out, group, size).to(dtype)
+
+
+def _sequence_to_heads(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    """[b, h, t, d] of this rank's tokens -> [b, h/cp, cp*t, d] of its heads, rank r's tokens r-th."""
+    b, h, t, d = tensor.shape
+    # dim 0 of the all-to-all's input is split among the ranks: head group g goes to rank g
+    send = tensor.reshape(b, size, h // size, t, d).permute(1, 0, 2, 3, 4).contiguous()
+    received = all_to_all_single_autograd(send, None, None, group)
+    # received[r] holds rank r's tokens for this rank's heads
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * t, d)
+
+
+def _heads_to_sequence(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The inverse of `_sequence_to_heads`."""
+    b, h, whole, d = tensor.shape
+    t = whole // size
+    send = tensor.reshape(b, h, size, t, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = all_to_all_single_autograd(send, None, None, group)
+    return received.permute(1, 0, 2, 3, 4).reshape(b, size * h, t, d)
+
+
+KINDS = {"ring": ring_attention, "all-to-all": ulysses_attention}
+
+
+class ContextParallelAttention(nn.Module):
+    """An attention call of the traced graph (q, k, v and no mask) run over the context-parallel
+    `group` by `kind` (ring or all-to-all). Under tensor parallelism q, k and v come as DTensors:
+    each rank attends with its local heads (split on the heads, or whole), and the output is a
+    DTensor placed as the heads were. `returns_lse`: the traced op was the CPU flash kernel, whose
+    callers read (output, log-sum-exp); only the output is ever read there."""
+
+    def __init__(self, kind: str, group, *, causal: bool, scale: float | None,
+                 returns_lse: bool = False):
+        super().__init__()
+        self.attend = KINDS[kind]
+        self.group, self.causal, self.scale, self.returns_lse = group, causal, scale, returns_lse
+
+    def forward(self, query, key, value):
+        if isinstance(query, DTensor):
+            mesh = query.device_mesh
+            placements = _local_heads(query, key, mesh.size())
+            query, key, value = (t.redistribute(mesh, placements) for t in (query, key, value))
+            out = self.attend(query.to_local(), key.to_local(), value.to_local(), self.group,
+                              causal=self.causal, scale=self.scale)
+            out = DTensor.from_local(out, mesh, placements, run_check=False)
+        else:
+            out = self.attend(query, key, value, self.group, causal=self.causal, scale=self.scale)
+        return (out, None) if self.returns_lse else out
+
+
+def _local_heads(query: DTensor, key: DTensor, size: int) -> tuple:
+    """Placements under which each rank's local q, k and v are whole sequences of whole heads:
+    their batch or head split when they have one, else heads split where they divide."""
+    place = query.placements[0]
+    if isinstance(place, Shard) and place.dim in (0, 1) and key.shape[place.dim] % size == 0:
+        return (place,)
+    if query.shape[1] % size == 0 and key.shape[1] % size == 0:
+        return (Shard(1),)
+    return (Replicate(),)

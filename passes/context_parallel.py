@@ -1,0 +1,359 @@
+"""Context parallelism: every sequence split over the cp ranks of a stage, for the whole model.
+
+A rank runs the model's program exported for its own tokens: 2 chunks of each sequence, chunk r
+and chunk 2cp-1-r of 2cp equal chunks (load-balanced causal attention, context_attention.py).
+Almost every op of a transformer is the same on fewer tokens; what is not is found by comparing
+the model exported at the rank's length L with an export at 2L (`find_sequence_split`): a dim
+whose size changes with the length is a sequence dim, in any op, whatever its size happens to
+equal. Then:
+
+- positions: an `arange(0, L)` (a position embedding's ids, HuggingFace's cache positions) is
+  rewritten into the rank's true positions, and a slice [0:L] of a table along a dim that is not
+  the sequence's (Llama's rotary tables) into the slices of the rank's 2 chunks;
+- attention (scaled_dot_product_attention, causal or not, without a mask) runs over the cp group
+  as a ring or an all-to-all (the stage's `cp_kind`; context_attention.py);
+- anything else that mixes tokens along the sequence refuses the split, naming the op and why: an
+  explicit attention mask (padding, sliding windows, masks the model builds), attention written
+  as its own matmul and softmax, a reduction, cumulative op, convolution or batch norm over the
+  sequence, a token selected from it (a pooler's first token); so does a model whose outputs do
+  not keep the sequence on dim 1 (the targets are split there) or whose graph changes with the
+  length.
+Mixture-of-experts layers (found by structure, experts.py) sort and gather their routed rows along
+the tokens, but under dropless top-k routing each token's output depends on that token alone:
+their dispatch, experts and combine run on a rank's tokens as they are (`token_wise_nodes`), and
+expert parallelism composes with the split (the experts' ranks are carved out of dp x cp x tp).
+
+Weight gradients are each rank's gradients of its tokens' mean loss; the runtime averages them
+over the dp x cp ranks as over data-parallel replicas (FSDP2 over both), which is the gradient of
+the whole sequences' mean when every rank holds as many tokens (it does: 2 chunks each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autopar.errors import AutoparError
+from autopar.passes.context_attention import ContextParallelAttention
+from autopar.passes.experts import token_wise_nodes
+from autopar.passes.program import PassTarget, StageProgram
+
+aten = torch.ops.aten
+ATTENTION = {aten.scaled_dot_product_attention.default: False,              # op -> returns lse
+             aten._scaled_dot_product_flash_attention_for_cpu.default: True}
+ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+# ops whose `dim` (or `dims`) argument names the dims they mix values along
+MIXING_AT_DIM = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+                 aten.log_softmax.int, aten.cumsum.default, aten.cumprod.default,
+                 aten.logcumsumexp.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
+                 aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
+                 aten.argmin.default, aten.var.correction, aten.std.correction,
+                 aten.logsumexp.default, aten.prod.dim_int, aten.sort.default, aten.topk.default,
+                 aten.select.int, aten.index_select.default, aten.gather.default, aten.flip.default,
+                 aten.roll.default, aten.linalg_vector_norm.default}
+# ops that mix every dim of their input but the channels (batch norm) or reduce all of them
+MIXING_ALL = {aten.sum.default, aten.mean.default, aten.max.default, aten.min.default,
+              aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_no_training.default,
+              aten._native_batch_norm_legit_functional.default, aten.native_batch_norm.default,
+              aten.batch_norm.default}
+# matrix products: they sum over the first input's last dim
+CONTRACTING = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.linear.default,
+               aten.addmm.default, aten.baddbmm.default}
+CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default,
+                aten.conv1d.padding, aten.conv2d.padding}
+
+
+# What the split rewrites, marked on the nodes of the program (`node.meta[MARK]`), so that the
+# copies the stage split makes of a constant (a table's slice in every layer that reads it)
+# carry the mark with them.
+MARK = "autopar_context_parallel"
+POSITIONS, TABLE, ATTENTION_CALL = "positions", "table", "attention"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SequenceSplit:
+    """A program's sequence split over `cp` ranks of 2 chunks of `chunk` tokens each, its nodes
+    marked with what becomes of them: arange(0, L) position ids, slices [0:L] of tables indexed
+    by position, attention calls (with their causal flag, scale and whether they return the
+    log-sum-exp)."""
+    cp: int
+    chunk: int
+    marked: dict[str, tuple] = field(default_factory=dict)     # node name -> its mark
+
+
+def sequence_dims(short: fx.GraphModule, long: fx.GraphModule) -> dict[str, frozenset[int]]:
+    """Node name -> the dims of its tensor value whose size differs between two exports of the
+    same model at different sequence lengths (one tensor per node; others left out). The two
+    graphs must have the same nodes, or the model is refused."""
+    theirs = {node.name: node for node in long.graph.nodes}
+    mine = {node.name for node in short.graph.nodes}
+    if mine != set(theirs):
+        odd = sorted(mine ^ set(theirs))[:4]
+        raise AutoparError(f"context parallelism: the model's graph changes with the sequence length "
+                           f"(nodes {odd} exist at one length only), so autopar cannot tell how to "
+                           f"split its sequence; use cp=1")
+    found = {}
+    for node in short.graph.nodes:
+        a, b = node.meta.get("val"), theirs[node.name].meta.get("val")
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim():
+            found[node.name] = frozenset(d for d in range(a.dim()) if a.shape[d] != b.shape[d])
+    return found
+
+
+def find_sequence_split(short: fx.GraphModule, long: fx.GraphModule, cp: int) -> SequenceSplit:
+    """The rewrites that split `short` (the model's program for a rank's 2 chunks) over `cp` ranks,
+    found against `long` (the same model at twice the length); AutoparError naming the op and the
+    reason where the model cannot be split on its sequence (module docstring)."""
+    seq = sequence_dims(short, long)
+    length = _local_length(short, seq)
+    live = _live(short)
+    # a MoE layer's dispatch, experts and combine reorder rows, yet each token's output is its own
+    routed = token_wise_nodes(short)
+    # attention first: a model's mask is the reason to name, not the ops that build it
+    marked = {node.name: (ATTENTION_CALL, *_attention(node, seq)) for node in live
+              if node.op == "call_function" and node.target in ATTENTION}
+    for node in live:
+        if node.op != "call_function" or node.name in marked or node.name in routed:
+            continue
+        if node.target in ARANGES and 0 in seq.get(node.name, ()):
+            _check_positions(node, length)
+            marked[node.name] = (POSITIONS,)
+        elif node.target is aten.slice.Tensor and _sliced_dim(node) in seq.get(node.name, ()):
+            if _table_slice(node, seq, length):
+                marked[node.name] = (TABLE,)
+        else:
+            _refuse_mixing(node, seq)
+    if not any(mark[0] == ATTENTION_CALL for mark in marked.values()):
+        raise AutoparError("context parallelism splits attention over the sequence, and this model "
+                           "has no scaled_dot_product_attention call; use cp=1")
+    _check_outputs(short, seq)
+    for node in short.graph.nodes:
+        if node.name in marked:
+            node.meta[MARK] = marked[node.name]
+    return SequenceSplit(cp=cp, chunk=length // 2, marked=marked)
+
+
+def _live(program: fx.GraphModule) -> list[fx.Node]:
+    """The nodes whose values reach the outputs or an op with an effect (a buffer's update), in
+    graph order: what the stage split keeps (a mask built and never read is not looked at)."""
+    reached = set()
+    pending = [node for node in program.graph.nodes if node.op == "output" or node.is_impure()]
+    while pending:
+        node = pending.pop()
+        if node not in reached:
+            reached.add(node)
+            pending.extend(node.all_input_nodes)
+    return [node for node in program.graph.nodes if node in reached]
+
+
+def _local_length(program: fx.GraphModule, seq: dict) -> int:
+    """The tokens of a rank: dim 1 of the first input, which must be a sequence dim."""
+    first = next(n for n in program.graph.nodes if n.op == "placeholder")
+    value = first.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or 1 not in seq.get(first.name, ()):
+        raise AutoparError("context parallelism splits the sequence on dim 1 of the model's first "
+                           "input ([batch, seq] token ids), which this model's is not; use cp=1")
+    return value.shape[1]
+
+
+def _describe(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    where = list(stack.values())[-1][0] if stack else "the model's forward"
+    return f"{node.target} ({node.name}, in {where or 'the model'})"
+
+
+def _check_positions(node: fx.Node, length: int) -> None:
+    start, end, step = _arange_bounds(node)
+    if (start, end, step) != (0, length, 1):
+        raise AutoparError(f"context parallelism: {_describe(node)} counts {start}..{end} by {step}, "
+                           f"a range that follows the sequence length but is not the positions "
+                           f"0..{length - 1} autopar can give each rank; use cp=1")
+
+
+def _arange_bounds(node: fx.Node) -> tuple:
+    if node.target is aten.arange.default:
+        return 0, node.args[0], 1
+    step = node.args[2] if len(node.args) > 2 else 1
+    return node.args[0], node.args[1], step
+
+
+def _sliced_dim(node: fx.Node) -> int:
+    value = node.meta["val"]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    return dim % value.dim() if value.dim() else 0
+
+
+def _table_slice(node: fx.Node, seq: dict, length: int) -> bool:
+    """Whether a slice whose output follows the sequence takes a table's first L rows (a position
+    table: True), or is a no-op on a value that already has the sequence (False); any other cut
+    of the sequence refuses."""
+    source, dim = node.args[0], _sliced_dim(node)
+    start = node.args[2] if len(node.args) > 2 else 0
+    step = node.args[4] if len(node.args) > 4 else 1
+    if dim in seq.get(source.name, ()):
+        if source.meta["val"].shape[dim] == node.meta["val"].shape[dim]:
+            return False    # the whole sequence: nothing is cut
+        raise AutoparError(f"context parallelism: {_describe(node)} keeps part of the sequence, "
+                           f"which each rank holds only 2 chunks of; use cp=1")
+    if start not in (0, None) or step != 1 or node.meta["val"].shape[dim] != length:
+        raise AutoparError(f"context parallelism: {_describe(node)} takes rows {start}.. of a table "
+                           f"by the sequence length, not the positions 0..{length - 1}; use cp=1")
+    return True
+
+
+def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool]:
+    """(causal, scale, returns lse) of an attention call that the split can run."""
+    returns_lse = ATTENTION[node.target]
+    schema = [argument.name for argument in node.target._schema.arguments]
+    given = {**dict(zip(schema, node.args)), **node.kwargs}
+    if given.get("attn_mask") is not None:
+        raise AutoparError(f"context parallelism: {_describe(node)} takes an explicit mask (padding "
+                           f"from attention_mask, a sliding window, or a mask the model builds: "
+                           f"HuggingFace models build one whenever torch.export traces them), which "
+                           f"autopar cannot split over the sequence yet; use cp=1, or attention "
+                           f"called with is_causal=True and no mask")
+    if given.get("dropout_p", 0.0):
+        raise AutoparError(f"context parallelism: {_describe(node)} drops attention weights "
+                           f"(dropout_p={given['dropout_p']}); autopar splits attention without "
+                           f"dropout only: set the model's attention dropout to 0, or use cp=1")
+    for name in ("query", "key", "value"):
+        value = given[name]
+        rank = value.meta["val"].dim()
+        if seq.get(value.name) != frozenset({rank - 2}):
+            raise AutoparError(f"context parallelism: the {name} of {_describe(node)} does not hold "
+                               f"the sequence on its tokens' dim alone; use cp=1")
+    return bool(given.get("is_causal", False)), given.get("scale"), returns_lse
+
+
+def _refuse_mixing(node: fx.Node, seq: dict) -> None:
+    """Refuse an op that mixes values along a sequence dim of one of its inputs."""
+    inputs = [value for value in node.args if isinstance(value, fx.Node)]
+    carried = [seq.get(value.name, frozenset()) for value in inputs]
+    if not any(carried):
+        return
+    first = carried[0] if inputs and inputs[0] is node.args[0] else frozenset()
+    reason = None
+    if node.target in MIXING_AT_DIM and first:
+        dims = _dims(_dim_argument(node), node.args[0].meta["val"].dim())
+        softmax = "softmax" in str(node.target)
+        reason = None if not dims & first else \
+            ("takes a softmax over the sequence (attention written as its own matmul and softmax? "
+             "scaled_dot_product_attention can be split)" if softmax else "works along the sequence")
+    elif node.target in MIXING_ALL and first:
+        reason = "reduces over the sequence"
+    elif node.target in CONTRACTING:
+        rank = node.args[0].meta["val"].dim()
+        reason = "sums over the sequence (attention written as its own matmul and softmax?)" \
+            if rank - 1 in first else None
+    elif node.target in CONVOLUTIONS and first - {0, 1}:
+        reason = "convolves along the sequence"
+    elif node.target is aten.constant_pad_nd.default and first:
+        padded = {node.args[0].meta["val"].dim() - 1 - i // 2 for i, p in enumerate(node.args[1]) if p}
+        reason = "pads the sequence" if padded & first else None
+    if reason is not None:
+        raise AutoparError(f"context parallelism: {_describe(node)} {reason}, which each rank "
+                           f"holds only 2 chunks of; this model cannot be split on its sequence: "
+                           f"use cp=1")
+
+
+def _dim_argument(node: fx.Node):
+    """The value of an op's `dim` or `dims` argument, as given or by its schema's default."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name in ("dim", "dims"):
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(argument.name, argument.default_value)
+    return None
+
+
+def _dims(dim, rank: int) -> frozenset[int]:
+    """The dims an op's `dim` argument names (None or []: all of them)."""
+    if dim is None or dim == []:
+        return frozenset(range(rank))
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return frozenset(d % rank for d in dims)
+
+
+def _check_outputs(program: fx.GraphModule, seq: dict) -> None:
+    """The model's tensor outputs keep the sequence on dim 1, where the targets are split."""
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    for value in _flat_nodes(output.args):
+        if isinstance(value.meta.get("val"), torch.Tensor) and 1 not in seq.get(value.name, ()):
+            raise AutoparError(f"context parallelism: the model's output {value.name} of shape "
+                               f"{list(value.meta['val'].shape)} does not keep the sequence on dim 1, "
+                               f"where autopar splits the targets (a pooled or classification "
+                               f"output); use cp=1")
+
+
+def _flat_nodes(args) -> list[fx.Node]:
+    found = []
+    fx.node.map_arg(args, found.append)
+    return found
+
+
+def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProgram:
+    """The stage's positions and attention rewritten for this rank's 2 chunks (module docstring)."""
+    stage = plan.stages[program.index]
+    split = target.sequence_split
+    if stage.cp == 1 or split is None:
+        return program
+    for graph_module in [m for m in program.module.modules() if isinstance(m, fx.GraphModule)]:
+        for node in list(graph_module.graph.nodes):
+            mark = node.meta.get(MARK, ("",)) if node.op == "call_function" else ("",)
+            if mark[0] == POSITIONS:
+                _rewrite(graph_module, node, _positions(graph_module, node, split, target.cp_rank))
+            elif mark[0] == TABLE:
+                _rewrite(graph_module, node, _table_rows(graph_module, node, split, target.cp_rank))
+            elif mark[0] == ATTENTION_CALL:
+                causal, scale, returns_lse = mark[1:]
+                name = f"context_{node.name}"
+                graph_module.add_submodule(name, ContextParallelAttention(
+                    stage.cp_kind, target.cp_group, causal=causal, scale=scale,
+                    returns_lse=returns_lse))
+                node.op, node.target, node.kwargs = "call_module", name, {}
+                node.args = node.args[:3]
+        graph_module.graph.lint()
+        graph_module.recompile()
+    return program
+
+
+def _chunks(split: SequenceSplit, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The [start, stop) of this rank's 2 chunks."""
+    c = split.chunk
+    return (rank * c, (rank + 1) * c), ((2 * split.cp - 1 - rank) * c, (2 * split.cp - rank) * c)
+
+
+def _positions(graph_module: fx.GraphModule, node: fx.Node, split: SequenceSplit, rank: int) -> fx.Node:
+    """arange(0, L) -> cat(arange(chunk r), arange(chunk 2cp-1-r))."""
+    graph = graph_module.graph
+    parts = []
+    with graph.inserting_before(node):
+        for start, stop in _chunks(split, rank):
+            part = graph.call_function(aten.arange.start, (start, stop), dict(node.kwargs))
+            part.meta["val"] = node.meta["val"].narrow(0, 0, split.chunk)
+            parts.append(part)
+        return graph.call_function(aten.cat.default, (parts,))
+
+
+def _table_rows(graph_module: fx.GraphModule, node: fx.Node, split: SequenceSplit, rank: int) -> fx.Node:
+    """table[0:L] on dim d -> cat(table[chunk r], table[chunk 2cp-1-r]) on dim d."""
+    graph = graph_module.graph
+    table, dim = node.args[0], _sliced_dim(node)
+    parts = []
+    with graph.inserting_before(node):
+        for start, stop in _chunks(split, rank):
+            part = graph.call_function(aten.slice.Tensor, (table, dim, start, stop))
+            part.meta["val"] = node.meta["val"].narrow(dim, 0, split.chunk)
+            parts.append(part)
+        return graph.call_function(aten.cat.default, (parts, dim))
+
+
+def _rewrite(graph_module: fx.GraphModule, node: fx.Node, replacement: fx.Node) -> None:
+    replacement.meta["val"] = node.meta["val"]
+    node.replace_all_uses_with(replacement)
+    graph_module.graph.erase_node(node)
+
+
+__all__ = ["SequenceSplit", "find_sequence_split", "sequence_dims", "split_sequence"]

@@ -1,0 +1,203 @@
+"""Context parallelism and ZeRO-3 offload train exactly like one process: real gloo ranks, fp32,
+loss at each of 3 SGD steps and the final full parameters (autopar.testing.equivalence).
+
+Default tier: the ring and all-to-all attentions against scaled_dot_product_attention, cp=2 on a
+small Llama (rotary tables, grouped-query attention), and dp=4 ZeRO-3 with offload. Slow tier:
+cp=4 (ring and all-to-all), dp2 x cp2 under ZeRO-3, tp2 x cp2, tp2 with sequence parallelism x
+cp2 all-to-all, pp2 x cp2 under 1F1B, each with every recompute level, a GPT (learned positions)
+and HuggingFace Llama-style models."""
+
+import pytest
+import torch
+import torch.distributed as dist
+# Imported before the ranks fork, so that they inherit it (4 s per rank otherwise).
+import torch._dynamo  # noqa: F401
+
+import autopar
+from autopar.cost.config import Config
+from autopar.models import build_model
+from autopar.models.gpt import lm_loss
+from autopar.testing.equivalence import train_forms_against_one_process
+
+pytestmark = pytest.mark.multiprocess
+
+LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64"
+LLAMA_4 = "llama:layers=4,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64"   # 2 blocks a pipeline stage
+GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
+BATCH = 4
+RECOMPUTE = ("none", "full", "selective")
+FORMS_ON_4 = {
+    "cp4": Config(cp=4, global_batch=BATCH, micro_batch=2),
+    "cp4 all-to-all": Config(cp=4, cp_kind="all-to-all", global_batch=BATCH, micro_batch=2),
+    "dp2 x cp2, zero-3": Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=1),
+    "tp2 x cp2": Config(tp=2, cp=2, global_batch=BATCH, micro_batch=BATCH),
+    "tp2 + sp x cp2 all-to-all": Config(tp=2, cp=2, cp_kind="all-to-all", sequence_parallel=True,
+                                        global_batch=BATCH, micro_batch=BATCH),
+}
+PIPELINES_ON_4 = {"pp2 x cp2 1f1b": Config(pp=2, cp=2, global_batch=BATCH, micro_batch=1)}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def batches(vocab=64, seq=16, steps=3):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (BATCH, seq), generator=generator),
+             torch.randint(0, vocab, (BATCH, seq), generator=generator)) for _ in range(steps)]
+
+
+def model_of(spec):
+    def make():
+        return build_model(spec, device="cpu")[0]
+    return make
+
+
+def train(spec, forms, recompute=("none",)):
+    """On every rank: {(form, recompute): (losses, mismatches against one process, regions)}."""
+    return train_forms_against_one_process(model_of(spec), batches(), lm_loss, sgd, forms, recompute)
+
+
+def attention_errors(world):
+    """Max |difference| of the output and q, k, v gradients of each attention of this rank's
+    tokens against scaled_dot_product_attention on the whole sequence (8 query heads, 4 kv)."""
+    from autopar.passes.context_attention import chunk_positions, ring_attention, ulysses_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 16, 8, generator=generator) for heads in (8, 4, 4))
+    grad = torch.randn(2, 8, 16, 8, generator=generator)
+    mine = chunk_positions(dist.get_rank(), world, 16 // (2 * world))
+    errors = {}
+    for attend in (ring_attention, ulysses_attention):
+        for causal in (True, False):
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            reference = torch.nn.functional.scaled_dot_product_attention(
+                *whole, is_causal=causal, enable_gqa=True)
+            reference.backward(grad)
+            local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+            out = attend(*local, dist.group.WORLD, causal=causal)
+            out.backward(grad[:, :, mine])
+            differences = [(out - reference[:, :, mine]).abs().max()]
+            differences += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, whole)]
+            errors[(attend.__name__, causal)] = max(d.item() for d in differences)
+    return errors
+
+
+def on_two_ranks():
+    return {"attention": attention_errors(2),
+            "cp2": train(LLAMA, {"cp2": Config(cp=2, global_batch=BATCH, micro_batch=2)})}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return autopar.launch(on_two_ranks, 2, timeout=240)
+
+
+def test_ring_and_all_to_all_attention_match_one_process(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        for form, error in results["attention"].items():
+            assert error < 1e-5, f"rank {rank}, {form}: {error}"
+
+
+def test_cp2_llama_trains_like_one_process(two_ranks, form_problems):
+    assert form_problems([r["cp2"] for r in two_ranks], ("cp2", "none")) == []
+
+
+def offloaded(forms):
+    """Each form's results, and whether every FSDP2 group of the last one holds CPUOffloadPolicy."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    results = train(LLAMA, forms)
+    config = Config(dp=4, zero=3, offload=True, global_batch=BATCH, micro_batch=1)
+    example = (batches()[0][0][:1],)
+    cm = autopar.compile(model_of(LLAMA)(), "4:cpu", loss_fn=lm_loss, optimizer=sgd,
+                         example_inputs=example, plan=config)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in cm.stages.modules()
+              if isinstance(m, FSDPModule)]
+    offloads = [isinstance(group.offload_policy, CPUOffloadPolicy) for group in groups if group]
+    return results, bool(offloads) and all(offloads)
+
+
+def test_zero3_offload_trains_like_one_process(form_problems):
+    forms = {"dp4 zero-3 offload": Config(dp=4, zero=3, offload=True, global_batch=BATCH, micro_batch=1)}
+    by_rank = autopar.launch(offloaded, 4, forms, timeout=240)
+    assert form_problems([r[0] for r in by_rank], ("dp4 zero-3 offload", "none")) == []
+    assert all(r[1] for r in by_rank), "some FSDP2 group does not offload"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("form", [*FORMS_ON_4, *PIPELINES_ON_4])
+def test_context_parallel_forms_on_4_ranks(four_ranks, form, recompute, form_problems):
+    assert form_problems(four_ranks, (form, recompute)) == []
+
+
+def on_four_ranks():
+    return {**train(LLAMA, FORMS_ON_4, RECOMPUTE), **train(LLAMA_4, PIPELINES_ON_4, RECOMPUTE)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return autopar.launch(on_four_ranks, 4, timeout=900)
+
+
+@pytest.mark.slow
+def test_gpt_learned_positions_cp2(form_problems):
+    forms = {"cp2": Config(cp=2, global_batch=BATCH, micro_batch=4),
+             "cp2 all-to-all": Config(cp=2, cp_kind="all-to-all", global_batch=BATCH, micro_batch=2)}
+    by_rank = autopar.launch(train, 2, GPT, forms, timeout=240)
+    for form in forms:
+        assert form_problems(by_rank, (form, "none")) == []
+
+
+def train_hf(name, forms):
+    """A HuggingFace model with causal scaled_dot_product_attention and no traced mask
+    (autopar.models.hf_attention), each form against one process."""
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn
+
+    arch = ARCHITECTURES[name]
+    generator = torch.Generator().manual_seed(1)
+    data = [arch.batch(BATCH, generator) for _ in range(3)]
+    return train_forms_against_one_process(lambda: causal_sdpa(arch.build()), data, loss_fn, sgd,
+                                           forms, ("none",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_huggingface_models_cp(name, form_problems):
+    from autopar.models.hf_zoo import resolve
+
+    resolve([name])     # before forking: transformers imports its models lazily
+    forms = {"dp2 x cp2, zero-3": Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=2)}
+    by_rank = autopar.launch(train_hf, 4, name, forms, timeout=600)
+    assert form_problems(by_rank, ("dp2 x cp2, zero-3", "none")) == []
+
+
+def checkpoint_across_plans(path):
+    """A checkpoint saved under dp2 x cp2 (ZeRO-3) loaded under dp2 x tp2: the next step's loss
+    and parameters as if the first plan had gone on; and cp=4 in bf16."""
+    make = model_of(LLAMA)
+    ids, targets = batches(steps=1)[0]
+    first = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=sgd, example_inputs=(ids[:1],),
+                            plan=Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=1))
+    first.step(ids, targets)
+    first.save(path)
+    went_on = first.step(ids, targets), first.full_state_dict()
+    second = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=sgd, example_inputs=(ids[:2],),
+                             plan=Config(dp=2, tp=2, global_batch=BATCH, micro_batch=2))
+    second.load(path)
+    resumed = second.step(ids, targets), second.full_state_dict()
+    bf16 = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=sgd, example_inputs=(ids[:1],),
+                           plan=Config(cp=4, global_batch=BATCH, micro_batch=1), precision="bf16")
+    return went_on, resumed, [bf16.step(ids, targets) for _ in range(2)]
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_plans_and_bf16_runs(tmp_path):
+    went_on, resumed, bf16 = autopar.launch(checkpoint_across_plans, 4, str(tmp_path / "ckpt"),
+                                            timeout=600)[0]
+    assert resumed[0] == pytest.approx(went_on[0], rel=1e-5)
+    assert all(torch.allclose(resumed[1][k], went_on[1][k], atol=1e-6) for k in went_on[1])
+    # bf16 trains (its losses fall from log(vocab))
+    assert bf16[0] == pytest.approx(4.16, abs=0.05) and bf16[1] < bf16[0]

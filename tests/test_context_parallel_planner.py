@@ -1,0 +1,89 @@
+"""Context parallelism and offload as search dimensions: the free plan uses them where memory
+needs them (rediscovery), and what it plans the runtime runs exactly."""
+
+import pytest
+import torch
+
+import autopar
+from autopar.api import plan_graph
+from autopar.cli import main
+from autopar.models import build_model
+from autopar.plans import Plan
+
+SPEC = "llama:layers=2,hidden=32,heads=4,kv_heads=2,seq=64,vocab=64"
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def graph():
+    model, (ids,) = build_model(SPEC, device="cpu", batch=BATCH)
+    return autopar.capture(model, (ids[:1],))
+
+
+def tight_plans(graph) -> tuple[Plan, Plan]:
+    """Plans under 70% and 30% of the memory the unconstrained plan needs on 4 CPU ranks."""
+    free = plan_graph(graph, "4:cpu", global_batch=BATCH)
+    need = free.predicted["memory_per_gpu_bytes"]
+    assert free.cp == 1 and not free.offload       # where memory is loose, neither is used
+    return tuple(plan_graph(graph, "4:cpu", global_batch=BATCH, memory_limit=int(need * fraction))
+                 for fraction in (0.7, 0.3))
+
+
+def test_tight_memory_finds_context_parallelism_then_offload(graph):
+    split, offloaded = tight_plans(graph)
+    # activations of 64 tokens dominate this model: splitting the sequence fits first ...
+    assert split.cp == 2 and split.axes[1] == ["cp", 2]
+    # ... and where nothing on the device fits, ZeRO-3 keeps the states on the host
+    assert offloaded.offload and all(stage.zero == 3 for stage in offloaded.stages)
+    for plan in (split, offloaded):
+        assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def run_plans(plans):
+    from autopar.models.gpt import lm_loss
+    from autopar.testing.equivalence import mismatches, train_single_process
+
+    def make():
+        return build_model(SPEC, device="cpu")[0]
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 64, (BATCH, 64), generator=generator),
+             torch.randint(0, 64, (BATCH, 64), generator=generator)) for _ in range(3)]
+    reference = train_single_process(make(), data, lm_loss, sgd)
+    found = []
+    for plan in plans:
+        cm = autopar.compile(make(), "4:cpu", loss_fn=lm_loss, optimizer=sgd,
+                             example_inputs=(data[0][0][:1],), plan=plan)
+        losses = [cm.step(ids, targets) for ids, targets in data]
+        found.append(mismatches(reference, losses, cm.full_state_dict()))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_what_the_planner_picks_trains_like_one_process(graph):
+    import torch._dynamo  # noqa: F401  (before the ranks fork)
+
+    for rank, found in enumerate(autopar.launch(run_plans, 4, tight_plans(graph), timeout=600)):
+        assert found == [[], []], f"rank {rank}: {found}"
+
+
+@pytest.mark.slow
+def test_llama_70b_at_128k_tokens_splits_the_sequence(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama-70b:seq=131072", "--mesh", "16x8:h100-80g", "--global-batch", "64",
+                 "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.cp > 1 and plan.predicted["fits"]
+
+
+@pytest.mark.slow
+def test_llama_13b_on_one_consumer_card_offloads(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama-13b", "--mesh", "1x1:rtx4090-24g", "--global-batch", "16",
+                 "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.offload and plan.predicted["fits"] and plan.predicted["host_memory_bytes"] > 0
