@@ -99,8 +99,11 @@ def _default_compute() -> dict[str, float]:
 # sustain about 600-720 TFLOP/s of the data sheet's 989 (the 700 W power limit holds the clocks
 # well under boost), so 0.68; FlashAttention-2, which the H100 runs of 2023 used, has no Hopper
 # kernels and reaches about 330 TFLOP/s forward + backward (Dao 2023, H100 figure): 0.33.
+# The 96 GB H100 (HBM2e, Meta's Grand Teton hosts at 500 W) is the same chip: its clocks are held
+# no higher than the 700 W SXM part's, so it gets the same fractions, not the A100's.
 _DEVICE_COMPUTE = {
     "h100-80g": {"matmul": 0.68, "attention": 0.33},
+    "h100-96g": {"matmul": 0.68, "attention": 0.33},
     "h200-141g": {"matmul": 0.68, "attention": 0.33},
 }
 
