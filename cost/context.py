@@ -130,10 +130,13 @@ def ulysses_error(layout: GraphLayout, cp: int) -> str | None:
     """Why the all-to-all form cannot split this layout's heads over `cp` ranks (None if it can)."""
     for node in layout.nodes:
         if node.family == "attention" and node.attention:
-            heads = node.attention["heads"]
-            if heads % cp:
-                return (f"all-to-all context parallelism splits heads over the cp ranks: "
-                        f"{heads:g} heads per rank do not divide by cp={cp}; use cp_kind='ring'")
+            for kind in ("heads", "kv_heads"):
+                heads = node.attention.get(kind, node.attention["heads"])
+                if heads % cp:
+                    what = "key/value heads" if kind == "kv_heads" else "heads"
+                    return (f"all-to-all context parallelism splits heads over the cp ranks: "
+                            f"{heads:g} {what} per rank do not divide by cp={cp}: use "
+                            f"cp_kind='ring', or a cp that divides them")
     return None
 
 

@@ -447,5 +447,7 @@ def _attention_info(node: Node, by_name: dict, batch: int, split: int) -> dict:
     dropout = node.kwargs.get("dropout_p", args[4]) or 0.0
     causal = bool(node.kwargs.get("is_causal", args[5]) or False)
     heads = _numel(query[:-2]) / batch / split        # batch x heads per sample on this rank
-    return {"heads": heads, "q_len": query[-2], "k_len": key[-2], "head_dim": query[-1],
-            "causal": causal, "dropout": float(dropout)}
+    # grouped-query attention passes fewer key/value heads (enable_gqa)
+    kv_heads = heads * _numel(key[:-2]) / _numel(query[:-2])
+    return {"heads": heads, "kv_heads": kv_heads, "q_len": query[-2], "k_len": key[-2],
+            "head_dim": query[-1], "causal": causal, "dropout": float(dropout)}

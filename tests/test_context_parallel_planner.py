@@ -87,3 +87,22 @@ def test_llama_13b_on_one_consumer_card_offloads(tmp_path):
                  "--out", str(out)]) == 0
     plan = Plan.load(out)
     assert plan.offload and plan.predicted["fits"] and plan.predicted["host_memory_bytes"] > 0
+
+
+def test_all_to_all_needs_cp_to_divide_the_key_value_heads():
+    """HuggingFace's grouped-query attention hands scaled_dot_product_attention fewer key/value
+    heads than query heads (enable_gqa): the all-to-all splits both, so 2 key/value heads go over
+    cp=2 and not over cp=4, which is refused with the way out, never run."""
+    pytest.importorskip("transformers")
+    from autopar.errors import AutoparError
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES
+
+    arch = ARCHITECTURES["llama"]        # 4 query heads, 2 key/value heads
+    ids, _ = arch.batch(8, torch.Generator().manual_seed(1))
+    graph = autopar.capture(causal_sdpa(arch.build()), (ids,))
+    mesh = autopar.Mesh.parse("4:cpu")
+    autopar.estimate(graph, mesh, autopar.Config(cp=2, dp=2, cp_kind="all-to-all", global_batch=8))
+    with pytest.raises(AutoparError, match="2 key/value heads per rank do not divide by cp=4: use "
+                                           "cp_kind='ring'"):
+        autopar.estimate(graph, mesh, autopar.Config(cp=4, cp_kind="all-to-all", global_batch=8))

@@ -14,7 +14,9 @@ Free plans are made on rank 0 and sent to every rank, as `autopar.compile` does.
 limits (fractions of what its unconstrained plan needs per device) that makes it pipeline, or
 split the experts of a mixture of experts (on nodes of one device, where tensor parallelism
 cannot split them instead). Forms with expert parallelism run on the MoE architectures only
-(`Form.experts`, `Architecture.moe`).
+(`Form.experts`, `Architecture.moe`). Forms with context parallelism split every sequence of 16
+tokens over the cp ranks (a ring, or all-to-alls of the heads); `dp4 zero3 offload` keeps ZeRO-3's
+shards, gradients and optimizer state on the host.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ FORMS: dict[str, Form] = {
     "dp2 x tp2 x ep2": Form("4:cpu", _config(dp=2, tp=2, ep=2, micro_batch=4)),
     "pp2 x dp2 x ep2 1f1b": Form("4:cpu", _config(pp=2, dp=2, ep=2, micro_batch=2, schedule="1f1b")),
     "plan 4x1 memory-limited ep": Form("4x1:cpu", experts_by_memory=True),
+    # context parallelism: every sequence of 16 split into 2 x cp chunks (causal load balance)
+    "cp4": Form("4:cpu", _config(cp=4, micro_batch=8)),
+    "dp2 x cp2": Form("4:cpu", _config(dp=2, cp=2, micro_batch=4)),
+    "tp2 x cp2": Form("4:cpu", _config(tp=2, cp=2, micro_batch=8)),
+    "pp2 x cp2 1f1b": Form("4:cpu", _config(pp=2, cp=2, micro_batch=2, schedule="1f1b")),
+    "dp2 x cp2 all-to-all": Form("4:cpu", _config(dp=2, cp=2, cp_kind="all-to-all", micro_batch=4)),
+    "dp4 zero3 offload": Form("4:cpu", _config(dp=4, zero=3, offload=True, micro_batch=2)),
 }
 
 
@@ -145,7 +154,7 @@ def _train_case(arch_name: str, model_class, form: Form) -> tuple[str, str]:
             plan, example = form.config, micro
         else:
             plan = _free_plan(arch.build(model_class), form, example)
-        cm = autopar.compile(arch.build(model_class), form.mesh, example_inputs=example,
+        cm = autopar.compile(_build(arch, model_class, form), form.mesh, example_inputs=example,
                              loss_fn=loss_fn, optimizer=adamw, plan=plan, global_batch=GLOBAL_BATCH)
     except AutoparError as err:
         raise Refused(f"{type(err).__name__}: {err}".replace("\n", " ")) from err
@@ -153,11 +162,24 @@ def _train_case(arch_name: str, model_class, form: Form) -> tuple[str, str]:
     state = cm.full_state_dict()
     if dist.get_rank() != 0:
         return "pass", ""
-    reference = train_single_process(arch.build(model_class), data, loss_fn, adamw)
+    reference = train_single_process(_build(arch, model_class, form), data, loss_fn, adamw)
     found = mismatches(reference, losses, state)
     summary = _describe(cm)
     return ("fail", f"{len(found)} differences, first: {found[0]} ({summary})") if found \
         else ("pass", summary)
+
+
+def _build(arch, model_class, form: Form):
+    """The architecture's model; under context parallelism a causal language model whose layers
+    all attend causally over the whole sequence runs causal attention without a traced mask
+    (autopar.models.hf_attention.causal_sdpa, what a user splitting its sequence does; it computes
+    what the model computes without padding). The others keep their masks, which autopar refuses
+    to split: the table says so."""
+    from autopar.models.hf_attention import causal_sdpa
+
+    model = arch.build(model_class)
+    split = form.config is not None and form.config.cp > 1
+    return causal_sdpa(model) if split and arch.causal and not arch.sliding_window else model
 
 
 def _describe(cm) -> str:
