@@ -3,9 +3,11 @@
 A rank runs the model's program exported for its own tokens: 2 chunks of each sequence, chunk r
 and chunk 2cp-1-r of 2cp equal chunks (load-balanced causal attention, context_attention.py).
 Almost every op of a transformer is the same on fewer tokens; what is not is found by comparing
-the model exported at the rank's length L with an export at 2L (`find_sequence_split`): a dim
-whose size changes with the length is a sequence dim, in any op, whatever its size happens to
-equal. Then:
+the model exported at the rank's length L with an export at another length (L/2, or 2L where L
+is under 4; `find_sequence_split`): a dim whose size changes with the length is a sequence dim,
+in any op, whatever its size happens to equal. The other length is the shorter one where it can
+be: at the model's full length a slice of a buffer of that length ([:L] of BERT's token types) is
+no slice, and the export leaves it out. Then:
 
 - positions: an `arange(0, L)` (a position embedding's ids, HuggingFace's cache positions) is
   rewritten into the rank's true positions, and a slice [0:L] of a table along a dim that is not
@@ -104,7 +106,7 @@ def sequence_dims(short: fx.GraphModule, long: fx.GraphModule) -> dict[str, froz
 
 def find_sequence_split(short: fx.GraphModule, long: fx.GraphModule, cp: int) -> SequenceSplit:
     """The rewrites that split `short` (the model's program for a rank's 2 chunks) over `cp` ranks,
-    found against `long` (the same model at twice the length); AutoparError naming the op and the
+    found against `long` (the same model at another length); AutoparError naming the op and the
     reason where the model cannot be split on its sequence (module docstring)."""
     seq = sequence_dims(short, long)
     length = _local_length(short, seq)

@@ -8,7 +8,9 @@ own tokens is not the mask of the whole sequence, so autopar refuses context par
 modelling: scaled_dot_product_attention with `is_causal=True` and no mask, under an attention
 implementation of its own name. The model then computes exactly what it computed before for
 inputs without an attention_mask (no padding, no packed sequences), sliding windows aside: a model
-configured with one (Mistral's) attends causally over the whole sequence instead.
+configured with one (Mistral's) attends causally over the whole sequence instead. An encoder's
+attention modules are not causal (BERT's): there the same implementation attends over the whole
+sequence both ways, what the encoder computes for inputs without padding.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ class Architecture:
     encoder_decoder: bool = False
     images: bool = False          # takes pixel_values and class labels instead of token ids
     moe: bool = False             # a mixture of experts: expert parallelism applies
-    causal: bool = True           # a causal language model (not an encoder, not an image model)
 
     @property
     def sliding_window(self) -> bool:
@@ -109,14 +108,14 @@ _ARCHS = [
                  _decoder(num_key_value_heads=1, head_dim=16)),
     Architecture("bert-mlm", "BertForMaskedLM", "BertConfig", "encoder-only masked LM, tied",
                  dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                      intermediate_size=FFN, max_position_embeddings=SEQ), causal=False),
+                      intermediate_size=FFN, max_position_embeddings=SEQ)),
     Architecture("t5", "T5ForConditionalGeneration", "T5Config",
                  "encoder-decoder, relative position bias",
                  # 4 layers a stack: T5's first block (which holds the position bias) differs from
                  # the rest, and blocks are found by repetition
                  dict(num_layers=LAYERS, num_decoder_layers=LAYERS, d_model=HIDDEN,
                       d_kv=HIDDEN // HEADS, d_ff=FFN, num_heads=HEADS, decoder_start_token_id=0),
-                 encoder_decoder=True, causal=False),
+                 encoder_decoder=True),
     Architecture("mixtral", "MixtralForCausalLM", "MixtralConfig", "MoE (4 experts, top 2), GQA",
                  _decoder(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
                  moe=True),
@@ -155,7 +154,7 @@ _ARCHS = [
                  dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                       intermediate_size=FFN, image_size=IMAGE, patch_size=PATCH,
                       num_channels=CHANNELS, num_labels=CLASSES),
-                 images=True, causal=False),
+                 images=True),
 ]
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in _ARCHS}
 

@@ -89,12 +89,14 @@ def export_checked(model: nn.Module, plan: Plan, graph, example_inputs: tuple, e
                    device: torch.device, meta: bool, tokens: int):
     """Step 2: the program of one micro-batch (of a context-parallel rank's `tokens`), and what
     the sequence split rewrites (None without context parallelism), found against an export at
-    twice the tokens; the model's MoE layers checked against the plan's expert parallelism."""
+    another length (half the tokens, or twice under 4: passes/context_parallel.py says why); the
+    model's MoE layers checked against the plan's expert parallelism."""
     exported = export_micro_batch(model, plan, graph, example_inputs, example_kwargs, device, meta,
                                   tokens=tokens or None)
+    other = tokens // 2 if tokens >= 4 else 2 * tokens
     split = None if not tokens else find_sequence_split(
         exported, export_micro_batch(model, plan, None, example_inputs, example_kwargs, device,
-                                     meta, tokens=2 * tokens), plan.cp)
+                                     meta, tokens=other), plan.cp)
     check_expert_parallelism(exported, plan)
     return exported, split
 

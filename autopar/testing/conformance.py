@@ -170,16 +170,18 @@ def _train_case(arch_name: str, model_class, form: Form) -> tuple[str, str]:
 
 
 def _build(arch, model_class, form: Form):
-    """The architecture's model; under context parallelism a causal language model whose layers
-    all attend causally over the whole sequence runs causal attention without a traced mask
-    (autopar.models.hf_attention.causal_sdpa, what a user splitting its sequence does; it computes
-    what the model computes without padding). The others keep their masks, which autopar refuses
-    to split: the table says so."""
+    """The architecture's model; under context parallelism a language model whose layers all
+    attend over the whole sequence runs attention without a traced mask (causal for a decoder,
+    bidirectional for an encoder: autopar.models.hf_attention.causal_sdpa, what a user splitting
+    its sequence does; it computes what the model computes without padding). Models with sliding
+    windows, encoder-decoders and image models keep their masks, which autopar refuses to split:
+    the table says so."""
     from autopar.models.hf_attention import causal_sdpa
 
     model = arch.build(model_class)
     split = form.config is not None and form.config.cp > 1
-    return causal_sdpa(model) if split and arch.causal and not arch.sliding_window else model
+    plain = not (arch.encoder_decoder or arch.images or arch.sliding_window)
+    return causal_sdpa(model) if split and plain else model
 
 
 def _describe(cm) -> str:
