@@ -6,7 +6,9 @@ Both trade something for activation memory at long sequences: recomputation spen
 second forward of each block), context parallelism spends communication (K/V blocks around a
 ring, or all-to-alls) and splits every sequence's activations over cp ranks. On 4 CPU gloo ranks
 a GPT at a long sequence trains under data parallelism with each recompute level and under
-context parallelism without recompute (cp2 x dp2 and cp4, ring and all-to-all). For each form:
+context parallelism without recompute (cp2 x dp2 and cp4, ring and all-to-all), every form at one
+sequence a micro-batch (data parallelism's least), so that a context-parallel rank holds 1/cp of
+the tokens a data-parallel rank holds at a time and runs cp times the micro-batches. For each form:
 the peak tensor memory of a step on rank 0 (`autopar.testing.memory.LiveBytes`, as
 benchmarks/memory_check.py measures it), the plan's predicted memory and step time, and the
 measured step time (median of --steps steps after one warm-up step), as a ratio to the dp4 +
@@ -35,9 +37,10 @@ FORMS = {
     "dp4 recompute none": Config(dp=4, global_batch=BATCH, micro_batch=1),
     "dp4 recompute selective": Config(dp=4, global_batch=BATCH, micro_batch=1, recompute="selective"),
     "dp4 recompute full": Config(dp=4, global_batch=BATCH, micro_batch=1, recompute="full"),
-    "cp2 x dp2 ring": Config(dp=2, cp=2, global_batch=BATCH, micro_batch=2),
-    "cp4 ring": Config(cp=4, global_batch=BATCH, micro_batch=4),
-    "cp4 all-to-all": Config(cp=4, cp_kind="all-to-all", global_batch=BATCH, micro_batch=4),
+    # one sequence a micro-batch, as dp4 runs: a rank holds 1/cp of its tokens at a time
+    "cp2 x dp2 ring": Config(dp=2, cp=2, global_batch=BATCH, micro_batch=1),
+    "cp4 ring": Config(cp=4, global_batch=BATCH, micro_batch=1),
+    "cp4 all-to-all": Config(cp=4, cp_kind="all-to-all", global_batch=BATCH, micro_batch=1),
 }
 BASELINE = "dp4 recompute full"
 
