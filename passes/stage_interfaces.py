@@ -164,12 +164,18 @@ def boundary_copy(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return value.clone(memory_format=torch.contiguous_format)
 
 
-def interface_examples(stages: list[fx.GraphModule], inputs: list) -> list[tuple[tuple, tuple]]:
+def interface_examples(stages: list[fx.GraphModule], inputs: list,
+                       compute_dtype: torch.dtype | None = None) -> list[tuple[tuple, tuple]]:
     """(inputs, outputs) of each stage as meta-device tensors, from a run on fake tensors of the
-    model's positional inputs `inputs` (fake or meta tensors: only their shapes and dtypes count)."""
+    model's positional inputs `inputs` (fake or meta tensors: only their shapes and dtypes count).
+    Under mixed precision (`compute_dtype`) the stages run under autocast, as they do in training:
+    a later stage takes 16-bit values, which an op reading them with fp32 weights or fp32 values
+    computed in the stage (rotary tables) accepts only under autocast."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     examples = []
-    with mode:
+    autocast = torch.autocast("cpu", dtype=compute_dtype or torch.bfloat16,
+                              enabled=compute_dtype is not None)
+    with mode, autocast:
         values = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype) for x in inputs)
         for stage in stages:
             # on fake copies of the stage's tensors: fake mode runs some in-place ops (BatchNorm's

@@ -95,7 +95,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
                                      param_names=parameter_names(stage_module), out_spec=out_spec,
                                      relayed=relayed, keywords=keywords, blocks=stage_blocks))
     tied = tied_stages(programs)
-    examples = interface_examples([program.module for program in programs], inputs)
+    examples = interface_examples([program.module for program in programs], inputs, boundary_dtype)
     for program, (example_inputs, example_outputs) in zip(programs, examples):
         program.tied = tied
         program.example_inputs, program.example_outputs = example_inputs, example_outputs

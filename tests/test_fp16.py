@@ -17,6 +17,8 @@ from autopar.models.gpt import lm_loss
 from autopar.testing.equivalence import mismatches, train_single_process
 
 SPEC = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
+# rotary positions: tables computed in fp32 inside each stage
+ROTARY = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=8,vocab=64"
 BATCH = 8
 FORMS = {"dp": Config(dp=2, global_batch=BATCH, micro_batch=4),
          "zero-3": Config(dp=2, zero=3, global_batch=BATCH, micro_batch=4),
@@ -34,15 +36,15 @@ def batches(steps):
              torch.randint(0, 64, (BATCH, 8), generator=generator)) for _ in range(steps)]
 
 
-def new_model():
-    return build_model(SPEC, device="cpu", seed=3)[0]
+def new_model(spec: str = SPEC):
+    return build_model(spec, device="cpu", seed=3)[0]
 
 
-def compiled(config: Config | Plan, data, precision: str = "fp16"):
+def compiled(config: Config | Plan, data, precision: str = "fp16", spec: str = SPEC):
     """Mixed-precision training under a Config (planned at that precision) or a Plan (of another
     precision, priced again at it)."""
     micro = config.micro_batch if isinstance(config, Config) else config.micro_batch_size
-    return autopar.compile(new_model(), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
+    return autopar.compile(new_model(spec), f"{config.world_size}:cpu", loss_fn=lm_loss, optimizer=adamw,
                            plan=config, example_inputs=(data[0][0][:micro],), precision=precision)
 
 
@@ -62,7 +64,7 @@ def poison_next_check(cm) -> None:
     cm.scaler.unscale_ = unscale
 
 
-def autocast_reference(data, dtype: torch.dtype):
+def autocast_reference(data, dtype: torch.dtype, spec: str = SPEC):
     """One process under torch.autocast with fp32 master weights; fp16 with torch's GradScaler.
     Returns the losses and the final scale (None for bf16)."""
     def autocast_call(model, inputs):
@@ -74,20 +76,20 @@ def autocast_reference(data, dtype: torch.dtype):
             return lm_loss(logits, targets)
 
     scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
-    losses = train_single_process(new_model(), data, autocast_loss, adamw, call=autocast_call,
+    losses = train_single_process(new_model(spec), data, autocast_loss, adamw, call=autocast_call,
                                   scaler=scaler)[0]
     return losses, None if scaler is None else scaler.get_scale()
 
 
-def train_mixed(forms: dict, precision: str = "fp16") -> dict:
+def train_mixed(forms: dict, precision: str = "fp16", spec: str = SPEC) -> dict:
     data = batches(4)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    reference, scale = autocast_reference(data, dtype)
-    fp32 = train_single_process(new_model(), data, lm_loss, adamw)
+    reference, scale = autocast_reference(data, dtype, spec)
+    fp32 = train_single_process(new_model(spec), data, lm_loss, adamw)
     results = {"fp32 vs reference": [abs(a - b) for a, b in zip(fp32[0], reference)],
                "reference scale": scale}
     for name, config in forms.items():
-        cm = compiled(config, data, precision)
+        cm = compiled(config, data, precision, spec)
         outputs = []   # what each stage computes: its outputs' dtypes
         for stage in cm.stages:
             stage.register_forward_hook(lambda _m, _a, out, seen=outputs: seen.extend(
@@ -286,3 +288,17 @@ def test_pipeline_of_data_parallel_stages_sends_16_bit_values(precision, dtype, 
     assert max(found["differences"]) < bound, (precision, found["differences"])
     assert found["sent"] == {dtype}, (precision, found["sent"])
     assert [rank["pp x dp"]["skipped"] for rank in ranks] == [0] * 4, precision
+
+
+@pytest.mark.multiprocess
+def test_a_rotary_model_pipelined_in_bf16_trains_like_one_process_under_autocast():
+    """A stage of a rotary model takes 16-bit values from the one before and computes its rotary
+    tables in fp32, which only autocast reconciles. The split's fake run that records what
+    crosses between stages ran without autocast, so every pipeline of such a model under mixed
+    precision (every GPU plan of Llama with pp > 1) was refused when built ("Expected query, key,
+    and value to have the same dtype"). It runs as training does now."""
+    forms = {"pp x dp": Config(pp=2, dp=2, zero=1, global_batch=BATCH, micro_batch=2)}
+    ranks = autopar.launch(train_mixed, 4, forms, "bf16", ROTARY, timeout=300)
+    found = ranks[0]["pp x dp"]
+    assert max(found["differences"]) < 1e-3, found["differences"]    # the bf16 bound above
+    assert found["sent"] == {torch.bfloat16}, found["sent"]
