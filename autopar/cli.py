@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "plan": "plan a model for a mesh and save the plan as JSON",
     "explain": "show a saved plan: stages, memory and time, and a pipeline timeline picture",
     "diff": "compare two saved plans",
+    "simulate": "build and step chosen ranks of a plan on fake tensors: peak memory and collectives",
     "validate": "train forced configurations on gloo ranks and check predicted step times against measured",
     "bench": "solver benchmark: autopar's plans against the best Megatron-style grid configuration",
     "checkpoint": "export a checkpoint written by CompiledModel.save as one safetensors state dict",

@@ -13,7 +13,8 @@ The parts, from the bottom (README, "How the layout maps to the compiler"):
     passes       passes/ (autopar.passes): rewrites of a stage's program
     runtime      autopar/runtime/: process groups, schedules, FSDP2, optimizer, checkpoints
     face         autopar/__init__.py, api.py, cli.py, commands/: what users call
-    measurement  autopar/calibrate/, autopar/testing/: probes and harnesses that start ranks
+    measurement  autopar/calibrate/, autopar/testing/, autopar/simulate/: probes and harnesses
+                 that start ranks (simulate: on fake tensors, one rank at a time)
 
 Capture and cost read each other (the tracer counts FLOPs with the cost model's rules; the cost
 model prices a Graph); every other direction is in FORBIDDEN or free.
@@ -39,7 +40,7 @@ PARTS = {
     "passes": ("passes/",),
     "runtime": ("autopar/runtime/",),
     "face": ("autopar/__init__.py", "autopar/api.py", "autopar/cli.py", "autopar/commands/"),
-    "measurement": ("autopar/calibrate/", "autopar/testing/"),
+    "measurement": ("autopar/calibrate/", "autopar/testing/", "autopar/simulate/"),
 }
 ABOVE_PLANS = ("capture", "cost", "solver", "passes", "runtime", "face", "measurement")
 FORBIDDEN = {

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.passes import PassTarget, find_sequence_split, run_passes, split_model
@@ -219,6 +220,14 @@ def wrap_data_parallel(programs: list[StageProgram], plan: Plan, layout: Pipelin
     the passes: FSDP2 shards what tensor parallelism left. Split experts first, over the ranks
     that hold the same experts. An offloaded stage is wrapped on a single replica too: FSDP2 is
     what moves its states to the host."""
+    with unset_fake_temporarily():
+        # FSDP2 builds device meshes (host data) from these; a meta model's tensors stay on meta
+        # until step 6, even when a fake tensor mode is active (autopar simulate)
+        _wrap_stages(programs, plan, layout, mesh, expert_meshes)
+
+
+def _wrap_stages(programs: list[StageProgram], plan: Plan, layout: PipelineLayout, mesh,
+                 expert_meshes: dict | None) -> None:
     for program in programs:
         stage = plan.stages[program.index]
         if stage.ep > 1:

@@ -26,6 +26,7 @@ from autopar.runtime import checkpoint
 from autopar.runtime import precision as mixed
 from autopar.runtime.checks import check_step_inputs
 from autopar.runtime.gradients import reduce_partial_gradients
+from autopar.runtime.fake_tensors import simulated
 from autopar.runtime.rank_grid import PipelineLayout
 from autopar.runtime.sampler import GlobalBatchSampler
 from autopar.runtime.tied import TiedWeights
@@ -166,6 +167,8 @@ class CompiledModel:
         if self.is_last:
             value += torch.stack([loss.detach() for loss in losses]).double().mean()
         dist.all_reduce(value)
+        if simulated():
+            return float("nan")     # fake tensors hold no values (autopar simulate)
         # each cp rank's loss is the mean over its tokens, as many on every rank
         return (value / (self.layout.replicas * self.layout.tp)).item()
 

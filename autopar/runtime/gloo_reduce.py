@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from autopar.runtime.fake_tensors import simulated
+
 
 class InPlaceReduceScatter(ReduceScatter):
     """Reduce-scatter as an in-place all-reduce of FSDP2's own input buffer."""
@@ -26,6 +28,9 @@ class InPlaceReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False) -> None:
+        if simulated():     # a simulated rank stands for a GPU's, which reduce-scatters
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return
         dist.all_reduce(input_tensor, op=op, group=group)
         chunks = input_tensor.view(dist.get_world_size(group), -1)
         output_tensor.copy_(chunks[dist.get_rank(group)])

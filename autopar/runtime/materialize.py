@@ -34,10 +34,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.errors import AutoparError
+from autopar.runtime.fake_tensors import simulated
 from autopar.runtime.hf_checkpoint import own_initializer, stored_names
 from autopar.passes.program import TensorRef
 
@@ -50,8 +52,8 @@ def is_meta_model(model: nn.Module) -> bool:
 
 def check_sources(model: nn.Module, load_from, init) -> None:
     """A meta model needs values from somewhere; a path must exist (checked on every rank before
-    any collective)."""
-    if is_meta_model(model) and load_from is None and init is None:
+    any collective). Fake tensors need none (autopar simulate)."""
+    if is_meta_model(model) and load_from is None and init is None and not simulated():
         raise AutoparError(
             f"{type(model).__name__} has tensors on the meta device and no values: pass "
             f"load_from= (a safetensors file, a directory of safetensors shards or a DCP checkpoint) "
@@ -107,6 +109,13 @@ def fill_stages(modules: list[nn.Module], model: nn.Module, device: torch.device
     refs = [ref for module in modules for ref in module.modules() if isinstance(ref, TensorRef)]
     # constants created in forward hold the values the export recorded; to_empty drops them
     constants = {ref.fqn: ref.value.detach().clone() for ref in refs if not ref.value.is_meta}
+    if simulated():     # fake tensors have shapes and no values: nothing to fill (autopar simulate)
+        for module in modules:
+            if any(isinstance(sub, FSDPModule) for sub in module.modules()):
+                module.to_empty(device=device)      # FSDP2 swaps its own shards
+            else:
+                _fake_storage(module, device)
+        return
     for module in modules:
         if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             module.to_empty(device=device)
@@ -129,6 +138,27 @@ def fill_stages(modules: list[nn.Module], model: nn.Module, device: torch.device
         unfilled -= _initialize(buffers, model, lambda owner: own_initializer(model, owner), seed)
     if unfilled:
         raise AutoparError(unfilled_message(sorted(unfilled), model, load_from, init))
+
+
+def _fake_storage(module: nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device)` under a fake tensor mode, which cannot swap a meta tensor for a
+    fake one in place: each meta tensor is replaced by a fake one of its shape (a DTensor's
+    local shard)."""
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if isinstance(tensor, DTensor):
+                    local = torch.empty_like(tensor._local_tensor, device=device)
+                    empty = DTensor.from_local(local, tensor.device_mesh, tensor.placements,
+                                               shape=tensor.shape, stride=tensor.stride(),
+                                               run_check=False)
+                else:
+                    empty = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                table[name] = empty
 
 
 def _non_persistent(model: nn.Module, fqn: str) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
@@ -108,21 +109,23 @@ def device_mesh(layout: PipelineLayout, device: torch.device) -> DeviceMesh:
     """The (pp, dp, tp) mesh of the rank grid ("dp": the dp x cp replicas); torch's
     init_device_mesh when the grid is in rank order (Megatron's, which the planner writes), a
     DeviceMesh over the grid as given otherwise."""
-    grid = torch.tensor(layout.grid)
-    names = ("pp", "dp", "tp")
-    if torch.equal(grid.flatten(), torch.arange(grid.numel())):
-        return init_device_mesh(device.type, tuple(grid.shape), mesh_dim_names=names)
-    return DeviceMesh(device.type, grid, mesh_dim_names=names)
+    with unset_fake_temporarily():   # host data, real even under a fake tensor mode (simulate)
+        grid = torch.tensor(layout.grid)
+        names = ("pp", "dp", "tp")
+        if torch.equal(grid.flatten(), torch.arange(grid.numel())):
+            return init_device_mesh(device.type, tuple(grid.shape), mesh_dim_names=names)
+        return DeviceMesh(device.type, grid, mesh_dim_names=names)
 
 
 def expert_meshes(layout: PipelineLayout, plan: Plan, device: torch.device) -> dict[int, DeviceMesh]:
     """A (pp, edp, ep) mesh over the rank grid for each ep > 1 of the plan's stages (module doc),
     made in the same order on every rank (making one is a collective)."""
-    grid = torch.tensor(layout.grid)
-    ranks = layout.replicas * layout.tp
-    return {ep: DeviceMesh(device.type, grid.reshape(layout.pp, ranks // ep, ep),
-                           mesh_dim_names=("pp", "edp", "ep"))
-            for ep in sorted({stage.ep for stage in plan.stages} - {1})}
+    with unset_fake_temporarily():   # host data (device_mesh)
+        grid = torch.tensor(layout.grid)
+        ranks = layout.replicas * layout.tp
+        return {ep: DeviceMesh(device.type, grid.reshape(layout.pp, ranks // ep, ep),
+                               mesh_dim_names=("pp", "edp", "ep"))
+                for ep in sorted({stage.ep for stage in plan.stages} - {1})}
 
 
 def context_group(layout: PipelineLayout, rank: int):

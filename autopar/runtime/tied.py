@@ -29,6 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar.errors import PlanMismatchError
 from autopar.passes.program import TensorRef
+from autopar.runtime.fake_tensors import simulated
 
 
 class TiedWeights:
@@ -114,6 +115,8 @@ class TiedWeights:
         """Every rank of each group reduces each tied weight with the same shape and dtype: one
         exchange over all ranks when the runtime is built, so that a disagreement is named on
         every rank instead of aborting the step inside the backend."""
+        if simulated():
+            return      # one rank simulated alone has no peers to compare with (autopar simulate)
         mine = {fqn: (group_ranks[fqn], self._reduced_shape(fqn, copies[0]), str(copies[0].dtype))
                 for fqn, copies in self.copies.items() if len(group_ranks[fqn]) > 1}
         everyone: list[dict] = [None] * dist.get_world_size()

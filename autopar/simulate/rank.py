@@ -1,0 +1,134 @@
+"""One rank of a plan, built and stepped on fake tensors over a fake process group.
+
+`simulate_rank` does what `autopar.compile` does on that rank (`build_runtime`: the stage split,
+the passes, DTensor placements, FSDP2, the schedule, the optimizer) and runs one training step
+of the plan's schedule, in this process, with no devices and no peers: torch's fake process
+group answers every collective at once, and FakeTensorMode gives every tensor a shape and no
+storage. What it measures does not depend on a device: the bytes the rank's tensors hold at
+their peak (memory.py) and every collective it issues (collectives.py).
+
+The tensors live on the CPU device (a CPU build of torch has no CUDA streams for FSDP2 to use),
+so an offloaded plan's host states count in the same total as its device's. FSDP2 on a CPU mesh
+would reduce-scatter by all-reduce (autopar.runtime.gloo_reduce); a simulated rank stands for a
+GPU's and keeps NCCL's reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining.stage import InferenceMode
+
+from autopar.errors import AutoparError
+from autopar.plans import Plan
+from autopar.runtime.build import build_runtime
+from autopar.runtime.rank_grid import pipeline_layout
+from autopar.simulate.collectives import CollectiveRecorder
+from autopar.simulate.groups import axis_namer
+from autopar.simulate.memory import MemoryRecorder
+
+
+@dataclass(kw_only=True, slots=True)
+class RankRun:
+    """What one simulated step of one rank held and sent."""
+    rank: int
+    stages: list[int]
+    peak_memory_bytes: int
+    collectives: list = field(default_factory=list)     # Collective records, in issue order
+    seconds: float = 0.0
+
+
+def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tuple,
+                  targets: torch.Tensor, loss_fn, optimizer=None, graph=None) -> RankRun:
+    """Build `rank`'s program for `plan` from `model` (built on the meta device) and run one step
+    on a global batch shaped like `example_inputs` and `targets` (one sequence each, repeated)."""
+    if not 0 <= rank < plan.world_size:
+        raise AutoparError(f"rank {rank} is not in the plan, whose ranks are 0..{plan.world_size - 1}")
+    if dist.is_initialized():
+        raise AutoparError("a process group is already running in this process; simulate in a "
+                           "process of its own (autopar simulate)")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    started = time.monotonic()
+    store = torch.testing._internal.distributed.fake_pg.FakeStore()
+    dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=store)
+    try:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        memory = MemoryRecorder(fake)
+        sent = CollectiveRecorder(axis_namer(plan))
+        with fake, memory:
+            compiled = build_runtime(model, plan, example_inputs=example_inputs, loss_fn=loss_fn,
+                                     optimizer=optimizer or _adamw, graph=graph, device="cpu")
+            _agree_on_static_shapes(compiled.schedule)
+            batch = [_rows(x, plan.global_batch) for x in (*example_inputs, targets)]
+            with sent:
+                compiled.step(*batch)
+        layout = pipeline_layout(plan)
+        return RankRun(rank=rank, stages=list(layout.own_stages(rank)), peak_memory_bytes=memory.peak,
+                       collectives=sent.collectives, seconds=time.monotonic() - started)
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate_ranks(model: nn.Module, plan: Plan, ranks: list[int], *, example_inputs: tuple,
+                   targets: torch.Tensor, loss_fn, optimizer=None, graph=None, progress=None) -> list[RankRun]:
+    """`simulate_rank` for each of `ranks`, each in a forked process of its own: torch keeps
+    process groups' names and device meshes in caches that outlive a process group, so a second
+    world in the same process finds the first one's. `progress(rank, done, total)` before each."""
+    runs = []
+    context = multiprocessing.get_context("fork")
+    for done, rank in enumerate(ranks):
+        if progress is not None:
+            progress(rank, done, len(ranks))
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_simulate_in_child, args=(
+            send, model, plan, rank, example_inputs, targets, loss_fn, optimizer, graph))
+        child.start()
+        send.close()
+        outcome = receive.recv() if receive.poll(None) else None
+        child.join()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if not isinstance(outcome, RankRun):
+            raise AutoparError(f"simulating rank {rank} ended with exit code {child.exitcode} and no "
+                               f"report (out of host memory?)")
+        runs.append(outcome)
+    return runs
+
+
+def _simulate_in_child(send, model, plan, rank, example_inputs, targets, loss_fn, optimizer, graph):
+    try:
+        send.send(simulate_rank(model, plan, rank, example_inputs=example_inputs, targets=targets,
+                                loss_fn=loss_fn, optimizer=optimizer, graph=graph))
+    except Exception as error:     # handed to the parent, which raises it
+        send.send(error)
+    finally:
+        send.close()
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A global batch of `rows` shaped like `tensor`'s first row (values do not matter)."""
+    return tensor[:1].expand(rows, *tensor.shape[1:]).contiguous()
+
+
+def _agree_on_static_shapes(schedule) -> None:
+    """torch's pipeline schedules vote once, peer to peer, on whether every stage's shapes are
+    static, and read the vote's value. A simulated rank has no peers and fake values; autopar's
+    stages are always static (each is built with its inputs' and outputs' shapes), which is what
+    the vote finds when it runs, so the simulated rank is told so."""
+    def static(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    if hasattr(schedule, "_warmup_p2p"):
+        schedule._warmup_p2p = static
