@@ -121,6 +121,7 @@ def test_bench_without_matplotlib_completes_and_says_so(tmp_path, capsys, monkey
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_demo_without_matplotlib_trains_compares_and_fits_80_columns(tmp_path):
     png = tmp_path / "loss.png"
     done = piped(["demo", "--steps", "2", "--png", str(png)], prelude=BLOCK_MATPLOTLIB, timeout=300)

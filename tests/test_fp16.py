@@ -211,6 +211,7 @@ def resume(directory) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fp16_scaler_state_resumes_from_a_checkpoint(tmp_path):
     results = autopar.launch(resume, 2, tmp_path, timeout=300)[0]
     went_on, scaler, state = results["went on"]

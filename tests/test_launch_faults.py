@@ -64,6 +64,7 @@ def _rank_0_plans_longer_than_pg_timeout():
     return compiled.plan.to_json()
 
 
+@pytest.mark.slow
 def test_planning_may_outlast_the_launchers_pg_timeout():
     plans = autopar.launch(_rank_0_plans_longer_than_pg_timeout, 2, timeout=240, pg_timeout=PG_TIMEOUT)
     assert plans[0] == plans[1]

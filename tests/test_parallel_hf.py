@@ -14,7 +14,8 @@ from autopar.cost.config import Config
 from autopar.testing.equivalence import train_forms_against_one_process
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.multiprocess
+# slow tier: the default tier trains HuggingFace models under these forms in test_conformance.py
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 # Resolved here, before the ranks fork: transformers imports each model's module on first use.
 GPT2, LLAMA = transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM
 

@@ -120,6 +120,7 @@ def train_pipelines(cases: list[tuple[str, autopar.Config]]) -> list[dict]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_pipelined_hf_models_train_like_one_process():
     interleaved = autopar.Config(pp=2, dp=2, virtual=2, micro_batch=2, schedule="interleaved-1f1b",
                                  global_batch=GLOBAL_BATCH)

@@ -55,6 +55,7 @@ def _train(plans: list) -> list:
     return reports
 
 
+@pytest.mark.slow
 def test_solver_plans_with_odd_micro_batch_counts_train_like_one_process():
     plans = _plans()
     for plan in plans:

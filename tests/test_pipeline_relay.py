@@ -139,6 +139,7 @@ def _t5(batch: int = GLOBAL_BATCH):
     return model, example, autopar.capture(model, example_inputs=example)
 
 
+@pytest.mark.slow
 def test_t5_split_and_planner_agree_on_relayed_values():
     model, micro, graph = _t5(batch=2)
     units = new_search(graph, autopar.Mesh.parse("4:cpu"), 8, float("inf"), time.monotonic() + 60).units

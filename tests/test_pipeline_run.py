@@ -201,6 +201,7 @@ def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero1_and_zero3():
         assert_equal_to_one_process(report)
 
 
+@pytest.mark.slow
 def test_solver_plan_for_8_cpu_ranks_under_a_memory_limit():
     """A quarter of the memory plain data parallelism needs: the planner must shard the model."""
     from autopar.api import plan_graph

@@ -103,6 +103,7 @@ def _train_with_solver_plan(make) -> tuple:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_the_solver_zero3_plans_of_opt_and_bert_train_like_one_process():
     for rank, results in enumerate(autopar.launch(_train_with_solver_plans, 4, timeout=300)):
         for model, (losses, found) in results.items():

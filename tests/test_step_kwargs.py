@@ -153,6 +153,7 @@ def test_mask_changing_every_step_trains_like_one_process(on_2_ranks, form):
         assert losses == on_2_ranks[0][form][0], "ranks returned different losses"
 
 
+@pytest.mark.slow
 def test_mask_under_other_schedules_and_zero3():
     for rank, results in enumerate(autopar.launch(train_more_forms, 2, timeout=600)):
         assert results == {name: [] for name in MORE_FORMS}, f"rank {rank}: {results}"
