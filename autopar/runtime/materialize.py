@@ -78,10 +78,12 @@ def export_meta_model(model: nn.Module, inputs: tuple, kwargs: dict, device: tor
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in fakes:
+            # the Parameter too: its detach would otherwise run under whatever mode is active
+            # (autopar simulate's, which would count the whole model's weights as allocated)
             with mode:
                 value = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
-            fakes[id(tensor)] = (nn.Parameter(value, requires_grad=tensor.requires_grad)
-                                 if isinstance(tensor, nn.Parameter) else value)
+                fakes[id(tensor)] = (nn.Parameter(value, requires_grad=tensor.requires_grad)
+                                     if isinstance(tensor, nn.Parameter) else value)
         return fakes[id(tensor)]
 
     swapped = []
