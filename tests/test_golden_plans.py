@@ -14,7 +14,10 @@ golden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(golden)
 
 
-@pytest.mark.parametrize("name", sorted(golden.PROBLEMS))
+# the 175B plan is solved again in the slow tier (its search takes a third of the module's
+# time); the default tier still checks that its saved plan prices to what it records
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name.startswith("gpt3-175b")
+                                  else name for name in sorted(golden.PROBLEMS)])
 def test_plan_equals_its_golden_json(name):
     expected = golden.path_of(name).read_text()
     planned = golden.golden_json(name)

@@ -22,7 +22,8 @@ FORMS_ON_4 = {
     "dp": Config(dp=4, global_batch=GLOBAL_BATCH, micro_batch=2),
     "dp x tp": Config(dp=2, tp=2, global_batch=GLOBAL_BATCH, micro_batch=4),
     "zero-1": Config(dp=4, zero=1, global_batch=GLOBAL_BATCH, micro_batch=2),
-    "zero-2": Config(dp=4, zero=2, global_batch=GLOBAL_BATCH, micro_batch=2),
+    # 2 micro-batches: gradients reduce-scattered after each and accumulated as shards
+    "zero-2": Config(dp=4, zero=2, global_batch=GLOBAL_BATCH, micro_batch=1),
     "zero-3": Config(dp=4, zero=3, global_batch=GLOBAL_BATCH, micro_batch=2),
     "dp x tp + sp, zero-3": Config(dp=2, tp=2, zero=3, sequence_parallel=True, global_batch=GLOBAL_BATCH,
                                    micro_batch=4),
@@ -79,6 +80,9 @@ def test_forms_on_4_ranks(on_4_ranks, form, recompute, form_problems):
     assert form_problems(on_4_ranks, (form, recompute)) == []
 
 
+# slow tier: tensor and sequence parallelism run in the default tier on 4 ranks (dp x tp + sp,
+# test_pipeline_run's tensor-parallel stages), micro-batched ZeRO-2 in the 4-rank forms
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("form", FORMS_ON_2)
 def test_forms_on_2_ranks(on_2_ranks, form, recompute, form_problems):
