@@ -131,6 +131,7 @@ def test_demo_without_matplotlib_trains_compares_and_fits_80_columns(tmp_path):
     assert_fits_80(done.stdout)
 
 
+@pytest.mark.slow
 def test_timeline_of_thousands_of_micro_batches_is_drawn(tmp_path):
     """One collection of boxes per rank and kind: 4096 micro-batches draw in seconds (drawing a
     box at a time took minutes, and explain --png of a large plan looked hung)."""

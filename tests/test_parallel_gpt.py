@@ -89,8 +89,8 @@ def test_forms_on_2_ranks(on_2_ranks, form, recompute, form_problems):
     assert form_problems(on_2_ranks, (form, recompute)) == []
 
 
-def test_comparison_detects_a_different_run(on_2_ranks):
-    assert on_2_ranks[0]["control"], "a run with another learning rate passed the comparison"
+def test_comparison_detects_a_different_run(on_4_ranks):
+    assert on_4_ranks[0]["control"], "a run with another learning rate passed the comparison"
 
 
 def test_form_problems_names_each_fault(form_problems):

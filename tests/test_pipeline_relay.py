@@ -147,6 +147,7 @@ def test_t5_split_and_planner_agree_on_relayed_values():
     assert _agreement(model, micro, graph, cut_sets) == []
 
 
+@pytest.mark.slow
 def test_t5_memory_limited_plan_is_no_zero_bubble_over_relays():
     """The plan that the runtime refused before the planner knew of relays: zero-bubble over cuts
     that relay the encoder's output (read by the model's outputs and every decoder stage). The

@@ -192,10 +192,12 @@ def test_tensor_parallel_stages_2x2_with_and_without_sequence_parallelism():
         assert_equal_to_one_process(report)
 
 
-def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero1_and_zero3():
+# ZeRO-1 in the slow tier: the default tier runs it in data-parallel pipelines below
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero1_and_zero3(zero):
     cut = [UNITS[:5], UNITS[5:]]
     plans = [make_plan(cut, pp=2, dp=2, tp=2, schedule="1f1b", micro_batches=2, zero=zero,
-                       layout=megatron_layout(2)) for zero in (1, 3)]
+                       layout=megatron_layout(2))]
     results = autopar.launch(train_plans, 8, plans, adamw, timeout=180)
     for report in results[0]:
         assert_equal_to_one_process(report)
