@@ -104,3 +104,15 @@ def test_simulate_command_prints_json_and_refuses_bad_ranks(tmp_path, capsys):
         ranks_to_simulate(plan, "0,4")
     assert main(["simulate", str(path), "--model", "gpt3-125m", "--ranks", "0"]) == 1
     assert "plan this model again" in capsys.readouterr().err
+
+
+def test_mixture_of_experts_plans_are_refused_not_misreported():
+    """Routing depends on token values, which fake tensors lack: the expert layers would run as
+    shapes only (no expert compute, no all-to-all), so such a plan is refused by name."""
+    spec = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,experts=4,top_k=2,expert_ffn=64,seq=32"
+    model, inputs = build_model(spec)
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "2x2:a100-80g", Config(dp=4, ep=4, zero=3, global_batch=8, micro_batch=1))
+    with pytest.raises(AutoparError, match="mixture-of-experts"):
+        simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0], loss_fn=lm_loss,
+                       graph=graph)

@@ -23,13 +23,18 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from autopar.errors import AutoparError
     from autopar.models import build_model, parse_spec
+    from autopar.models.mlp import MLPConfig
     from autopar.models.gpt import lm_loss
     from autopar.plans import Plan
     from autopar.simulate import rank_report, ranks_to_simulate, simulate_ranks
     from autopar.tracer import capture
 
-    parse_spec(args.model)
+    if isinstance(parse_spec(args.model), MLPConfig):
+        raise AutoparError(f"{args.model}: autopar simulate steps language models (token ids in, "
+                           f"next-token targets); an MLP spec has no targets to make. Simulate "
+                           f"with autopar.simulate.simulate_ranks and your own loss and targets")
     plan = Plan.load(args.plan)
     ranks = ranks_to_simulate(plan, args.ranks)
     console = Console(stderr=True)

@@ -12,7 +12,7 @@ all-to-all (n-1)/n of its input, a send all of it, a receive nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,10 @@ _OPS = {
 }
 
 
+# c10d's ops, the functional ones, and the functional ones with autograd (expert dispatch)
+NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
 @dataclass(frozen=True, slots=True)
 class Collective:
     kind: str             # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv
@@ -48,9 +52,6 @@ class Collective:
     group_size: int
     payload_bytes: int    # all_gather: each rank's part; reduce_scatter: the whole input; else the tensor
     sent_bytes: int       # what this rank sends (module docstring)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def sent_bytes(kind: str, payload: int, n: int) -> int:
@@ -77,7 +78,7 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace in ("c10d", "_c10d_functional") and func._opname in _OPS:
+        if func.namespace in NAMESPACES and func._opname in _OPS:
             self._record(func._opname, args)
         return func(*args, **kwargs)
 

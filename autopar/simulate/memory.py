@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.simulate.collectives import NAMESPACES
+
 
 class MemoryRecorder(TorchDispatchMode):
     """Live and peak bytes of the tensor storages created while active."""
@@ -41,7 +43,7 @@ class MemoryRecorder(TorchDispatchMode):
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.track(tensor)
-        if func.namespace in ("c10d", "_c10d_functional"):
+        if func.namespace in NAMESPACES:
             self.resync()
         return out
 
