@@ -58,7 +58,11 @@ class Chunk:
     peak_polys: list = field(default_factory=list)
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
+    weight_read: float = 0.0        # elements of the largest weight an op reads, and what its
+    weight_freed_poly: dict = field(default_factory=dict)  # micro-batch's backward freed before
+                                                           # that weight's gradient is made
     sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
+    received_poly: dict = field(default_factory=dict)  # what it receives: inputs, outputs' gradients
     # What the backward of one block frees: the activations of the block instance that keeps the
     # fewest (its own and those of its recomputed regions' inputs), and how many blocks it has.
     block_kept_poly: dict = field(default_factory=dict)
@@ -135,7 +139,9 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     region_block: dict[str, tuple] = {}
     widest = (0.0, 0)                   # the largest output the backward differentiates
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
-    for node in nodes:
+    kept_at: dict[str, int] = {}        # saved storage -> the position of the first node keeping it
+    heaviest = (0.0, -1)                # (weight elements read, position): the last of the heaviest
+    for position, node in enumerate(nodes):
         i = layout.index[node.name]
         kept = prices[node.name][4]
         region = regions[i]
@@ -148,6 +154,12 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
             region_block[region] = in_block[i]
         else:
             saved.update(node.saved)
+            for key in node.saved:
+                kept_at.setdefault(key, position)
+        read = max((layout.param_local.get(name, 0.0) for name in graph.nodes[i].inputs), default=0.0)
+        read = max(read, node.param_bytes / DTYPE_BYTES[layout.dtype])
+        if read and node.requires_grad and read >= heaviest[0]:
+            heaviest = (read, position)
         if in_block[i] is not None:
             block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
         if node.requires_grad and node.family != "view":
@@ -173,6 +185,10 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     # the widest op's backward holds the gradient it receives and the one it gives; the output
     # it kept for the next op's backward (as large) is freed by then
     out.flowing_poly = {widest[1]: widest[0]}
+    # by the backward of the op reading the largest weight, the micro-batch's backward has freed
+    # what the ops after it kept (an embedding's gradient comes after all of them)
+    out.weight_read = heaviest[0]
+    out.weight_freed_poly = _poly([key for key, at in kept_at.items() if at > heaviest[1]], layout)
     return out
 
 

@@ -185,7 +185,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         lent = shared_host_time(per_mb, m, ideal + bubble, sharing) - ideal - bubble
     data_comm, optimizer, offloaded = _device_steps(pipe, stages, split, schedule, mesh=mesh,
                                                     eff=eff, runtime=runtime, memo=memo)
-    memory, host = pipeline_memory(pipe, stages, pipe.samples, schedule, virtual, precision=precision)
+    memory, host = pipeline_memory(pipe, stages, pipe.samples, schedule, virtual, precision=precision,
+                                   receive_buffers=runtime.receive_buffers)
     exposed_copies = max((copies for copies, _ in offloaded), default=0.0)
     tied = tied_exposed(memo.readers(split), memo.layout(stages[0]), stages[0], mesh,
                         pp=len(devices))
@@ -305,18 +306,39 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
               whole=whole_sends)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
+    for c, poly in enumerate(_received(crossing, stages, whole_sends)):
+        chunks[c].received_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples)
 
 
+def _received(crossing: list[dict], stages: list[StageSpec], whole: bool) -> list[dict]:
+    """Per chunk, the bytes per sample it receives ({power of the sequence: bytes}): its inputs
+    from the chunk before, and the gradients of what it sends to the chunk after. `whole`: every
+    tensor-parallel rank receives a sequence-split stream whole (cost/traffic.py, add_sends)."""
+    def value(c: int) -> dict:
+        spec = stages[c]
+        gathered = spec.tp if whole and spec.sequence_parallel and spec.tp > 1 else 1
+        return {power: size * gathered for power, size in crossing[c].items()}
+    received: list[dict] = [{} for _ in stages]
+    for c in range(len(stages) - 1):
+        for power, size in value(c).items():
+            for chunk in (c, c + 1):
+                received[chunk][power] = received[chunk].get(power, 0.0) + size
+    return received
+
+
 def pipeline_memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
-            virtual: int, seq_ratio=1, precision: str = Precision.BF16) -> tuple[list[dict], list]:
+            virtual: int, seq_ratio=1, precision: str = Precision.BF16,
+            receive_buffers: bool = True) -> tuple[list[dict], list]:
     """Memory breakdown of each pipeline rank and the bytes it keeps on its host (offload);
     `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the
-    captured one) may be sympy expressions."""
+    captured one) may be sympy expressions; `receive_buffers`: the runtime keeps a receive
+    buffer per micro-batch (`Runtime.receive_buffers`)."""
     parts = [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], samples, schedule,
                             pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
-                            seq_ratio=seq_ratio, precision=precision)
+                            seq_ratio=seq_ratio, precision=precision,
+                            receive_buffers=receive_buffers)
              for d, cs in enumerate(pipe.devices)]
     return [device for device, _ in parts], [host for _, host in parts]
 
@@ -351,14 +373,17 @@ def _chunk_time(chunk: Chunk) -> float:
 
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
-                   virtual: int, stage: int, seq_ratio=1, precision: str = Precision.BF16) -> tuple[dict, float]:
+                   virtual: int, stage: int, seq_ratio=1, precision: str = Precision.BF16,
+                   receive_buffers: bool = True) -> tuple[dict, float]:
     """A pipeline rank's peak (cost.memory.peak_bytes), and what it keeps on its host when its
     stage offloads (cost/offload.py). Under ZeRO-3 a zero-bubble schedule
     keeps the weights gathered from forward to backward (its weight backward runs after the
     input backward, on the same gathered weights), so the rank holds them all, not
     GATHERED_GROUPS at a time; other schedules free them after each use (the runtime's
     `fully_shard(reshard_after_forward=True)` and `autopar.runtime.schedule.ReshardingStage`).
-    ZeRO shards over the cp x dp ranks, experts' states over their own group (cost/forms.py)."""
+    ZeRO shards over the cp x dp ranks, experts' states over their own group (cost/forms.py).
+    `receive_buffers`: torch's PipelineStage allocates, at its first step, a buffer for every
+    micro-batch's inputs and outputs' gradients, and keeps them all."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its
@@ -367,9 +392,10 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                     for c in chunks) / len(chunks)
     recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
+    element = 4 if precision == Precision.FP32 else 2
+    weight, freed = _heaviest_gradient(chunks, element, seq_ratio, b)
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     group = max(c.group for c in chunks)
-    element = 4 if precision == Precision.FP32 else 2
 
     def offloaded(parts: dict) -> tuple[dict, float]:
         return offloaded_memory(parts, params=params, shards=spec.dp * spec.cp, zero=spec.zero,
@@ -377,18 +403,34 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     # offloaded, every phase keeps less on the device: the fullest is found among what stays
     parts = peak_bytes(params=params, gathered=gathered, group=group,
                        place=(lambda phase: offloaded(phase)[0]) if spec.offload else None,
-                       weight=max(c.largest for c in chunks),
+                       weight=weight, weight_freed=freed,
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m,
                        reduce_every=reduces_every_micro_batch(spec.zero, schedule),
-                       held=held, pipelined=pp > 1, activations=held * per_chunk * b,
+                       held=held, pipelined=pp > 1,
+                       activations=held * per_chunk * b,
+                       # the last chunk's micro-batches among them, each keeping its loss's copy
+                       loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1),
                        logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
                        recomputed=recomputed * b, flowing=flowing * b,
                        blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own
                        block_kept=_smallest([poly_at(c.block_kept_poly, seq_ratio) for c in chunks
                                              if c.blocks]) * b,
                        expert_params=sum(c.expert_params for c in chunks),
-                       expert_dp=expert_data_parallel(spec))
+                       expert_dp=expert_data_parallel(spec),
+                       received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
+                       if receive_buffers else 0.0)
     return parts, offloaded(parts)[1] if spec.offload else 0.0
+
+
+def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b) -> tuple:
+    """(elements, bytes freed by then) of the weight gradient that adds most to a backward's
+    peak: the largest weight of a chunk, less the activations its micro-batch's backward has freed
+    before reaching the op that reads it (`Chunk.weight_freed_poly`; none where that op was
+    not found), as one figure in elements with nothing freed."""
+    added = [c.largest * element
+             - (poly_at(c.weight_freed_poly, seq_ratio) * b if c.weight_read >= c.largest else 0.0)
+             for c in chunks]
+    return _largest(added) / element, 0.0
 
 
 def _largest(values: list):

@@ -23,6 +23,9 @@ A device's peak (`peak_bytes`), as autopar's runtime trains (FSDP2 `replicate` f
   weights     what the forward and backward read, in the compute dtype: the stage's gathered
               weights (FSDP keeps them from forward to backward below ZeRO-3), `gathered` under
               ZeRO-3
+  receive_buffers  in a pipeline, one buffer per micro-batch of a step for each input a stage
+              receives and each gradient of what it sends (torch's PipelineStage allocates
+              them at the first step and keeps them)
 and in the phase at the peak, the larger of:
   first backward  the `held` micro-batches' activations, with the gradients of earlier
               micro-batches only when the schedule ran a backward before holding that many (a
@@ -84,25 +87,31 @@ GATHERED_GROUPS = 2
 
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
+               weight_freed=0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations,
+               loss_held: int | None = None,
                logits, recomputed, flowing, reduce_every: bool = False, blocks: int = 0,
-               block_kept=0.0, expert_params: float = 0.0, expert_dp: int = 1, place=None) -> dict:
+               block_kept=0.0, expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
+               place=None) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`).
 
     `params` elements of its stage(s) (of them, `expert_params` experts' weights under expert
     parallelism, whose optimizer state and gradient shards ZeRO splits over their own `expert_dp`
     ranks), `gathered` the elements ZeRO-3 holds gathered at once, `activations` the bytes the
     schedule keeps for the backward: `held` micro-batches of the `micro_batches` of a step; on the
-    last stage each also keeps the loss's copy of its `logits` elements (fp32) until its backward,
-    the one that runs it among the `buffers`, and in a pipeline the logits themselves (torch's
+    last stage each of the `loss_held` of them that ran the last chunk (all `held` by default)
+    also keeps the loss's copy of its `logits` elements (fp32) until its backward, the one that
+    runs it among the `buffers`, and in a pipeline the logits themselves (torch's
     PipelineStage caches a stage's outputs for its backward; other stages' sent outputs are in
     `activations`). The parts and phases are the module docstring's. In a backward the
     transients (`buffers`) are the larger of the loss's kept copy and its gradients (at its
     start) and what a block's backward holds later: the activations of a recomputed region
     (`recomputed`), the gradients flowing through its widest op beyond the activations it frees
     (`flowing`) and the gradient of the weight it reads (`weight` elements, the largest
-    parameter); in a pipeline both also hold the logits until the micro-batch's backward ends;
-    `place`: what of a phase's parts stays on the device (`_at_peak`)."""
+    parameter, beyond the `weight_freed` bytes of activations the backward freed before it);
+    in a pipeline both also hold the logits until the micro-batch's backward ends;
+    `received`: the pipeline's receive buffers, kept throughout; `place`: what of a phase's
+    parts stays on the device (`_at_peak`)."""
     wrapped = dp > 1
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -112,9 +121,10 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     cached = element * logits if pipelined else 0.0     # the stage's output, kept by torch's stage
     kept = LOSS_KEPT_COPIES * 4 * logits + cached
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
-    block = recomputed + flowing + weight * element + cached
+    block = recomputed + flowing + _max(0.0, weight * element - weight_freed) + cached
     sharded = lambda per: (params - expert_params) * per / split + expert_params * per / expert_split
-    persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master)}
+    persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master),
+                  **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = sharded(GRADIENT_BYTES)
     scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element, blocks=blocks,
@@ -136,9 +146,10 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                  "buffers": block}]
 
     later = max(held - 1, 1)          # micro-batches held at the second backward
+    losses = held if loss_held is None else loss_held
     phases = [
-        *backward(activations + (held - 1) * kept, micro_batches > held),
-        *backward(activations * later / held + (later - 1) * kept, micro_batches > 1),
+        *backward(activations + (losses - 1) * kept, micro_batches > held),
+        *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
          "optimizer_step": sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
     ]
@@ -189,17 +200,23 @@ def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, s
 
     GPipe runs every forward before any backward: all m micro-batches of all its chunks. 1F1B
     (Narayanan et al. 2021) warms up with p - stage forwards, then alternates: stage 0 holds p.
-    Interleaved 1F1B warms up with 2(p - stage - 1) + (v - 1)p chunk forwards and holds one more,
+    Interleaved 1F1B (torch's, at any v, 1 included) warms up with 2(p - stage - 1) + (v - 1)p
+    chunk forwards and holds one more,
     (1 + (p-1)/(pv)) times the layers of a non-interleaved first stage (Korthikanti et al. 2022,
-    section 4.2.3). Zero-bubble schedules keep 1F1B's activation memory.
+    section 4.2.3). Zero-bubble (torch's ScheduleInterleavedZeroBubble, which autopar runs for
+    any number of chunks a rank) frees a micro-batch's activations only at its weight backward,
+    which it defers: every rank holds min(m, p) micro-batches of each of its chunks, the last
+    stage as many as the first, not 1F1B's p - stage (tests/test_cost.py checks both formulas
+    against torch's own orders of actions).
     """
     if not 0 <= stage < pp:
         raise AutoparError(f"stage {stage} is outside a pipeline of {pp} stages")
     total = micro_batches * virtual
     if schedule == Schedule.GPIPE:
         return total
-    if schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE) or (
-            schedule == Schedule.INTERLEAVED_1F1B and virtual == 1):
+    if schedule == Schedule.ZERO_BUBBLE:
+        return min(micro_batches, pp) * virtual
+    if schedule == Schedule.ONE_F_ONE_B:
         return min(total, (pp - stage) * virtual)
     if schedule == Schedule.INTERLEAVED_1F1B:
         return min(total, 2 * (pp - stage - 1) + (virtual - 1) * pp + 1)

@@ -70,12 +70,16 @@ class Runtime:
     # over them is gathered first (autopar's TensorParallelStage hands on replicated tensors); False:
     # Megatron's, which sends a split value's chunks and scatters a whole one (cost/traffic.py).
     whole_stage_sends: bool = False
+    # torch's PipelineStage allocates a receive buffer per micro-batch for a stage's inputs and
+    # for its outputs' gradients, and keeps them from the first step on (cost/estimator.py)
+    receive_buffers: bool = False
 
 
 RUNTIMES = {
     "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
-                       fsdp2=True, whole_stage_sends=True),
-    "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False),
+                       fsdp2=True, whole_stage_sends=True, receive_buffers=True),
+    "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False,
+                     receive_buffers=True),
     "megatron-core": Runtime("megatron-core", overlap=True, gather_unit="block",
                              regather_on_recompute=False, overlap_param_gather=True),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",

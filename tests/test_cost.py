@@ -128,6 +128,36 @@ def test_in_flight_micro_batches_per_schedule():
     assert in_flight("interleaved-1f1b", pp=4, micro_batches=16, virtual=2, stage=0) == 4 * 2 + 3
 
 
+def _held_in_torch_order(actions) -> int:
+    """The most (chunk, micro-batch) forwards whose activations a rank holds: from the forward
+    to the full backward (B), or to the weight backward (W) where the backward is split."""
+    held, most = set(), 0
+    for action in actions:
+        key = (action.stage, action.micro_batch)
+        if action.kind == "F":
+            held.add(key)
+        elif action.kind in ("B", "W"):
+            held.discard(key)
+        most = max(most, len(held))
+    return most
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"])
+def test_in_flight_is_what_torchs_order_of_actions_holds(schedule):
+    from autopar.timeline import schedule_actions
+    single = schedule in ("1f1b", "gpipe")
+    for pp, virtual, m in [(2, 1, 2), (2, 1, 8), (3, 1, 6), (4, 1, 4), (4, 1, 16), (4, 2, 8),
+                           (4, 3, 4), (8, 2, 48), (2, 4, 4), (8, 1, 4)]:
+        if single and virtual > 1 or schedule == "1f1b" and m < pp:
+            continue
+        if schedule == "interleaved-1f1b" and m % pp:
+            continue
+        actions = schedule_actions(schedule, pp, m, virtual)
+        for rank in range(pp):
+            assert in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=rank) == \
+                _held_in_torch_order(actions[rank]), (schedule, pp, virtual, m, rank)
+
+
 def _mlp_graph(batch=4, hidden=1024):
     """x [batch, hidden] -> mm(w1) -> relu -> mm(w2): a hand-made graph."""
     f32 = 4

@@ -99,6 +99,7 @@ def train_mixed(forms: dict, precision: str = "fp16", spec: str = SPEC) -> dict:
                          "dtypes": {p.dtype for p in cm.stages.parameters()},
                          "outputs": set(outputs),
                          "scale": None if cm.scaler is None else cm.scaler.get_scale(),
+                         "stage_class": type(getattr(cm.schedule, "_stages", [cm.schedule])[0]).__name__,
                          "skipped": cm.skipped_steps,
                          # what crosses to the next stage (the first stage of a pipeline sends)
                          "sent": {x.dtype for p in cm.programs if p.index < len(cm.plan.stages) - 1
@@ -303,3 +304,18 @@ def test_a_rotary_model_pipelined_in_bf16_trains_like_one_process_under_autocast
     found = ranks[0]["pp x dp"]
     assert max(found["differences"]) < 1e-3, found["differences"]    # the bf16 bound above
     assert found["sent"] == {torch.bfloat16}, found["sent"]
+
+
+@pytest.mark.multiprocess
+def test_zero_bubble_data_parallel_stages_fold_16_bit_gradients_as_they_are_made():
+    """Under a zero-bubble schedule the weight gradients come after FSDP2's post-backward hook,
+    so each 16-bit gradient stayed beside its fp32 accumulation until the next micro-batch
+    (2 more bytes a parameter). autopar's stage folds them after each weight backward
+    (runtime.schedule.WeightBackwardStage): the same sums in the same order, so training still
+    tracks one process."""
+    forms = {"pp x dp": Config(pp=2, dp=2, zero=1, global_batch=BATCH, micro_batch=2,
+                               schedule="zero-bubble")}
+    ranks = autopar.launch(train_mixed, 4, forms, "bf16", timeout=300)
+    found = ranks[0]["pp x dp"]
+    assert max(found["differences"]) < 1e-3, found["differences"]    # the bf16 bound above
+    assert found["stage_class"] == "WeightBackwardStage"

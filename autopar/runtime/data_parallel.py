@@ -33,8 +33,9 @@ from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.passes.tensor_parallel import TensorParallelStage
 from autopar.plans import Plan
+from autopar.plans.vocabulary import Schedule
 from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
-from autopar.runtime.schedule import ReducingStage, ReshardingStage
+from autopar.runtime.schedule import ReducingStage, ReshardingStage, WeightBackwardStage
 
 
 def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMesh,
@@ -94,6 +95,8 @@ def stage_class(plan: Plan, index: int, replicas: int) -> type:
     """ZeRO-2 and 3 stages reduce their gradients after each micro-batch's backward, ZeRO-3
     stages also free their gathered weights (schedule.py); `replicas`: the dp x cp ranks."""
     zero = plan.stages[index].zero
+    if replicas > 1 and plan.schedule == Schedule.ZERO_BUBBLE:
+        return WeightBackwardStage
     if (replicas == 1 and not plan.stages[index].offload) or not reduces_every_micro_batch(zero, plan.schedule):
         return PipelineStage
     return ReshardingStage if zero == 3 else ReducingStage

@@ -83,6 +83,26 @@ class ReshardingStage(ReducingStage):
         return result
 
 
+class WeightBackwardStage(PipelineStage):
+    """A pipeline stage of a zero-bubble schedule under FSDP mixed precision. FSDP2 folds a
+    group's 16-bit gradients into its fp32 accumulated gradients in the group's post-backward
+    hook, which fires with the input backward; a zero-bubble schedule computes the weight
+    gradients later, so each stayed beside its fp32 accumulation until the next micro-batch's
+    input backward: 2 more bytes a parameter on every rank. Folding them right after the
+    weight backward does the same additions in the same order, holding one copy (as the
+    estimator prices: cost/memory.py)."""
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        for module in self.submod.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.accumulate_unsharded_grad_if_needed()
+                    param.to_accumulated_grad_if_needed()
+
+
 def build_schedule(plan: Plan, stage_rank: list[int], pp: int, modules: list[nn.Module],
                    stages: list[PipelineStage] | None, loss_fn):
     """The schedule for this rank's stages (`modules`, and their PipelineStages when pp > 1)."""

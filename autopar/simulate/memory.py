@@ -53,6 +53,8 @@ class MemoryRecorder(TorchDispatchMode):
             tensor = tensor._local_tensor
         if isinstance(tensor, FakeTensor) and tensor.fake_mode is not self.mode:
             return      # an export's or a shape probe's, which allocate nothing in a run either
+        if tensor.device.type == "meta":
+            return      # shapes the runtime keeps on meta (a stage's example outputs) hold nothing
         storage = tensor.untyped_storage()
         if storage in self._token:
             return

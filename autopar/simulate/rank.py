@@ -68,6 +68,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
                                      optimizer=optimizer or _adamw, graph=graph, device="cpu")
             _refuse_expert_layers(compiled)
             _agree_on_static_shapes(compiled.schedule)
+            _hold_optimizer_state(compiled.optimizer)
             batch = [_rows(x, plan.global_batch) for x in (*example_inputs, targets)]
             with sent:
                 compiled.step(*batch)
@@ -123,6 +124,18 @@ def _refuse_expert_layers(compiled) -> None:
         raise AutoparError("autopar simulate cannot step mixture-of-experts layers yet: their "
                            "routing depends on token values, which fake tensors do not have; "
                            "simulate a dense model, or measure MoE plans on real ranks")
+
+
+def _hold_optimizer_state(optimizer) -> None:
+    """Give the optimizer its state, as it holds it at every step after the first: torch makes
+    Adam's moments at the first `step`, so a first step's forwards and backwards run without
+    them, and the peak the simulation reports would miss them. One step on zero gradients
+    (fake tensors: no values change) makes them before the simulated step."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _adamw(params):
