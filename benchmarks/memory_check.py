@@ -3,7 +3,8 @@
     python benchmarks/memory_check.py [--layers 4] [--hidden 128] [--seq 128] [--forms zero3,tp]
 
 On 4 CPU gloo ranks, a small GPT under each form (data parallelism, ZeRO-1/2/3, tensor x data,
-tensor, 2 pipeline stages x 2 replicas under 1F1B, GPipe and 1F1B with ZeRO-3, context parallelism
+tensor, 2 pipeline stages x 2 replicas under 1F1B, GPipe, zero-bubble (ZeRO-1) and 1F1B with
+ZeRO-3, context parallelism
 over 2 and 4 ranks, ZeRO-3 with offload: on a CPU its host memory is the rank's too, so the row
 compares the predicted device and host memory together; and a MoE model of the same size under
 expert parallelism: ep4, dp2 x ep2, ep2 with ZeRO-3, each with a line of the expert weights and
@@ -50,6 +51,8 @@ FORMS = {
     "tp4": Config(tp=4, global_batch=BATCH, micro_batch=BATCH),
     "pp2xdp2": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=2),            # 1F1B
     "pp2xdp2-gpipe": Config(pp=2, dp=2, global_batch=BATCH, micro_batch=1, schedule="gpipe"),
+    # zero-bubble: every rank holds min(m, p) micro-batches, the last stage as many as the first
+    "pp2xzero1-zb": Config(pp=2, dp=2, zero=1, global_batch=BATCH, micro_batch=1, schedule="zero-bubble"),
     "pp2xzero3": Config(pp=2, dp=2, zero=3, global_batch=BATCH, micro_batch=2),
     # expert parallelism, on the same model with MoE layers (`--experts`)
     "ep4": Config(dp=4, ep=4, global_batch=BATCH, micro_batch=2),

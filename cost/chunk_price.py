@@ -67,6 +67,9 @@ class Chunk:
     # fewest (its own and those of its recomputed regions' inputs), and how many blocks it has.
     block_kept_poly: dict = field(default_factory=dict)
     blocks: int = 0
+    # bytes of the tensor-parallel collectives of one micro-batch, whole tensors (cost/layout.py),
+    # by (kind, per sample): what `tensor_comm_s` prices, for cost/rank_traffic.py
+    tensor_moved: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +142,7 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     region_block: dict[str, tuple] = {}
     widest = (0.0, 0)                   # the largest output the backward differentiates
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
-    kept_at: dict[str, int] = {}        # saved storage -> the position of the first node keeping it
-    heaviest = (0.0, -1)                # (weight elements read, position): the last of the heaviest
-    for position, node in enumerate(nodes):
+    for node in nodes:
         i = layout.index[node.name]
         kept = prices[node.name][4]
         region = regions[i]
@@ -154,12 +155,6 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
             region_block[region] = in_block[i]
         else:
             saved.update(node.saved)
-            for key in node.saved:
-                kept_at.setdefault(key, position)
-        read = max((layout.param_local.get(name, 0.0) for name in graph.nodes[i].inputs), default=0.0)
-        read = max(read, node.param_bytes / DTYPE_BYTES[layout.dtype])
-        if read and node.requires_grad and read >= heaviest[0]:
-            heaviest = (read, position)
         if in_block[i] is not None:
             block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
         if node.requires_grad and node.family != "view":
@@ -185,17 +180,35 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     # the widest op's backward holds the gradient it receives and the one it gives; the output
     # it kept for the next op's backward (as large) is freed by then
     out.flowing_poly = {widest[1]: widest[0]}
-    # by the backward of the op reading the largest weight, the micro-batch's backward has freed
-    # what the ops after it kept (an embedding's gradient comes after all of them)
-    out.weight_read = heaviest[0]
-    out.weight_freed_poly = _poly([key for key, at in kept_at.items() if at > heaviest[1]], layout)
+    out.weight_read, out.weight_freed_poly = _heaviest_weight(graph, layout, regions, nodes)
     return out
+
+
+def _heaviest_weight(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout]):
+    """The elements of the largest weight an op of the chunk reads (the last such op), and
+    what the ops after it keep for the backward: by that op's backward, the micro-batch's
+    backward has freed it (an embedding's gradient comes after all of them)."""
+    kept_at: dict[str, int] = {}        # saved storage -> the position of the first node keeping it
+    heaviest = (0.0, -1)                # (weight elements read, position)
+    for position, node in enumerate(nodes):
+        i = layout.index[node.name]
+        for key in () if regions[i] else node.saved:
+            kept_at.setdefault(key, position)
+        read = max((layout.param_local.get(name, 0.0) for name in graph.nodes[i].inputs), default=0.0)
+        read = max(read, node.param_bytes / DTYPE_BYTES[layout.dtype])
+        if read and node.requires_grad and read >= heaviest[0]:
+            heaviest = (read, position)
+    return heaviest[0], _poly([key for key, at in kept_at.items() if at > heaviest[1]], layout)
 
 
 def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) -> None:
     """A node's seconds (`node_prices`) added to its chunk's: forward, backward, tensor-parallel
     collectives and the experts' exchanges, again in the backward where it recomputes."""
     fwd, bwd, comm_fwd, comm_bwd, _, exchange = price
+    runs = [node.comm_forward] * (2 if recomputed else 1) + ([node.comm_backward] if node.requires_grad else [])
+    for collectives in runs:
+        for kind, nbytes, per_sample in collectives:
+            out.tensor_moved[kind, per_sample] = out.tensor_moved.get((kind, per_sample), 0.0) + nbytes
     out.forward_s += fwd
     out.tensor_comm_s += comm_fwd
     out.exchange_s += exchange

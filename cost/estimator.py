@@ -188,8 +188,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     memory, host = pipeline_memory(pipe, stages, pipe.samples, schedule, virtual, precision=precision,
                                    receive_buffers=runtime.receive_buffers)
     exposed_copies = max((copies for copies, _ in offloaded), default=0.0)
-    tied = tied_exposed(memo.readers(split), memo.layout(stages[0]), stages[0], mesh,
-                        pp=len(devices))
+    tied = tied_exposed(memo.readers(split), memo.layout(stages[0]), stages[0], mesh, pp=len(devices))
     closing = loss_sync(mesh, eff)
     step = ideal + bubble + lent + max(data_comm) + tied + max(optimizer) + closing + exposed_copies
     result = _summarize(memo.model_flops_per_sample(), mesh, chunks, devices, per_mb, memory,
@@ -393,7 +392,6 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     element = 4 if precision == Precision.FP32 else 2
-    weight, freed = _heaviest_gradient(chunks, element, seq_ratio, b)
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     group = max(c.group for c in chunks)
 
@@ -403,7 +401,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     # offloaded, every phase keeps less on the device: the fullest is found among what stays
     parts = peak_bytes(params=params, gathered=gathered, group=group,
                        place=(lambda phase: offloaded(phase)[0]) if spec.offload else None,
-                       weight=weight, weight_freed=freed,
+                       weight=_heaviest_gradient(chunks, element, seq_ratio, b),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m,
                        reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                        held=held, pipelined=pp > 1,
@@ -422,15 +420,14 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     return parts, offloaded(parts)[1] if spec.offload else 0.0
 
 
-def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b) -> tuple:
-    """(elements, bytes freed by then) of the weight gradient that adds most to a backward's
-    peak: the largest weight of a chunk, less the activations its micro-batch's backward has freed
-    before reaching the op that reads it (`Chunk.weight_freed_poly`; none where that op was
-    not found), as one figure in elements with nothing freed."""
+def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b):
+    """Elements of the weight gradient that adds most to a backward's peak: the largest weight of
+    a chunk, less the activations its micro-batch's backward has freed before reaching the op
+    that reads it (`Chunk.weight_freed_poly`; none where that op was not found)."""
     added = [c.largest * element
              - (poly_at(c.weight_freed_poly, seq_ratio) * b if c.weight_read >= c.largest else 0.0)
              for c in chunks]
-    return _largest(added) / element, 0.0
+    return _largest([0.0, *added]) / element
 
 
 def _largest(values: list):

@@ -87,31 +87,24 @@ GATHERED_GROUPS = 2
 
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
-               weight_freed=0.0,
-               precision: str, micro_batches: int, held: int, pipelined: bool, activations,
-               loss_held: int | None = None,
-               logits, recomputed, flowing, reduce_every: bool = False, blocks: int = 0,
-               block_kept=0.0, expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
-               place=None) -> dict:
+               precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
+               recomputed, flowing, reduce_every: bool = False, blocks: int = 0, block_kept=0.0,
+               expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
+               loss_held: int | None = None, place=None) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`).
 
-    `params` elements of its stage(s) (of them, `expert_params` experts' weights under expert
-    parallelism, whose optimizer state and gradient shards ZeRO splits over their own `expert_dp`
-    ranks), `gathered` the elements ZeRO-3 holds gathered at once, `activations` the bytes the
-    schedule keeps for the backward: `held` micro-batches of the `micro_batches` of a step; on the
-    last stage each of the `loss_held` of them that ran the last chunk (all `held` by default)
-    also keeps the loss's copy of its `logits` elements (fp32) until its backward, the one that
-    runs it among the `buffers`, and in a pipeline the logits themselves (torch's
-    PipelineStage caches a stage's outputs for its backward; other stages' sent outputs are in
-    `activations`). The parts and phases are the module docstring's. In a backward the
-    transients (`buffers`) are the larger of the loss's kept copy and its gradients (at its
-    start) and what a block's backward holds later: the activations of a recomputed region
-    (`recomputed`), the gradients flowing through its widest op beyond the activations it frees
-    (`flowing`) and the gradient of the weight it reads (`weight` elements, the largest
-    parameter, beyond the `weight_freed` bytes of activations the backward freed before it);
-    in a pipeline both also hold the logits until the micro-batch's backward ends;
-    `received`: the pipeline's receive buffers, kept throughout; `place`: what of a phase's
-    parts stays on the device (`_at_peak`)."""
+    `params` elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer
+    state and gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the
+    elements ZeRO-3 holds gathered at once, `activations` the bytes the schedule keeps for the
+    backward: `held` micro-batches of the `micro_batches` of a step; on the last stage each of
+    the `loss_held` of them that ran the last chunk (all `held` by default) also keeps the loss's
+    copy of its `logits` elements (fp32) and, in a pipeline, the logits (torch's PipelineStage
+    caches a stage's outputs). Phases as in the module docstring. A backward's transients
+    (`buffers`): the larger of the loss's kept copy and its gradients, and what a block's backward
+    holds: a recomputed region's activations (`recomputed`), the gradients flowing through its
+    widest op (`flowing`) and the gradient of the weight it reads (`weight` elements: the
+    largest, less what the backward freed before it); in a pipeline both also hold the logits.
+    `received`: the pipeline's receive buffers; `place`: what of a phase stays on the device."""
     wrapped = dp > 1
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -119,9 +112,9 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     weights = element * (gathered if wrapped and zero == 3 else params)
     gradients = params * GRADIENT_BYTES
     cached = element * logits if pipelined else 0.0     # the stage's output, kept by torch's stage
-    kept = LOSS_KEPT_COPIES * 4 * logits + cached
+    kept, losses = LOSS_KEPT_COPIES * 4 * logits + cached, held if loss_held is None else loss_held
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
-    block = recomputed + flowing + _max(0.0, weight * element - weight_freed) + cached
+    block = recomputed + flowing + weight * element + cached
     sharded = lambda per: (params - expert_params) * per / split + expert_params * per / expert_split
     persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master),
                   **({"receive_buffers": received} if received else {})}
@@ -146,7 +139,6 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                  "buffers": block}]
 
     later = max(held - 1, 1)          # micro-batches held at the second backward
-    losses = held if loss_held is None else loss_held
     phases = [
         *backward(activations + (losses - 1) * kept, micro_batches > held),
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),

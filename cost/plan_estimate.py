@@ -27,6 +27,16 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
                   attention: str = "flash", calibration=None, efficiencies=None) -> Estimate:
     """Price `plan` (an autopar.plans.Plan) on `graph`, the graph it was made for; `cache`,
     `runtime`, `attention`, `calibration` and `efficiencies` as for `estimate_stages`."""
+    mesh, specs = plan_stages(graph, plan)
+    return estimate_stages(graph, mesh, specs, global_batch=plan.global_batch,
+                           micro_batch=plan.micro_batch_size, schedule=plan.schedule,
+                           virtual=plan.virtual, cache=cache, runtime=runtime,
+                           attention=attention, calibration=calibration, precision=plan.precision,
+                           efficiencies=efficiencies)
+
+
+def plan_stages(graph: Graph, plan) -> tuple[Mesh, list[StageSpec]]:
+    """The plan's mesh and its stages as the estimator's chunks (module docstring)."""
     if plan.fingerprint != graph.fingerprint():
         raise PlanMismatchError("the plan was made for another graph (fingerprints differ); "
                                 "capture the model the plan was made for, or plan this one")
@@ -36,11 +46,7 @@ def estimate_plan(graph: Graph, plan, *, cache: dict | None = None, runtime: str
                        placements=placements, ep=stage.ep, cp=stage.cp, cp_kind=stage.cp_kind,
                        offload=stage.offload)
              for stage in plan.stages]
-    return estimate_stages(graph, Mesh.from_dict(plan.mesh), specs, global_batch=plan.global_batch,
-                           micro_batch=plan.micro_batch_size, schedule=plan.schedule,
-                           virtual=plan.virtual, cache=cache, runtime=runtime,
-                           attention=attention, calibration=calibration, precision=plan.precision,
-                           efficiencies=efficiencies)
+    return Mesh.from_dict(plan.mesh), specs
 
 
 def tensor_placements(graph: Graph, plan) -> TensorPlacements | None:

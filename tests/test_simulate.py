@@ -15,6 +15,7 @@ import pytest
 from autopar.api import plan_from_config
 from autopar.cli import main
 from autopar.cost.config import Config
+from autopar.cost.rank_traffic import plan_collectives
 from autopar.errors import AutoparError
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
@@ -34,7 +35,8 @@ def simulated():
     plan = plan_from_config(graph, MESH, CONFIG)
     runs = simulate_ranks(model, plan, [0, 63], example_inputs=inputs, targets=inputs[0],
                           loss_fn=lm_loss, graph=graph)
-    return graph, plan, [rank_report(plan, run) for run in runs]
+    predicted = plan_collectives(graph, plan)
+    return graph, plan, [rank_report(plan, run, predicted) for run in runs]
 
 
 def _sent(report, kind: str, axis: str) -> dict:
@@ -77,6 +79,21 @@ def test_a_64_rank_plan_sends_what_it_implies(simulated):
         assert reduced["sent_bytes"] == gathered["sent_bytes"] == 15 * m * local * 4 // 16
         sizes = {c["axis"]: c["group_size"] for c in report.collectives}
         assert sizes["dp"] == 16 and sizes["tp"] == 2 and sizes["pp"] == 2
+
+
+def test_the_estimator_prices_the_bytes_each_rank_sends(simulated):
+    """The bytes behind the estimator's collective times (cost/rank_traffic.py), by the same
+    keys: the pipeline's sends, FSDP's gathers and reductions and the loss's all-reduce exactly;
+    the tensor-parallel collectives of the ops, from the placements the runtime follows."""
+    _, _, reports = simulated
+    for report in reports:
+        assert report.predicted_collective_bytes == pytest.approx(report.collective_bytes, rel=0.05)
+        for entry in report.collectives:
+            if entry["kind"] == "recv":
+                continue        # a receive sends nothing
+            assert entry["predicted_sent_bytes"] == pytest.approx(entry["sent_bytes"], rel=0.05), entry
+            if entry["axis"] != "tp":
+                assert entry["predicted_sent_bytes"] == pytest.approx(entry["sent_bytes"], abs=16), entry
 
 
 def test_peak_memory_holds_at_least_the_ranks_states(simulated):

@@ -23,6 +23,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from autopar.cost.rank_traffic import plan_collectives
     from autopar.errors import AutoparError
     from autopar.models import build_model, parse_spec
     from autopar.models.mlp import MLPConfig
@@ -49,7 +50,8 @@ def run(args) -> int:
 
         runs = simulate_ranks(model, plan, ranks, example_inputs=inputs, targets=inputs[0],
                               loss_fn=lm_loss, graph=graph, progress=progress)
-    reports = [rank_report(plan, run) for run in runs]
+    predicted = plan_collectives(graph, plan)
+    reports = [rank_report(plan, run, predicted) for run in runs]
     for r in reports:
         console.print(f"rank {r.rank} simulated in {r.seconds:.0f} s")
     if args.json:
@@ -73,14 +75,16 @@ def _gib(nbytes) -> str:
 def _print(plan, reports, console: Console) -> None:
     console.print(plan.summary())
     table = Table(title="one simulated step per rank")
-    for column in ("rank", "stages", "peak", "predicted", "error", "sent", "collectives"):
+    for column in ("rank", "stages", "peak", "predicted", "error", "sent", "predicted sent",
+                   "collectives"):
         table.add_column(column, justify="right")
     for r in reports:
         error = "-" if r.memory_error is None else f"{r.memory_error:+.1%}"
         table.add_row(str(r.rank), ",".join(map(str, r.stages)), _gib(r.peak_memory_bytes),
                       _gib(r.predicted_memory_bytes), error, _gib(r.collective_bytes),
-                      str(sum(c["count"] for c in r.collectives)))
+                      _gib(r.predicted_collective_bytes), str(sum(c["count"] for c in r.collectives)))
     console.print(table)
     for r in reports:
         console.print(f"rank {r.rank}: " + "; ".join(
-            f"{c['kind']}@{c['axis']} x{c['count']} {_gib(c['sent_bytes'])}" for c in r.collectives))
+            f"{c['kind']}@{c['axis']} x{c['count']} {_gib(c['sent_bytes'])}"
+            f" (predicted {_gib(c.get('predicted_sent_bytes'))})" for c in r.collectives))

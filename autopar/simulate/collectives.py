@@ -35,14 +35,15 @@ _OPS = {
     "reduce_scatter_tensor": ("reduce_scatter", 0),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
     "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
-    "all_to_all_single": ("all_to_all", 0),
+    "all_to_all_single": ("all_to_all", 0), "shard_dim_alltoall": ("all_to_all", 0),
     "broadcast_": ("broadcast", 0), "broadcast": ("broadcast", 0),
     "send": ("send", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0),
 }
 
 
-# c10d's ops, the functional ones, and the functional ones with autograd (expert dispatch)
-NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+# c10d's ops, the functional ones, the functional ones with autograd (expert dispatch) and
+# DTensor's own all-to-all (a value's split moved from one dim to another)
+NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
 
 
 @dataclass(frozen=True, slots=True)

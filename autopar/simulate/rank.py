@@ -15,6 +15,7 @@ GPU's and keeps NCCL's reduce-scatter.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining.stage import InferenceMode
+from torch.distributed.tensor import placement_types
+from torch.distributed._functional_collectives import _group_or_group_name, _resolve_group
 
+from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError
 from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.plans import Plan
@@ -63,7 +67,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         memory = MemoryRecorder(fake)
         sent = CollectiveRecorder(axis_namer(plan))
-        with fake, memory:
+        with fake, memory, _all_to_all_as_the_device_does(plan):
             compiled = build_runtime(model, plan, example_inputs=example_inputs, loss_fn=loss_fn,
                                      optimizer=optimizer or _adamw, graph=graph, device="cpu")
             _refuse_expert_layers(compiled)
@@ -124,6 +128,28 @@ def _refuse_expert_layers(compiled) -> None:
         raise AutoparError("autopar simulate cannot step mixture-of-experts layers yet: their "
                            "routing depends on token values, which fake tensors do not have; "
                            "simulate a dense model, or measure MoE plans on real ranks")
+
+
+@contextlib.contextmanager
+def _all_to_all_as_the_device_does(plan: Plan):
+    """DTensor on a CPU process group moves a value from one dim's split to another's by an
+    all-gather and a chunk (gloo has no all-to-all), where the GPUs the plan is for run one
+    all-to-all, sending 1/n of the gather's bytes. A simulated rank of a GPU plan issues the
+    all-to-all (the fake process group takes it), so its record is the device's."""
+    if Mesh.from_dict(plan.mesh).device.name == "cpu":
+        yield
+        return
+
+    def all_to_all(local, gather_dim, shard_dim, mesh, mesh_dim):
+        group = _group_or_group_name(_resolve_group((mesh, mesh_dim)))
+        return torch.ops._dtensor.shard_dim_alltoall(local, gather_dim, shard_dim, group)
+
+    saved = placement_types.shard_dim_alltoall
+    placement_types.shard_dim_alltoall = all_to_all
+    try:
+        yield
+    finally:
+        placement_types.shard_dim_alltoall = saved
 
 
 def _hold_optimizer_state(optimizer) -> None:

@@ -3,8 +3,9 @@
 The plan predicts each pipeline rank's memory (`Stage.predicted["memory_bytes"]`, the same for
 every rank of a stage: the data-, context- and tensor-parallel ranks hold equal shares), so the
 prediction of a rank is that of its pipeline rank. Collectives are summed by kind and group
-(collectives.py); the estimator prices collectives as times and does not yet record the bytes
-behind them per rank, so there is no predicted figure to set beside them.
+(collectives.py), and set beside the bytes the estimator priced for the same kind and group
+(`autopar.cost.rank_traffic.plan_collectives`): `predicted_sent_bytes` per entry, 0 where the
+estimator priced none of that kind, and entries the estimator priced but the rank did not issue.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class RankReport:
     peak_memory_bytes: int
     predicted_memory_bytes: int | None
     collective_bytes: int                                 # sent by this rank in one step
+    predicted_collective_bytes: int | None = None
     collectives: list[dict] = field(default_factory=list)  # by kind and group, in first-issue order
     seconds: float = 0.0
 
@@ -38,24 +40,38 @@ class RankReport:
         return {"rank": self.rank, "stages": self.stages,
                 "peak_memory_bytes": self.peak_memory_bytes,
                 "predicted_memory_bytes": self.predicted_memory_bytes,
-                "collective_bytes": self.collective_bytes, "predicted_collective_bytes": None,
+                "collective_bytes": self.collective_bytes,
+                "predicted_collective_bytes": self.predicted_collective_bytes,
                 "collectives": self.collectives, "seconds": round(self.seconds, 1)}
 
 
-def rank_report(plan: Plan, run: RankRun) -> RankReport:
-    """`run` summed by kind and group, with the plan's prediction of the rank's memory."""
+def rank_report(plan: Plan, run: RankRun, predicted_collectives: list | None = None) -> RankReport:
+    """`run` summed by kind and group, with the plan's prediction of the rank's memory and, given
+    `plan_collectives`' list for the plan, of what the rank sends (module docstring)."""
     totals: dict[tuple[str, str, int], dict] = {}
+    new = lambda kind, axis, size: {"kind": kind, "axis": axis, "group_size": size, "count": 0,
+                                    "payload_bytes": 0, "sent_bytes": 0}
     for c in run.collectives:
-        entry = totals.setdefault((c.kind, c.axis, c.group_size), {
-            "kind": c.kind, "axis": c.axis, "group_size": c.group_size, "count": 0,
-            "payload_bytes": 0, "sent_bytes": 0})
+        entry = totals.setdefault((c.kind, c.axis, c.group_size), new(c.kind, c.axis, c.group_size))
         entry["count"] += 1
         entry["payload_bytes"] += c.payload_bytes
         entry["sent_bytes"] += c.sent_bytes
+    predicted_sent = None
+    if predicted_collectives is not None and run.stages:
+        # the estimator's pipeline rank d holds chunks d, d + pp, ... (cost/estimator.py)
+        mine = predicted_collectives[run.stages[0] % len(predicted_collectives)]
+        for entry in totals.values():
+            entry["predicted_sent_bytes"] = 0
+        for p in mine:
+            key = (p["kind"], p["axis"], p["group_size"])
+            totals.setdefault(key, {**new(*key), "predicted_sent_bytes": 0})
+            totals[key]["predicted_sent_bytes"] = p["sent_bytes"]
+        predicted_sent = sum(p["sent_bytes"] for p in mine)
     predicted = plan.stages[run.stages[0]].predicted.get("memory_bytes") if run.stages else None
     return RankReport(rank=run.rank, stages=run.stages, peak_memory_bytes=run.peak_memory_bytes,
                       predicted_memory_bytes=None if predicted is None else int(predicted),
                       collective_bytes=sum(c.sent_bytes for c in run.collectives),
+                      predicted_collective_bytes=predicted_sent,
                       collectives=list(totals.values()), seconds=run.seconds)
 
 

@@ -1,0 +1,142 @@
+"""What each pipeline rank of a plan sends in one step, as the estimator prices it: the bytes
+behind the times of the tensor-parallel collectives of each op (cost/layout.py), the pipeline's
+sends (cost/traffic.py), the data-parallel reductions and ZeRO's gathers (cost/overlap.py),
+context parallelism's ring (cost/context.py) and the closing loss all-reduce, keyed as
+`autopar simulate` records a rank's collectives (autopar/simulate/collectives.py): the kind, the
+rank-grid axes its group spans and the group's size, with the bytes the rank sends under ring
+algorithms (all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n of the
+whole tensor, all-to-all (n-1)/n of its input, a send all of it).
+
+How often each runs, as autopar's runtime issues them (autopar/runtime/schedule.py): gradients
+are reduced once a step, or after every micro-batch where ZeRO-2/3 reduces every one
+(`reduces_every_micro_batch`); ZeRO-1/2 gather the updated weights once, at the step's first
+forward; ZeRO-3 gathers before every micro-batch's forward and again before its backward,
+except where a zero-bubble schedule keeps them gathered through the step. Not counted:
+mixture-of-experts exchanges, and the ring of a recomputed attention's second forward.
+"""
+
+from __future__ import annotations
+
+from autopar.cost.calibration import calibrated
+from autopar.cost.context import attention_bytes
+from autopar.cost.estimator import crossing_bytes, price_pipeline
+from autopar.cost.plan_estimate import plan_stages
+from autopar.cost.price_cache import PriceCache
+from autopar.cost.chunk_price import poly_at
+from autopar.graph import Graph
+from autopar.plans.vocabulary import ContextParallel, Precision
+from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
+
+_AXES = ("pp", "dp", "cp", "tp")       # the order autopar.simulate.groups names groups in
+
+
+def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
+    """Per pipeline rank, its collectives of one step: {"kind", "axis", "group_size",
+    "sent_bytes"}, summed by kind and group (module docstring)."""
+    mesh, specs = plan_stages(graph, plan)
+    mesh, eff = calibrated(mesh, None, None)
+    memo = PriceCache.of(None, graph, mesh, eff, _dtype(plan.precision))
+    pipe = price_pipeline(graph, mesh, specs, global_batch=plan.global_batch,
+                          micro_batch=plan.micro_batch_size, virtual=plan.virtual, efficiencies=eff,
+                          attention="flash", memo=memo, whole_sends=True)
+    crossing = [poly_at(p, 1) for p in memo.crossing(memo.split(specs), specs, crossing_bytes)]
+    element = 4 if plan.precision == Precision.FP32 else 2
+    world = {"pp": len(pipe.devices), "dp": specs[0].dp, "cp": specs[0].cp, "tp": specs[0].tp}
+    ranks = []
+    for chunks in pipe.devices:
+        found: dict[tuple, float] = {}
+        spec = specs[chunks[0]]
+        for c in chunks:
+            _tensor_parallel(found, pipe.chunks[c].tensor_moved, spec.tp, pipe)
+            _context_parallel(found, graph, memo, specs, c, pipe)
+        _pipeline(found, crossing, specs, chunks, pipe)
+        _data_parallel(found, sum(pipe.chunks[c].params for c in chunks), spec, plan.schedule,
+                       pipe.micro_batches, element)
+        _add(found, "all_reduce", _axis_name(world), _size(world), 8.0)
+        ranks.append([{"kind": kind, "axis": axis, "group_size": size, "sent_bytes": int(sent)}
+                      for (kind, axis, size), sent in found.items()])
+    return ranks
+
+
+def _dtype(precision: str) -> str:
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}[precision]
+
+
+def _add(found: dict, kind: str, axis: str, size: int, payload: float) -> None:
+    """Count one collective's bytes sent by this rank: `payload` the whole tensor gathered,
+    reduced or moved (module docstring)."""
+    if size < 2 or not payload:
+        return
+    share = {"all_reduce": 2 * (size - 1) / size, "send": 1.0}.get(kind, (size - 1) / size)
+    found[kind, axis, size] = found.get((kind, axis, size), 0.0) + share * payload
+
+
+def _tensor_parallel(found: dict, moved: dict, tp: int, pipe) -> None:
+    for (kind, per_sample), nbytes in moved.items():
+        _add(found, kind, "tp", tp, nbytes * (pipe.samples if per_sample else 1) * pipe.micro_batches)
+
+
+def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, c: int, pipe) -> None:
+    """Ring: cp - 1 K/V blocks passed on in the forward, blocks and their gradients (twice as
+    many) in the backward; all-to-all: q, k + v and the output swapped forward and backward."""
+    spec = specs[c]
+    if spec.cp < 2:
+        return
+    layout, owner = memo.layout(spec), memo.split(specs).owner
+    for name, (query, kv, output) in attention_bytes(graph, layout).items():
+        if owner[layout.index[name]] != c:
+            continue
+        per_step = pipe.samples * pipe.micro_batches
+        if spec.cp_kind == ContextParallel.RING:
+            _add(found, "send", "cp", spec.cp, 3 * (spec.cp - 1) * kv * per_step)
+        else:
+            swapped = (query + kv + output) * spec.cp * per_step
+            _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)
+
+
+def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> None:
+    """Each chunk sends its outputs forward and its inputs' gradients back, each value whole
+    from every tensor-parallel rank, a sequence-split one gathered first: by the sender in the
+    forward, by the receiver for the gradient it sends back (cost/traffic.py, `add_sends`)."""
+    last = len(specs) - 1
+    for c in chunks:
+        spec = specs[c]
+        gathered = _gathered(spec)
+        out = crossing[c] * gathered if c < last else 0.0
+        back = crossing[c - 1] * _gathered(specs[c - 1]) if c > 0 else 0.0
+        per_step = pipe.samples * pipe.micro_batches
+        _add(found, "send", "pp", len(pipe.devices), (out + back) * per_step)
+        if gathered > 1:
+            _add(found, "all_gather", "tp", spec.tp, (out + back) * per_step)
+
+
+def _gathered(spec) -> int:
+    """How many of a rank's shares of a boundary value it sends: a sequence-split stream whole."""
+    return spec.tp if spec.sequence_parallel and spec.tp > 1 else 1
+
+
+def _data_parallel(found: dict, params: float, spec, schedule: str, m: int, element: int) -> None:
+    """Gradients reduced in fp32 over the dp x cp ranks holding the same weights; ZeRO's
+    gathers of the weights in the compute dtype (module docstring)."""
+    size = spec.dp * spec.cp
+    axis = "+".join(name for name, n in (("dp", spec.dp), ("cp", spec.cp)) if n > 1)
+    gradients = params * 4
+    if spec.zero == 0:
+        _add(found, "all_reduce", axis, size, gradients)
+        return
+    reductions = m if reduces_every_micro_batch(spec.zero, schedule) else 1
+    _add(found, "reduce_scatter", axis, size, reductions * gradients)
+    gathers = 1 if spec.zero < 3 or keeps_weights_gathered(spec.zero, schedule) else 2 * m
+    _add(found, "all_gather", axis, size, gathers * params * element)
+
+
+def _axis_name(world: dict) -> str:
+    return "+".join(axis for axis in _AXES if world[axis] > 1) or "self"
+
+
+def _size(world: dict) -> int:
+    size = 1
+    for n in world.values():
+        size *= n
+    return size
+
