@@ -64,10 +64,11 @@ def _dtype(precision: str) -> str:
 
 def _add(found: dict, kind: str, axis: str, size: int, payload: float) -> None:
     """Count one collective's bytes sent by this rank: `payload` the whole tensor gathered,
-    reduced or moved (module docstring)."""
+    reduced or moved (an all-to-all's input is the rank's 1/size of it: module docstring)."""
     if size < 2 or not payload:
         return
-    share = {"all_reduce": 2 * (size - 1) / size, "send": 1.0}.get(kind, (size - 1) / size)
+    share = {"all_reduce": 2 * (size - 1) / size, "send": 1.0,
+             "all_to_all": (size - 1) / size**2}.get(kind, (size - 1) / size)
     found[kind, axis, size] = found.get((kind, axis, size), 0.0) + share * payload
 
 

@@ -88,19 +88,34 @@ class WeightBackwardStage(PipelineStage):
     group's 16-bit gradients into its fp32 accumulated gradients in the group's post-backward
     hook, which fires with the input backward; a zero-bubble schedule computes the weight
     gradients later, so each stayed beside its fp32 accumulation until the next micro-batch's
-    input backward: 2 more bytes a parameter on every rank. Folding them right after the
-    weight backward does the same additions in the same order, holding one copy (as the
-    estimator prices: cost/memory.py)."""
+    input backward: 2 more bytes a parameter on every rank, and the whole chunk's at the end of
+    each weight backward. Folding each weight's gradient as soon as its group has made it does
+    the same additions in the same order, holding one group's 16-bit gradients at a time (as
+    the estimator prices: cost/memory.py)."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "weight":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        result = None
+        for group in bwd_kwargs["param_groups"]:
+            result = super().backward_maybe_with_nosync(
+                "weight", {**bwd_kwargs, "param_groups": [group]}, last_backward)
+            self._fold_gradients()
+        return result
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        for module in self.submod.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    param.accumulate_unsharded_grad_if_needed()
-                    param.to_accumulated_grad_if_needed()
+        self._fold_gradients()     # the first stage's weight backward is a whole backward
+
+    def _fold_gradients(self) -> None:
+        if not hasattr(self, "_fsdp_params"):      # the stage's FSDP parameters, found once
+            self._fsdp_params = [param for module in self.submod.modules()
+                                 if isinstance(module, FSDPModule)
+                                 for group in module._get_fsdp_state()._fsdp_param_groups
+                                 for param in group.fsdp_params]
+        for param in self._fsdp_params:
+            param.accumulate_unsharded_grad_if_needed()
+            param.to_accumulated_grad_if_needed()
 
 
 def build_schedule(plan: Plan, stage_rank: list[int], pp: int, modules: list[nn.Module],
