@@ -48,7 +48,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         spec = specs[chunks[0]]
         for c in chunks:
             _tensor_parallel(found, pipe.chunks[c].tensor_moved, spec.tp, pipe)
-            _context_parallel(found, graph, memo, specs, c, pipe)
+            _context_parallel(found, graph, memo, specs, c, pipe, element)
         _pipeline(found, crossing, specs, chunks, pipe)
         _data_parallel(found, sum(pipe.chunks[c].params for c in chunks), spec, plan.schedule,
                        pipe.micro_batches, element)
@@ -77,9 +77,12 @@ def _tensor_parallel(found: dict, moved: dict, tp: int, pipe) -> None:
         _add(found, kind, "tp", tp, nbytes * (pipe.samples if per_sample else 1) * pipe.micro_batches)
 
 
-def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, c: int, pipe) -> None:
-    """Ring: cp - 1 K/V blocks passed on in the forward, blocks and their gradients (twice as
-    many) in the backward; all-to-all: q, k + v and the output swapped forward and backward."""
+def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, c: int, pipe,
+                      element: int) -> None:
+    """Ring (autopar's, passes/context_attention.py): cp - 1 hops of the K/V block (the kv heads,
+    in the compute dtype) in the forward, cp hops of the block and its fp32 gradients in the
+    backward (the last brings them home); all-to-all: q, k + v and the output swapped forward
+    and backward."""
     spec = specs[c]
     if spec.cp < 2:
         return
@@ -89,7 +92,8 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
             continue
         per_step = pipe.samples * pipe.micro_batches
         if spec.cp_kind == ContextParallel.RING:
-            _add(found, "send", "cp", spec.cp, 3 * (spec.cp - 1) * kv * per_step)
+            hops = (spec.cp - 1) * kv + spec.cp * (kv + kv * 4 / element)
+            _add(found, "send", "cp", spec.cp, hops * per_step)
         else:
             swapped = (query + kv + output) * spec.cp * per_step
             _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)

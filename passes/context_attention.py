@@ -128,15 +128,16 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, tensor: torch.Tensor):
-        """Send `tensor` to the next rank and receive the previous rank's; (works, received)."""
-        received = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
-                                        dist.P2POp(dist.irecv, received, self.previous, self.group)])
+    def start(self, *tensors: torch.Tensor):
+        """Send `tensors` to the next rank and receive the previous rank's; (works, received)."""
+        received = [torch.empty_like(tensor) for tensor in tensors]
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, tensor, self.next, self.group) for tensor in tensors]
+            + [dist.P2POp(dist.irecv, into, self.previous, self.group) for into in received])
         return works, received
 
     @staticmethod
-    def finish(pending) -> torch.Tensor:
+    def finish(pending) -> list[torch.Tensor]:
         works, received = pending
         for work in works:
             work.wait()
@@ -154,50 +155,61 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, group, causal: bool, scale: float):
         ring = _Ring(group)
         dtype, chunk = query.dtype, query.shape[-2] // 2
-        query, key, value = (t.float().contiguous() for t in (query, key, value))
+        query = query.float().contiguous()
         heads = query.shape[-3] // key.shape[-3]
-        block = torch.cat([key, value], dim=-1)     # one message per hop
+        # one message per hop, in the dtype attention reads them in (autocast's, where it is on:
+        # a model may compute them in fp32, as rotary tables make Llama's), computed on in fp32
+        block = torch.cat([key, value], dim=-1).to(_attention_dtype(key))
         out = lse = None
         for step in range(ring.size):
             pending = ring.start(block) if step < ring.size - 1 else None
             rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
-            k, v = (_repeat_heads(t[..., cols, :], heads).contiguous()
+            k, v = (_repeat_heads(t[..., cols, :].float(), heads).contiguous()
                     for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
             part, part_lse = _attend(query[..., rows, :], k, v, diagonal, scale, kernel=query.device.type == "cpu")
             out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
             if pending is not None:
-                block = ring.finish(pending)
+                [block] = ring.finish(pending)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.settings = (group, causal, scale, dtype)
+        ctx.settings = (group, causal, scale, dtype, block.dtype)
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        group, causal, scale, dtype = ctx.settings
+        group, causal, scale, dtype, sent = ctx.settings
         ring = _Ring(group)
         chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
         grad_out = grad_out.float().contiguous()
         sizes = [key.shape[-1], value.shape[-1]]
-        # each block travels with its gradients so far: [K, V, dK, dV]
-        block = torch.cat([key, value, torch.zeros_like(key), torch.zeros_like(value)], dim=-1)
+        # each block travels with its gradients so far: [K, V] as the forward sent them, [dK, dV]
+        # in fp32
+        block = torch.cat([key, value], dim=-1).to(sent)
+        grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         grad_query = torch.zeros_like(query)
         for step in range(ring.size):
-            k, v, grad_k, grad_v = block.split(sizes + sizes, dim=-1)
+            k, v = block.split(sizes, dim=-1)
+            grad_k, grad_v = grads.split(sizes, dim=-1)
             rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
             parts = _attend_backward(
                 grad_out[..., rows, :], query[..., rows, :],
-                _repeat_heads(k[..., cols, :], heads).contiguous(),
-                _repeat_heads(v[..., cols, :], heads).contiguous(),
+                _repeat_heads(k[..., cols, :].float(), heads).contiguous(),
+                _repeat_heads(v[..., cols, :].float(), heads).contiguous(),
                 out[..., rows, :].contiguous(), lse[..., rows].contiguous(), diagonal, scale,
                 kernel=query.device.type == "cpu")
             grad_query[..., rows, :] += parts[0]
-            grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `block`: in place
+            grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `grads`: in place
             grad_v[..., cols, :] += _fold_heads(parts[2], heads)
-            block = ring.finish(ring.start(torch.cat([k, v, grad_k, grad_v], dim=-1)))
+            block, grads = ring.finish(ring.start(block, grads))
         # after cp hops every block, with all of its gradients, is back on the rank that owns it
-        _, _, grad_key, grad_value = block.split(sizes + sizes, dim=-1)
-        return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None, None
+        grad_key, grad_value = grads.split(sizes, dim=-1)
+        return grad_query.to(dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None
+
+
+def _attention_dtype(key: torch.Tensor) -> torch.dtype:
+    """The dtype scaled_dot_product_attention would read `key` in: autocast's where it is on."""
+    device = key.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key.dtype
 
 
 def ring_attention(query, key, value, group, *, causal: bool, scale: float | None = None):

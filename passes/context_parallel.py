@@ -315,10 +315,40 @@ def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProg
                     stage.cp_kind, target.cp_group, causal=causal, scale=scale,
                     returns_lse=returns_lse))
                 node.op, node.target, node.kwargs = "call_module", name, {}
-                node.args = node.args[:3]
+                # the ring passes the kv heads; all-to-all splits heads over the cp ranks,
+                # which must then divide the heads it is given (the repeated ones, as planned)
+                ring = stage.cp_kind == "ring"
+                node.args = (node.args[0], *(before_repeat(value) if ring else value
+                                             for value in node.args[1:3]))
+        graph_module.graph.eliminate_dead_code()       # the repeats the attention no longer reads
         graph_module.graph.lint()
         graph_module.recompile()
     return program
+
+
+_REPEAT_STEPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+                 aten.clone.default, aten.expand.default}
+
+
+def before_repeat(value: fx.Node) -> fx.Node:
+    """The keys or values an attention call reads, before grouped-query attention repeated their
+    heads (`x[:, :, None].expand(b, kv, g, s, d).reshape(b, kv * g, s, d)`, as Llama and
+    HuggingFace's repeat_kv write it): the ring then passes the kv heads, g times fewer bytes,
+    and ContextParallelAttention repeats them on arrival, each g times in a row as here. The
+    value itself where it was not repeated so."""
+    node = value
+    while node.op == "call_function" and node.target in _REPEAT_STEPS:
+        if node.target is aten.expand.default:
+            source = node.args[0]
+            if source.op != "call_function" or source.target is not aten.unsqueeze.default \
+                    or source.args[1] != 2 or not isinstance(source.args[0], fx.Node):
+                return value
+            kept, whole = source.args[0].meta["val"].shape, value.meta["val"].shape
+            repeated = len(kept) == 4 and len(whole) == 4 and whole[1] % kept[1] == 0 and \
+                (kept[0], kept[2], kept[3]) == (whole[0], whole[2], whole[3])
+            return source.args[0] if repeated else value
+        node = node.args[0]
+    return value
 
 
 def _chunks(split: SequenceSplit, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:

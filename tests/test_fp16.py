@@ -319,3 +319,14 @@ def test_zero_bubble_data_parallel_stages_fold_16_bit_gradients_as_they_are_made
     found = ranks[0]["pp x dp"]
     assert max(found["differences"]) < 1e-3, found["differences"]    # the bf16 bound above
     assert found["stage_class"] == "WeightBackwardStage"
+
+
+@pytest.mark.multiprocess
+def test_ring_attention_passes_16_bit_blocks_and_trains_like_one_process():
+    """The ring passes the keys and values as they come (16 bits under mixed precision, the kv
+    heads before grouped-query attention repeats them) and their gradients in fp32; it computes
+    in fp32. It had passed every block in fp32 after the repeat (a Llama 70B rank sent 16x the
+    bytes). Training still tracks one process under autocast."""
+    forms = {"cp2": Config(cp=2, global_batch=BATCH, micro_batch=BATCH)}
+    ranks = autopar.launch(train_mixed, 2, forms, "bf16", ROTARY, timeout=300)
+    assert max(ranks[0]["cp2"]["differences"]) < 1e-3, ranks[0]["cp2"]["differences"]

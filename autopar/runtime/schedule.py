@@ -30,9 +30,10 @@ class MicroBatchLoop:
     the arguments of torch's schedules' `step` and gives the same gradients: the mean over
     micro-batches (torch's schedules scale the sum by 1/n after the backward)."""
 
-    def __init__(self, module: nn.Module, n: int, loss_fn, *, reduce_every: bool = False):
+    def __init__(self, module: nn.Module, n: int, loss_fn, *, reduce_every: bool = False,
+                 keep_gathered: bool = False):
         self.module, self.n, self.loss_fn = module, n, loss_fn
-        self.reduce_every = reduce_every
+        self.reduce_every, self.keep_gathered = reduce_every, keep_gathered
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list,
              return_outputs: bool = False):
@@ -43,6 +44,8 @@ class MicroBatchLoop:
             if isinstance(self.module, FSDPModule):
                 # accumulated whole until the last micro-batch, or reduced every one (module doc)
                 self.module.set_requires_gradient_sync(self.reduce_every or index == self.n - 1)
+                if self.keep_gathered:    # ZeRO-1/2 gather the weights once a step, as a pipeline
+                    self.module.set_reshard_after_backward(index == self.n - 1)   # stage does
             loss = self.loss_fn(self.module(*micro), micro_target)
             (loss / self.n).backward()
             losses.append(loss.detach())
@@ -123,8 +126,10 @@ def build_schedule(plan: Plan, stage_rank: list[int], pp: int, modules: list[nn.
     """The schedule for this rank's stages (`modules`, and their PipelineStages when pp > 1)."""
     n = plan.micro_batches
     if len(plan.stages) == 1:
+        zero = plan.stages[0].zero
         return MicroBatchLoop(modules[0], n, loss_fn,
-                              reduce_every=reduces_every_micro_batch(plan.stages[0].zero, plan.schedule))
+                              reduce_every=reduces_every_micro_batch(zero, plan.schedule),
+                              keep_gathered=0 < zero < 3)
     v_shape = _is_v_shape(stage_rank, pp)
     error = schedule_error(plan.schedule, pp, n, len(stages), v_shape)
     if error:
