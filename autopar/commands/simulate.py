@@ -48,9 +48,9 @@ def run(args) -> int:
             status.update(f"simulating rank {rank} ({done + 1}/{total}): one step of "
                           f"{plan.micro_batches} micro-batches")
 
+        predicted = plan_collectives(graph, plan)       # before the long part: it may refuse
         runs = simulate_ranks(model, plan, ranks, example_inputs=inputs, targets=inputs[0],
                               loss_fn=lm_loss, graph=graph, progress=progress)
-    predicted = plan_collectives(graph, plan)
     reports = [rank_report(plan, run, predicted) for run in runs]
     for r in reports:
         console.print(f"rank {r.rank} simulated in {r.seconds:.0f} s")
