@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
-from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, stage_backward,
+                                                    stage_backward_weight)
 
 from autopar.plans.zero import reduces_every_micro_batch
 from autopar.errors import PlanMismatchError
@@ -97,12 +98,17 @@ class WeightBackwardStage(PipelineStage):
     the estimator prices: cost/memory.py)."""
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type != "weight":
+        if backward_type != "weight" or not bwd_kwargs["param_groups"]:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        result = None
-        for group in bwd_kwargs["param_groups"]:
-            result = super().backward_maybe_with_nosync(
-                "weight", {**bwd_kwargs, "param_groups": [group]}, last_backward)
+        first, *rest = bwd_kwargs["param_groups"]
+        # the first group as torch runs it (which also sets FSDP up for a backward), then each
+        # other group on its own weights, as torch's stage_backward_weight does in its loop
+        result = super().backward_maybe_with_nosync(
+            "weight", {**bwd_kwargs, "param_groups": [first]}, last_backward)
+        self._fold_gradients()
+        weights = {_get_grad_fn_or_grad_acc(w): w for w in self.submod.parameters()}
+        for group in rest:
+            stage_backward_weight(iter([weights[node] for node in group["params"]]), [group])
             self._fold_gradients()
         return result
 
