@@ -76,7 +76,7 @@ from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
 # at the device's FP8 rate where it has one, plus the casts (cost/chunk_price.py); activations,
 # model states and traffic as bf16's.
-_ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
+ACTIVATION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
 _PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 DISPATCHES = ("all-to-all", "deduplicated")
 
@@ -156,7 +156,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     pays for each part once; results are the same with or without it. `precision` "bf16" or
     "fp16" (mixed precision, the same bytes) or "fp32": the bytes of activations, model states and
     data-parallel traffic, and the FLOP/s of the device's matmuls in that dtype; by default what
-    the device trains in (bf16 on GPUs, fp32 on CPUs); "fp8": see _ACTIVATION_DTYPE.
+    the device trains in (bf16 on GPUs, fp32 on CPUs); "fp8": see ACTIVATION_DTYPE.
     `routing_imbalance`: the slowest rank's expert rows over the mean; `dispatch`: "all-to-all" or "deduplicated"
     (cost.experts.exchange_time); `overlap_exchange`: the experts' all-to-alls run behind
     another micro-batch's compute (Megatron-Core's 1F1B all-to-all overlap, DualPipe), showing
@@ -206,12 +206,12 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
 def _price_cache(cache: dict | None, graph: Graph, mesh: Mesh, eff: Efficiencies, precision: str,
                  routing_imbalance: float, dispatch: str) -> PriceCache:
     """What the estimator's calls on this graph, mesh and precision share (price_cache.py)."""
-    if precision not in _ACTIVATION_DTYPE:
-        raise AutoparError(f"precision {precision!r} is not one of {', '.join(_ACTIVATION_DTYPE)}")
+    if precision not in ACTIVATION_DTYPE:
+        raise AutoparError(f"precision {precision!r} is not one of {', '.join(ACTIVATION_DTYPE)}")
     gemm_dtype = "float8" if precision == "fp8" and "float8" in mesh.device.peak_flops else ""
     if dispatch not in DISPATCHES:
         raise AutoparError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCHES)}")
-    return PriceCache.of(cache, graph, mesh, eff, _ACTIVATION_DTYPE[precision], routing_imbalance,
+    return PriceCache.of(cache, graph, mesh, eff, ACTIVATION_DTYPE[precision], routing_imbalance,
                          gemm_dtype, dispatch)
 
 
@@ -311,13 +311,18 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples)
 
 
+def whole_value_shares(spec: StageSpec) -> int:
+    """How many of a rank's shares of a boundary value it sends or receives when values cross
+    whole (`Runtime.whole_stage_sends`): a sequence-split stream is gathered over tp first."""
+    return spec.tp if spec.sequence_parallel and spec.tp > 1 else 1
+
+
 def _received(crossing: list[dict], stages: list[StageSpec], whole: bool) -> list[dict]:
     """Per chunk, the bytes per sample it receives ({power of the sequence: bytes}): its inputs
     from the chunk before, and the gradients of what it sends to the chunk after. `whole`: every
     tensor-parallel rank receives a sequence-split stream whole (cost/traffic.py, add_sends)."""
     def value(c: int) -> dict:
-        spec = stages[c]
-        gathered = spec.tp if whole and spec.sequence_parallel and spec.tp > 1 else 1
+        gathered = whole_value_shares(stages[c]) if whole else 1
         return {power: size * gathered for power, size in crossing[c].items()}
     received: list[dict] = [{} for _ in stages]
     for c in range(len(stages) - 1):

@@ -17,9 +17,12 @@ mixture-of-experts exchanges, and the ring of a recomputed attention's second fo
 
 from __future__ import annotations
 
+import math
+
 from autopar.cost.calibration import calibrated
 from autopar.cost.context import attention_bytes
-from autopar.cost.estimator import crossing_bytes, price_pipeline
+from autopar.cost.estimator import (ACTIVATION_DTYPE, crossing_bytes, price_pipeline,
+                                    whole_value_shares)
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import poly_at
@@ -27,7 +30,8 @@ from autopar.graph import Graph
 from autopar.plans.vocabulary import ContextParallel, Precision
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 
-_AXES = ("pp", "dp", "cp", "tp")       # the order autopar.simulate.groups names groups in
+# the order autopar.simulate.groups names groups in (cost sits below the simulator: not imported)
+_AXES = ("pp", "dp", "cp", "tp")
 
 
 def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
@@ -35,7 +39,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
     "sent_bytes"}, summed by kind and group (module docstring)."""
     mesh, specs = plan_stages(graph, plan)
     mesh, eff = calibrated(mesh, None, None)
-    memo = PriceCache.of(None, graph, mesh, eff, _dtype(plan.precision))
+    memo = PriceCache.of(None, graph, mesh, eff, ACTIVATION_DTYPE[plan.precision])
     pipe = price_pipeline(graph, mesh, specs, global_batch=plan.global_batch,
                           micro_batch=plan.micro_batch_size, virtual=plan.virtual, efficiencies=eff,
                           attention="flash", memo=memo, whole_sends=True)
@@ -52,14 +56,10 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         _pipeline(found, crossing, specs, chunks, pipe)
         _data_parallel(found, sum(pipe.chunks[c].params for c in chunks), spec, plan.schedule,
                        pipe.micro_batches, element)
-        _add(found, "all_reduce", _axis_name(world), _size(world), 8.0)
+        _add(found, "all_reduce", _axis_name(world), math.prod(world.values()), 8.0)
         ranks.append([{"kind": kind, "axis": axis, "group_size": size, "sent_bytes": int(sent)}
                       for (kind, axis, size), sent in found.items()])
     return ranks
-
-
-def _dtype(precision: str) -> str:
-    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}[precision]
 
 
 def _add(found: dict, kind: str, axis: str, size: int, payload: float) -> None:
@@ -106,18 +106,13 @@ def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> N
     last = len(specs) - 1
     for c in chunks:
         spec = specs[c]
-        gathered = _gathered(spec)
+        gathered = whole_value_shares(spec)
         out = crossing[c] * gathered if c < last else 0.0
-        back = crossing[c - 1] * _gathered(specs[c - 1]) if c > 0 else 0.0
+        back = crossing[c - 1] * whole_value_shares(specs[c - 1]) if c > 0 else 0.0
         per_step = pipe.samples * pipe.micro_batches
         _add(found, "send", "pp", len(pipe.devices), (out + back) * per_step)
         if gathered > 1:
             _add(found, "all_gather", "tp", spec.tp, (out + back) * per_step)
-
-
-def _gathered(spec) -> int:
-    """How many of a rank's shares of a boundary value it sends: a sequence-split stream whole."""
-    return spec.tp if spec.sequence_parallel and spec.tp > 1 else 1
 
 
 def _data_parallel(found: dict, params: float, spec, schedule: str, m: int, element: int) -> None:
@@ -139,9 +134,4 @@ def _axis_name(world: dict) -> str:
     return "+".join(axis for axis in _AXES if world[axis] > 1) or "self"
 
 
-def _size(world: dict) -> int:
-    size = 1
-    for n in world.values():
-        size *= n
-    return size
 
