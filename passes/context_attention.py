@@ -10,13 +10,16 @@ as many earlier keys to attend to). `chunk_positions` gives a rank's positions.
   neighbours, started before the block's compute and waited for after it). With the load-balanced
   chunks each step is one unmasked rectangle of the block or its own causal block (`_pairs`), the
   same work on every rank, computed by CPU flash attention's kernel where the ranks are CPUs.
+  Under a sliding window (`window`) each block is masked by its pairs' true positions, and a
+  block no query of this rank can see is passed on without being computed.
   Blocks are merged with the online softmax (a running log-sum-exp per query row), so only one
   remote block is held at a time. Its backward passes each K/V block around again with the gradients of that block
   accumulated on the way, as flash attention's backward computes them from the forward's
   output and log-sum-exp; one last hop brings every block's gradients home.
 - `ulysses_attention` (DeepSpeed-Ulysses): an all-to-all swaps the sequence split of q, k and v
   for a split of the heads, every rank attends over the whole sequence for its heads (the
-  chunks in rank order, masked by their true positions), and an all-to-all swaps back.
+  chunks put in position order, attended causally or over the sliding window), and an
+  all-to-all swaps back.
 
 Both take plain tensors [batch, heads, tokens, head_dim] of this rank's 2 chunks and compute in
 fp32, on any backend (gloo's send and receive, NCCL's). `ContextParallelAttention` is the module
@@ -71,34 +74,51 @@ def _pairs(rank: int, source: int, chunk: int, causal: bool) -> tuple[slice, sli
     return slice(chunk, None), slice(None), False
 
 
-def _attend(query, key, value, causal: bool, scale: float, kernel: bool):
-    """(output, log-sum-exp per query row) of one block, fp32: with `kernel`, CPU flash
-    attention's (nothing of size queries x keys is kept), plain products otherwise."""
-    if kernel:
+def _block(ring: "_Ring", step: int, chunk: int, causal: bool, window: int | None, device):
+    """(rows, cols, mask) of this rank's step `step` in the ring: the query rows and key columns
+    of the block in hand that meet, and `_attend`'s mask over them (None where none meet:
+    nothing to compute). With a sliding window the pairs are masked by their true positions: each query sees
+    the keys within `window` before it."""
+    if window is None:
+        return _pairs(ring.rank, ring.source(step), chunk, causal)
+    queries = chunk_positions(ring.rank, ring.size, chunk, device).unsqueeze(1)
+    keys = chunk_positions(ring.source(step), ring.size, chunk, device).unsqueeze(0)
+    mask = (keys <= queries) & (keys > queries - window)
+    return slice(None), slice(None), mask if bool(mask.any()) else None
+
+
+def _attend(query, key, value, mask, scale: float, kernel: bool):
+    """(output, log-sum-exp per query row) of one block, fp32. `mask`: True for causal, False
+    for none, or which keys each query sees (a sliding window's block; a row that sees none
+    gives 0 and a log-sum-exp of -inf, which the merge weighs 0). With `kernel`, CPU flash
+    attention's (nothing of size queries x keys is kept), plain products otherwise or masked."""
+    if kernel and isinstance(mask, bool):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, scale=scale)
+            query, key, value, 0.0, mask, scale=scale)
         return out, lse
-    scores = _scores(query, key, causal, scale)
+    scores = _scores(query, key, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value), lse
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)
+    return torch.matmul(torch.exp(scores - finite.unsqueeze(-1)), value), lse
 
 
-def _scores(query, key, causal: bool, scale: float):
+def _scores(query, key, mask, scale: float):
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    if causal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is True:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if mask is not False:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return scores
 
 
-def _attend_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float,
-                     kernel: bool):
+def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, kernel: bool):
     """(dq, dk, dv) of one block given the whole attention's output and log-sum-exp (flash
-    attention's backward: what the block contributed to them); `kernel` as for `_attend`."""
-    if kernel:
+    attention's backward: what the block contributed to them); `mask` and `kernel` as for
+    `_attend`."""
+    if kernel and isinstance(mask, bool):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
-    probs = torch.exp(_scores(query, key, causal, scale) - lse.unsqueeze(-1))
+            grad_out, query, key, value, out, lse, 0.0, mask, scale=scale)
+    probs = torch.exp(_scores(query, key, mask, scale) - lse.unsqueeze(-1))
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_scores = probs * (torch.matmul(grad_out, value.transpose(-1, -2)) - delta)
     return (torch.matmul(grad_scores, key) * scale,
@@ -152,7 +172,7 @@ class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries over every rank's keys and values, passed around a ring."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, causal: bool, scale: float):
+    def forward(ctx, query, key, value, group, causal: bool, scale: float, window: int | None):
         ring = _Ring(group)
         dtype, chunk = query.dtype, query.shape[-2] // 2
         query = query.float().contiguous()
@@ -163,21 +183,23 @@ class RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(ring.size):
             pending = ring.start(block) if step < ring.size - 1 else None
-            rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
-            k, v = (_repeat_heads(t[..., cols, :].float(), heads).contiguous()
-                    for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
-            part, part_lse = _attend(query[..., rows, :], k, v, diagonal, scale, kernel=query.device.type == "cpu")
-            out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
+            rows, cols, mask = _block(ring, step, chunk, causal, window, query.device)
+            if mask is not None:
+                k, v = (_repeat_heads(t[..., cols, :].float(), heads).contiguous()
+                        for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
+                part, part_lse = _attend(query[..., rows, :], k, v, mask, scale,
+                                         kernel=query.device.type == "cpu")
+                out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
             if pending is not None:
                 [block] = ring.finish(pending)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.settings = (group, causal, scale, dtype, block.dtype)
+        ctx.settings = (group, causal, scale, window, dtype, block.dtype)
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        group, causal, scale, dtype, sent = ctx.settings
+        group, causal, scale, window, dtype, sent = ctx.settings
         ring = _Ring(group)
         chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
         grad_out = grad_out.float().contiguous()
@@ -188,22 +210,31 @@ class RingAttention(torch.autograd.Function):
         grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         grad_query = torch.zeros_like(query)
         for step in range(ring.size):
-            k, v = block.split(sizes, dim=-1)
-            grad_k, grad_v = grads.split(sizes, dim=-1)
-            rows, cols, diagonal = _pairs(ring.rank, ring.source(step), chunk, causal)
-            parts = _attend_backward(
-                grad_out[..., rows, :], query[..., rows, :],
-                _repeat_heads(k[..., cols, :].float(), heads).contiguous(),
-                _repeat_heads(v[..., cols, :].float(), heads).contiguous(),
-                out[..., rows, :].contiguous(), lse[..., rows].contiguous(), diagonal, scale,
-                kernel=query.device.type == "cpu")
-            grad_query[..., rows, :] += parts[0]
-            grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `grads`: in place
-            grad_v[..., cols, :] += _fold_heads(parts[2], heads)
+            rows, cols, mask = _block(ring, step, chunk, causal, window, query.device)
+            if mask is not None:
+                _accumulate_block(block.split(sizes, dim=-1), grads.split(sizes, dim=-1), grad_query,
+                                  (grad_out, query, out, lse), rows, cols, mask, scale, heads)
             block, grads = ring.finish(ring.start(block, grads))
         # after cp hops every block, with all of its gradients, is back on the rank that owns it
         grad_key, grad_value = grads.split(sizes, dim=-1)
-        return grad_query.to(dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None
+        return (grad_query.to(dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
+                None, None, None, None)
+
+
+def _accumulate_block(block, grads, grad_query, saved, rows, cols, mask, scale, heads):
+    """Add one block's share of the gradients: of this rank's queries to `grad_query`, of the
+    block's keys and values to `grads` (views of the gradients travelling with the block)."""
+    (k, v), (grad_k, grad_v) = block, grads
+    grad_out, query, out, lse = saved
+    parts = _attend_backward(
+        grad_out[..., rows, :], query[..., rows, :],
+        _repeat_heads(k[..., cols, :].float(), heads).contiguous(),
+        _repeat_heads(v[..., cols, :].float(), heads).contiguous(),
+        out[..., rows, :].contiguous(), lse[..., rows].contiguous(), mask, scale,
+        kernel=query.device.type == "cpu")
+    grad_query[..., rows, :] += parts[0]
+    grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `grads`: in place
+    grad_v[..., cols, :] += _fold_heads(parts[2], heads)
 
 
 def _attention_dtype(key: torch.Tensor) -> torch.dtype:
@@ -212,13 +243,16 @@ def _attention_dtype(key: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key.dtype
 
 
-def ring_attention(query, key, value, group, *, causal: bool, scale: float | None = None):
-    """Attention of this rank's tokens (2 chunks) over the whole sequence by a ring over `group`."""
+def ring_attention(query, key, value, group, *, causal: bool, scale: float | None = None,
+                   window: int | None = None):
+    """Attention of this rank's tokens (2 chunks) over the whole sequence by a ring over `group`;
+    causal over the last `window` positions where `window` is given."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return RingAttention.apply(query, key, value, group, causal, scale)
+    return RingAttention.apply(query, key, value, group, causal, scale, window)
 
 
-def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | None = None):
+def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | None = None,
+                      window: int | None = None):
     """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim] (rank r's
     chunks r-th), the sequence put in position order, causal attention over it, and back."""
     size = dist.get_world_size(group)
@@ -229,8 +263,14 @@ def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | 
     order = torch.argsort(arrived)          # where each position arrived
     query, key, value = (t.index_select(-2, order) for t in (query, key, value))
     heads = query.shape[-3] // key.shape[-3]
+    mask = None
+    if window is not None:      # the sequence is in position order now
+        positions = torch.arange(query.shape[-2], device=query.device)
+        distance = positions.unsqueeze(1) - positions.unsqueeze(0)
+        mask, causal = (distance >= 0) & (distance < window), False
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, _repeat_heads(key, heads), _repeat_heads(value, heads), is_causal=causal, scale=scale)
+        query, _repeat_heads(key, heads), _repeat_heads(value, heads), attn_mask=mask,
+        is_causal=causal, scale=scale)
     out = out.index_select(-2, torch.argsort(order))     # back to the order they arrived in
     return _heads_to_sequence(out, group, size).to(dtype)
 
@@ -265,10 +305,11 @@ class ContextParallelAttention(nn.Module):
     callers read (output, log-sum-exp); only the output is ever read there."""
 
     def __init__(self, kind: str, group, *, causal: bool, scale: float | None,
-                 returns_lse: bool = False):
+                 returns_lse: bool = False, window: int | None = None):
         super().__init__()
         self.attend = KINDS[kind]
         self.group, self.causal, self.scale, self.returns_lse = group, causal, scale, returns_lse
+        self.window = window
 
     def forward(self, query, key, value):
         if isinstance(query, DTensor):
@@ -276,10 +317,11 @@ class ContextParallelAttention(nn.Module):
             placements = _local_heads(query, key, mesh.size())
             query, key, value = (t.redistribute(mesh, placements) for t in (query, key, value))
             out = self.attend(query.to_local(), key.to_local(), value.to_local(), self.group,
-                              causal=self.causal, scale=self.scale)
+                              causal=self.causal, scale=self.scale, window=self.window)
             out = DTensor.from_local(out, mesh, placements, run_check=False)
         else:
-            out = self.attend(query, key, value, self.group, causal=self.causal, scale=self.scale)
+            out = self.attend(query, key, value, self.group, causal=self.causal, scale=self.scale,
+                              window=self.window)
         return (out, None) if self.returns_lse else out
 
 

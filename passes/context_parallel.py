@@ -12,10 +12,11 @@ no slice, and the export leaves it out. Then:
 - positions: an `arange(0, L)` (a position embedding's ids, HuggingFace's cache positions) is
   rewritten into the rank's true positions, and a slice [0:L] of a table along a dim that is not
   the sequence's (Llama's rotary tables) into the slices of the rank's 2 chunks;
-- attention (scaled_dot_product_attention, causal or not, without a mask) runs over the cp group
-  as a ring or an all-to-all (the stage's `cp_kind`; context_attention.py);
+- attention (scaled_dot_product_attention, causal or not, without a mask or with autopar's
+  sliding-window mask, whose window it keeps) runs over the cp group as a ring or an all-to-all
+  (the stage's `cp_kind`; context_attention.py);
 - anything else that mixes tokens along the sequence refuses the split, naming the op and why: an
-  explicit attention mask (padding, sliding windows, masks the model builds), attention written
+  explicit attention mask (padding, masks the model builds), attention written
   as its own matmul and softmax, a reduction, cumulative op, convolution or batch norm over the
   sequence, a token selected from it (a pooler's first token); so does a model whose outputs do
   not keep the sequence on dim 1 (the targets are split there) or whose graph changes with the
@@ -38,6 +39,7 @@ import torch
 from torch import fx
 
 from autopar.errors import AutoparError
+from autopar.models.hf_attention import sliding_window_mask
 from autopar.passes.context_attention import ContextParallelAttention
 from autopar.passes.experts import token_wise_nodes
 from autopar.passes.program import PassTarget, StageProgram
@@ -45,6 +47,7 @@ from autopar.passes.program import PassTarget, StageProgram
 aten = torch.ops.aten
 ATTENTION = {aten.scaled_dot_product_attention.default: False,              # op -> returns lse
              aten._scaled_dot_product_flash_attention_for_cpu.default: True}
+SLIDING_WINDOW_MASK = sliding_window_mask._opoverload
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 # ops whose `dim` (or `dims`) argument names the dims they mix values along
 MIXING_AT_DIM = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
@@ -205,11 +208,14 @@ def _table_slice(node: fx.Node, seq: dict, length: int) -> bool:
     return True
 
 
-def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool]:
-    """(causal, scale, returns lse) of an attention call that the split can run."""
+def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool, int | None]:
+    """(causal, scale, returns lse, sliding window) of an attention call that the split can run."""
     returns_lse = ATTENTION[node.target]
     schema = [argument.name for argument in node.target._schema.arguments]
     given = {**dict(zip(schema, node.args)), **node.kwargs}
+    window = _sliding_window(given.get("attn_mask"))
+    if window is not None:
+        given["attn_mask"], given["is_causal"] = None, True
     if given.get("attn_mask") is not None:
         raise AutoparError(f"context parallelism: {_describe(node)} takes an explicit mask (padding "
                            f"from attention_mask, a sliding window, or a mask the model builds: "
@@ -226,7 +232,16 @@ def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool]:
         if seq.get(value.name) != frozenset({rank - 2}):
             raise AutoparError(f"context parallelism: the {name} of {_describe(node)} does not hold "
                                f"the sequence on its tokens' dim alone; use cp=1")
-    return bool(given.get("is_causal", False)), given.get("scale"), returns_lse
+    return bool(given.get("is_causal", False)), given.get("scale"), returns_lse, window
+
+
+def _sliding_window(mask) -> int | None:
+    """The window of a mask made by autopar's sliding_window_mask (autopar.models.hf_attention),
+    which the split computes from every token's true position; None for any other mask."""
+    if not isinstance(mask, fx.Node) or mask.target is not SLIDING_WINDOW_MASK:
+        return None
+    schema = [argument.name for argument in mask.target._schema.arguments]
+    return {**dict(zip(schema, mask.args)), **mask.kwargs}["window"]
 
 
 def _refuse_mixing(node: fx.Node, seq: dict) -> None:
@@ -309,11 +324,11 @@ def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProg
             elif mark[0] == TABLE:
                 _rewrite(graph_module, node, _table_rows(graph_module, node, split, target.cp_rank))
             elif mark[0] == ATTENTION_CALL:
-                causal, scale, returns_lse = mark[1:]
+                causal, scale, returns_lse, window = mark[1:]
                 name = f"context_{node.name}"
                 graph_module.add_submodule(name, ContextParallelAttention(
                     stage.cp_kind, target.cp_group, causal=causal, scale=scale,
-                    returns_lse=returns_lse))
+                    returns_lse=returns_lse, window=window))
                 node.op, node.target, node.kwargs = "call_module", name, {}
                 # the ring passes the kv heads; all-to-all splits heads over the cp ranks,
                 # which must then divide the heads it is given (the repeated ones, as planned)

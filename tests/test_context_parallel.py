@@ -68,28 +68,43 @@ def attention_errors(world):
     grad = torch.randn(2, 8, 16, 8, generator=generator)
     mine = chunk_positions(dist.get_rank(), world, 16 // (2 * world))
     errors = {}
+    # sliding windows shorter than a chunk, across chunks, and as long as the sequence
     for attend in (ring_attention, ulysses_attention):
-        for causal in (True, False):
+        for causal, window in ((True, None), (False, None), (True, 3), (True, 6), (True, 16)):
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             reference = torch.nn.functional.scaled_dot_product_attention(
-                *whole, is_causal=causal, enable_gqa=True)
+                *whole, attn_mask=window_mask(16, window), is_causal=causal and window is None,
+                enable_gqa=True)
             reference.backward(grad)
             local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-            out = attend(*local, dist.group.WORLD, causal=causal)
+            out = attend(*local, dist.group.WORLD, causal=causal, window=window)
             out.backward(grad[:, :, mine])
             differences = [(out - reference[:, :, mine]).abs().max()]
             differences += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, whole)]
-            errors[(attend.__name__, causal)] = max(d.item() for d in differences)
+            errors[(attend.__name__, causal, window)] = max(d.item() for d in differences)
     return errors
+
+
+def window_mask(length, window):
+    """Causal attention over the last `window` positions, written out (None: no window)."""
+    if window is None:
+        return None
+    distance = torch.arange(length).unsqueeze(1) - torch.arange(length).unsqueeze(0)
+    return (distance >= 0) & (distance < window)
 
 
 def on_two_ranks():
     return {"attention": attention_errors(2),
-            "cp2": train(LLAMA, {"cp2": Config(cp=2, global_batch=BATCH, micro_batch=2)})}
+            "cp2": train(LLAMA, {"cp2": Config(cp=2, global_batch=BATCH, micro_batch=2)}),
+            "sliding window": train_hf("mistral", {"cp2": Config(cp=2, global_batch=BATCH,
+                                                                 micro_batch=BATCH)})}
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
+    from autopar.models.hf_zoo import resolve
+
+    resolve(["mistral"])    # before forking: transformers imports its models lazily
     return autopar.launch(on_two_ranks, 2, timeout=240)
 
 
@@ -101,6 +116,12 @@ def test_ring_and_all_to_all_attention_match_one_process(two_ranks):
 
 def test_cp2_llama_trains_like_one_process(two_ranks, form_problems):
     assert form_problems([r["cp2"] for r in two_ranks], ("cp2", "none")) == []
+
+
+def test_sliding_window_attention_splits_over_the_sequence(two_ranks, form_problems):
+    """Mistral attends over a window of 8 of its 16 tokens: each rank's queries see the keys of
+    the window by their true positions, whichever rank holds them."""
+    assert form_problems([r["sliding window"] for r in two_ranks], ("cp2", "none")) == []
 
 
 def offloaded(forms):

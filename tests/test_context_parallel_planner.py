@@ -106,3 +106,26 @@ def test_all_to_all_needs_cp_to_divide_the_key_value_heads():
     with pytest.raises(AutoparError, match="2 key/value heads per rank do not divide by cp=4: use "
                                            "cp_kind='ring'"):
         autopar.estimate(graph, mesh, autopar.Config(cp=4, cp_kind="all-to-all", global_batch=8))
+
+
+def test_sliding_windows_keep_their_mask_and_plan_a_split():
+    """causal_sdpa computes what Mistral's own attention does over its window (8 of 16 tokens),
+    through autopar's window mask, which the planner knows it can split; a model whose attention
+    scaled_dot_product_attention cannot compute (GPT-OSS's sinks) is refused by name."""
+    pytest.importorskip("transformers")
+    from autopar.errors import AutoparError
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES
+
+    arch = ARCHITECTURES["mistral"]
+    ids, _ = arch.batch(4, torch.Generator().manual_seed(1))
+    windowed = causal_sdpa(arch.build())
+    assert torch.equal(windowed(ids).logits, arch.build()(ids).logits)
+    whole = arch.build()
+    whole.config.sliding_window = None
+    assert not torch.allclose(causal_sdpa(whole)(ids).logits, windowed(ids).logits)
+    graph = autopar.capture(windowed, (ids,))
+    assert any(node.target == "autopar.sliding_window_mask.default" for node in graph.nodes)
+    autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), autopar.Config(cp=4, global_batch=4))
+    with pytest.raises(AutoparError, match="GPT-OSS's sinks.*use cp=1"):
+        causal_sdpa(ARCHITECTURES["gpt-oss"].build())

@@ -170,17 +170,16 @@ def _train_case(arch_name: str, model_class, form: Form) -> tuple[str, str]:
 
 
 def _build(arch, model_class, form: Form):
-    """The architecture's model; under context parallelism a language model whose layers all
-    attend over the whole sequence runs attention without a traced mask (causal for a decoder,
-    bidirectional for an encoder: autopar.models.hf_attention.causal_sdpa, what a user splitting
-    its sequence does; it computes what the model computes without padding). Models with sliding
-    windows, encoder-decoders and image models keep their masks, which autopar refuses to split:
-    the table says so."""
+    """The architecture's model; under context parallelism a language model runs attention
+    without a traced mask (causal for a decoder, bidirectional for an encoder, over its sliding
+    windows where it has them: autopar.models.hf_attention.causal_sdpa, what a user splitting
+    its sequence does; it computes what the model computes without padding). Encoder-decoders
+    and image models keep their masks, which autopar refuses to split: the table says so."""
     from autopar.models.hf_attention import causal_sdpa
 
     model = arch.build(model_class)
     split = form.config is not None and form.config.cp > 1
-    plain = not (arch.encoder_decoder or arch.images or arch.sliding_window)
+    plain = not (arch.encoder_decoder or arch.images)
     return causal_sdpa(model) if split and plain else model
 
 
