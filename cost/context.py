@@ -35,8 +35,9 @@ from autopar.plans.vocabulary import ContextParallel
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 
-# autopar.models.hf_attention's mask of a sliding window, as the capture names its op
-SLIDING_WINDOW_MASK = "autopar.sliding_window_mask.default"
+# autopar.models.hf_attention's masks of a sliding window and of padding, as the capture names
+# their ops
+OWN_MASKS = ("autopar.sliding_window_mask.default", "autopar.padding_mask.default")
 
 # Ops through which a value reaches attention unchanged in content (grouped-query heads repeated
 # by expand + reshape, a copy): the K/V a ring passes are before them.
@@ -117,9 +118,10 @@ def sequence_split_error(graph: Graph) -> str | None:
     attention = [n for n in graph.nodes if op_family(n.target) == "attention"]
     if not attention:
         return "the model has no attention op to split over the sequence (scaled_dot_product_attention)"
-    # autopar's sliding-window mask is computed from true positions: the runtime splits it
+    # autopar's sliding-window and padding masks are computed from true positions: the runtime
+    # splits them
     masked = next((n for n in attention if len(n.inputs) > 3 and not any(
-        graph.node(name).target == SLIDING_WINDOW_MASK for name in n.inputs)), None)
+        graph.node(name).target in OWN_MASKS for name in n.inputs)), None)
     if masked is not None:
         return (f"its attention ({masked.name}) takes an explicit mask, which autopar cannot split "
                 f"over the sequence (autopar.models.hf_attention.causal_sdpa gives HuggingFace "

@@ -10,8 +10,9 @@ as many earlier keys to attend to). `chunk_positions` gives a rank's positions.
   neighbours, started before the block's compute and waited for after it). With the load-balanced
   chunks each step is one unmasked rectangle of the block or its own causal block (`_pairs`), the
   same work on every rank, computed by CPU flash attention's kernel where the ranks are CPUs.
-  Under a sliding window (`window`) each block is masked by its pairs' true positions, and a
-  block no query of this rank can see is passed on without being computed.
+  Under a sliding window (`window`) or padding (`keep`, every rank's gathered once a call)
+  each block is masked by its pairs' true positions, and a block no query of this rank can see
+  is passed on without being computed.
   Blocks are merged with the online softmax (a running log-sum-exp per query row), so only one
   remote block is held at a time. Its backward passes each K/V block around again with the gradients of that block
   accumulated on the way, as flash attention's backward computes them from the forward's
@@ -74,17 +75,30 @@ def _pairs(rank: int, source: int, chunk: int, causal: bool) -> tuple[slice, sli
     return slice(chunk, None), slice(None), False
 
 
-def _block(ring: "_Ring", step: int, chunk: int, causal: bool, window: int | None, device):
+def _block(ring: "_Ring", step: int, chunk: int, causal: bool, window: int | None, keeps, device):
     """(rows, cols, mask) of this rank's step `step` in the ring: the query rows and key columns
     of the block in hand that meet, and `_attend`'s mask over them (None where none meet:
-    nothing to compute). With a sliding window the pairs are masked by their true positions: each query sees
-    the keys within `window` before it."""
-    if window is None:
-        return _pairs(ring.rank, ring.source(step), chunk, causal)
+    nothing to compute). Under a sliding window or padding (`keeps`: every rank's [batch,
+    tokens] attention_mask, or None) the pairs are masked by their true positions: each query
+    sees the keys within `window` before it, and no padded key."""
+    source = ring.source(step)
+    if window is None and keeps is None:
+        return _pairs(ring.rank, source, chunk, causal)
     queries = chunk_positions(ring.rank, ring.size, chunk, device).unsqueeze(1)
-    keys = chunk_positions(ring.source(step), ring.size, chunk, device).unsqueeze(0)
-    mask = (keys <= queries) & (keys > queries - window)
+    keys = chunk_positions(source, ring.size, chunk, device).unsqueeze(0)
+    mask = _visible(queries, keys, causal, window, None if keeps is None else keeps[source])
     return slice(None), slice(None), mask if bool(mask.any()) else None
+
+
+def _visible(queries, keys, causal: bool, window: int | None, keep):
+    """Which keys each query sees, from their positions ([q, 1] and [1, k]): causally, within
+    the window, and where `keep` ([batch, k], or None) marks a real token ([batch, 1, q, k])."""
+    mask = torch.ones(queries.shape[0], keys.shape[1], dtype=torch.bool, device=queries.device)
+    if causal:
+        mask = mask & (keys <= queries)
+    if window is not None:
+        mask = mask & (keys > queries - window)
+    return mask if keep is None else mask & keep.bool()[:, None, None, :]
 
 
 def _attend(query, key, value, mask, scale: float, kernel: bool):
@@ -118,7 +132,8 @@ def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, 
     if kernel and isinstance(mask, bool):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, key, value, out, lse, 0.0, mask, scale=scale)
-    probs = torch.exp(_scores(query, key, mask, scale) - lse.unsqueeze(-1))
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)     # a query that sees no key at all
+    probs = torch.exp(_scores(query, key, mask, scale) - finite.unsqueeze(-1))
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_scores = probs * (torch.matmul(grad_out, value.transpose(-1, -2)) - delta)
     return (torch.matmul(grad_scores, key) * scale,
@@ -129,8 +144,9 @@ def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, 
 def _merge(out, lse, part, part_lse, rows: slice):
     """The running output and log-sum-exp with one more block's, on the rows that attended it."""
     merged = torch.logaddexp(lse[..., rows], part_lse)
-    mixed = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1) \
-        + part * torch.exp(part_lse - merged).unsqueeze(-1)
+    finite = merged.masked_fill(merged == float("-inf"), 0.0)   # rows that have seen no key yet
+    mixed = out[..., rows, :] * torch.exp(lse[..., rows] - finite).unsqueeze(-1) \
+        + part * torch.exp(part_lse - finite).unsqueeze(-1)
     if rows == slice(None):
         return mixed, merged
     start = rows.start
@@ -172,8 +188,10 @@ class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries over every rank's keys and values, passed around a ring."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, causal: bool, scale: float, window: int | None):
+    def forward(ctx, query, key, value, keep, group, causal: bool, scale: float,
+                window: int | None):
         ring = _Ring(group)
+        keeps = None if keep is None else _gathered(keep, group, ring.size)
         dtype, chunk = query.dtype, query.shape[-2] // 2
         query = query.float().contiguous()
         heads = query.shape[-3] // key.shape[-3]
@@ -183,7 +201,7 @@ class RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(ring.size):
             pending = ring.start(block) if step < ring.size - 1 else None
-            rows, cols, mask = _block(ring, step, chunk, causal, window, query.device)
+            rows, cols, mask = _block(ring, step, chunk, causal, window, keeps, query.device)
             if mask is not None:
                 k, v = (_repeat_heads(t[..., cols, :].float(), heads).contiguous()
                         for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
@@ -193,13 +211,13 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 [block] = ring.finish(pending)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.settings = (group, causal, scale, window, dtype, block.dtype)
+        ctx.settings = (group, causal, scale, window, keeps, dtype, block.dtype)
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        group, causal, scale, window, dtype, sent = ctx.settings
+        group, causal, scale, window, keeps, dtype, sent = ctx.settings
         ring = _Ring(group)
         chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
         grad_out = grad_out.float().contiguous()
@@ -210,7 +228,7 @@ class RingAttention(torch.autograd.Function):
         grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         grad_query = torch.zeros_like(query)
         for step in range(ring.size):
-            rows, cols, mask = _block(ring, step, chunk, causal, window, query.device)
+            rows, cols, mask = _block(ring, step, chunk, causal, window, keeps, query.device)
             if mask is not None:
                 _accumulate_block(block.split(sizes, dim=-1), grads.split(sizes, dim=-1), grad_query,
                                   (grad_out, query, out, lse), rows, cols, mask, scale, heads)
@@ -218,7 +236,15 @@ class RingAttention(torch.autograd.Function):
         # after cp hops every block, with all of its gradients, is back on the rank that owns it
         grad_key, grad_value = grads.split(sizes, dim=-1)
         return (grad_query.to(dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
+
+
+def _gathered(keep: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's [batch, tokens] attention_mask, by rank (one small all-gather a call)."""
+    keep = keep.to(torch.uint8).contiguous()
+    gathered = [torch.empty_like(keep) for _ in range(size)]
+    dist.all_gather(gathered, keep, group=group)
+    return gathered
 
 
 def _accumulate_block(block, grads, grad_query, saved, rows, cols, mask, scale, heads):
@@ -244,15 +270,16 @@ def _attention_dtype(key: torch.Tensor) -> torch.dtype:
 
 
 def ring_attention(query, key, value, group, *, causal: bool, scale: float | None = None,
-                   window: int | None = None):
+                   window: int | None = None, keep: torch.Tensor | None = None):
     """Attention of this rank's tokens (2 chunks) over the whole sequence by a ring over `group`;
-    causal over the last `window` positions where `window` is given."""
+    causal over the last `window` positions where `window` is given, to the keys `keep` (this
+    rank's [batch, tokens] attention_mask) marks real where it is given."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return RingAttention.apply(query, key, value, group, causal, scale, window)
+    return RingAttention.apply(query, key, value, keep, group, causal, scale, window)
 
 
 def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | None = None,
-                      window: int | None = None):
+                      window: int | None = None, keep: torch.Tensor | None = None):
     """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim] (rank r's
     chunks r-th), the sequence put in position order, causal attention over it, and back."""
     size = dist.get_world_size(group)
@@ -264,10 +291,11 @@ def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | 
     query, key, value = (t.index_select(-2, order) for t in (query, key, value))
     heads = query.shape[-3] // key.shape[-3]
     mask = None
-    if window is not None:      # the sequence is in position order now
+    if window is not None or keep is not None:      # the sequence is in position order now
         positions = torch.arange(query.shape[-2], device=query.device)
-        distance = positions.unsqueeze(1) - positions.unsqueeze(0)
-        mask, causal = (distance >= 0) & (distance < window), False
+        whole = None if keep is None else torch.cat(_gathered(keep, group, size), 1)[:, order]
+        mask = _visible(positions.unsqueeze(1), positions.unsqueeze(0), causal, window, whole)
+        causal = False
     out = torch.nn.functional.scaled_dot_product_attention(
         query, _repeat_heads(key, heads), _repeat_heads(value, heads), attn_mask=mask,
         is_causal=causal, scale=scale)
@@ -311,17 +339,19 @@ class ContextParallelAttention(nn.Module):
         self.group, self.causal, self.scale, self.returns_lse = group, causal, scale, returns_lse
         self.window = window
 
-    def forward(self, query, key, value):
+    def forward(self, query, key, value, keep=None):
+        if isinstance(keep, DTensor):
+            keep = keep.full_tensor()
         if isinstance(query, DTensor):
             mesh = query.device_mesh
             placements = _local_heads(query, key, mesh.size())
             query, key, value = (t.redistribute(mesh, placements) for t in (query, key, value))
             out = self.attend(query.to_local(), key.to_local(), value.to_local(), self.group,
-                              causal=self.causal, scale=self.scale, window=self.window)
+                              causal=self.causal, scale=self.scale, window=self.window, keep=keep)
             out = DTensor.from_local(out, mesh, placements, run_check=False)
         else:
             out = self.attend(query, key, value, self.group, causal=self.causal, scale=self.scale,
-                              window=self.window)
+                              window=self.window, keep=keep)
         return (out, None) if self.returns_lse else out
 
 

@@ -13,7 +13,8 @@ no slice, and the export leaves it out. Then:
   rewritten into the rank's true positions, and a slice [0:L] of a table along a dim that is not
   the sequence's (Llama's rotary tables) into the slices of the rank's 2 chunks;
 - attention (scaled_dot_product_attention, causal or not, without a mask or with autopar's
-  sliding-window mask, whose window it keeps) runs over the cp group as a ring or an all-to-all
+  sliding-window or padding mask: it keeps the window, and hands the [batch, tokens] padding,
+  split like the tokens, to the attention) runs over the cp group as a ring or an all-to-all
   (the stage's `cp_kind`; context_attention.py);
 - anything else that mixes tokens along the sequence refuses the split, naming the op and why: an
   explicit attention mask (padding, masks the model builds), attention written
@@ -39,7 +40,7 @@ import torch
 from torch import fx
 
 from autopar.errors import AutoparError
-from autopar.models.hf_attention import sliding_window_mask
+from autopar.models.hf_attention import padding_mask, sliding_window_mask
 from autopar.passes.context_attention import ContextParallelAttention
 from autopar.passes.experts import token_wise_nodes
 from autopar.passes.program import PassTarget, StageProgram
@@ -48,6 +49,7 @@ aten = torch.ops.aten
 ATTENTION = {aten.scaled_dot_product_attention.default: False,              # op -> returns lse
              aten._scaled_dot_product_flash_attention_for_cpu.default: True}
 SLIDING_WINDOW_MASK = sliding_window_mask._opoverload
+PADDING_MASK = padding_mask._opoverload
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 # ops whose `dim` (or `dims`) argument names the dims they mix values along
 MIXING_AT_DIM = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
@@ -213,9 +215,13 @@ def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool, int 
     returns_lse = ATTENTION[node.target]
     schema = [argument.name for argument in node.target._schema.arguments]
     given = {**dict(zip(schema, node.args)), **node.kwargs}
-    window = _sliding_window(given.get("attn_mask"))
-    if window is not None:
-        given["attn_mask"], given["is_causal"] = None, True
+    window, mask = None, given.get("attn_mask")
+    if isinstance(mask, fx.Node) and mask.target in (SLIDING_WINDOW_MASK, PADDING_MASK):
+        window, causal, keep = _own_mask(mask)
+        if keep is not None and seq.get(keep.name) != frozenset({1}):
+            raise AutoparError(f"context parallelism: the attention_mask of {_describe(node)} does "
+                               f"not hold the sequence on dim 1 alone; use cp=1")
+        given["attn_mask"], given["is_causal"] = None, causal
     if given.get("attn_mask") is not None:
         raise AutoparError(f"context parallelism: {_describe(node)} takes an explicit mask (padding "
                            f"from attention_mask, a sliding window, or a mask the model builds: "
@@ -235,13 +241,15 @@ def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool, int 
     return bool(given.get("is_causal", False)), given.get("scale"), returns_lse, window
 
 
-def _sliding_window(mask) -> int | None:
-    """The window of a mask made by autopar's sliding_window_mask (autopar.models.hf_attention),
-    which the split computes from every token's true position; None for any other mask."""
-    if not isinstance(mask, fx.Node) or mask.target is not SLIDING_WINDOW_MASK:
-        return None
+def _own_mask(mask: fx.Node) -> tuple[int | None, bool, fx.Node | None]:
+    """(window, causal, the [batch, tokens] padding input or None) of a mask made by autopar's
+    sliding_window_mask or padding_mask (autopar.models.hf_attention), which the split computes
+    from every token's true position."""
     schema = [argument.name for argument in mask.target._schema.arguments]
-    return {**dict(zip(schema, mask.args)), **mask.kwargs}["window"]
+    given = {**dict(zip(schema, mask.args)), **mask.kwargs}
+    if mask.target is SLIDING_WINDOW_MASK:
+        return given["window"], True, None
+    return given.get("window"), given["causal"], given["keep"]
 
 
 def _refuse_mixing(node: fx.Node, seq: dict) -> None:
@@ -329,16 +337,24 @@ def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProg
                 graph_module.add_submodule(name, ContextParallelAttention(
                     stage.cp_kind, target.cp_group, causal=causal, scale=scale,
                     returns_lse=returns_lse, window=window))
+                keep = _padding_of(node)
                 node.op, node.target, node.kwargs = "call_module", name, {}
                 # the ring passes the kv heads; all-to-all splits heads over the cp ranks,
                 # which must then divide the heads it is given (the repeated ones, as planned)
                 ring = stage.cp_kind == "ring"
                 node.args = (node.args[0], *(before_repeat(value) if ring else value
                                              for value in node.args[1:3]))
+                node.args += (keep,) if keep is not None else ()
         graph_module.graph.eliminate_dead_code()       # the repeats the attention no longer reads
         graph_module.graph.lint()
         graph_module.recompile()
     return program
+
+
+def _padding_of(node: fx.Node) -> fx.Node | None:
+    """The [batch, tokens] padding input of an attention call masked by autopar's padding_mask."""
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    return _own_mask(mask)[2] if isinstance(mask, fx.Node) and mask.target is PADDING_MASK else None
 
 
 _REPEAT_STEPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default,

@@ -68,36 +68,47 @@ def attention_errors(world):
     grad = torch.randn(2, 8, 16, 8, generator=generator)
     mine = chunk_positions(dist.get_rank(), world, 16 // (2 * world))
     errors = {}
-    # sliding windows shorter than a chunk, across chunks, and as long as the sequence
+    # sliding windows shorter than a chunk, across chunks, and as long as the sequence; padding
+    # at the end, at the start (queries that see no key) and inside
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[0, 11:], padding[1, :3], padding[1, 6:9] = 0, 0, 0
+    cases = [(True, None, None), (False, None, None), (True, 3, None), (True, 6, None),
+             (True, 16, None), (True, None, padding), (False, None, padding), (True, 3, padding)]
     for attend in (ring_attention, ulysses_attention):
-        for causal, window in ((True, None), (False, None), (True, 3), (True, 6), (True, 16)):
+        for causal, window, keep in cases:
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            mask = visible(16, causal, window, keep)
             reference = torch.nn.functional.scaled_dot_product_attention(
-                *whole, attn_mask=window_mask(16, window), is_causal=causal and window is None,
-                enable_gqa=True)
+                *whole, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=True)
             reference.backward(grad)
             local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-            out = attend(*local, dist.group.WORLD, causal=causal, window=window)
+            out = attend(*local, dist.group.WORLD, causal=causal, window=window,
+                         keep=None if keep is None else keep[:, mine])
             out.backward(grad[:, :, mine])
             differences = [(out - reference[:, :, mine]).abs().max()]
             differences += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, whole)]
-            errors[(attend.__name__, causal, window)] = max(d.item() for d in differences)
+            errors[(attend.__name__, causal, window, keep is not None)] = \
+                max(d.item() for d in differences)
     return errors
 
 
-def window_mask(length, window):
-    """Causal attention over the last `window` positions, written out (None: no window)."""
-    if window is None:
+def visible(length, causal, window, keep):
+    """Which keys each query sees, written out: causally over the last `window` positions, and
+    not the padding `keep` marks 0 (None: no window, no padding, no mask)."""
+    if window is None and keep is None:
         return None
     distance = torch.arange(length).unsqueeze(1) - torch.arange(length).unsqueeze(0)
-    return (distance >= 0) & (distance < window)
+    mask = distance >= 0 if causal else torch.ones(length, length, dtype=torch.bool)
+    mask = mask & (distance < window) if window is not None else mask
+    return mask if keep is None else mask & keep.bool()[:, None, None, :]
 
 
 def on_two_ranks():
     return {"attention": attention_errors(2),
             "cp2": train(LLAMA, {"cp2": Config(cp=2, global_batch=BATCH, micro_batch=2)}),
             "sliding window": train_hf("mistral", {"cp2": Config(cp=2, global_batch=BATCH,
-                                                                 micro_batch=BATCH)})}
+                                                                 micro_batch=BATCH)},
+                                       padded=True)}
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +129,10 @@ def test_cp2_llama_trains_like_one_process(two_ranks, form_problems):
     assert form_problems([r["cp2"] for r in two_ranks], ("cp2", "none")) == []
 
 
-def test_sliding_window_attention_splits_over_the_sequence(two_ranks, form_problems):
-    """Mistral attends over a window of 8 of its 16 tokens: each rank's queries see the keys of
-    the window by their true positions, whichever rank holds them."""
+def test_sliding_window_and_padding_split_over_the_sequence(two_ranks, form_problems):
+    """Mistral attends over a window of 8 of its 16 tokens, given an attention_mask with padding
+    at the end, the start and inside: each rank's queries see the keys of the window by their
+    true positions, whichever rank holds them, and no padded key."""
     assert form_problems([r["sliding window"] for r in two_ranks], ("cp2", "none")) == []
 
 
@@ -171,17 +183,43 @@ def test_gpt_learned_positions_cp2(form_problems):
         assert form_problems(by_rank, (form, "none")) == []
 
 
-def train_hf(name, forms):
+def train_hf(name, forms, padded=False):
     """A HuggingFace model with causal scaled_dot_product_attention and no traced mask
-    (autopar.models.hf_attention), each form against one process."""
+    (autopar.models.hf_attention), each form against one process; `padded`: every batch has
+    an attention_mask with padding (its forward's second input)."""
     from autopar.models.hf_attention import causal_sdpa
     from autopar.models.hf_zoo import ARCHITECTURES, loss_fn
 
     arch = ARCHITECTURES[name]
     generator = torch.Generator().manual_seed(1)
     data = [arch.batch(BATCH, generator) for _ in range(3)]
+    if padded:
+        data = [(ids, padding_of(ids), targets) for ids, targets in data]
     return train_forms_against_one_process(lambda: causal_sdpa(arch.build()), data, loss_fn, sgd,
                                            forms, ("none",))
+
+
+def padding_of(ids):
+    """An attention_mask for `ids` with padding at the end, the start and inside of rows."""
+    keep = torch.ones_like(ids)
+    keep[0, 11:], keep[1, :3], keep[2, 5:9] = 0, 0, 0
+    return keep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert-mlm", "gemma", "qwen3-moe"])
+def test_padding_splits_over_the_sequence(name, form_problems):
+    """Padded keys stay masked under every split: a bidirectional encoder, multi-query attention
+    (all-to-all then splits the repeated heads), a mixture of experts."""
+    from autopar.models.hf_zoo import resolve
+
+    resolve([name])
+    forms = {"dp2 x cp2": Config(dp=2, cp=2, global_batch=BATCH, micro_batch=2),
+             "cp4 all-to-all": Config(cp=4, cp_kind="all-to-all", global_batch=BATCH,
+                                      micro_batch=BATCH)}
+    by_rank = autopar.launch(train_hf, 4, name, forms, True, timeout=600)
+    for form in forms:
+        assert form_problems(by_rank, (form, "none")) == []
 
 
 @pytest.mark.slow

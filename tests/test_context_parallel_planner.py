@@ -129,3 +129,28 @@ def test_sliding_windows_keep_their_mask_and_plan_a_split():
     autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), autopar.Config(cp=4, global_batch=4))
     with pytest.raises(AutoparError, match="GPT-OSS's sinks.*use cp=1"):
         causal_sdpa(ARCHITECTURES["gpt-oss"].build())
+
+
+def test_padding_keeps_its_mask_and_plans_a_split():
+    """Given an attention_mask, causal_sdpa computes what transformers' own SDPA attention does
+    (padding at the end, the start and inside), through autopar's padding mask, which the
+    planner can split; a 4-D mask of the caller's own is refused with the way out."""
+    pytest.importorskip("transformers")
+    from autopar.errors import AutoparError
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES
+
+    for name in ("llama", "mistral", "bert-mlm"):
+        arch = ARCHITECTURES[name]
+        ids, _ = arch.batch(3, torch.Generator().manual_seed(1))
+        keep = torch.ones_like(ids)
+        keep[0, 11:], keep[1, :3], keep[2, 5:9] = 0, 0, 0
+        theirs = arch.build()
+        theirs.set_attn_implementation("sdpa")
+        mine = causal_sdpa(arch.build())
+        assert torch.equal(mine(ids, keep).logits, theirs(ids, keep).logits), name
+    graph = autopar.capture(mine, (ids, keep))
+    assert any(node.target == "autopar.padding_mask.default" for node in graph.nodes)
+    autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), autopar.Config(cp=2, dp=2, global_batch=6))
+    with pytest.raises(AutoparError, match="4-D mask"):
+        mine(ids, torch.zeros(3, 1, 16, 16))

@@ -4,17 +4,19 @@ transformers builds an explicit attention mask whenever torch.export traces a mo
 plain causal attention (it skips the mask, and lets scaled_dot_product_attention apply
 `is_causal=True`, only when it is not tracing and there is no padding). A mask built for a rank's
 own tokens is not the mask of the whole sequence, so autopar refuses context parallelism on it.
-`causal_sdpa(model)` gives the model what transformers runs eagerly for unpadded causal language
+`causal_sdpa(model)` gives the model what transformers runs eagerly for causal language
 modelling: scaled_dot_product_attention with `is_causal=True` and no mask, under an attention
-implementation of its own name. The model then computes exactly what it computed before for
-inputs without an attention_mask (no padding, no packed sequences). A layer that attends over a
-sliding window (Mistral's, Qwen2's, Gemma 3's local layers: transformers hands the window to the
-attention call) gets its mask from `sliding_window_mask`, an op of autopar's own that the trace
-keeps whole, so that context parallelism knows the window and splits it (every rank's queries
-against every rank's keys, by their true positions) rather than a mask of one rank's tokens.
-An encoder's attention modules are not causal (BERT's): there the same implementation attends
-over the whole sequence both ways, what the encoder computes for inputs without padding.
-Attention that scaled_dot_product_attention cannot compute (GPT-OSS's sinks) is refused.
+implementation of its own name, and masks of autopar's own ops where a layer needs one, which
+the trace keeps whole so that context parallelism knows what they mean and computes them from
+every token's true position rather than from one rank's tokens:
+- `sliding_window_mask` for a layer that attends over a sliding window (Mistral's, Qwen2's,
+  Gemma 3's local layers: transformers hands the window to the attention call);
+- `padding_mask` where the model is given an attention_mask ([batch, tokens], 0 at padding):
+  it is kept as given, an input that context parallelism splits as it splits the tokens, and
+  each layer masks the padded keys with it (packed sequences, told by position ids, are not).
+The model then computes what it computed with its own masks. An encoder's attention modules
+are not causal (BERT's): there the same implementation attends both ways. Attention that
+scaled_dot_product_attention cannot compute (GPT-OSS's sinks) is refused.
 """
 
 from __future__ import annotations
@@ -42,14 +44,35 @@ def _sliding_window_mask_shape(queries, keys, window, device):
     return torch.empty(queries, keys, dtype=torch.bool, device=device)
 
 
+@torch.library.custom_op("autopar::padding_mask", mutates_args=())
+def padding_mask(keep: torch.Tensor, queries: int, causal: bool, window: int | None) -> torch.Tensor:
+    """[batch, 1, queries, keys] bool: which keys each query attends given `keep` ([batch, keys],
+    nonzero at real tokens, 0 at padding: a transformers attention_mask), causally or both ways,
+    over a sliding window where `window` is given (the queries are the last of the keys)."""
+    keys = keep.shape[1]
+    mask = keep.bool()[:, None, None, :].expand(keep.shape[0], 1, queries, keys)
+    if causal:
+        query = torch.arange(keys - queries, keys, device=keep.device).unsqueeze(1)
+        key = torch.arange(keys, device=keep.device).unsqueeze(0)
+        near = key > query - window if window is not None else True
+        mask = mask & (key <= query) & near
+    return mask.clone()
+
+
+@padding_mask.register_fake
+def _padding_mask_shape(keep, queries, causal, window):
+    return keep.new_empty(keep.shape[0], 1, queries, keep.shape[1], dtype=torch.bool)
+
+
 def causal_sdpa(model: nn.Module) -> nn.Module:
     """`model` (a transformers PreTrainedModel) with causal scaled_dot_product_attention and no
     traced mask but its sliding windows' (module docstring); returns it."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, _attention)
-    # no mask: sdpa_attention_forward then calls the kernel with is_causal=True
-    AttentionMaskInterface.register(IMPLEMENTATION, lambda *args, **kwargs: None)
+    # no mask (sdpa_attention_forward then calls the kernel with is_causal=True), or the
+    # attention_mask as given: each layer makes its mask of it (padding_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, _padding_or_none)
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         raise AutoparError(f"{type(model).__name__} is not a transformers model with a choice of "
@@ -65,21 +88,38 @@ def causal_sdpa(model: nn.Module) -> nn.Module:
     return model
 
 
+def _padding_or_none(*args, attention_mask=None, **kwargs):
+    """The mask transformers hands every layer: the [batch, tokens] attention_mask (padding) as
+    the model was given it, or None."""
+    return attention_mask
+
+
 def _attention(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
     """transformers' scaled_dot_product_attention call, without the traced mask: causal (or both
-    ways in an encoder), over the layer's sliding window where it has one."""
+    ways in an encoder), over the layer's sliding window where it has one, and past the padding
+    of an attention_mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     where = type(module).__name__
+    causal = getattr(module, "is_causal", True)
     if kwargs.get("s_aux") is not None:
         raise AutoparError(f"{where} adds attention sinks to the softmax, which "
                            f"scaled_dot_product_attention does not compute, so causal_sdpa would "
                            f"change what the model computes; train it with cp=1 and its own "
                            f"attention implementation")
-    if sliding_window is None:
-        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-    if not getattr(module, "is_causal", True):
+    if sliding_window is not None and not causal:
         raise AutoparError(f"{where} attends both ways over a sliding window, which causal_sdpa "
                            f"does not split; use cp=1 and the model's own attention implementation")
-    mask = sliding_window_mask(query.shape[2], key.shape[2], int(sliding_window), query.device)
+    window = None if sliding_window is None else int(sliding_window)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[1] != key.shape[2]:
+            raise AutoparError(f"{where} was given an attention mask of shape "
+                               f"{list(attention_mask.shape)}; causal_sdpa takes the [batch, tokens] "
+                               f"padding mask of the tokens it attends (a 4-D mask is the model's own: "
+                               f"use cp=1)")
+        mask = padding_mask(attention_mask, query.shape[2], causal, window)
+    elif window is not None:
+        mask = sliding_window_mask(query.shape[2], key.shape[2], window, query.device)
+    else:
+        mask = None
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)

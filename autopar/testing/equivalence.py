@@ -65,8 +65,9 @@ def train_forms_against_one_process(make, batches, loss_fn, optimizer, forms: di
                                     recompute_levels, *, kwargs: dict | None = None, call=None) -> dict:
     """On every rank: each form (a Config) at each recompute level, compiled and trained on
     `batches`, against one process's training of `make()`: {(name, recompute): (losses, the
-    mismatches, how many recomputed regions the stages hold)}. One capture serves every form of
-    the same micro-batch size; `kwargs` are the model's constant keyword inputs."""
+    mismatches, how many recomputed regions the stages hold)}. A batch is (*inputs, targets);
+    one capture serves every form of the same micro-batch size; `kwargs` are the model's
+    constant keyword inputs."""
     from dataclasses import replace
 
     import autopar
@@ -74,7 +75,7 @@ def train_forms_against_one_process(make, batches, loss_fn, optimizer, forms: di
     reference = train_single_process(make(), batches, loss_fn, optimizer, call=call)
     results, graphs, kwargs = {}, {}, kwargs or {}
     for name, config in forms.items():
-        example = (batches[0][0][:config.micro_batch],)
+        example = tuple(tensor[:config.micro_batch] for tensor in batches[0][:-1])
         if config.micro_batch not in graphs:
             graphs[config.micro_batch] = autopar.capture(make(), example, kwargs)
         for recompute in recompute_levels:
@@ -82,7 +83,7 @@ def train_forms_against_one_process(make, batches, loss_fn, optimizer, forms: di
                                  optimizer=optimizer, example_inputs=example, example_kwargs=kwargs,
                                  graph=graphs[config.micro_batch],
                                  plan=replace(config, recompute=recompute))
-            losses = [cm.step(ids, targets) for ids, targets in batches]
+            losses = [cm.step(*batch) for batch in batches]
             regions = sum(isinstance(m, Recomputed) for m in cm.stages.modules())
             results[(name, recompute)] = (losses, mismatches(reference, losses, cm.full_state_dict()),
                                           regions)
