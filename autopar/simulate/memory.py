@@ -5,8 +5,10 @@ each op's outputs (a DTensor's local shard, as FSDP2's and tensor parallelism's 
 and counts each new storage once, until torch frees it (a weak reference's callback), as torch's
 own MemTracker does for one pass of each module; this one also follows a pipeline schedule,
 which runs a stage's modules once per micro-batch. FSDP2 allocates and frees its gathered
-weights by resizing a storage in place, which no op shows: the sizes are read again at every
-collective, since FSDP2 resizes a storage up just before gathering into it. The peak is that of allocations, as CUDA's
+weights by resizing a storage in place, which no op shows: while the recorder is active, FSDP2's
+two functions that resize (`alloc_storage`, `free_storage`) report each resize to it as it
+happens (reading every storage again at every collective instead took a fifth of a large
+rank's simulation). The peak is that of allocations, as CUDA's
 caching allocator reports `max_memory_allocated`: without fragmentation or the allocator's
 rounding (blocks of 512 bytes), and without the CUDA context or library workspaces. Only the
 simulation's own fake tensors count: the runtime's exports and shape probes run on fake tensors
@@ -18,12 +20,16 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.simulate.collectives import NAMESPACES
+
+# the modules that call FSDP2's storage resizes, by the names they call them under
+_RESIZERS = ((_fsdp_param, "alloc_storage"), (_fsdp_param, "free_storage"),
+             (_fsdp_param_group, "alloc_storage"))
 
 
 class MemoryRecorder(TorchDispatchMode):
@@ -37,14 +43,34 @@ class MemoryRecorder(TorchDispatchMode):
         self._token: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # storage -> token
         self._sizes: dict[int, int] = {}                                          # token -> bytes
         self._next = 0
+        self._patched: list = []
+
+    def __enter__(self):
+        for module, name in _RESIZERS:
+            original = getattr(module, name)
+            self._patched.append((module, name, original))
+            setattr(module, name, self._reporting(original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for module, name, original in reversed(self._patched):
+            setattr(module, name, original)
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+    def _reporting(self, resize):
+        def resized(tensor: torch.Tensor) -> None:
+            resize(tensor)
+            self.resized(tensor)
+        return resized
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.track(tensor)
-        if func.namespace in NAMESPACES:
-            self.resync()
+        if func is torch.ops.aten.resize_.default:
+            self.resized(args[0])
         return out
 
     def track(self, tensor: torch.Tensor) -> None:
@@ -64,12 +90,17 @@ class MemoryRecorder(TorchDispatchMode):
         self._add(self._sizes[token])
         weakref.finalize(storage, self._free, token)
 
-    def resync(self) -> None:
-        """Read every live storage's size again (module docstring: FSDP2's resizes)."""
-        for storage, token in list(self._token.items()):
-            self._sizes[token] = storage.nbytes()
-        self.live = 0
-        self._add(sum(self._sizes.values()))
+    def resized(self, tensor: torch.Tensor) -> None:
+        """Read the size of `tensor`'s storage again after it was resized in place."""
+        storage = tensor.untyped_storage()
+        token = self._token.get(storage)
+        if token is None:
+            self.track(tensor)
+            return
+        size = storage.nbytes()
+        self.live -= self._sizes[token]
+        self._sizes[token] = size
+        self._add(size)
 
     def _add(self, size: int) -> None:
         self.live += size
