@@ -11,8 +11,11 @@ How often each runs, as autopar's runtime issues them (autopar/runtime/schedule.
 are reduced once a step, or after every micro-batch where ZeRO-2/3 reduces every one
 (`reduces_every_micro_batch`); ZeRO-1/2 gather the updated weights once, at the step's first
 forward; ZeRO-3 gathers before every micro-batch's forward and again before its backward,
-except where a zero-bubble schedule keeps them gathered through the step. Not counted:
-mixture-of-experts exchanges, and the ring of a recomputed attention's second forward.
+except where a zero-bubble schedule keeps them gathered through the step; split experts' weights
+over the ranks that hold the same experts ("edp"), the rest over dp x cp. Mixture-of-experts
+dispatch and combine are each an all-to-all over the ep ranks, forward and backward. Not counted:
+the per-expert counts exchanged before each dispatch (8 bytes an expert), and the ring of a
+recomputed attention's second forward.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from autopar.cost.estimator import (ACTIVATION_DTYPE, crossing_bytes, price_pipe
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import poly_at
+from autopar.cost.forms import expert_data_parallel
 from autopar.graph import Graph
 from autopar.plans.vocabulary import ContextParallel, Precision
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
@@ -53,9 +57,14 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         for c in chunks:
             _tensor_parallel(found, pipe.chunks[c].tensor_moved, spec.tp, pipe)
             _context_parallel(found, graph, memo, specs, c, pipe, element)
+            _expert_parallel(found, memo, specs, c, pipe)
         _pipeline(found, crossing, specs, chunks, pipe)
-        _data_parallel(found, sum(pipe.chunks[c].params for c in chunks), spec, plan.schedule,
-                       pipe.micro_batches, element)
+        experts = sum(pipe.chunks[c].expert_params for c in chunks)
+        _data_parallel(found, sum(pipe.chunks[c].params for c in chunks) - experts, spec,
+                       plan.schedule, pipe.micro_batches, element)
+        if spec.ep > 1:
+            _data_parallel(found, experts, spec, plan.schedule, pipe.micro_batches, element,
+                           group=("edp", expert_data_parallel(spec)))
         _add(found, "all_reduce", _axis_name(world), math.prod(world.values()), 8.0)
         ranks.append([{"kind": kind, "axis": axis, "group_size": size, "sent_bytes": int(sent)}
                       for (kind, axis, size), sent in found.items()])
@@ -99,6 +108,20 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
             _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)
 
 
+def _expert_parallel(found: dict, memo: PriceCache, specs: list, c: int, pipe) -> None:
+    """Each MoE layer's dispatch and combine: an all-to-all of the rank's rows (1/tp of the
+    routed rows where tensor-parallel ranks share them) over the ep ranks, forward and backward
+    (cost/experts.py prices the same bytes)."""
+    spec = specs[c]
+    if spec.ep < 2:
+        return
+    layout, owner = memo.layout(spec), memo.split(specs).owner
+    per_step = pipe.samples * pipe.micro_batches
+    for node in layout.nodes:
+        if node.exchange_bytes and owner[layout.index[node.name]] == c:
+            _add(found, "all_to_all", "ep", spec.ep, 2 * node.exchange_bytes * spec.ep * per_step)
+
+
 def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> None:
     """Each chunk sends its outputs forward and its inputs' gradients back, each value whole
     from every tensor-parallel rank, a sequence-split one gathered first: by the sender in the
@@ -115,11 +138,14 @@ def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> N
             _add(found, "all_gather", "tp", spec.tp, (out + back) * per_step)
 
 
-def _data_parallel(found: dict, params: float, spec, schedule: str, m: int, element: int) -> None:
-    """Gradients reduced in fp32 over the dp x cp ranks holding the same weights; ZeRO's
-    gathers of the weights in the compute dtype (module docstring)."""
+def _data_parallel(found: dict, params: float, spec, schedule: str, m: int, element: int,
+                   group: tuple[str, int] | None = None) -> None:
+    """Gradients reduced in fp32 over the ranks holding the same weights (the dp x cp ranks, or
+    `group`: (axis, size)); ZeRO's gathers of the weights in the compute dtype (module
+    docstring)."""
     size = spec.dp * spec.cp
     axis = "+".join(name for name, n in (("dp", spec.dp), ("cp", spec.cp)) if n > 1)
+    axis, size = group or (axis, size)
     gradients = params * 4
     if spec.zero == 0:
         _add(found, "all_reduce", axis, size, gradients)

@@ -17,6 +17,11 @@ E/ep consecutive experts as the local slice of a `Shard(0)` DTensor, it:
    tensor-parallel shares (an all-gather whose backward hands each rank its share's gradient).
 Every row reaches every expert it was routed to; nothing is dropped or padded, so the layer
 computes what one process computes, up to the order of floating-point sums inside a matmul.
+
+On fake tensors (`autopar simulate`) routing has no values to go by: with `balanced_routing`
+set, each rank sends every expert an equal share of its rows (the estimator's assumption), and
+the layer issues the collectives and allocates the tensors those counts make; otherwise a fake
+or meta call only gives the output's shape (the stage split's record).
 """
 
 from __future__ import annotations
@@ -71,11 +76,14 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) 
     (CUDA bf16; CPU fp32 and bf16) and the operands are laid out as it needs (16-byte strides),
     else one matmul per group. In the autocast dtype under autocast (grouped GEMMs are 16-bit
     kernels; autocast does not reach them by itself), else in the weight's dtype."""
-    if rows.is_meta or weight.is_meta or is_fake(rows):
-        return rows.new_empty((rows.shape[0], weight.shape[-1]), dtype=weight.dtype)
     device = rows.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    autocast = device != "meta" and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     rows, weight = rows.to(dtype), weight.to(dtype)
+    if rows.is_meta or weight.is_meta or is_fake(rows):
+        # no offsets to read: one expert's matmul stands for the groups', with the same output,
+        # the same tensors saved for the backward and a gradient for the whole weight
+        return rows @ weight[0]
     if _has_grouped_gemm(rows, weight):
         out = torch._grouped_mm(rows, weight, offs=offsets.to(torch.int32))
         if out.requires_grad:
@@ -119,6 +127,7 @@ class ExpertParallel(nn.Module):
         self.group: dist.ProcessGroup | None = None    # expert-parallel ranks; None: all experts here
         self.token_mesh: DeviceMesh | None = None      # tensor-parallel ranks sharing these rows
         self.gradient_scale = 1.0
+        self.balanced_routing = False                   # fake rows routed evenly (module doc)
 
     def bind(self, group: dist.ProcessGroup | None, token_mesh: DeviceMesh | None,
              gradient_scale: float = 1.0) -> None:
@@ -135,7 +144,7 @@ class ExpertParallel(nn.Module):
         return f"num_experts={self.num_experts}, ep={self.ep}, where={self.where!r}"
 
     def forward(self, rows, route, *constants):
-        if rows.is_meta or is_fake(rows):       # shapes only (the split's record of a stage)
+        if rows.is_meta or (is_fake(rows) and not self.balanced_routing):   # shapes only
             return rows.new_empty((rows.shape[0], *self.output_shape), dtype=self.output_dtype)
         experts = self._row_experts(_whole(route), rows.shape[0])
         constants = [_whole(value) for value in constants]
@@ -156,6 +165,8 @@ class ExpertParallel(nn.Module):
         """Each row's expert, from per-row ids or from cumulative counts per expert."""
         if self.route.role == "ids":
             experts = route.long()
+        elif self.balanced_routing:
+            return torch.empty(count, dtype=torch.long, device=route.device)
         else:
             counts = torch.diff(route.long(), prepend=route.new_zeros(1, dtype=torch.long))
             experts = torch.repeat_interleave(torch.arange(self.num_experts, device=route.device),
@@ -176,19 +187,20 @@ class ExpertParallel(nn.Module):
         if torch.is_autocast_enabled(device) and rows.is_floating_point():
             rows = rows.to(torch.get_autocast_dtype(device))    # dispatched in 16 bits
         order = torch.argsort(experts, stable=True)
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        counts = torch.empty(self.num_experts, dtype=torch.long, device=experts.device) \
+            if self.balanced_routing else torch.bincount(experts, minlength=self.num_experts)
         if ep == 1:
             out = self.program.run(rows[order], weights, experts[order], torch.cumsum(counts, 0),
                                    constants)
             return out[_inverse(order)]
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
-        sent_rows = counts.view(ep, local).sum(1).tolist()
-        received_rows = received.view(ep, local).sum(1).tolist()
+        sent_rows, received_rows = self._row_splits(counts, received, rows.shape[0])
         arrived = all_to_all_single_autograd(rows[order], received_rows, sent_rows, self.group)
         # arrived in source-rank order, each source's rows by local expert: regroup by expert
-        arrived_experts = torch.repeat_interleave(
-            torch.arange(local, device=counts.device).repeat(ep), received)
+        arrived_experts = torch.empty(sum(received_rows), dtype=torch.long, device=rows.device) \
+            if self.balanced_routing else torch.repeat_interleave(
+                torch.arange(local, device=counts.device).repeat(ep), received)
         regroup = torch.argsort(arrived_experts, stable=True)
         local_counts = received.view(ep, local).sum(0)
         out = self.program.run(arrived[regroup], weights, arrived_experts[regroup],
@@ -196,6 +208,20 @@ class ExpertParallel(nn.Module):
         back = all_to_all_single_autograd(out[_inverse(regroup)].contiguous(), sent_rows,
                                           received_rows, self.group)
         return back[_inverse(order)]
+
+
+    def _row_splits(self, counts: torch.Tensor, received: torch.Tensor,
+                    rows: int) -> tuple[list[int], list[int]]:
+        """The rows this rank sends to each expert-parallel rank and receives from each. Under
+        balanced routing every rank gives each expert an equal share of its `rows` (the first
+        rows % E experts one more), so it receives from every rank what it sends itself."""
+        ep, local = self.ep, self.num_experts // self.ep
+        if not self.balanced_routing:
+            return counts.view(ep, local).sum(1).tolist(), received.view(ep, local).sum(1).tolist()
+        per_expert = [rows // self.num_experts + (e < rows % self.num_experts)
+                      for e in range(self.num_experts)]
+        sent = [sum(per_expert[d * local:(d + 1) * local]) for d in range(ep)]
+        return sent, [sent[dist.get_rank(self.group)]] * ep
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -85,6 +85,31 @@ def test_expert_parallel_trains_like_one_process():
             assert shards == [(config.ep, 4, 4 // config.ep)] * 6, (name, shards)
 
 
+def held_elements(forms: dict, spec: str) -> dict:
+    """On every rank: each form's (mismatches, elements of each split expert weight it holds)."""
+    results = train_forms(forms, spec)
+    elements = {}
+    for name, config in forms.items():
+        cm = autopar.compile(make(spec), f"{config.world_size}:cpu", loss_fn=lm_loss,
+                             optimizer=adamw, example_inputs=(batches()[0][0][:2],), plan=config)
+        elements[name] = [holder.value.to_local().numel() for module in cm.stages.modules()
+                          if isinstance(module, ExpertParallel) for holder in module.experts]
+    return {name: (results[name][1], elements[name]) for name in forms}
+
+
+def test_zero_3_shards_each_expert_when_its_ranks_outnumber_their_experts():
+    """2 experts over ep=2 leave one expert a rank and 2 ranks holding it (4 ranks): ZeRO-3
+    shards each expert's rows over those 2 (FSDP2 on dim 0 would leave one of them the whole
+    expert and the other padding), and training is still exact."""
+    spec = MOE.replace("experts=4", "experts=2")
+    forms = {"dp4 x ep2 zero-3": Config(dp=4, ep=2, zero=3, global_batch=BATCH, micro_batch=2)}
+    whole = [32 * 16, 32 * 16, 16 * 32] * 2        # one expert's w1, w3, w2 in each of 2 layers
+    for rank in autopar.launch(held_elements, 4, forms, spec, timeout=300):
+        problems, elements = rank["dp4 x ep2 zero-3"]
+        assert problems == []
+        assert elements == [size // 2 for size in whole]
+
+
 def test_moe_layers_are_found_by_structure_and_rewritten_exactly():
     model = make()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))

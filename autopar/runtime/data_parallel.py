@@ -25,6 +25,7 @@ import functools
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
@@ -86,9 +87,21 @@ def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: 
         wrap = functools.partial(fully_shard, mesh=edp_mesh, **policy,
                                  reshard_after_forward=not keeps_weights_gathered(zero, schedule))
     for experts in [m for m in module.modules() if isinstance(m, ExpertParallel)]:
+        if zero:
+            wrap = functools.partial(wrap, shard_placement_fn=_expert_shards(experts, edp_mesh.size()))
         wrap(experts)
         if zero:
             reduce_in_place_on_cpu(experts)
+
+
+def _expert_shards(experts: ExpertParallel, edp: int):
+    """FSDP2's placement of the split experts' weights over the `edp` ranks: on the experts
+    (dim 0) where each rank's experts divide among them, else on each expert's rows (dim 1), as
+    torchtitan does: with fewer local experts than edp ranks (Mixtral's 8 over ep=8), a split
+    on dim 0 would leave one rank all of them and the others nothing but padding."""
+    local = experts.num_experts // experts.ep
+    placement = Shard(0) if local % edp == 0 else Shard(1)
+    return lambda parameter: placement
 
 
 def stage_class(plan: Plan, index: int, replicas: int) -> type:

@@ -70,7 +70,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
         with fake, memory, _all_to_all_as_the_device_does(plan):
             compiled = build_runtime(model, plan, example_inputs=example_inputs, loss_fn=loss_fn,
                                      optimizer=optimizer or _adamw, graph=graph, device="cpu")
-            _refuse_expert_layers(compiled)
+            _route_balanced(compiled)
             _agree_on_static_shapes(compiled.schedule)
             _hold_optimizer_state(compiled.optimizer)
             batch = [_rows(x, plan.global_batch) for x in (*example_inputs, targets)]
@@ -119,15 +119,14 @@ def _simulate_in_child(send, model, plan, rank, example_inputs, targets, loss_fn
         send.close()
 
 
-def _refuse_expert_layers(compiled) -> None:
-    """Mixtures of experts route each token by its values, which fake tensors do not have: the
-    expert layers would run as shapes only (no expert compute, no all-to-all), and the figures
-    would be wrong. Refused until routing is simulated."""
-    if any(isinstance(module, ExpertParallel) for program in compiled.programs
-           for module in program.module.modules()):
-        raise AutoparError("autopar simulate cannot step mixture-of-experts layers yet: their "
-                           "routing depends on token values, which fake tensors do not have; "
-                           "simulate a dense model, or measure MoE plans on real ranks")
+def _route_balanced(compiled) -> None:
+    """Mixtures of experts route each token by its values, which fake tensors do not have: each
+    rank's expert layers send every expert an equal share of their rows, as the estimator assumes
+    (autopar.passes.expert_dispatch)."""
+    for program in compiled.programs:
+        for module in program.module.modules():
+            if isinstance(module, ExpertParallel):
+                module.balanced_routing = True
 
 
 @contextlib.contextmanager
