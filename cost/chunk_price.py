@@ -70,6 +70,9 @@ class Chunk:
     # bytes of the tensor-parallel collectives of one micro-batch, whole tensors (cost/layout.py),
     # by (kind, per sample): what `tensor_comm_s` prices, for cost/rank_traffic.py
     tensor_moved: dict = field(default_factory=dict)
+    # bytes per sample the rank puts into the experts' all-to-alls: each exchange's forward, its
+    # backward and its recomputed forward (cost/rank_traffic.py)
+    exchange_moved: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +209,7 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) 
     collectives and the experts' exchanges, again in the backward where it recomputes."""
     fwd, bwd, comm_fwd, comm_bwd, _, exchange = price
     runs = [node.comm_forward] * (2 if recomputed else 1) + ([node.comm_backward] if node.requires_grad else [])
+    out.exchange_moved += node.exchange_bytes * (1 + recomputed + node.requires_grad)
     for collectives in runs:
         for kind, nbytes, per_sample in collectives:
             out.tensor_moved[kind, per_sample] = out.tensor_moved.get((kind, per_sample), 0.0) + nbytes

@@ -13,7 +13,8 @@ are reduced once a step, or after every micro-batch where ZeRO-2/3 reduces every
 forward; ZeRO-3 gathers before every micro-batch's forward and again before its backward,
 except where a zero-bubble schedule keeps them gathered through the step; split experts' weights
 over the ranks that hold the same experts ("edp"), the rest over dp x cp. Mixture-of-experts
-dispatch and combine are each an all-to-all over the ep ranks, forward and backward. Not counted:
+dispatch and combine are each an all-to-all over the ep ranks, forward, backward and in a
+recomputed forward. Not counted:
 the per-expert counts exchanged before each dispatch (8 bytes an expert), and the ring of a
 recomputed attention's second forward.
 """
@@ -57,7 +58,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         for c in chunks:
             _tensor_parallel(found, pipe.chunks[c].tensor_moved, spec.tp, pipe)
             _context_parallel(found, graph, memo, specs, c, pipe, element)
-            _expert_parallel(found, memo, specs, c, pipe)
+            _expert_parallel(found, pipe.chunks[c], specs[c], pipe)
         _pipeline(found, crossing, specs, chunks, pipe)
         experts = sum(pipe.chunks[c].expert_params for c in chunks)
         _data_parallel(found, sum(pipe.chunks[c].params for c in chunks) - experts, spec,
@@ -108,18 +109,13 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
             _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)
 
 
-def _expert_parallel(found: dict, memo: PriceCache, specs: list, c: int, pipe) -> None:
+def _expert_parallel(found: dict, chunk, spec, pipe) -> None:
     """Each MoE layer's dispatch and combine: an all-to-all of the rank's rows (1/tp of the
-    routed rows where tensor-parallel ranks share them) over the ep ranks, forward and backward
-    (cost/experts.py prices the same bytes)."""
-    spec = specs[c]
-    if spec.ep < 2:
-        return
-    layout, owner = memo.layout(spec), memo.split(specs).owner
-    per_step = pipe.samples * pipe.micro_batches
-    for node in layout.nodes:
-        if node.exchange_bytes and owner[layout.index[node.name]] == c:
-            _add(found, "all_to_all", "ep", spec.ep, 2 * node.exchange_bytes * spec.ep * per_step)
+    routed rows where tensor-parallel ranks share them) over the ep ranks, forward, backward and
+    again in a recomputed forward (cost/chunk_price.py counts the same exchanges' times)."""
+    if spec.ep > 1:
+        per_step = pipe.samples * pipe.micro_batches
+        _add(found, "all_to_all", "ep", spec.ep, chunk.exchange_moved * spec.ep * per_step)
 
 
 def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> None:

@@ -123,17 +123,19 @@ def test_simulate_command_prints_json_and_refuses_bad_ranks(tmp_path, capsys):
     assert "plan this model again" in capsys.readouterr().err
 
 
-def test_a_mixture_of_experts_rank_sends_and_holds_what_the_plan_predicts():
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_mixture_of_experts_rank_sends_and_holds_what_the_plan_predicts(recompute):
     """Routing depends on token values, which fake tensors lack: the simulated expert layers
     send every expert an equal share of their rows, as the estimator assumes. Each all-to-all
     of dispatch and combine, and the experts' own gathers and reductions over the 4 ranks that
     hold the same expert (2 experts, ep=2, 8 ranks: ZeRO-3 splits each expert's rows), are the
-    bytes the estimator priced, and the rank holds no more than it predicted."""
+    bytes the estimator priced (a recomputed layer exchanges its rows again), and the rank holds
+    no more than it predicted."""
     spec = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,experts=2,top_k=2,expert_ffn=64,seq=32"
     model, inputs = build_model(spec)
     graph = capture(model, example_inputs=inputs)
     plan = plan_from_config(graph, "2x4:a100-80g", Config(dp=8, ep=2, zero=3, global_batch=16,
-                                                         micro_batch=1))
+                                                         micro_batch=1, recompute=recompute))
     runs = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                           loss_fn=lm_loss, graph=graph)
     report = rank_report(plan, runs[0], plan_collectives(graph, plan))
