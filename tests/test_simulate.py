@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from autopar.api import plan_from_config
 from autopar.cli import main
@@ -170,3 +171,31 @@ def test_the_head_rank_holds_what_the_plan_predicts(schedule):
     measured = {"zero-bubble": 180.1, "1f1b": 131.6}[schedule] * 2**20
     assert report.peak_memory_bytes == pytest.approx(measured, rel=0.01)
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
+
+
+def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
+    """Values of another head size than the keys (DeepSeek's latent attention): on CPU tensors
+    scaled_dot_product_attention falls back to the math kernel and holds a [heads, tokens,
+    tokens] matrix; a simulated GPU rank runs the memory-efficient kernel, as the GPU would,
+    forward and backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.simulate.rank import _attention_as_the_device_does
+
+    class Ops(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    plan = plan_from_config(capture(*build_model("gpt-tiny")), "1x2:h100-80g",
+                            Config(dp=2, global_batch=2, micro_batch=1))
+    with FakeTensorMode(), Ops() as ops, _attention_as_the_device_does(plan):
+        q, k = (torch.randn(1, 4, 256, 24, requires_grad=True) for _ in range(2))
+        v = torch.randn(1, 4, 256, 16, requires_grad=True)
+        # the op a captured program calls
+        torch.ops.aten.scaled_dot_product_attention.default(q, k, v, is_causal=True).sum().backward()
+    assert "_scaled_dot_product_efficient_attention_backward.default" in ops.seen
+    assert not any("softmax" in name for name in ops.seen), ops.seen

@@ -145,9 +145,11 @@ class _EfficientAttention(TorchFunctionMode):
 
 def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                          scale=None, enable_gqa=False):
-    grad = query.requires_grad or key.requires_grad or value.requires_grad
+    # the log-sum-exp the backward reads, kept whenever autograd records (by the grad mode, not
+    # the inputs: a recomputed forward must save what the first one saved)
     return torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
+        query, key, value, attn_mask, torch.is_grad_enabled(), dropout_p, is_causal,
+        scale=scale)[0]
 
 
 @contextlib.contextmanager
