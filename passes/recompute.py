@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from autopar.cost.stages import selective_region
@@ -25,7 +26,10 @@ class Recomputed(nn.Module):
 
     The recomputation runs the region's forward again, writes to buffers included (BatchNorm's
     running statistics and num_batches_tracked): the buffers the region writes are put back as
-    they were before it, so they are written once per forward, as without recompute."""
+    they were before it, so they are written once per forward, as without recompute. It runs
+    under the torch function modes the first forward ran under (a `torch.device` context, or
+    `autopar simulate`'s choice of attention kernel), which autograd does not keep active in
+    the backward: otherwise the two forwards could compute, and save, different tensors."""
 
     def __init__(self, region: nn.Module):
         super().__init__()
@@ -34,10 +38,20 @@ class Recomputed(nn.Module):
         self.written = written_paths(region)
 
     def forward(self, *args):
-        if not self.written:
+        modes = _get_current_function_mode_stack()
+        if not self.written and not modes:
             return checkpoint(self.region, *args, use_reentrant=False)
         return checkpoint(self.region, *args, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), self.restoring()))
+                          context_fn=lambda: (contextlib.nullcontext(), self.recomputing(modes)))
+
+    @contextlib.contextmanager
+    def recomputing(self, modes: list):
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            if self.written:
+                stack.enter_context(self.restoring())
+            yield
 
     @contextlib.contextmanager
     def restoring(self):

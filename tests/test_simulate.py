@@ -177,8 +177,10 @@ def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
     """Values of another head size than the keys (DeepSeek's latent attention): on CPU tensors
     scaled_dot_product_attention falls back to the math kernel and holds a [heads, tokens,
     tokens] matrix; a simulated GPU rank runs the memory-efficient kernel, as the GPU would,
-    forward and backward."""
+    forward and backward, recomputed too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.passes.recompute import Recomputed
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from autopar.simulate.rank import _attention_as_the_device_does
@@ -195,7 +197,13 @@ def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
     with FakeTensorMode(), Ops() as ops, _attention_as_the_device_does(plan):
         q, k = (torch.randn(1, 4, 256, 24, requires_grad=True) for _ in range(2))
         v = torch.randn(1, 4, 256, 16, requires_grad=True)
-        # the op a captured program calls
+        # the op a captured program calls, and again in a region recomputed in the backward
         torch.ops.aten.scaled_dot_product_attention.default(q, k, v, is_causal=True).sum().backward()
+        Recomputed(_Attention())(q, k, v).sum().backward()
     assert "_scaled_dot_product_efficient_attention_backward.default" in ops.seen
     assert not any("softmax" in name for name in ops.seen), ops.seen
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, is_causal=True)

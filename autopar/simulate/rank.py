@@ -155,7 +155,7 @@ def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
 @contextlib.contextmanager
 def _attention_as_the_device_does(plan: Plan):
     """A GPU plan's attention by the kernel the GPU would choose where the CPU's differs
-    (`_EfficientAttention`)."""
+    (`_EfficientAttention`; a recomputed region runs under it again: passes/recompute.py)."""
     if Mesh.from_dict(plan.mesh).device.name == "cpu":
         yield
         return
