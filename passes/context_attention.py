@@ -38,6 +38,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.models.hf_attention import visible_keys
+
 
 def chunk_positions(rank: int, cp: int, chunk: int, device=None) -> torch.Tensor:
     """The positions of rank `rank`'s tokens: chunk `rank`, then chunk 2cp-1-rank, of `chunk` each."""
@@ -86,19 +88,8 @@ def _block(ring: "_Ring", step: int, chunk: int, causal: bool, window: int | Non
         return _pairs(ring.rank, source, chunk, causal)
     queries = chunk_positions(ring.rank, ring.size, chunk, device).unsqueeze(1)
     keys = chunk_positions(source, ring.size, chunk, device).unsqueeze(0)
-    mask = _visible(queries, keys, causal, window, None if keeps is None else keeps[source])
+    mask = visible_keys(queries, keys, causal, window, None if keeps is None else keeps[source])
     return slice(None), slice(None), mask if bool(mask.any()) else None
-
-
-def _visible(queries, keys, causal: bool, window: int | None, keep):
-    """Which keys each query sees, from their positions ([q, 1] and [1, k]): causally, within
-    the window, and where `keep` ([batch, k], or None) marks a real token ([batch, 1, q, k])."""
-    mask = torch.ones(queries.shape[0], keys.shape[1], dtype=torch.bool, device=queries.device)
-    if causal:
-        mask = mask & (keys <= queries)
-    if window is not None:
-        mask = mask & (keys > queries - window)
-    return mask if keep is None else mask & keep.bool()[:, None, None, :]
 
 
 def _attend(query, key, value, mask, scale: float, kernel: bool):
@@ -294,7 +285,7 @@ def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | 
     if window is not None or keep is not None:      # the sequence is in position order now
         positions = torch.arange(query.shape[-2], device=query.device)
         whole = None if keep is None else torch.cat(_gathered(keep, group, size), 1)[:, order]
-        mask = _visible(positions.unsqueeze(1), positions.unsqueeze(0), causal, window, whole)
+        mask = visible_keys(positions.unsqueeze(1), positions.unsqueeze(0), causal, window, whole)
         causal = False
     out = torch.nn.functional.scaled_dot_product_attention(
         query, _repeat_heads(key, heads), _repeat_heads(value, heads), attn_mask=mask,

@@ -223,11 +223,11 @@ def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool, int 
                                f"not hold the sequence on dim 1 alone; use cp=1")
         given["attn_mask"], given["is_causal"] = None, causal
     if given.get("attn_mask") is not None:
-        raise AutoparError(f"context parallelism: {_describe(node)} takes an explicit mask (padding "
-                           f"from attention_mask, a sliding window, or a mask the model builds: "
-                           f"HuggingFace models build one whenever torch.export traces them), which "
-                           f"autopar cannot split over the sequence yet; use cp=1, or attention "
-                           f"called with is_causal=True and no mask")
+        raise AutoparError(f"context parallelism: {_describe(node)} takes an explicit mask the model "
+                           f"builds (HuggingFace models build one whenever torch.export traces them), "
+                           f"which autopar cannot split over the sequence; use "
+                           f"autopar.models.hf_attention.causal_sdpa(model), whose causal, "
+                           f"sliding-window and padding masks it splits, or cp=1")
     if given.get("dropout_p", 0.0):
         raise AutoparError(f"context parallelism: {_describe(node)} drops attention weights "
                            f"(dropout_p={given['dropout_p']}); autopar splits attention without "

@@ -209,7 +209,6 @@ class ExpertParallel(nn.Module):
                                           received_rows, self.group)
         return back[_inverse(order)]
 
-
     def _row_splits(self, counts: torch.Tensor, received: torch.Tensor,
                     rows: int) -> tuple[list[int], list[int]]:
         """The rows this rank sends to each expert-parallel rank and receives from each. Under

@@ -29,14 +29,30 @@ from autopar.errors import AutoparError
 IMPLEMENTATION = "autopar_causal_sdpa"
 
 
+def visible_keys(queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: int | None,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query attends, from their positions ([q, 1] and [1, k]): the earlier ones
+    (and itself) where `causal`, the `window` - 1 before it at most (transformers' sliding window:
+    key > query - window), and those `keep` ([batch, k], or None) marks real ([batch, 1, q, k]).
+    The one rule of these masks, for one process and for context parallelism's pieces."""
+    mask = torch.ones(queries.shape[0], keys.shape[1], dtype=torch.bool, device=queries.device)
+    if causal:
+        mask = mask & (keys <= queries)
+    if window is not None:
+        mask = mask & (keys > queries - window)
+    return mask if keep is None else mask & keep.bool()[:, None, None, :]
+
+
+def _positions(queries: int, keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of `queries` queries, the last of `keys` keys: [q, 1] and [1, k]."""
+    return (torch.arange(keys - queries, keys, device=device).unsqueeze(1),
+            torch.arange(keys, device=device).unsqueeze(0))
+
+
 @torch.library.custom_op("autopar::sliding_window_mask", mutates_args=())
 def sliding_window_mask(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
-    """[queries, keys] bool, True where a query attends a key: the queries are the last `queries`
-    of `keys` positions, and each sees itself and the `window` - 1 keys before it (transformers'
-    sliding window: key > query - window)."""
-    query = torch.arange(keys - queries, keys, device=device).unsqueeze(1)
-    key = torch.arange(keys, device=device).unsqueeze(0)
-    return (key <= query) & (key > query - window)
+    """[queries, keys] bool, True where a query attends a key causally within `window`."""
+    return visible_keys(*_positions(queries, keys, device), True, window)
 
 
 @sliding_window_mask.register_fake
@@ -49,14 +65,7 @@ def padding_mask(keep: torch.Tensor, queries: int, causal: bool, window: int | N
     """[batch, 1, queries, keys] bool: which keys each query attends given `keep` ([batch, keys],
     nonzero at real tokens, 0 at padding: a transformers attention_mask), causally or both ways,
     over a sliding window where `window` is given (the queries are the last of the keys)."""
-    keys = keep.shape[1]
-    mask = keep.bool()[:, None, None, :].expand(keep.shape[0], 1, queries, keys)
-    if causal:
-        query = torch.arange(keys - queries, keys, device=keep.device).unsqueeze(1)
-        key = torch.arange(keys, device=keep.device).unsqueeze(0)
-        near = key > query - window if window is not None else True
-        mask = mask & (key <= query) & near
-    return mask.clone()
+    return visible_keys(*_positions(queries, keep.shape[1], keep.device), causal, window, keep)
 
 
 @padding_mask.register_fake

@@ -87,9 +87,8 @@ def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: 
         wrap = functools.partial(fully_shard, mesh=edp_mesh, **policy,
                                  reshard_after_forward=not keeps_weights_gathered(zero, schedule))
     for experts in [m for m in module.modules() if isinstance(m, ExpertParallel)]:
-        if zero:
-            wrap = functools.partial(wrap, shard_placement_fn=_expert_shards(experts, edp_mesh.size()))
-        wrap(experts)
+        placement = {"shard_placement_fn": _expert_shards(experts, edp_mesh.size())} if zero else {}
+        wrap(experts, **placement)
         if zero:
             reduce_in_place_on_cpu(experts)
 
