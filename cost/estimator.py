@@ -14,9 +14,9 @@ Per device and micro-batch, from the graph's nodes (cost/layout.py), in order:
                forward, 2 backward, 2 more when the forward is recomputed), on the
                tensor-parallel group's links, not overlapped
   pipeline     activations and their gradients sent to the next stage over its link, as the
-               runtime sends them (cost/traffic.py add_sends): autopar's whole from every
-               tensor-parallel rank, a sequence-split stream gathered first; Megatron's split
-               over the tensor-parallel ranks and all-gathered there (scatter/gather)
+               runtime sends them (cost/traffic.py add_sends): each tensor-parallel rank its
+               1/tp chunk, gathered by the receiver where the stage holds the value whole
+               (Megatron-LM's scatter/gather, and autopar's)
   host         the runtime's machinery: each action of torch's pipeline schedule, each FSDP
                group's hooks, zero-bubble's walk of the autograd graph to split the backward,
                the copies of each FSDP2 reduction (cost/overlap.py); measured on CPU meshes,
@@ -167,8 +167,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     memo = _price_cache(cache, graph, mesh, eff, precision, routing_imbalance, dispatch)
     check_stages(graph, stages, memo)
     pipe = price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
-                           virtual=virtual, efficiencies=eff, attention=attention, memo=memo,
-                           whole_sends=runtime.whole_stage_sends)
+                           virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
     chunks, devices, m = pipe.chunks, pipe.devices, pipe.micro_batches
     split = memo.split(stages)
     for c, spec in enumerate(stages):
@@ -281,7 +280,7 @@ class _Pipeline:
 
 def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
                     micro_batch: int, virtual: int, efficiencies: Efficiencies,
-                    attention: str, memo: PriceCache, whole_sends: bool = False) -> _Pipeline:
+                    attention: str, memo: PriceCache) -> _Pipeline:
     pp, dp = _pipeline_shape(stages, virtual, mesh)
     if global_batch % (dp * micro_batch):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
@@ -301,32 +300,22 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
         chunks[c].loss_per_sample = poly_at(loss[c], 1)
         chunks[c].expert_params = memo.expert_params(split, s)[c]
     crossing = memo.crossing(split, stages, crossing_bytes)
-    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, samples,
-              whole=whole_sends)
+    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, samples)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
-    for c, poly in enumerate(_received(crossing, stages, whole_sends)):
+    for c, poly in enumerate(_received(crossing, stages)):
         chunks[c].received_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples)
 
 
-def whole_value_shares(spec: StageSpec) -> int:
-    """How many of a rank's shares of a boundary value it sends or receives when values cross
-    whole (`Runtime.whole_stage_sends`): a sequence-split stream is gathered over tp first."""
-    return spec.tp if spec.sequence_parallel and spec.tp > 1 else 1
-
-
-def _received(crossing: list[dict], stages: list[StageSpec], whole: bool) -> list[dict]:
+def _received(crossing: list[dict], stages: list[StageSpec]) -> list[dict]:
     """Per chunk, the bytes per sample it receives ({power of the sequence: bytes}): its inputs
-    from the chunk before, and the gradients of what it sends to the chunk after. `whole`: every
-    tensor-parallel rank receives a sequence-split stream whole (cost/traffic.py, add_sends)."""
-    def value(c: int) -> dict:
-        gathered = whole_value_shares(stages[c]) if whole else 1
-        return {power: size * gathered for power, size in crossing[c].items()}
+    from the chunk before, and the gradients of what it sends to the chunk after, each rank its
+    chunk (cost/traffic.py, `crossing_bytes`)."""
     received: list[dict] = [{} for _ in stages]
     for c in range(len(stages) - 1):
-        for power, size in value(c).items():
+        for power, size in crossing[c].items():
             for chunk in (c, c + 1):
                 received[chunk][power] = received[chunk].get(power, 0.0) + size
     return received

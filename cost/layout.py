@@ -109,6 +109,12 @@ def _itemsize(dtype: str, compute_dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 4)
 
 
+def whole_bytes(node: Node, batch: int, compute_dtype: str) -> float:
+    """Bytes of a node's whole output for one sample, in the training dtype (`compute_dtype`);
+    `batch`: the captured batch."""
+    return node.bytes / batch * _itemsize(node.dtype, compute_dtype) / DTYPE_BYTES.get(node.dtype, 4)
+
+
 def graph_batch(graph: Graph) -> int:
     """The batch the graph was captured with: the leading size of its first input tensor."""
     for node in graph.nodes:
@@ -180,8 +186,7 @@ class _LayoutBuilder:
                            seq_degree=self.seq_degree, dtype=self.dtype)
 
     def full_bytes(self, node: Node) -> float:
-        """Bytes of this node's whole output for one sample, in the training dtype."""
-        return node.bytes / self.batch * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4)
+        return whole_bytes(node, self.batch, self.dtype)
 
     def local_bytes(self, node: Node) -> float:
         """Bytes of this node's output on one rank for one sample."""

@@ -66,10 +66,6 @@ class Runtime:
     # ZeRO-1/2's all-gather of the updated weights runs behind the next forward (Megatron-Core's
     # --overlap-param-gather) rather than after the optimizer step
     overlap_param_gather: bool = False
-    # Between pipeline stages every tensor-parallel rank sends each value whole, and a value split
-    # over them is gathered first (autopar's TensorParallelStage hands on replicated tensors); False:
-    # Megatron's, which sends a split value's chunks and scatters a whole one (cost/traffic.py).
-    whole_stage_sends: bool = False
     # torch's PipelineStage allocates a receive buffer per micro-batch for a stage's inputs and
     # for its outputs' gradients, and keeps them from the first step on (cost/estimator.py)
     receive_buffers: bool = False
@@ -77,7 +73,7 @@ class Runtime:
 
 RUNTIMES = {
     "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
-                       fsdp2=True, whole_stage_sends=True, receive_buffers=True),
+                       fsdp2=True, receive_buffers=True),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False,
                      receive_buffers=True),
     "megatron-core": Runtime("megatron-core", overlap=True, gather_unit="block",

@@ -25,8 +25,7 @@ import math
 
 from autopar.cost.calibration import calibrated
 from autopar.cost.context import attention_bytes
-from autopar.cost.estimator import (ACTIVATION_DTYPE, crossing_bytes, price_pipeline,
-                                    whole_value_shares)
+from autopar.cost.estimator import ACTIVATION_DTYPE, crossing_bytes, price_pipeline
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import poly_at
@@ -47,7 +46,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
     memo = PriceCache.of(None, graph, mesh, eff, ACTIVATION_DTYPE[plan.precision])
     pipe = price_pipeline(graph, mesh, specs, global_batch=plan.global_batch,
                           micro_batch=plan.micro_batch_size, virtual=plan.virtual, efficiencies=eff,
-                          attention="flash", memo=memo, whole_sends=True)
+                          attention="flash", memo=memo)
     crossing = [poly_at(p, 1) for p in memo.crossing(memo.split(specs), specs, crossing_bytes)]
     element = 4 if plan.precision == Precision.FP32 else 2
     world = {"pp": len(pipe.devices), "dp": specs[0].dp, "cp": specs[0].cp, "tp": specs[0].tp}
@@ -119,19 +118,18 @@ def _expert_parallel(found: dict, chunk, spec, pipe) -> None:
 
 
 def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> None:
-    """Each chunk sends its outputs forward and its inputs' gradients back, each value whole
-    from every tensor-parallel rank, a sequence-split one gathered first: by the sender in the
-    forward, by the receiver for the gradient it sends back (cost/traffic.py, `add_sends`)."""
+    """Each chunk sends its outputs forward and its inputs' gradients back, each
+    tensor-parallel rank its chunk; where the stage holds the values whole, it gathers the
+    chunks of its inputs and of its outputs' gradients (cost/traffic.py, `add_sends`)."""
     last = len(specs) - 1
     for c in chunks:
         spec = specs[c]
-        gathered = whole_value_shares(spec)
-        out = crossing[c] * gathered if c < last else 0.0
-        back = crossing[c - 1] * whole_value_shares(specs[c - 1]) if c > 0 else 0.0
+        out = crossing[c] if c < last else 0.0
+        back = crossing[c - 1] if c > 0 else 0.0
         per_step = pipe.samples * pipe.micro_batches
         _add(found, "send", "pp", len(pipe.devices), (out + back) * per_step)
-        if gathered > 1:
-            _add(found, "all_gather", "tp", spec.tp, (out + back) * per_step)
+        if spec.tp > 1 and not spec.sequence_parallel:
+            _add(found, "all_gather", "tp", spec.tp, (out + back) * spec.tp * per_step)
 
 
 def _data_parallel(found: dict, params: float, spec, schedule: str, m: int, element: int,

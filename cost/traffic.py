@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from autopar.cost.collectives import Group, Level, send_recv_time
 from autopar.cost.compute import Efficiencies
-from autopar.cost.layout import GraphLayout
+from autopar.cost.layout import GraphLayout, whole_bytes
 from autopar.cost.memory import BYTES_PER_PARAM
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec
@@ -29,8 +29,11 @@ def parameter_readers(reads: list[tuple[str, int]], owner: list[int]) -> dict[st
 
 def crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
                    stages: list[StageSpec]) -> list[dict]:
-    """Activation bytes per sample leaving chunk c for chunk c + 1, as {power of the sequence
-    length: bytes}. A tensor used several chunks later is relayed through every boundary between."""
+    """Activation bytes per sample that one rank sends from chunk c to chunk c + 1, as {power of
+    the sequence length: bytes}. A tensor used several chunks later is relayed through every
+    boundary between. A floating value crosses as each tensor-parallel rank's 1/tp chunk
+    (autopar.passes.stage_boundaries): the rank's share where the stage splits it already (a
+    sequence-parallel stream), a 1/tp slice of it where the stage holds it whole."""
     layout = layouts[stages[0].layout_key]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
@@ -43,34 +46,32 @@ def crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
         spec = stages[c]
         mine = layouts[spec.layout_key]
         degree = mine.seq_degree.get(tensor, 0)
-        crossing[c][degree] = crossing[c].get(degree, 0.0) + mine.storage_bytes.get(tensor, 0.0)
+        local = mine.storage_bytes.get(tensor, 0.0)
+        node = graph.nodes[layout.index[tensor]]
+        if spec.tp > 1 and node.dtype.startswith(("float", "bfloat")):
+            local = min(local, whole_bytes(node, mine.batch, mine.dtype) / spec.tp)
+        crossing[c][degree] = crossing[c].get(degree, 0.0) + local
     return crossing
 
 
 def add_sends(crossing: list[float], stages: list[StageSpec], chunks: list, mesh: Mesh,
-              b: int, *, whole: bool = False) -> None:
-    """Activations crossing chunk boundaries forward, and their gradients backward. On a GPU the
-    transfers run beside the compute and the sender's side stands for the pair; where the cores
-    that compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver
-    waits in its blocking receive as long as the sender sends. `whole`: the runtime hands values
-    on whole (`Runtime.whole_stage_sends`): every tensor-parallel rank sends the whole value, and
-    a stream split on the sequence is gathered first, by the sender in the forward and by the
-    receiver for the gradient it sends back."""
+              b: int) -> None:
+    """Activations crossing chunk boundaries forward, and their gradients backward, each
+    tensor-parallel rank its chunk (`crossing_bytes`), as Megatron-LM and autopar send them: a
+    value the stage splits on the sequence needs nothing more; a whole one is gathered over the
+    tensor-parallel ranks after it arrives (its gradient by the sender). On a GPU the transfers
+    run beside the compute and the sender's side stands for the pair; where the cores that
+    compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver waits in
+    its blocking receive as long as the sender sends."""
     both_ends = not mesh.device.overlaps_communication
     for c in range(len(stages) - 1):
         spec = stages[c]
         per_rank = spec.tp * spec.dp
         link = mesh.device.inter_node if per_rank >= mesh.gpus_per_node else mesh.device.intra_node
-        nbytes = crossing[c] * b           # on one tensor-parallel rank
-        gather = Group.strided(mesh, spec.tp, 1).all_gather
-        if whole:
-            split = spec.sequence_parallel and spec.tp > 1
-            value = nbytes * spec.tp if split else nbytes
-            one_way = send_recv_time(value, link) + (gather(value) if split else 0.0)
-        elif spec.sequence_parallel:       # already split over the tensor-parallel ranks
-            one_way = send_recv_time(nbytes, link)
-        else:                              # Megatron's scatter/gather: 1/tp each, gathered after
-            one_way = send_recv_time(nbytes / spec.tp, link) + gather(nbytes)
+        nbytes = crossing[c] * b           # one tensor-parallel rank's chunk
+        one_way = send_recv_time(nbytes, link)
+        if spec.tp > 1 and not spec.sequence_parallel:
+            one_way += Group.strided(mesh, spec.tp, 1).all_gather(nbytes * spec.tp)
         chunks[c].send_s += 2 * one_way
         if both_ends:
             chunks[c + 1].send_s += 2 * one_way

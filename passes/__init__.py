@@ -23,6 +23,9 @@ rank's program in one direction:
     tensor_parallel.py  shard_tensor_parallel: DTensors with the plan's placements on "tp", a
                         Redistribute where the plan places a value (collectives.py), and what
                         DTensor needs to run an export (dtensor_adapters.py, dtensor_rules.py)
+    stage_boundaries.py split_stage_boundaries: values crossing to another stage as each
+                        tensor-parallel rank's 1/tp chunk, rebuilt by the receiver (Megatron's
+                        scatter/gather)
     precision.py        drop_traced_dtype_checks: mixed precision's values are 16-bit where the
                         trace saw fp32
 
@@ -38,6 +41,7 @@ from autopar.passes.context_parallel import SequenceSplit, find_sequence_split, 
 from autopar.passes.precision import cast_to_weight_dtypes, drop_traced_dtype_checks
 from autopar.passes.program import PassTarget, StageProgram
 from autopar.passes.recompute import Recomputed, checkpoint_regions, recompute_layers
+from autopar.passes.stage_boundaries import split_stage_boundaries
 from autopar.passes.stage_split import split_model
 from autopar.passes.tensor_parallel import shard_tensor_parallel
 
@@ -59,6 +63,8 @@ PASSES = (
     split_sequence,
     # before FSDP2 (which the runtime applies after the passes): FSDP2 shards what tp left
     shard_tensor_parallel,
+    # after tensor parallelism, whose wrapper sends and receives the chunks
+    split_stage_boundaries,
     # last: it drops checks from every graph the passes before it made
     drop_traced_dtype_checks,
 )

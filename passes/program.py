@@ -42,6 +42,8 @@ class StageProgram:
     # the model's tensor keyword inputs (attention masks) that the first stage takes after its
     # positional inputs, in this order (the same for every stage of the model)
     keywords: tuple[str, ...] = ()
+    # the captured graph's name of each value the stage takes, in order (Plan.nodes's keys)
+    input_values: tuple[str, ...] = ()
     # the stage's layers that recompute may wrap (the repeated blocks, as Megatron's recompute
     # does): submodule name ("submod_3") -> the layer's module path ("layers.1")
     blocks: dict[str, str] = field(default_factory=dict)

@@ -27,6 +27,8 @@ reads, under their model names.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
@@ -93,13 +95,34 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
                         if stage == index and units[u] in blocks and hasattr(by_unit, f"submod_{u}")}
         programs.append(StageProgram(index=index, module=stage_module,
                                      param_names=parameter_names(stage_module), out_spec=out_spec,
-                                     relayed=relayed, keywords=keywords, blocks=stage_blocks))
+                                     relayed=relayed, keywords=keywords, blocks=stage_blocks,
+                                     input_values=_input_values(stage_module, by_unit)))
     tied = tied_stages(programs)
     examples = interface_examples([program.module for program in programs], inputs, boundary_dtype)
     for program, (example_inputs, example_outputs) in zip(programs, examples):
         program.tied = tied
         program.example_inputs, program.example_outputs = example_inputs, example_outputs
     return programs
+
+
+def _input_values(stage: fx.GraphModule, by_unit: fx.GraphModule) -> tuple[str, ...]:
+    """The captured graph's name of each value `stage` takes (the plan places values by these
+    names); a stage's input is named after the unit call, or the item of it, that made it."""
+    nodes = {node.name: node for node in by_unit.graph.nodes}
+    names = []
+    for placeholder in (n for n in stage.graph.nodes if n.op == "placeholder"):
+        made = nodes.get(placeholder.name)
+        item = None
+        if made is not None and made.target is operator.getitem:
+            made, item = made.args
+        if made is None or made.op != "call_module":     # a model input
+            names.append(placeholder.name)
+            continue
+        unit = by_unit.get_submodule(made.target)
+        value = next(n for n in unit.graph.nodes if n.op == "output").args[0]
+        value = value if item is None else value[item]
+        names.append(value.name if isinstance(value, fx.Node) else placeholder.name)
+    return tuple(names)
 
 
 def tied_stages(programs: list[StageProgram]) -> dict[str, tuple[int, ...]]:

@@ -3,8 +3,8 @@
 The stage's parameters become DTensors over the stage's tensor-parallel sub-mesh with the plan's
 placement for the "tp" axis ("S(0)" column-parallel, "S(1)" row-parallel, "R" replicated), so every
 op of the stage's graph computes on global shapes and DTensor's sharding propagation inserts the
-collectives. Between stages activations travel as ordinary tensors: a stage takes its inputs as
-replicated and hands its outputs on replicated, which is what the pipeline's send and receive move.
+collectives. Between stages activations travel as ordinary tensors, each tensor-parallel rank's
+1/tp chunk of a value (`TensorParallelStage`, stage_boundaries.py), rebuilt by the receiving stage.
 
 Values the plan places (`Plan.nodes`, e.g. the residual stream at each norm's input: whole, or
 split on the sequence for sequence parallelism) are moved there with the intra-op runtime's
@@ -21,8 +21,8 @@ import operator
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-from torch.utils._pytree import tree_map
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.cost.reshard import cheapest_inputs
 from autopar.cost.strategies import axis_strategies, parse_placement, placement_str
@@ -57,32 +57,58 @@ def _sharded_on(program: StageProgram, plan, axis: int) -> bool:
 
 
 class TensorParallelStage(nn.Module):
-    """Runs `inner` on DTensors over `mesh`; inputs and outputs are replicated plain tensors."""
+    """Runs `inner` over the tensor-parallel ranks of `mesh`, on DTensors (`dtensors`) or, for a
+    stage the plan does not shard, on plain tensors that every rank computes whole.
 
-    def __init__(self, inner: nn.Module, mesh: DeviceMesh):
+    The model's own inputs and outputs are whole on every rank. A value that crosses to another
+    pipeline stage travels as each rank's 1/tp chunk on dim `inputs[i]` / `outputs[i]` (set by
+    autopar.passes.stage_boundaries; None: whole), as Megatron-LM's scatter/gather sends it: the
+    sender keeps its chunk (a sequence-split value is split already), the receiver rebuilds the
+    placement the plan gives the value (`input_placements`), gathering only where that placement
+    is not the chunk's. Autograd is DTensor's, so gradients travel back as chunks too."""
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh, *, dtensors: bool = True):
         super().__init__()
         self.inner = inner
         self.mesh = mesh
+        self.dtensors = dtensors
+        self.inputs: tuple[int | None, ...] = ()
+        self.input_placements: tuple = ()
+        self.outputs: tuple[int | None, ...] = ()
 
     def forward(self, *args):
-        inputs = tree_map(self._to_dtensor, args)
-        return tree_map(self._to_local, self.inner(*inputs))
+        inputs = [self._received(value, i) for i, value in enumerate(args)]
+        leaves, spec = tree_flatten(self.inner(*inputs))
+        sent, index = [], 0             # outputs[i] is the i-th tensor output
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                leaf, index = self._sent(leaf, index), index + 1
+            sent.append(leaf)
+        return tree_unflatten(sent, spec)
 
-    def _to_dtensor(self, value):
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
-        return value
+    def _received(self, value, index: int):
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        dim = self.inputs[index] if index < len(self.inputs) else None
+        if dim is None:
+            return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False) \
+                if self.dtensors else value
+        chunk = DTensor.from_local(value, self.mesh, [Shard(dim)], run_check=False)
+        placed = chunk.redistribute(self.mesh, [self.input_placements[index]]) \
+            if self.dtensors else chunk.redistribute(self.mesh, [Replicate()])
+        return placed if self.dtensors else placed.to_local()
 
-    def _to_local(self, value):
-        if isinstance(value, DTensor):
-            # a copy, not the local view: FSDP's backward hook on a stage output must not be lost
-            # to an in-place op on a view
-            return value.redistribute(self.mesh, [Replicate()]).to_local().clone()
-        return value
-
-
-
-
+    def _sent(self, value: torch.Tensor, index: int):
+        dim = self.outputs[index] if index < len(self.outputs) else None
+        if dim is None and not isinstance(value, DTensor):
+            return value
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+        placement = Replicate() if dim is None else Shard(dim)
+        # a copy, not the local view: FSDP's backward hook on a stage output must not be lost
+        # to an in-place op on a view; dense, as the pipeline sends it
+        return value.redistribute(self.mesh, [placement]).to_local().clone(
+            memory_format=torch.contiguous_format)
 
 
 def written_nodes(graph: fx.Graph) -> set[fx.Node]:

@@ -192,6 +192,31 @@ def test_tensor_parallel_stages_2x2_with_and_without_sequence_parallelism():
         assert_equal_to_one_process(report)
 
 
+def replicated_before(layout: tuple[dict, dict], unit: str) -> tuple[dict, dict]:
+    """`layout` with everything before `unit` in graph order replicated: a first stage the plan
+    does not shard."""
+    model, example_inputs = build_model(SPEC, batch=2)
+    graph = autopar.capture(model, example_inputs=example_inputs)
+    first = next(i for i, n in enumerate(graph.nodes) if n.module_path.startswith(unit + "."))
+    mine = {n.name for n in graph.nodes[:first]}
+    fqns = {n.param_fqn for n in graph.nodes[:first] if n.param_fqn}
+    parameters, nodes = layout
+    return ({k: v for k, v in parameters.items() if k not in fqns},
+            {k: v for k, v in nodes.items() if k not in mine})
+
+
+@pytest.mark.slow
+def test_a_stage_the_plan_does_not_shard_sends_and_receives_chunks_too():
+    """Stage 0 replicated on its 2 tensor-parallel ranks (plain tensors), stage 1 split: values
+    still cross as halves, gathered by the receiver, their gradients by the sender."""
+    cut = [UNITS[:5], UNITS[5:]]
+    plans = [make_plan(cut, pp=2, tp=2, schedule="1f1b",
+                       layout=replicated_before(megatron_layout(1, sp), cut[1][0])) for sp in (False, True)]
+    results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
+    for report in results[0]:
+        assert_equal_to_one_process(report)
+
+
 # ZeRO-1 in the slow tier: the default tier runs it in data-parallel pipelines below
 @pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_data_tensor_and_pipeline_parallel_2x2x2_with_zero1_and_zero3(zero):

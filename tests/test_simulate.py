@@ -65,7 +65,8 @@ def test_a_64_rank_plan_sends_what_it_implies(simulated):
     graph, plan, (first, last) = simulated
     assert plan.world_size == 64 and plan.precision == "bf16" and [first.stages, last.stages] == [[0], [1]]
     m, hidden, seq = plan.micro_batches, 64, 64
-    activation = plan.micro_batch_size * seq * hidden * 2          # bf16 across stages
+    # bf16 across stages, each of the 2 tensor-parallel ranks its half (Megatron's scatter/gather)
+    activation = plan.micro_batch_size * seq * hidden * 2 // CONFIG.tp
     assert _sent(first, "send", "pp")["payload_bytes"] == m * activation
     assert _sent(last, "recv", "pp")["payload_bytes"] == m * activation
     for report in (first, last):
