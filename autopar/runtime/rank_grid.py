@@ -139,7 +139,7 @@ def context_group(layout: PipelineLayout, rank: int):
         for d in range(layout.dp):
             for t in range(layout.tp):
                 ranks = [plane[d * layout.cp + c][t] for c in range(layout.cp)]
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, group_desc="cp")
                 if rank in ranks:
                     mine, place = group, ranks.index(rank)
     return mine, place

@@ -85,22 +85,28 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def _record(self, name: str, args: tuple) -> None:
         kind, position = _OPS[name]
-        ranks = _group_ranks(args)
+        group = _group(args)
+        ranks = dist.get_process_group_ranks(group)
         tensors = [t for t in pytree.tree_leaves(args[position]) if isinstance(t, torch.Tensor)]
         payload = sum(t.numel() * t.element_size() for t in tensors)
-        key = tuple(ranks)
+        key = (group.group_desc, tuple(ranks))
         if key not in self._axes:
-            self._axes[key] = self.axis_of(list(ranks))
+            self._axes[key] = _NAMED_GROUPS.get(group.group_desc) or self.axis_of(list(ranks))
         n = len(ranks)
         self.collectives.append(Collective(kind, self._axes[key], n, payload,
                                            sent_bytes(kind, payload, n)))
 
 
-def _group_ranks(args: tuple) -> list[int]:
-    """The global ranks of the op's process group: a c10d op passes the group itself, a functional
-    op its registered name (its last string argument)."""
+# Groups the runtime names for what they do, where ranks alone would not tell: a cp group and an
+# ep group may hold the same ranks (autopar.runtime.rank_grid names them when it makes them)
+_NAMED_GROUPS = {"cp": "cp", "mesh_ep": "ep", "mesh_edp": "edp"}
+
+
+def _group(args: tuple) -> dist.ProcessGroup:
+    """The op's process group: a c10d op passes the group itself, a functional op its registered
+    name (its last string argument)."""
     for arg in args:
         if isinstance(arg, torch.ScriptObject):
-            return dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg))
+            return dist.ProcessGroup.unbox(arg)
     name = [arg for arg in args if isinstance(arg, str)][-1]
-    return dist.get_process_group_ranks(_resolve_process_group(name))
+    return _resolve_process_group(name)
