@@ -103,12 +103,16 @@ class Estimate:
     devices: list = field(default_factory=list)    # per pipeline rank: time per micro-batch, memory
                                                     # (total and its parts)
     host_memory_bytes: float = 0.0  # offloaded model states one device keeps on its host
+    # the host memory each device has for them: its host's over the devices it serves (0: the
+    # host's memory is not stated, and not checked)
+    host_memory_limit_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         """Plain data; the host's bytes only where the states are offloaded."""
         data = asdict(self)
-        if not self.host_memory_bytes:
-            del data["host_memory_bytes"]
+        for key in ("host_memory_bytes", "host_memory_limit_bytes"):
+            if not data[key]:
+                del data[key]
         return data
 
 
@@ -199,7 +203,23 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
         result.breakdown["offload"] = exposed_copies
         result.comm_breakdown["host"] = exposed_copies
         result.host_memory_bytes = max(host)
+        result.host_memory_limit_bytes = host_memory_share(mesh)
+        result.fits = result.fits and host_fits(result)
     return result
+
+
+def host_memory_share(mesh: Mesh) -> float:
+    """The host memory one device of `mesh` has for offloaded states: its host's memory over the
+    devices the host serves (those of its node, at most the host's `gpus`); 0 where the host's
+    memory is not stated."""
+    host = mesh.device.host_figures
+    return host.memory_bytes / min(host.gpus, mesh.gpus_per_node)
+
+
+def host_fits(result: Estimate) -> bool:
+    """Whether the offloaded states fit the host's memory (where it is stated)."""
+    limit = result.host_memory_limit_bytes
+    return not limit or result.host_memory_bytes <= limit
 
 
 def _price_cache(cache: dict | None, graph: Graph, mesh: Mesh, eff: Efficiencies, precision: str,

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from autopar.errors import MeshError
@@ -61,11 +61,12 @@ class Link:
 class HostSpec:
     """The host of a device, for offloaded model states: the link to it (PCIe, or Grace's
     NVLink-C2C), and what the host's memory streams and its cores compute for an optimizer step,
-    shared by the `gpus` devices it serves."""
+    and how much memory it has for offloaded states, shared by the `gpus` devices it serves."""
     link: Link
     bandwidth: float            # bytes/s a CPU Adam step streams through the host's DRAM
     flops: float                # the host's FLOP/s for it
     gpus: int
+    memory_bytes: float = 0.0   # the host's DRAM; 0: not stated, not checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +127,15 @@ NVLINK_C2C = Link("nvlink-c2c", 450 * GB, 5e-6, 0.80)
 # measures it). DRAM peaks: DGX-2 2 x 6 channels DDR4-2666 (256 GB/s), DGX A100 2 x 8 DDR4-3200
 # (410), DGX H100 2 x 8 DDR5-4800 (614), DGX B200 2 x 8 DDR5-5600 (717), Grace LPDDR5X (512 per
 # two GPUs), a workstation 2 channels of DDR4-3200 (51) or DDR5-5600 (90), an L40S server 2 x 12
-# DDR5-4800 (920). Host FLOP/s: their cores' fp32 vector rate, roughly.
+# DDR5-4800 (920). Host FLOP/s: their cores' fp32 vector rate, roughly. Host memory, as the
+# systems ship: DGX-2 1.5 TB, DGX A100 1 TB, DGX H100/H200 and B200 2 TB, Grace 480 GB per two
+# GPUs, an L40S server 1 TB; a desktop the most its platform takes (four DIMMs: 128 GB of DDR4,
+# 256 GB of DDR5), which few have: state a host's own with the mesh spec's `,host=SIZE`.
 _HOST_SHARE = 0.4
 
 
-def _host_figures(peak: float, flops: float, gpus: int, link: Link) -> HostSpec:
-    return HostSpec(link, _HOST_SHARE * peak * GB, flops, gpus)
+def _host_figures(peak: float, flops: float, gpus: int, link: Link, memory_gb: float) -> HostSpec:
+    return HostSpec(link, _HOST_SHARE * peak * GB, flops, gpus, memory_gb * GB)
 
 
 def _tensor_flops(bf16: float, fp32: float, fp8: float = 0.0) -> dict:
@@ -178,21 +182,22 @@ DEVICES = {device.name: device for device in (
                16 * GIB, LOOPBACK, LOOPBACK, training_dtype="float32", overlaps_communication=False),
 )}
 HOSTS = {
-    "v100-32g": _host_figures(256, 2e12, 16, PCIE3),
-    "a100-40g": _host_figures(410, 4e12, 8, PCIE4),
-    "a100-80g": _host_figures(410, 4e12, 8, PCIE4),
-    "h100-80g": _host_figures(614, 6e12, 8, PCIE5),
-    "h100-96g": _host_figures(614, 6e12, 8, PCIE5),
-    "h200-141g": _host_figures(614, 6e12, 8, PCIE5),
-    "b200-180g": _host_figures(717, 6e12, 8, PCIE5),
-    "gb200-186g": _host_figures(512, 3e12, 2, NVLINK_C2C),
-    "gb300-288g": _host_figures(512, 3e12, 2, NVLINK_C2C),
-    "rtx3090-24g": _host_figures(51, 1e12, 1, PCIE4),
-    "rtx4090-24g": _host_figures(90, 1.5e12, 1, PCIE4),
-    "l40s-48g": _host_figures(920, 6e12, 8, PCIE4),
-    "cpu": HostSpec(LOOPBACK, 20 * GB, 0.1e12, 1),
+    "v100-32g": _host_figures(256, 2e12, 16, PCIE3, 1500),
+    "a100-40g": _host_figures(410, 4e12, 8, PCIE4, 1000),
+    "a100-80g": _host_figures(410, 4e12, 8, PCIE4, 1000),
+    "h100-80g": _host_figures(614, 6e12, 8, PCIE5, 2000),
+    "h100-96g": _host_figures(614, 6e12, 8, PCIE5, 2000),
+    "h200-141g": _host_figures(614, 6e12, 8, PCIE5, 2000),
+    "b200-180g": _host_figures(717, 6e12, 8, PCIE5, 2000),
+    "gb200-186g": _host_figures(512, 3e12, 2, NVLINK_C2C, 480),
+    "gb300-288g": _host_figures(512, 3e12, 2, NVLINK_C2C, 480),
+    "rtx3090-24g": _host_figures(51, 1e12, 1, PCIE4, 128),
+    "rtx4090-24g": _host_figures(90, 1.5e12, 1, PCIE4, 256),
+    "l40s-48g": _host_figures(920, 6e12, 8, PCIE4, 1000),
+    # the CPU "device" is its host: offloading moves nothing (the memory is the device's)
+    "cpu": HostSpec(LOOPBACK, 20 * GB, 0.1e12, 1, 16 * GIB),
 }
-DEFAULT_HOST = _host_figures(410, 4e12, 8, PCIE4)
+DEFAULT_HOST = _host_figures(410, 4e12, 8, PCIE4, 1000)
 # The names users know the larger cards by
 ALIASES = {"b200": "b200-180g", "gb200": "gb200-186g", "gb300": "gb300-288g"}
 
@@ -211,12 +216,21 @@ class Mesh:
 
     @classmethod
     def parse(cls, spec: str) -> Mesh:
-        match = re.fullmatch(r"\s*(?:(\d+)x)?(\d+):([\w.-]+)\s*", spec)
+        """NODESxGPUS:DEVICE or GPUS:DEVICE, and `,host=SIZE` for the memory of each host (the
+        device's `HOSTS` entry otherwise): '1x1:rtx4090-24g,host=128g'."""
+        match = re.fullmatch(r"\s*(?:(\d+)x)?(\d+):([\w.-]+)(?:,host=(\d+(?:\.\d+)?)([gGtT])[bB]?)?\s*",
+                             spec)
         if not match:
             raise MeshError(f"mesh spec {spec!r} is malformed: expected NODESxGPUS:DEVICE "
-                            f"such as '128x8:a100-80g', or GPUS:DEVICE such as '4:cpu'")
-        nodes, gpus, device_name = match.groups()
+                            f"such as '128x8:a100-80g', or GPUS:DEVICE such as '4:cpu', and "
+                            f"optionally ',host=SIZE' (the memory of each host, e.g. ',host=256g')")
+        nodes, gpus, device_name, host_memory, unit = match.groups()
         device = device_spec(device_name)
+        if host_memory is not None:
+            size = float(host_memory) * (GB if unit.lower() == "g" else 1000 * GB)
+            if size <= 0:
+                raise MeshError(f"mesh spec {spec!r}: host memory must be more than 0")
+            device = replace(device, host=replace(device.host_figures, memory_bytes=size))
         return cls.build(device, gpus=int(gpus), nodes=int(nodes) if nodes else None)
 
     @classmethod
@@ -343,7 +357,8 @@ def _launcher_count(name: str, default: int) -> int:
 def _host_spec(host: dict) -> HostSpec:
     """A mesh file's own host figures (`DeviceSpec.host`), checked by autopar.plans.mesh."""
     return HostSpec(link=_link(host["link"]), bandwidth=float(host["bandwidth"]),
-                    flops=float(host["flops"]), gpus=int(host["gpus"]))
+                    flops=float(host["flops"]), gpus=int(host["gpus"]),
+                    memory_bytes=float(host.get("memory_bytes", 0.0)))
 
 
 def _link(link: dict) -> Link:

@@ -81,12 +81,28 @@ def test_llama_70b_at_128k_tokens_splits_the_sequence(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_llama_13b_on_one_consumer_card_offloads(tmp_path):
+def test_llama_13b_on_one_consumer_card_offloads(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "llama-13b", "--mesh", "1x1:rtx4090-24g", "--global-batch", "16",
                  "--out", str(out)]) == 0
     plan = Plan.load(out)
     assert plan.offload and plan.predicted["fits"] and plan.predicted["host_memory_bytes"] > 0
+    # a desktop's 256 GB (the most its platform takes) holds the 208 GB of states; 128 GB does not
+    assert plan.predicted["host_memory_bytes"] <= plan.predicted["host_memory_limit_bytes"] == 256e9
+    assert main(["plan", "llama-13b", "--mesh", "1x1:rtx4090-24g,host=128g", "--global-batch", "16"]) != 0
+    assert "need 193.95 GiB of host memory for the host's 1 device(s), more than the 119.21 GiB " \
+           "the host has; if your hosts have more, say so in the mesh spec (e.g. " \
+           "'1x1:rtx4090-24g,host=209g')" in capsys.readouterr().err
+
+
+def test_offloaded_states_must_fit_the_hosts_memory():
+    model, inputs = build_model("gpt-tiny")
+    graph = autopar.capture(model, inputs)
+    config = autopar.Config(dp=2, zero=3, offload=True, global_batch=4)
+    roomy = autopar.estimate(graph, autopar.Mesh.parse("2:rtx4090-24g"), config)
+    assert roomy.fits and 0 < roomy.host_memory_bytes < roomy.host_memory_limit_bytes == 256e9
+    small = autopar.estimate(graph, autopar.Mesh.parse("2:rtx4090-24g,host=0.001g"), config)
+    assert small.host_memory_limit_bytes == 1e6 < small.host_memory_bytes and not small.fits
 
 
 def test_all_to_all_needs_cp_to_divide_the_key_value_heads():

@@ -86,6 +86,20 @@ def test_mesh_specs_and_errors():
         Mesh.parse("8 gpus")
 
 
+def test_a_mesh_spec_states_its_hosts_memory():
+    """Offloaded states must fit the host: a known device's host has the memory its systems
+    ship with, a spec may state its own, and a mesh file keeps it."""
+    assert Mesh.parse("4x8:h100-80g").device.host_figures.memory_bytes == 2000e9
+    mesh = Mesh.parse("2x1:rtx4090-24g,host=96g")
+    assert mesh.device.host_figures.memory_bytes == 96e9 and mesh.world_size == 2
+    assert Mesh.parse("1:l40s-48g,host=1.5tb").device.host_figures.memory_bytes == 1500e9
+    assert Mesh.from_dict(mesh.to_dict()) == mesh
+    with pytest.raises(MeshError, match="host memory must be more than 0"):
+        Mesh.parse("1:rtx4090-24g,host=0g")
+    with pytest.raises(MeshError, match="',host=SIZE'"):
+        Mesh.parse("1:rtx4090-24g,host=lots")
+
+
 def test_roofline_compute_and_memory_bound():
     eff = Efficiencies()
     flops = 2 * 8192 ** 3

@@ -247,9 +247,13 @@ def _print(console: Console, report: dict, title: str) -> None:
             mark = " (cheaper)" if kind == report["context_parallel"]["cheaper"] else ""
             summary.add_row(f"context parallel: {kind}{mark}", price)
     if report.get("host_memory_bytes"):
-        summary.add_row("host memory per GPU (offloaded)", _bytes(report["host_memory_bytes"]))
+        limit = report.get("host_memory_limit_bytes")
+        room = (f" of {_bytes(limit)} ({'fits' if report['host_memory_bytes'] <= limit else 'DOES NOT FIT'})"
+                if limit else " (the host's memory is not stated)")
+        summary.add_row("host memory per GPU (offloaded)", _bytes(report["host_memory_bytes"]) + room)
     summary.add_row("bubble fraction", f"{report['bubble_fraction']:.3f}")
-    fits = "fits" if report["fits"] else "DOES NOT FIT"
+    # the device's own memory (`fits` also counts the host's, shown above)
+    fits = "fits" if report["memory_per_gpu_bytes"] <= report["memory_limit_bytes"] else "DOES NOT FIT"
     summary.add_row("memory per GPU", f"{_bytes(report['memory_per_gpu_bytes'])} of "
                                       f"{_bytes(report['memory_limit_bytes'])} ({fits})")
     console.print(summary)

@@ -5,7 +5,8 @@ the cost model builds its `Mesh` from what this module accepted.
     {"device": {"name", "peak_flops": {dtype: FLOP/s, "float32" required}, "hbm_bandwidth",
                 "memory_bytes", "intra_node": LINK, "inter_node": LINK, "multiprocessors",
                 "training_dtype", "overlaps_communication",
-                "host": {"link": LINK, "bandwidth", "flops", "gpus"}},   host: for offloaded states
+                "host": {"link": LINK, "bandwidth", "flops", "gpus", "memory_bytes"}},
+                                                            host: for offloaded states
      "axes": [{"name", "size", "link": LINK}, ...]}         outer to inner
     LINK = {"name", "bandwidth", "latency", "efficiency", "measured": [[kind, latency, bandwidth,
             group size], ...]}
@@ -26,7 +27,8 @@ MAX_DEVICES = 2**20
 DEVICE_KEYS = ("name", "peak_flops", "hbm_bandwidth", "memory_bytes", "intra_node", "inter_node",
                "multiprocessors", "training_dtype", "overlaps_communication", "host")
 OPTIONAL_DEVICE_KEYS = ("multiprocessors", "training_dtype", "overlaps_communication", "host")
-HOST_KEYS = ("link", "bandwidth", "flops", "gpus")
+HOST_KEYS = ("link", "bandwidth", "flops", "gpus", "memory_bytes")
+REQUIRED_HOST_KEYS = ("link", "bandwidth", "flops", "gpus")     # memory_bytes: not checked without
 LINK_KEYS = ("name", "bandwidth", "latency", "efficiency", "measured")
 AXIS_KEYS = ("name", "size", "link")
 
@@ -89,11 +91,14 @@ def _check_host(host) -> None:
     """A device's host, whose memory and cores offloaded states use."""
     if not isinstance(host, dict):
         raise MeshError(f"device.host is {host!r}; expected an object {{link, bandwidth, flops, gpus}}")
-    _keys(host, HOST_KEYS, HOST_KEYS, "device.host")
+    _keys(host, HOST_KEYS, REQUIRED_HOST_KEYS, "device.host")
     check_link_dict(host["link"], "device.host.link")
     positive(host, "bandwidth", "device.host")
     positive(host, "flops", "device.host")
     positive(host, "gpus", "device.host", integer=True)
+    if "memory_bytes" in host and value(host, "memory_bytes", (int, float), "device.host") < 0:
+        raise MeshError(f"device.host.memory_bytes is {host['memory_bytes']}; expected 0 (not "
+                        f"stated) or more")
 
 
 def check_link_dict(link, where: str) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.cost.config import Config
-from autopar.cost.estimator import StageSpec, estimate, estimate_stages
+from autopar.cost.estimator import StageSpec, estimate, estimate_stages, host_fits
 from autopar.cost.layout import TensorPlacements
 from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.plans.vocabulary import AxisRole
@@ -60,7 +60,8 @@ class CandidatePricer:
         priced = None if result is None else Priced(
             candidate=candidate, step_time_s=result.step_time_s,
             memory_bytes=result.memory_per_gpu_bytes,
-            fits=result.memory_per_gpu_bytes <= self.memory_limit, estimate=result)
+            fits=result.memory_per_gpu_bytes <= self.memory_limit and host_fits(result),
+            estimate=result)
         self.cache[candidate] = priced
         return priced
 

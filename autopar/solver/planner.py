@@ -383,6 +383,8 @@ def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
     least = search.least_memory
     if least is None:
         return _no_layout(search)
+    if search.least_host is not None:
+        return _host_too_small(search)
     shape = least.candidate.shape
     return InfeasibleError(
         f"no plan fits {format_bytes(memory_limit)} per device; the least memory found is "
@@ -392,6 +394,27 @@ def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
         f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model"
         + ("; the search stopped at its time limit, and a longer one may find a plan"
            if search.timed_out else ""))
+
+
+def _host_too_small(search: Search) -> InfeasibleError:
+    """Offloading would fit the devices, but not the hosts' memory."""
+    least = search.least_host
+    shape, estimate = least.candidate.shape, least.estimate
+    mesh = search.pricer.mesh
+    per_host = min(mesh.device.host_figures.gpus, mesh.gpus_per_node)
+    needed = estimate.host_memory_bytes * per_host
+    return InfeasibleError(
+        f"no plan fits {format_bytes(search.pricer.memory_limit)} per device without offloading, "
+        f"and offloaded (tp={shape.tp} pp={shape.pp} dp={shape.dp}, ZeRO 3) the model states need "
+        f"{format_bytes(needed)} of host memory for the host's {per_host} device(s), more than "
+        f"the {format_bytes(mesh.device.host_figures.memory_bytes)} the host has; if your hosts "
+        f"have more, say so in the mesh spec (e.g. '{_with_host(mesh, needed)}'), else use more "
+        f"devices or a smaller model")
+
+
+def _with_host(mesh: Mesh, needed: float) -> str:
+    """The mesh spec with a host memory that would hold `needed` bytes, in whole GB."""
+    return f"{mesh},host={math.ceil(needed / 1e9)}g"
 
 
 def _no_layout(search: Search) -> InfeasibleError:

@@ -55,6 +55,9 @@ class Search:
     experts: int = 0                # the gcd of the MoE layers' expert counts; 0: none
     best: Priced | None = None
     least_memory: Priced | None = None
+    # of the offloaded candidates that fit the devices, the one whose states need the least host
+    # memory (what the refusal names when none fits its host)
+    least_host: Priced | None = None
     timed_out: bool = False
 
     def price(self, candidate: Candidate, uniform: bool = False) -> Priced | None:
@@ -74,6 +77,10 @@ class Search:
             self.best = result
         if self.least_memory is None or result.memory_bytes < self.least_memory.memory_bytes:
             self.least_memory = result
+        host = result.estimate.host_memory_bytes
+        if host and result.memory_bytes <= self.pricer.memory_limit and (
+                self.least_host is None or host < self.least_host.estimate.host_memory_bytes):
+            self.least_host = result
         return result
 
     def relay_error(self, candidate: Candidate) -> str | None:
