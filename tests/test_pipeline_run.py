@@ -144,6 +144,20 @@ def test_interleaved_and_zero_bubble_with_two_chunks_per_rank():
         assert_equal_to_one_process(report)
 
 
+@pytest.mark.slow
+def test_four_chunks_per_rank_under_zero_keep_their_weights_gathered_and_train_exactly():
+    """torch's action-list schedules gather at most 3 of a rank's chunks at a time; ZeRO-1/2
+    chunks stay gathered through the step instead (autopar.runtime.schedule._gather_once)."""
+    spec = "gpt:layers=6,hidden=32,heads=4,seq=16,vocab=64"
+    units = ["tok_emb", "pos_emb", "emb_dropout", *(f"layers.{i}" for i in range(6)), "norm_f", "lm_head"]
+    chunks = [units[:4], *([u] for u in units[4:9]), [units[9]], [units[10]]]
+    plans = [make_plan(chunks, pp=2, dp=2, schedule=schedule, zero=zero, micro_batches=4)
+             for schedule, zero in (("interleaved-1f1b", 1), ("zero-bubble", 2))]
+    results = autopar.launch(train_plans, 4, plans, adamw, None, spec, timeout=180)
+    for report in results[0]:
+        assert_equal_to_one_process(report)
+
+
 def test_llama_in_three_stages_copies_root_buffers_into_each_stage():
     spec = "llama:layers=4,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64"
     units = ["tok_emb", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head"]

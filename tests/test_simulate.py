@@ -174,6 +174,22 @@ def test_the_head_rank_holds_what_the_plan_predicts(schedule):
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
+def test_four_chunks_a_rank_gather_their_zero_1_weights_once_a_step():
+    """torch's interleaved schedule frees a rank's 4th chunk's weights to gather another's, and
+    gathered every chunk again each round of micro-batches; ZeRO-1 keeps them for the step."""
+    model, inputs = build_model("gpt:layers=8,hidden=64,heads=4,seq=64,vocab=256")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "1x4:a100-80g", Config(pp=2, dp=2, zero=1, virtual=4,
+                                                          schedule="interleaved-1f1b",
+                                                          global_batch=16, micro_batch=1))
+    [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
+                           loss_fn=lm_loss, graph=graph)
+    report = rank_report(plan, run, plan_collectives(graph, plan))
+    assert len(report.stages) == 4
+    gathered = _sent(report, "all_gather", "dp")
+    assert gathered["sent_bytes"] == gathered["predicted_sent_bytes"]
+
+
 def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
     """Values of another head size than the keys (DeepSeek's latent attention): on CPU tensors
     scaled_dot_product_attention falls back to the math kernel and holds a [heads, tokens,

@@ -142,7 +142,29 @@ def build_schedule(plan: Plan, stage_rank: list[int], pp: int, modules: list[nn.
         raise PlanMismatchError(f"the plan's schedule cannot run: {error}; plan again")
     torch_class = getattr(schedules, torch_schedule(plan.schedule, len(stages), v_shape))
     multi = issubclass(torch_class, schedules.PipelineScheduleMulti)   # these take a list of stages
-    return torch_class(stages if multi else stages[0], n, loss_fn=loss_fn)
+    schedule = torch_class(stages if multi else stages[0], n, loss_fn=loss_fn)
+    _gather_once(schedule, {s.index for s in plan.stages if s.zero < 3})
+    return schedule
+
+
+def _gather_once(schedule, kept: set[int]) -> None:
+    """ZeRO-1/2 stages (`kept`) gathered once a step, as a pipeline stage keeps its weights
+    (and as the estimator prices). torch's action-list schedules (interleaved 1F1B, interleaved
+    zero-bubble) gather a stage's FSDP weights before its compute and free them when more than
+    3 of the rank's stages would be gathered: with 4 chunks a rank, every round of micro-batches
+    gathered every chunk's weights again (4x a step's all-gather bytes) to save memory that
+    ZeRO-1/2 means to keep. Such a stage is gathered at the start of the step instead and freed
+    at its end."""
+    orders = getattr(schedule, "pipeline_order_with_comms", None)
+    if not orders or not kept:
+        return
+    moves = (schedules._ComputationType.UNSHARD, schedules._ComputationType.RESHARD)
+    for rank, actions in orders.items():
+        mine = sorted({a.stage_index for a in actions if a is not None} & kept)
+        rest = [a for a in actions if a is None or a.computation_type not in moves
+                or a.stage_index not in kept]
+        orders[rank] = ([schedules._Action(s, moves[0], None) for s in mine] + rest
+                        + [schedules._Action(s, moves[1], None) for s in mine])
 
 
 def _is_v_shape(stage_rank: list[int], pp: int) -> bool:
