@@ -67,6 +67,10 @@ class Chunk:
     # fewest (its own and those of its recomputed regions' inputs), and how many blocks it has.
     block_kept_poly: dict = field(default_factory=dict)
     blocks: int = 0
+    # What a micro-batch keeps from its input backward to its weight backward when a zero-bubble
+    # schedule splits them: the gradient of every op that reads a weight, which that weight's
+    # gradient needs (torch's stage_backward_input keeps them for stage_backward_weight).
+    deferred_poly: dict = field(default_factory=dict)
     # bytes of the tensor-parallel collectives of one micro-batch, whole tensors (cost/layout.py),
     # by (kind, per sample): what `tensor_comm_s` prices, for cost/rank_traffic.py
     tensor_moved: dict = field(default_factory=dict)
@@ -162,6 +166,9 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
             block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
         if node.requires_grad and node.family != "view":
             widest = max(widest, (node.out_bytes, layout.seq_degree.get(layout.storage[node.name], 0)))
+        if node.requires_grad and (node.param_bytes or node.family == "embedding"):
+            degree = layout.seq_degree.get(layout.storage[node.name], 0)
+            out.deferred_poly[degree] = out.deferred_poly.get(degree, 0.0) + node.out_bytes
         if kept and not region:
             degree = node.attention["q_seq"] + node.attention["k_seq"]
             scores[degree] = scores.get(degree, 0.0) + kept / b

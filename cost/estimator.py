@@ -58,7 +58,8 @@ from autopar.graph import Graph
 from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
-from autopar.cost.memory import OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes
+from autopar.cost.memory import (OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
+                                 pending_weight_backwards)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
@@ -403,6 +404,11 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     # outputs for their backward
     per_chunk = sum(poly_at(c.saved_poly, seq_ratio) + poly_at(c.sent_poly, seq_ratio)
                     for c in chunks) / len(chunks)
+    # a zero-bubble rank's micro-batches between their input and weight backwards also keep the
+    # gradients their weights' backward needs (cost.memory.pending_weight_backwards)
+    deferred = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual,
+                                        stage=stage) * sum(poly_at(c.deferred_poly, seq_ratio)
+                                                           for c in chunks) / len(chunks)
     recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     element = 4 if precision == Precision.FP32 else 2
@@ -419,7 +425,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m,
                        reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                        held=held, pipelined=pp > 1,
-                       activations=held * per_chunk * b,
+                       activations=(held * per_chunk + deferred) * b,
                        # the last chunk's micro-batches among them, each keeping its loss's copy
                        loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1),
                        logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,

@@ -216,6 +216,19 @@ def in_flight(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1, s
                        f"interleaved-1f1b or zero-bubble")
 
 
+def pending_weight_backwards(schedule: str, *, pp: int, micro_batches: int, virtual: int = 1,
+                             stage: int = 0) -> int:
+    """How many (chunk, micro-batch) pairs of `stage` have run their input backward but not yet
+    their weight backward when it holds the most activations: 0 where the backward is not split;
+    under torch's interleaved zero-bubble schedule stage + 1 (the last stage defers the most, to
+    fill the drain), at most the `in_flight` pairs (tests/test_cost.py checks it against
+    torch's orders of actions)."""
+    if schedule != Schedule.ZERO_BUBBLE:
+        return 0
+    held = in_flight(schedule, pp=pp, micro_batches=micro_batches, virtual=virtual, stage=stage)
+    return min(stage + 1, held)
+
+
 def megatron_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
                               sequence_parallel: bool = False, recompute: str = Recompute.NONE) -> float:
     """Activation bytes of one transformer layer by Korthikanti et al. 2022 (table 2), for

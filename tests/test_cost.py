@@ -15,7 +15,7 @@ from autopar.cost.config import Config
 from autopar.cost.capacity import max_batch, max_seq, memory_expression
 from autopar.cost.estimator import StageSpec, estimate, estimate_stages
 from autopar.cost.megatron import megatron_placements
-from autopar.cost.memory import in_flight, model_state_bytes
+from autopar.cost.memory import in_flight, model_state_bytes, pending_weight_backwards
 from autopar.plans.zero import reduces_every_micro_batch
 from autopar.cost.mesh import DEVICES, Mesh
 from autopar.errors import AutoparError, MeshError
@@ -170,6 +170,30 @@ def test_in_flight_is_what_torchs_order_of_actions_holds(schedule):
         for rank in range(pp):
             assert in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=rank) == \
                 _held_in_torch_order(actions[rank]), (schedule, pp, virtual, m, rank)
+
+
+def test_pending_weight_backwards_are_what_torchs_zero_bubble_order_defers():
+    """Between a micro-batch's input backward (I) and its weight backward (W) it keeps the
+    gradients the weights' backward needs; at a rank's fullest (most forwards held) that many
+    are pending."""
+    from autopar.timeline import schedule_actions
+    for pp, virtual, m in [(2, 1, 8), (4, 1, 4), (4, 1, 16), (4, 2, 8), (8, 4, 48), (3, 1, 6)]:
+        actions = schedule_actions("zero-bubble", pp, m, virtual)
+        for rank in range(pp):
+            held, pending, fullest = set(), set(), (0, 0)
+            for action in actions[rank]:
+                key = (action.stage, action.micro_batch)
+                if action.kind == "F":
+                    held.add(key)
+                elif action.kind == "I":
+                    pending.add(key)
+                elif action.kind == "W":
+                    held.discard(key)
+                    pending.discard(key)
+                fullest = max(fullest, (len(held), len(pending)))
+            assert pending_weight_backwards("zero-bubble", pp=pp, micro_batches=m, virtual=virtual,
+                                            stage=rank) == fullest[1], (pp, virtual, m, rank)
+    assert pending_weight_backwards("1f1b", pp=4, micro_batches=8, stage=3) == 0
 
 
 def _mlp_graph(batch=4, hidden=1024):
