@@ -68,7 +68,7 @@ from autopar.cost.chunk_price import Chunk, poly_at
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, tied_exposed
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
-from autopar.cost.offload import offloaded_memory
+from autopar.cost.offload import host_fits, host_memory_share, offloaded_memory
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
@@ -201,26 +201,17 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
                         optimizer=max(optimizer), m=m, global_batch=global_batch,
                         memory_limit=memory_limit)
     if offloaded:
-        result.breakdown["offload"] = exposed_copies
-        result.comm_breakdown["host"] = exposed_copies
-        result.host_memory_bytes = max(host)
-        result.host_memory_limit_bytes = host_memory_share(mesh)
-        result.fits = result.fits and host_fits(result)
+        _add_offload(result, exposed_copies, max(host), mesh)
     return result
 
 
-def host_memory_share(mesh: Mesh) -> float:
-    """The host memory one device of `mesh` has for offloaded states: its host's memory over the
-    devices the host serves (those of its node, at most the host's `gpus`); 0 where the host's
-    memory is not stated."""
-    host = mesh.device.host_figures
-    return host.memory_bytes / min(host.gpus, mesh.gpus_per_node)
-
-
-def host_fits(result: Estimate) -> bool:
-    """Whether the offloaded states fit the host's memory (where it is stated)."""
-    limit = result.host_memory_limit_bytes
-    return not limit or result.host_memory_bytes <= limit
+def _add_offload(result: Estimate, exposed_copies: float, host_bytes: float, mesh: Mesh) -> None:
+    """An offloaded plan's copies to and from the host, and its states on the host's memory."""
+    result.breakdown["offload"] = exposed_copies
+    result.comm_breakdown["host"] = exposed_copies
+    result.host_memory_bytes = host_bytes
+    result.host_memory_limit_bytes = host_memory_share(mesh)
+    result.fits = result.fits and host_fits(result)
 
 
 def _price_cache(cache: dict | None, graph: Graph, mesh: Mesh, eff: Efficiencies, precision: str,
@@ -406,9 +397,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                     for c in chunks) / len(chunks)
     # a zero-bubble rank's micro-batches between their input and weight backwards also keep the
     # gradients their weights' backward needs (cost.memory.pending_weight_backwards)
-    deferred = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual,
-                                        stage=stage) * sum(poly_at(c.deferred_poly, seq_ratio)
-                                                           for c in chunks) / len(chunks)
+    pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual,
+                                       stage=stage)
+    deferred = sum(poly_at(c.deferred_poly, seq_ratio) for c in chunks) / len(chunks) * b
     recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     element = 4 if precision == Precision.FP32 else 2
@@ -425,9 +416,13 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m,
                        reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                        held=held, pipelined=pp > 1,
-                       activations=(held * per_chunk + deferred) * b,
+                       activations=held * per_chunk * b,
+                       deferred=(max(pending - 1, 0) * deferred, pending * deferred),
                        # the last chunk's micro-batches among them, each keeping its loss's copy
-                       loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1),
+                       # until its input backward, after which torch detaches the loss
+                       loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1)
+                       - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
+                                                      stage=pp - 1) - 1, 0),
                        logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
                        recomputed=recomputed * b, flowing=flowing * b,
                        blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own

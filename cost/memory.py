@@ -90,10 +90,9 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
                recomputed, flowing, reduce_every: bool = False, blocks: int = 0, block_kept=0.0,
                expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
-               loss_held: int | None = None, place=None) -> dict:
-    """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`).
-
-    `params` elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer
+               loss_held: int | None = None, place=None, deferred=(0.0, 0.0)) -> dict:
+    """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`). `params`
+    elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer
     state and gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the
     elements ZeRO-3 holds gathered at once, `activations` the bytes the schedule keeps for the
     backward: `held` micro-batches of the `micro_batches` of a step; on the last stage each of
@@ -102,9 +101,10 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     caches a stage's outputs). Phases as in the module docstring. A backward's transients
     (`buffers`): the larger of the loss's kept copy and its gradients, and what a block's backward
     holds: a recomputed region's activations (`recomputed`), the gradients flowing through its
-    widest op (`flowing`) and the gradient of the weight it reads (`weight` elements: the
-    largest, less what the backward freed before it); in a pipeline both also hold the logits.
-    `received`: the pipeline's receive buffers; `place`: what of a phase stays on the device."""
+    widest op (`flowing`) and the gradient of the weight it reads (`weight` elements: the largest,
+    less what the backward freed before it); in a pipeline both also hold the logits. `received`:
+    the receive buffers; `place`: what of a phase stays on the device; `deferred`: zero-bubble's
+    kept gradients (`pending_weight_backwards`), during and between backwards."""
     wrapped = dp > 1
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -126,8 +126,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     # gathered again as their backwards start; at most one, the output layer's, is by then
     loss_weights = {"weights": element * group} if zero == 3 else {}
 
-    def backward(activations_held, earlier: bool) -> list[dict]:
-        """A backward holding `activations_held`, after an earlier micro-batch's or not."""
+    def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
         held_now = {**zeros, "activations": activations_held}
         if not (reduce_every and wrapped):
             return [{**held_now, "gradients": gradients if earlier else 0.0,
@@ -139,8 +138,9 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                  "buffers": block}]
 
     later = max(held - 1, 1)          # micro-batches held at the second backward
-    phases = [
-        *backward(activations + (losses - 1) * kept, micro_batches > held),
+    phases = [      # the first backward, the time between backwards (zero-bubble), the second
+        *backward(activations + deferred[0] + (losses - 1) * kept, micro_batches > held),
+        {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[-1], "buffers": 0.0},
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
          "optimizer_step": sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
@@ -222,7 +222,8 @@ def pending_weight_backwards(schedule: str, *, pp: int, micro_batches: int, virt
     their weight backward when it holds the most activations: 0 where the backward is not split;
     under torch's interleaved zero-bubble schedule stage + 1 (the last stage defers the most, to
     fill the drain), at most the `in_flight` pairs (tests/test_cost.py checks it against
-    torch's orders of actions)."""
+    torch's orders of actions). During an input backward one fewer are done: the one running
+    holds its gradients as the backward's transients."""
     if schedule != Schedule.ZERO_BUBBLE:
         return 0
     held = in_flight(schedule, pp=pp, micro_batches=micro_batches, virtual=virtual, stage=stage)

@@ -22,6 +22,7 @@ the host's FLOP/s at ADAM_FLOPS_PER_PARAM, whichever is slower.
 
 from __future__ import annotations
 
+from autopar.cost.mesh import Mesh
 from autopar.cost.memory import (ADAM_STATE_BYTES, GRADIENT_BYTES, MASTER_COPY_BYTES,
                                  OPTIMIZER_STEP_BYTES_PER_PARAM)
 
@@ -69,3 +70,17 @@ def offloaded_memory(parts: dict, *, params: float, shards: int, zero: int, gath
         device["gradients"] = min(device["gradients"], params * element)
         host = shard * (MASTER_COPY_BYTES + GRADIENT_BYTES + ADAM_STATE_BYTES)
     return device, host
+
+
+def host_memory_share(mesh: Mesh) -> float:
+    """The host memory one device of `mesh` has for offloaded states: its host's memory over the
+    devices the host serves (those of its node, at most the host's `gpus`); 0 where the host's
+    memory is not stated."""
+    host = mesh.device.host_figures
+    return host.memory_bytes / min(host.gpus, mesh.gpus_per_node)
+
+
+def host_fits(result) -> bool:
+    """Whether the offloaded states fit the host's memory (where it is stated)."""
+    limit = result.host_memory_limit_bytes
+    return not limit or result.host_memory_bytes <= limit

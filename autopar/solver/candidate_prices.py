@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.cost.config import Config
-from autopar.cost.estimator import StageSpec, estimate, estimate_stages, host_fits
+from autopar.cost.estimator import StageSpec, estimate, estimate_stages
+from autopar.cost.offload import host_fits
 from autopar.cost.layout import TensorPlacements
 from autopar.cost.mesh import Mesh, MeshAxis
 from autopar.plans.vocabulary import AxisRole
