@@ -200,7 +200,7 @@ def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
     from autopar.passes.recompute import Recomputed
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autopar.simulate.rank import _attention_as_the_device_does
+    from autopar.simulate.kernels import kernels_as_the_device_runs
 
     class Ops(TorchDispatchMode):
         seen: set = set()
@@ -211,7 +211,7 @@ def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
 
     plan = plan_from_config(capture(*build_model("gpt-tiny")), "1x2:h100-80g",
                             Config(dp=2, global_batch=2, micro_batch=1))
-    with FakeTensorMode(), Ops() as ops, _attention_as_the_device_does(plan):
+    with FakeTensorMode(), Ops() as ops, kernels_as_the_device_runs(plan):
         q, k = (torch.randn(1, 4, 256, 24, requires_grad=True) for _ in range(2))
         v = torch.randn(1, 4, 256, 16, requires_grad=True)
         # the op a captured program calls, and again in a region recomputed in the backward

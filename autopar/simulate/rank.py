@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
 from torch.distributed.pipelining.stage import InferenceMode
 from torch.distributed.tensor import placement_types
 from torch.distributed._functional_collectives import _group_or_group_name, _resolve_group
@@ -37,6 +36,7 @@ from autopar.runtime.build import build_runtime
 from autopar.runtime.rank_grid import pipeline_layout
 from autopar.simulate.collectives import CollectiveRecorder
 from autopar.simulate.groups import axis_namer
+from autopar.simulate.kernels import kernels_as_the_device_runs
 from autopar.simulate.memory import MemoryRecorder
 
 
@@ -68,7 +68,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         memory = MemoryRecorder(fake)
         sent = CollectiveRecorder(axis_namer(plan))
-        with fake, memory, _all_to_all_as_the_device_does(plan), _attention_as_the_device_does(plan):
+        with fake, memory, _all_to_all_as_the_device_does(plan), kernels_as_the_device_runs(plan):
             compiled = build_runtime(model, plan, example_inputs=example_inputs, loss_fn=loss_fn,
                                      optimizer=optimizer or _adamw, graph=graph, device="cpu")
             _route_balanced(compiled)
@@ -128,39 +128,6 @@ def _route_balanced(compiled) -> None:
         for module in program.module.modules():
             if isinstance(module, ExpertParallel):
                 module.balanced_routing = True
-
-
-class _EfficientAttention(TorchFunctionMode):
-    """scaled_dot_product_attention whose values have another head size than its queries and
-    keys (multi-head latent attention's) by the memory-efficient kernel, as a GPU runs it: CPU
-    tensors fall back to the math kernel there, which holds a [heads, tokens, tokens] matrix."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten.scaled_dot_product_attention.default \
-                and args[0].shape[-1] != args[2].shape[-1] and not kwargs.get("enable_gqa"):
-            return _efficient_attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                         scale=None, enable_gqa=False):
-    # the log-sum-exp the backward reads, kept whenever autograd records (by the grad mode, not
-    # the inputs: a recomputed forward must save what the first one saved)
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, attn_mask, torch.is_grad_enabled(), dropout_p, is_causal,
-        scale=scale)[0]
-
-
-@contextlib.contextmanager
-def _attention_as_the_device_does(plan: Plan):
-    """A GPU plan's attention by the kernel the GPU would choose where the CPU's differs
-    (`_EfficientAttention`; a recomputed region runs under it again: passes/recompute.py)."""
-    if Mesh.from_dict(plan.mesh).device.name == "cpu":
-        yield
-        return
-    with _EfficientAttention():
-        yield
 
 
 @contextlib.contextmanager

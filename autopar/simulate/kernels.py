@@ -1,0 +1,82 @@
+"""Ops a GPU runs by another kernel than a CPU, whose kernels keep other tensors for the backward:
+a simulated rank of a GPU plan (on CPU fake tensors) runs them as the GPU would, so its memory is
+the GPU's.
+
+- scaled_dot_product_attention whose values have another head size than its queries and keys
+  (multi-head latent attention's): a GPU runs the memory-efficient kernel; CPU tensors fall back
+  to the math kernel, which holds a [heads, tokens, tokens] matrix.
+- rms_norm: a GPU runs torch's fused kernel (`_fused_rms_norm`), which keeps its input and each
+  row's reciprocal RMS; the CPU's composite computes in fp32 and keeps fp32 copies of the input
+  and of the normalized rows for its backward, 4x a bf16 input's bytes.
+
+A recomputed region runs under these modes again (autopar/passes/recompute.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from autopar.cost.mesh import Mesh
+from autopar.plans import Plan
+
+
+class _GpuKernels(TorchFunctionMode):
+    """The GPU's kernel for the ops of the module docstring."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.scaled_dot_product_attention.default \
+                and args[0].shape[-1] != args[2].shape[-1] and not kwargs.get("enable_gqa"):
+            return _efficient_attention(*args, **kwargs)
+        if func is torch.ops.aten.rms_norm.default and torch.is_grad_enabled():
+            return _FusedRMSNorm.apply(*args, *kwargs.values())
+        return func(*args, **kwargs)
+
+
+def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                         scale=None, enable_gqa=False):
+    # the log-sum-exp the backward reads, kept whenever autograd records (by the grad mode, not
+    # the inputs: a recomputed forward must save what the first one saved)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, torch.is_grad_enabled(), dropout_p, is_causal,
+        scale=scale)[0]
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """rms_norm keeping what the GPU's fused kernel keeps (its input, weight and the fp32
+    reciprocal RMS of each row); the backward computes through the composite again."""
+
+    @staticmethod
+    def forward(ctx, value, shape, weight=None, eps=None):
+        with torch.no_grad():
+            output = torch.ops.aten.rms_norm.default(value, shape, weight, eps)
+            dims = tuple(range(-len(shape), 0))
+            reciprocal = value.float().pow(2).mean(dims, keepdim=True).rsqrt()
+        ctx.shape, ctx.eps = shape, eps
+        ctx.save_for_backward(value, weight, reciprocal)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        value, weight, _ = ctx.saved_tensors
+        inputs = [value.detach().requires_grad_()]
+        if weight is not None:
+            inputs.append(weight.detach().requires_grad_())
+        with torch.enable_grad():
+            output = torch.ops.aten.rms_norm.default(inputs[0], ctx.shape,
+                                                     inputs[1] if weight is not None else None, ctx.eps)
+            grads = torch.autograd.grad(output, inputs, grad)
+        return grads[0], None, grads[1] if weight is not None else None, None
+
+
+@contextlib.contextmanager
+def kernels_as_the_device_runs(plan: Plan):
+    """A GPU plan's ops by the kernels a GPU would choose where the CPU's differ."""
+    if Mesh.from_dict(plan.mesh).device.name == "cpu":
+        yield
+        return
+    with _GpuKernels():
+        yield
