@@ -7,6 +7,7 @@ backward; every group has the size of its axis."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -224,3 +225,30 @@ def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
 class _Attention(torch.nn.Module):
     def forward(self, q, k, v):
         return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, is_causal=True)
+
+
+def test_rms_norm_keeps_what_the_gpus_fused_kernel_keeps():
+    """On a GPU rms_norm is one fused kernel keeping its input and each row's reciprocal RMS;
+    the CPU's composite keeps fp32 copies of the rows for its backward. A simulated GPU rank runs
+    the former: the same values and gradients, a bf16 input's bytes kept and not 4x them."""
+    from autopar.simulate.kernels import kernels_as_the_device_runs
+
+    plan = plan_from_config(capture(*build_model("gpt-tiny")), "1x2:h100-80g",
+                            Config(dp=2, global_batch=2, micro_batch=1))
+    x = torch.randn(4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(4, 64, 32, dtype=torch.bfloat16)
+    kept = {}
+    for where in ("cpu", "gpu"):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+                (kernels_as_the_device_runs(plan) if where == "gpu" else contextlib.nullcontext()):
+            out = torch.ops.aten.rms_norm.default(x, [32], weight, 1e-6)
+        out.backward(grad)
+        kept[where] = (out.detach(), x.grad.clone(), weight.grad.clone(),
+                       sum(t.numel() * t.element_size() for t in saved if t is not x and t is not weight))
+        x.grad = weight.grad = None
+    for cpu, gpu in zip(kept["cpu"][:3], kept["gpu"][:3]):
+        torch.testing.assert_close(gpu, cpu)
+    assert kept["gpu"][3] == 4 * 64 * 4           # one fp32 reciprocal RMS a row
+    assert kept["cpu"][3] >= 4 * x.numel() * 4 // 2
