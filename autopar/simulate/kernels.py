@@ -7,7 +7,8 @@ the GPU's.
   to the math kernel, which holds a [heads, tokens, tokens] matrix.
 - rms_norm: a GPU runs torch's fused kernel (`_fused_rms_norm`), which keeps its input and each
   row's reciprocal RMS; the CPU's composite computes in fp32 and keeps fp32 copies of the input
-  and of the normalized rows for its backward, 4x a bf16 input's bytes.
+  and of the normalized rows for its backward, 4x a bf16 input's bytes. Where the weight's dtype
+  is not the input's, the GPU runs the composite too.
 
 A recomputed region runs under these modes again (autopar/passes/recompute.py).
 """
@@ -31,7 +32,7 @@ class _GpuKernels(TorchFunctionMode):
         if func is torch.ops.aten.scaled_dot_product_attention.default \
                 and args[0].shape[-1] != args[2].shape[-1] and not kwargs.get("enable_gqa"):
             return _efficient_attention(*args, **kwargs)
-        if func is torch.ops.aten.rms_norm.default and torch.is_grad_enabled():
+        if func is torch.ops.aten.rms_norm.default and torch.is_grad_enabled() and _fuses(*args):
             return _FusedRMSNorm.apply(*args, *kwargs.values())
         return func(*args, **kwargs)
 
@@ -43,6 +44,12 @@ def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, torch.is_grad_enabled(), dropout_p, is_causal,
         scale=scale)[0]
+
+
+def _fuses(value, shape, weight=None, *rest) -> bool:
+    """Whether a GPU runs this rms_norm fused: torch falls back to the composite where the weight
+    has another dtype than the input (fp32 weights beside 16-bit activations under autocast)."""
+    return weight is None or weight.dtype == value.dtype
 
 
 class _FusedRMSNorm(torch.autograd.Function):
