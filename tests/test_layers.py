@@ -190,3 +190,20 @@ def test_the_checker_finds_each_kind_of_breach(tmp_path, name, files, expected):
     _tree(root, files)
     found = problems(root)
     assert len(found) == 1 and found[0].startswith(expected), (name, found)
+
+
+def test_every_library_package_is_installed():
+    """`pip install .` copies only the packages pyproject.toml lists: a folder of the library
+    missing from that list is missing from every non-editable install (and its command fails)."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: folder for name, folder in setuptools["package-dir"].items()}
+    installed = set()
+    for name in setuptools["packages"]:
+        root = max((n for n in (*folders, "autopar") if name == n or name.startswith(n + ".")), key=len)
+        rest = name[len(root):].lstrip(".").replace(".", "/")
+        installed.add(f"{folders.get(root, root)}/{rest}".rstrip("/"))
+    packages = {str(path.parent.relative_to(REPO)) for folder in LIBRARY
+                for path in (REPO / folder).rglob("__init__.py")}
+    assert packages - installed == set(), "list these in pyproject.toml's [tool.setuptools] packages"
