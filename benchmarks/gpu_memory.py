@@ -23,6 +23,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -98,6 +99,7 @@ def measure(args) -> None:
             print(f"  peak {(r['measured_bytes'] or 0) / 2**30:.3f} GiB (predicted "
                   f"{r['predicted_bytes'] / 2**30:.3f}), step {r['step_s'] * 1e3:.0f} ms", flush=True)
         except Exception as error:       # one case's failure is reported, the others still run
+            traceback.print_exc()
             print(f"  FAILED: {type(error).__name__}: {error}", flush=True)
             rows.append({"case": name, "spec": spec, "config": keywords, "error": repr(error)})
         (args.out / "measured.json").write_text(json.dumps({

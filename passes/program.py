@@ -65,6 +65,9 @@ class PassTarget:
     cp_group: ProcessGroup | None = None
     cp_rank: int = 0
     sequence_split: object = None
+    # the rank's device: the stages' example runs make their tensors there (the model's weights
+    # are there, or on meta until they are filled, and ops the capture traced keep their device)
+    device: torch.device = torch.device("cpu")
 
 
 class TensorRef(nn.Module):

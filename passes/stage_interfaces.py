@@ -165,24 +165,29 @@ def boundary_copy(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def interface_examples(stages: list[fx.GraphModule], inputs: list,
-                       compute_dtype: torch.dtype | None = None) -> list[tuple[tuple, tuple]]:
+                       compute_dtype: torch.dtype | None = None,
+                       device: torch.device = torch.device("cpu")) -> list[tuple[tuple, tuple]]:
     """(inputs, outputs) of each stage as meta-device tensors, from a run on fake tensors of the
     model's positional inputs `inputs` (fake or meta tensors: only their shapes and dtypes count).
     Under mixed precision (`compute_dtype`) the stages run under autocast, as they do in training:
     a later stage takes 16-bit values, which an op reading them with fp32 weights or fp32 values
-    computed in the stage (rotary tables) accepts only under autocast."""
+    computed in the stage (rotary tables) accepts only under autocast. Every tensor of the run is on
+    `device`, the rank's: the stages' own may still be on meta, and ops the capture traced on a
+    GPU make theirs there."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     examples = []
-    autocast = torch.autocast("cpu", dtype=compute_dtype or torch.bfloat16,
+    autocast = torch.autocast(device.type, dtype=compute_dtype or torch.bfloat16,
                               enabled=compute_dtype is not None)
+    on_device = lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                              device=device).requires_grad_(x.requires_grad)
     with mode, autocast:
-        values = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype) for x in inputs)
+        values = tuple(on_device(x) for x in inputs)
         for stage in stages:
             # on fake copies of the stage's tensors: fake mode runs some in-place ops (BatchNorm's
             # num_batches_tracked.add_) on the real tensor they are given, the model's own
             # (one name per module: a module two units share is swapped once, since torch's
             # reparametrization restores a name it swapped twice to the first swap's fake)
-            state = {f"{path}.{name}" if path else name: mode.from_tensor(tensor)
+            state = {f"{path}.{name}" if path else name: on_device(tensor)
                      for path, module in stage.named_modules()
                      for name, tensor in [*module._parameters.items(), *module._buffers.items()]
                      if tensor is not None}

@@ -48,12 +48,13 @@ def split_model(module: fx.GraphModule, plan, target: PassTarget,
     per stage of one (`split_stages` with the plan's layers; floating values cross stages in the
     target's compute dtype)."""
     return split_stages(module, [stage.layers for stage in plan.stages], blocks=blocks,
-                        boundary_dtype=target.compute_dtype)
+                        boundary_dtype=target.compute_dtype, device=target.device)
 
 
 def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
                  blocks: set[str] | None = None,
-                 boundary_dtype: torch.dtype | None = None) -> list[StageProgram]:
+                 boundary_dtype: torch.dtype | None = None,
+                 device: torch.device = torch.device("cpu")) -> list[StageProgram]:
     """One StageProgram per entry of `stage_layers` (module paths in model order). `blocks`: the
     layers that recompute may wrap (the repeated blocks, as Megatron's recompute does; default
     all), recorded in each StageProgram for the recompute pass. `boundary_dtype`: mixed
@@ -98,7 +99,8 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
                                      relayed=relayed, keywords=keywords, blocks=stage_blocks,
                                      input_values=_input_values(stage_module, by_unit)))
     tied = tied_stages(programs)
-    examples = interface_examples([program.module for program in programs], inputs, boundary_dtype)
+    examples = interface_examples([program.module for program in programs], inputs, boundary_dtype,
+                                  device)
     for program, (example_inputs, example_outputs) in zip(programs, examples):
         program.tied = tied
         program.example_inputs, program.example_outputs = example_inputs, example_outputs

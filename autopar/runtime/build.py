@@ -199,7 +199,7 @@ def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout
                         compute_dtype=mixed.compute_dtype(plan.precision),
                         batch_norm_group=mesh["dp"].get_group() if sync_batchnorm and layout.replicas > 1
                         else None, expert_meshes=expert_meshes or {}, cp_group=cp_group,
-                        cp_rank=cp_rank, sequence_split=sequence_split)
+                        cp_rank=cp_rank, sequence_split=sequence_split, device=device)
     programs = split_model(exported, plan, target, blocks=_repeated_layers(model, plan))
     hold_unread_buffers(programs, model, [stage.layers for stage in plan.stages])
     # the planner never emits this (autopar.plans.stage_flow finds the same values); a plan
