@@ -56,12 +56,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    program = _export(model, example_inputs, example_kwargs or {})
+    example_kwargs = example_kwargs or {}
+    if _on_meta(model):
+        # a meta model's trace takes its inputs' shapes only; some torch versions refuse to mix
+        # meta weights with inputs on another device (an embedding of CPU ids)
+        example_inputs = tuple(_meta_like(x) for x in example_inputs)
+        example_kwargs = {name: _meta_like(x) for name, x in example_kwargs.items()}
+    program = _export(model, example_inputs, example_kwargs)
     nodes, stacks = _nodes(program, _tied_parameters(model))
     constants = frozenset(spec.arg.name for spec in program.graph_signature.input_specs
                           if spec.kind is InputKind.CONSTANT_TENSOR)
     return Graph(nodes=nodes, blocks=find_blocks(nodes, stacks, constants),
                  model_type=type(model).__name__, program=program)
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def _meta_like(value):
+    return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
 
 
 def _export(model, args: tuple, kwargs: dict):

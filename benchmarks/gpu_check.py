@@ -116,8 +116,9 @@ def check_data_parallel(args, spec: str, device: torch.device, mesh) -> None:
     ids, targets = batch(args, device)
     rows = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
     config = Config(dp=world, global_batch=args.batch, micro_batch=args.batch // world)
+    # fp32 as DDP's model trains (a GPU plan's default precision is bf16): the same computation
     cm = autopar.compile(build_model(spec, device=device)[0], mesh, loss_fn=lm_loss, optimizer=sgd,
-                         plan=config, example_inputs=(ids[rows],))
+                         plan=config, example_inputs=(ids[rows],), precision="fp32")
     # each race starts both contenders from the same initial weights: a DDP model the first race
     # trained would be steps ahead of the second race's fresh one
     ddp = lambda: DistributedDataParallel(build_model(spec, device=device)[0],

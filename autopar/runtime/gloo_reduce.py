@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from autopar.runtime.fake_tensors import simulated
+from autopar.runtime.fsdp_groups import fsdp_param_groups
 
 
 class InPlaceReduceScatter(ReduceScatter):
@@ -44,5 +45,4 @@ def reduce_in_place_on_cpu(module: nn.Module) -> None:
 
 
 def _on_cpu(module: FSDPModule) -> bool:
-    state = module._get_fsdp_state()
-    return all(group.device.type == "cpu" for group in state._fsdp_param_groups)
+    return all(group.device.type == "cpu" for group in fsdp_param_groups(module))

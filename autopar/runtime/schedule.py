@@ -24,6 +24,7 @@ from autopar.plans.zero import reduces_every_micro_batch
 from autopar.errors import PlanMismatchError
 from autopar.plans import Plan
 from autopar.plans.schedules import schedule_error, torch_schedule
+from autopar.runtime.fsdp_groups import fsdp_param_groups
 
 
 class MicroBatchLoop:
@@ -120,7 +121,7 @@ class WeightBackwardStage(PipelineStage):
         if not hasattr(self, "_fsdp_params"):      # the stage's FSDP parameters, found once
             self._fsdp_params = [param for module in self.submod.modules()
                                  if isinstance(module, FSDPModule)
-                                 for group in module._get_fsdp_state()._fsdp_param_groups
+                                 for group in fsdp_param_groups(module)
                                  for param in group.fsdp_params]
         for param in self._fsdp_params:
             param.accumulate_unsharded_grad_if_needed()
