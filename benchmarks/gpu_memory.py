@@ -7,8 +7,8 @@
 on fake tensors and stands in for the kernels a GPU runs where they keep other tensors than the
 CPU's (autopar/simulate/kernels.py). This checks the claim where a GPU is at hand. `measure`
 compiles each case's forced plan on the GPU (bf16, AdamW, the plan's micro-batches), trains one
-step so that the optimizer holds its state, and takes `torch.cuda.max_memory_allocated` over a
-second step. It writes each plan (`CASE.json`) and what it measured (`measured.json`) to DIR.
+step so that the optimizer holds its state, takes `torch.cuda.max_memory_allocated` over a
+second step, and times the median of 5 more beside the plan's predicted step time. It writes each plan (`CASE.json`) and what it measured (`measured.json`) to DIR.
 `simulate` runs `autopar simulate`'s rank 0 on each saved plan and prints measured, simulated
 and predicted per case: simulated / measured - 1 is the simulator's own error, predicted /
 measured - 1 the estimator's. The simulated plans are the ones the GPU ran, so both sides build
@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import sys
+import statistics
 import time
 import traceback
 from pathlib import Path
@@ -32,7 +33,12 @@ LLAMA = "llama:layers=4,hidden=2048,heads=16,kv_heads=4,ffn=5632,seq=4096,vocab=
 GPT = "gpt:layers=4,hidden=2048,heads=16,seq=2048,vocab=50304"
 MOE = "moe:layers=4,hidden=1024,heads=16,kv_heads=4,seq=2048,vocab=32000,experts=8,top_k=2,expert_ffn=1408"
 
-# name: (model spec, Config keywords); every case trains 2 micro-batches of 2 sequences a step
+QWEN_MOE = ("moe:layers=2,hidden=1024,heads=16,kv_heads=4,head_dim=128,qk_norm=True,seq=2048,"
+            "vocab=32000,experts=32,top_k=8,expert_ffn=512")
+LONG = "llama:layers=2,hidden=2048,heads=16,kv_heads=4,ffn=5632,seq=16384,vocab=32000"
+
+# name: (model spec, Config keywords); a case trains 2 micro-batches of 2 sequences a step unless
+# its keywords say otherwise
 CASES = {
     "llama": (LLAMA, {}),
     "llama-selective": (LLAMA, {"recompute": "selective"}),
@@ -41,7 +47,10 @@ CASES = {
     "gpt-full": (GPT, {"recompute": "full"}),
     "moe": (MOE, {}),
     "llama-offload": (LLAMA, {"zero": 3, "offload": True}),
+    "qwen-moe": (QWEN_MOE, {}),
+    "llama-long": (LONG, {"global_batch": 2, "micro_batch": 1, "recompute": "selective"}),
 }
+TIMED_STEPS = 5
 
 
 # a simulated rank's tensors are all on the CPU: an offloaded plan's host state counts in its peak
@@ -56,9 +65,10 @@ def measure_case(name: str, spec: str, keywords: dict, device_name: str, out: Pa
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
-    model, (ids,) = build_model(spec, device=device, batch=4)
-    config = Config(global_batch=4, micro_batch=2, **keywords)
-    cm = autopar.compile(model, autopar.Mesh.parse(f"1:{device_name}"), example_inputs=(ids[:2],),
+    config = Config(**{"global_batch": 4, "micro_batch": 2, **keywords})
+    model, (ids,) = build_model(spec, device=device, batch=config.global_batch)
+    cm = autopar.compile(model, autopar.Mesh.parse(f"1:{device_name}"),
+                         example_inputs=(ids[:config.micro_batch],),
                          loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
                          plan=config, precision="bf16" if gpu else "fp32")
     del model          # what the compiled model does not hold is freed
@@ -70,15 +80,20 @@ def measure_case(name: str, spec: str, keywords: dict, device_name: str, out: Pa
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated() if gpu else None
-    started = time.perf_counter()
     cm.step(ids, targets)
-    if gpu:
-        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() if gpu else None
+    seconds = []
+    for _ in range(TIMED_STEPS):       # after the measured step: its own time may be a warm-up's
+        started = time.perf_counter()
+        cm.step(ids, targets)
+        if gpu:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
     row = {"case": name, "spec": spec, "config": keywords,
-           "measured_bytes": torch.cuda.max_memory_allocated() if gpu else None,
+           "measured_bytes": peak,
            "held_between_steps_bytes": held,
            "predicted_bytes": cm.plan.stages[0].predicted["memory_bytes"],
-           "step_s": time.perf_counter() - started,
+           "step_s": statistics.median(seconds),
            "predicted_step_s": cm.plan.predicted.get("step_time_s")}
     del cm
     gc.collect()
@@ -115,8 +130,9 @@ def simulate(args) -> None:
 
     measured = json.loads((args.dir / "measured.json").read_text())
     print(f"measured on {measured['device']} with torch {measured['torch']}; simulated with torch "
-          f"{torch.__version__}")
-    print(f"{'case':<17}{'measured':>10}{'simulated':>11}{'predicted':>11}{'sim err':>9}{'pred err':>9}  GiB")
+          f"{torch.__version__}; memory in GiB")
+    print(f"{'case':<17}{'measured':>10}{'simulated':>11}{'predicted':>11}{'sim err':>9}{'pred err':>9}"
+          f"{'step ms':>9}{'predicted':>10}")
     for row in measured["rows"]:
         if "error" in row:
             print(f"{row['case']:<17} failed on the GPU: {row['error']}")
@@ -129,7 +145,8 @@ def simulate(args) -> None:
         gib = lambda n: n / 2**30
         m, s, p = row["measured_bytes"], run.peak_memory_bytes, row["predicted_bytes"]
         print(f"{row['case']:<17}{gib(m):>10.3f}{gib(s):>11.3f}{gib(p):>11.3f}{s / m - 1:>+9.1%}"
-              f"{p / m - 1:>+9.1%}{HOST_TOO if plan.offload else ''}", flush=True)
+              f"{p / m - 1:>+9.1%}{row['step_s'] * 1e3:>9.1f}{row['predicted_step_s'] * 1e3:>10.1f}"
+              f"{HOST_TOO if plan.offload else ''}", flush=True)
 
 
 def main(argv=None) -> None:
