@@ -57,24 +57,29 @@ TIMED_STEPS = 5
 HOST_TOO = "  (simulated: device and host together)"
 
 
-def measure_case(name: str, spec: str, keywords: dict, device_name: str, out: Path) -> dict:
+def compile_case(spec: str, keywords: dict, device_name: str):
+    """The case's model compiled on this machine's GPU (else its CPU), and a batch of it."""
     import autopar
     from autopar.cost.config import Config
     from autopar.models import build_model
     from autopar.models.gpt import lm_loss
 
     gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if gpu else "cpu")
     config = Config(**{"global_batch": 4, "micro_batch": 2, **keywords})
-    model, (ids,) = build_model(spec, device=device, batch=config.global_batch)
+    model, (ids,) = build_model(spec, device="cuda" if gpu else "cpu", batch=config.global_batch)
     cm = autopar.compile(model, autopar.Mesh.parse(f"1:{device_name}"),
                          example_inputs=(ids[:config.micro_batch],),
                          loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
                          plan=config, precision="bf16" if gpu else "fp32")
     del model          # what the compiled model does not hold is freed
     gc.collect()
+    return cm, ids, torch.roll(ids, -1, 1)
+
+
+def measure_case(name: str, spec: str, keywords: dict, device_name: str, out: Path) -> dict:
+    gpu = torch.cuda.is_available()
+    cm, ids, targets = compile_case(spec, keywords, device_name)
     cm.plan.save(out / f"{name}.json")
-    targets = torch.roll(ids, -1, 1)
     cm.step(ids, targets)           # the optimizer's state exists after a first step
     if gpu:
         torch.cuda.synchronize()

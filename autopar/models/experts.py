@@ -32,8 +32,11 @@ from torch import nn
 @torch.library.custom_op("autopar::grouped_mm", mutates_args=())
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """rows [M, K] sorted by group, weight [G, K, N], ends [G] (int64, each group's end row,
-    cumulative) -> [M, N]: row r of group g is rows[r] @ weight[g]. A loop over the groups:
-    `torch._grouped_mm` needs 16-bit CUDA operands."""
+    cumulative) -> [M, N]: row r of group g is rows[r] @ weight[g]. One grouped GEMM
+    (`torch._grouped_mm`) on 16-bit CUDA operands laid out as it needs; elsewhere a loop over the
+    groups, which reads the offsets on the host (on a GPU, a wait for the device each call)."""
+    if _one_grouped_gemm(rows, weight):
+        return torch._grouped_mm(rows, weight, offs=ends.to(torch.int32))
     out = rows.new_zeros(rows.shape[0], weight.shape[2])
     start = 0
     for group, end in enumerate(ends.tolist()):
@@ -41,6 +44,16 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> 
             out[start:end] = rows[start:end] @ weight[group]
         start = end
     return out
+
+
+def _one_grouped_gemm(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    if rows.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(stride * 2 % 16 == 0 for stride, size in
+                                               zip(t.stride(), t.shape) if stride != 1 and size > 1)
+               for t in (rows, weight))
 
 
 @grouped_mm.register_fake
@@ -79,6 +92,9 @@ def _grouped_mm_backward(ctx, grad):
 
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_context)
+# Under CUDA autocast the experts' matmuls run in bf16, as a plain matmul's would: in one grouped
+# GEMM, which takes 16-bit operands only (the cast's backward returns fp32 weights' gradients)
+torch.library.register_autocast("autopar::grouped_mm", "cuda", torch.bfloat16)
 
 
 class SwiGLU(nn.Module):
