@@ -111,3 +111,29 @@ def test_gqa_llama_repeats_kv_heads():
 
 def test_dropout_defaults_to_zero():
     assert GPTConfig().dropout == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped GEMM runs on CUDA devices")
+def test_experts_grouped_gemm_on_a_gpu_equals_a_matmul_per_expert():
+    """On a GPU the experts' matmuls are one grouped GEMM, forward and backward: the same as one
+    matmul per expert, an expert no row chose included (its weight's gradient is zero)."""
+    from autopar.models.experts import _one_grouped_gemm, grouped_mm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    weight = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, generator=g,
+                         requires_grad=True)
+    ends = torch.tensor([10, 10, 40, 64], device="cuda")
+    assert _one_grouped_gemm(rows, weight)
+    grouped = grouped_mm(rows, weight, ends)
+    grad = torch.randn(grouped.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    grouped.backward(grad)
+    expected_rows, expected_weight = rows.grad.clone(), weight.grad.clone()
+    rows.grad = weight.grad = None
+    spans = [(0, 10, 0), (10, 40, 2), (40, 64, 3)]
+    looped = torch.cat([rows[a:b] @ weight[e] for a, b, e in spans])
+    looped.backward(grad)
+    assert torch.allclose(grouped.float(), looped.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(expected_rows.float(), rows.grad.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(expected_weight.float(), weight.grad.float(), rtol=1e-2, atol=1e-1)
+    assert not expected_weight[1].any()

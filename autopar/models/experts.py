@@ -64,7 +64,13 @@ def _grouped_mm_shape(rows, weight, ends):
 @torch.library.custom_op("autopar::grouped_mm_weight_grad", mutates_args=())
 def grouped_mm_weight_grad(rows: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor,
                            groups: int) -> torch.Tensor:
-    """The gradient of `grouped_mm`'s weight: per group, rows_g^T @ grad_g -> [G, K, N]."""
+    """The gradient of `grouped_mm`'s weight: per group, rows_g^T @ grad_g -> [G, K, N]. On a GPU
+    one grouped GEMM over the groups' rows (zeros for a group without rows: an expert no token
+    chose), else a loop."""
+    if _one_grouped_gemm(rows, grad):
+        out = torch._grouped_mm(rows.t(), grad, offs=ends.to(torch.int32))
+        filled = torch.diff(ends, prepend=ends.new_zeros(1)) > 0
+        return torch.where(filled.view(-1, 1, 1), out, out.new_zeros(()))
     out = rows.new_zeros(groups, rows.shape[1], grad.shape[1])
     start = 0
     for group, end in enumerate(ends.tolist()):
