@@ -58,7 +58,7 @@ from autopar.graph import Graph
 from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
-from autopar.cost.memory import (OPTIMIZER_STEP_BYTES_PER_PARAM, in_flight, peak_bytes,
+from autopar.cost.memory import (in_flight, peak_bytes,
                                  pending_weight_backwards)
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
@@ -245,7 +245,7 @@ def _device_steps(pipe: _Pipeline, stages: list[StageSpec], split, schedule: str
                                           mesh=mesh, eff=eff))
             optimizer.append(offloaded[-1][1])
             continue
-        optimizer.append(compute_time(0, sharded_params(work, spec) * OPTIMIZER_STEP_BYTES_PER_PARAM,
+        optimizer.append(compute_time(0, sharded_params(work, spec) * runtime.optimizer_step_bytes,
                                       mesh.device, "elementwise", efficiencies=eff))
     return data_comm, optimizer, offloaded
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.cost.collectives import Group
-from autopar.cost.memory import GRADIENT_BYTES
+from autopar.cost.memory import FOREACH_ADAMW_BYTES_PER_PARAM, GRADIENT_BYTES, OPTIMIZER_STEP_BYTES_PER_PARAM
 from autopar.errors import AutoparError
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
@@ -69,13 +69,17 @@ class Runtime:
     # torch's PipelineStage allocates a receive buffer per micro-batch for a stage's inputs and
     # for its outputs' gradients, and keeps them from the first step on (cost/estimator.py)
     receive_buffers: bool = False
+    # bytes its optimizer step moves per parameter: a fused Adam (Megatron's, DeepSpeed's), or
+    # torch's AdamW as a user's training script builds it, foreach (cost/memory.py)
+    optimizer_step_bytes: int = OPTIMIZER_STEP_BYTES_PER_PARAM
 
 
 RUNTIMES = {
     "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
-                       fsdp2=True, receive_buffers=True),
+                       fsdp2=True, receive_buffers=True,
+                       optimizer_step_bytes=FOREACH_ADAMW_BYTES_PER_PARAM),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False,
-                     receive_buffers=True),
+                     receive_buffers=True, optimizer_step_bytes=FOREACH_ADAMW_BYTES_PER_PARAM),
     "megatron-core": Runtime("megatron-core", overlap=True, gather_unit="block",
                              regather_on_recompute=False, overlap_param_gather=True),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
