@@ -98,9 +98,25 @@ def _grouped_mm_backward(ctx, grad):
 
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_context)
-# Under CUDA autocast the experts' matmuls run in bf16, as a plain matmul's would: in one grouped
-# GEMM, which takes 16-bit operands only (the cast's backward returns fp32 weights' gradients)
-torch.library.register_autocast("autopar::grouped_mm", "cuda", torch.bfloat16)
+
+
+def _in_the_autocast_dtype(device_type: str):
+    """grouped_mm under autocast: its floating operands in the autocast dtype (bf16 or fp16), as a
+    plain matmul's would be (on a GPU one grouped GEMM, which takes 16-bit operands only). The
+    casts' backward returns fp32 weights' gradients, and the experts keep 16-bit rows for their
+    backward, as a GPU's do. (torch.library.register_autocast casts to one fixed dtype.)"""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def kernel(_keys, rows, weight, ends):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return torch.ops.autopar.grouped_mm.default(rows.to(dtype), weight.to(dtype), ends)
+    return kernel
+
+
+for _device_type in ("cuda", "cpu"):
+    grouped_mm._lib.impl("grouped_mm", _in_the_autocast_dtype(_device_type),
+                         "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
 
 
 class SwiGLU(nn.Module):
