@@ -12,8 +12,9 @@ second step, and times the median of 5 more beside the plan's predicted step tim
 `simulate` runs `autopar simulate`'s rank 0 on each saved plan and prints measured, simulated
 and predicted per case: simulated / measured - 1 is the simulator's own error, predicted /
 measured - 1 the estimator's. The simulated plans are the ones the GPU ran, so both sides build
-the same program (the plan records the graph's fingerprint; another torch version that captures
-another graph is refused by name).
+the same program from the same stages. Their fingerprints are of the graph the GPU machine's
+torch captured, which another torch version may capture differently (2.11 and 2.13 do): the
+simulation does not compare them. Results: docs/gpu_runs.md.
 """
 
 from __future__ import annotations
