@@ -364,3 +364,11 @@ def test_a_shared_block_called_three_times_is_three_instances():
     [kind] = graph.blocks
     assert [i.module_path for i in kind.instances] == ["block"] * 3
     assert [i.start for i in kind.instances] == sorted({i.start for i in kind.instances})
+
+
+def test_a_meta_model_captures_from_inputs_on_another_device():
+    """A meta model's capture takes its inputs' shapes only: token ids on the CPU capture the
+    graph that meta ids do (some torch versions refuse an embedding of CPU ids into meta weights)."""
+    model, (meta_ids,) = build_model("llama-tiny")
+    cpu_ids = torch.zeros(meta_ids.shape, dtype=meta_ids.dtype)
+    assert capture(model, (cpu_ids,)).fingerprint() == capture(model, (meta_ids,)).fingerprint()

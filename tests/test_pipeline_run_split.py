@@ -131,3 +131,30 @@ def test_layers_that_are_not_modules_of_the_model_are_named():
     plan.stages[0].layers = ["embed", "layers.0"]
     with pytest.raises(PlanMismatchError, match=r"\['embed'\] are not modules of this GPT"):
         check_layers(model, plan)
+
+
+class _Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(64, 32), nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.proj(torch.relu(self.emb(ids)))
+
+
+def test_stage_examples_run_on_the_ranks_device():
+    """A GPU rank's stages hold CUDA weights: their example run makes its inputs on that device,
+    not on the CPU (where an embedding of CPU ids into CUDA weights fails). Stood in for here by
+    fake CUDA tensors, which need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from autopar.passes.program import TensorRef
+    from autopar.passes.stage_interfaces import interface_examples
+
+    ids = torch.randint(0, 64, (2, 16))
+    stages = [p.module for p in split_stages(export_for_pipeline(_Embed(), (ids,)), [["emb"], ["proj"]])]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for ref in (m for stage in stages for m in stage.modules() if isinstance(m, TensorRef)):
+            # frozen: autograd on CUDA tensors needs a CUDA build
+            ref.value = nn.Parameter(torch.empty_like(ref.value, device="cuda"), requires_grad=False)
+    examples = interface_examples(stages, [ids], device=torch.device("cuda"))
+    assert [tuple(x.shape) for x in examples[-1][1]] == [(2, 16, 64)]
