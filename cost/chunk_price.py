@@ -38,6 +38,8 @@ class Chunk:
     exchange_s: float = 0.0         # experts' dispatch and combine all-to-alls (cost/experts.py)
     send_s: float = 0.0
     host_s: float = 0.0             # the runtime's machinery on the host (cost/host.py)
+    casts_s: float = 0.0            # 16-bit compute's casts of fp32 master weights (cost/master_weights.py)
+    gradient_casts_s: float = 0.0   # of which the gradients', in the weight backward
     weight_backward_s: float = 0.0  # the weight-gradient half of backward_s (zero-bubble's W)
     autograd_ops: int = 0           # ops the backward differentiates (nodes of the autograd graph)
     recomputed_regions: int = 0     # checkpointed regions (a block under full, its attention under selective)

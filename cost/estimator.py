@@ -58,6 +58,7 @@ from autopar.graph import Graph
 from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
+from autopar.cost.master_weights import cast_seconds
 from autopar.cost.memory import (in_flight, peak_bytes,
                                  pending_weight_backwards)
 from autopar.cost.mesh import Mesh
@@ -178,6 +179,9 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     for c, spec in enumerate(stages):
         chunks[c].host_s = host_time(spec, split.groups[c], chunks[c],
                                       pipelined=len(devices) > 1, schedule=schedule, eff=eff)
+        weights, gradients = cast_seconds(chunks[c].params, spec, schedule, m, device=mesh.device,
+                                          eff=eff, precision=precision, runtime=runtime)
+        chunks[c].casts_s, chunks[c].gradient_casts_s = weights + gradients, gradients
     for chunk in chunks if overlap_exchange else ():
         chunk.exchange_s = max(0.0, chunk.exchange_s - chunk.forward_s - chunk.backward_s)
     per_mb = [sum(_chunk_time(chunks[c]) for c in cs) for cs in devices]
@@ -256,7 +260,8 @@ def _bubble(chunks: list[Chunk], devices: list[list[int]], per_mb: list[float], 
     zero-bubble schedule fills it with the weight halves of the backward (module doc)."""
     bubble = (sum(per_mb) - max(per_mb)) / virtual
     if schedule == Schedule.ZERO_BUBBLE:
-        weight = [sum(chunks[c].weight_backward_s for c in cs) for cs in devices]
+        weight = [sum(chunks[c].weight_backward_s + chunks[c].gradient_casts_s for c in cs)
+                  for cs in devices]
         bubble = max(bubble - 2 * (sum(weight) - max(weight)) / virtual, 0.0)
     return bubble
 
@@ -374,7 +379,8 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
 
 def _chunk_time(chunk: Chunk) -> float:
     return (chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s
-            + chunk.exchange_s + chunk.send_s + chunk.host_s)
+            + chunk.exchange_s + chunk.send_s + chunk.host_s + chunk.casts_s)
+
 
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
@@ -474,7 +480,7 @@ def _summarize(model_flops_per_sample: float, mesh: Mesh, chunks: list[Chunk], d
     return Estimate(
         step_time_s=step,
         breakdown={"compute": total("forward_s") + total("backward_s") + total("recompute_s")
-                   + total("host_s"),
+                   + total("host_s") + total("casts_s"),
                    "exposed_comm": total("tensor_comm_s") + total("exchange_s") + total("send_s")
                    + data_comm + loss_sync,
                    "bubble": bubble, "optimizer": optimizer,

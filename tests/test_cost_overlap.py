@@ -305,8 +305,10 @@ def test_ranks_sharing_a_hosts_cores_lend_them_while_idle_in_the_bubble(tiny_gpt
 
 
 def test_zero_bubble_fills_the_bubble_with_the_weight_halves_of_the_backward():
-    """ZB-H1 leaves a third of 1F1B's bubble only where forward, input and weight halves are
-    equal and nothing else takes time; a stage whose time is mostly transfers keeps more."""
+    """ZB-H1 leaves (F + B - W) / (F + B + W) of 1F1B's bubble: a third where forward, input and
+    weight halves are equal, less where the weight half is longer (16-bit training casts and
+    accumulates the gradients in it, cost/master_weights.py); a stage whose time is mostly
+    transfers keeps more."""
     from autopar.commands.estimate import capture_training_step
     from autopar.cost.compute import Efficiencies
 
@@ -318,7 +320,7 @@ def test_zero_bubble_fills_the_bubble_with_the_weight_halves_of_the_backward():
         return bubble["zero-bubble"] / bubble["1f1b"]
 
     compute_bound = ratio("gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192", "4:a100-80g")
-    assert 1 / 3 <= compute_bound < 0.5
+    assert 0.25 <= compute_bound < 0.5
     transfer_bound = ratio("gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128", "4:cpu",
                            Efficiencies(device="cpu"))
     assert compute_bound < transfer_bound < 1
