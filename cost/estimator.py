@@ -419,9 +419,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     parts = peak_bytes(params=params, gathered=gathered, group=group,
                        place=(lambda phase: offloaded(phase)[0]) if spec.offload else None,
                        weight=_heaviest_gradient(chunks, element, seq_ratio, b),
-                       zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m,
+                       zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
                        reduce_every=reduces_every_micro_batch(spec.zero, schedule),
-                       held=held, pipelined=pp > 1,
+                       held=held, pipelined=pp > 1,   # both in (chunk, micro-batch) pairs
                        activations=held * per_chunk * b,
                        deferred=(max(pending - 1, 0) * deferred, pending * deferred),
                        # the last chunk's micro-batches among them, each keeping its loss's copy
