@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch._subclasses.fake_tensor import is_fake
 
 from autopar.errors import AutoparError
+from autopar.models.experts import aligned_for_grouped_gemm
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +102,7 @@ def _has_grouped_gemm(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     supported = {"cuda": (torch.bfloat16,), "cpu": (torch.float32, torch.bfloat16)}
     if rows.dtype not in supported.get(rows.device.type, ()) or not hasattr(torch, "_grouped_mm"):
         return False
-    return all(_aligned(t) for t in (rows, weight))
-
-
-def _aligned(tensor: torch.Tensor) -> bool:
-    size = tensor.element_size()
-    return tensor.data_ptr() % 16 == 0 and all(
-        stride * size % 16 == 0 for stride, dim in zip(tensor.stride(), tensor.shape)
-        if stride != 1 and dim > 1)
+    return all(aligned_for_grouped_gemm(t) for t in (rows, weight))
 
 
 class ExpertParallel(nn.Module):

@@ -51,9 +51,16 @@ def _one_grouped_gemm(rows: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
-    return all(t.data_ptr() % 16 == 0 and all(stride * 2 % 16 == 0 for stride, size in
-                                               zip(t.stride(), t.shape) if stride != 1 and size > 1)
-               for t in (rows, weight))
+    return aligned_for_grouped_gemm(rows) and aligned_for_grouped_gemm(weight)
+
+
+def aligned_for_grouped_gemm(tensor: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes `tensor` as it is laid out: 16-byte aligned, every
+    stride but the unit one a multiple of 16 bytes."""
+    size = tensor.element_size()
+    return tensor.data_ptr() % 16 == 0 and all(
+        stride * size % 16 == 0 for stride, dim in zip(tensor.stride(), tensor.shape)
+        if stride != 1 and dim > 1)
 
 
 @grouped_mm.register_fake
