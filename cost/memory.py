@@ -15,8 +15,8 @@ Activations are counted from the graph (what autograd saves per op; see cost/lay
 micro-batch of one model chunk, then multiplied by how many chunk-micro-batches the schedule holds
 at once on a device (`in_flight`).
 
-A device's peak (`peak_bytes`), as autopar's runtime trains (FSDP2 `replicate` for dp > 1,
-`fully_shard` for ZeRO). Alive throughout the forwards and backwards:
+A device's peak (`peak_bytes`), as autopar's runtime trains (FSDP2 `replicate` for dp > 1 or
+16-bit compute, `fully_shard` for ZeRO: autopar.plans.zero). Alive throughout the forwards and backwards:
   optimizer   Adam's moments and the fp32 master weights the optimizer steps: FSDP's sharded
               parameters when data parallel (its own tensor), the weights themselves when not
               and in fp32; split over dp from ZeRO-1 on
@@ -50,6 +50,7 @@ import sympy
 
 from autopar.errors import AutoparError
 from autopar.plans.vocabulary import Precision, Recompute, Schedule
+from autopar.plans.zero import holds_weights_in_fsdp
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
 MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
@@ -111,7 +112,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     less what the backward freed before it); in a pipeline both also hold the logits. `received`:
     the receive buffers; `place`: what of a phase stays on the device; `deferred`: zero-bubble's
     kept gradients (`pending_weight_backwards`), during and between backwards."""
-    wrapped = dp > 1
+    wrapped = holds_weights_in_fsdp(replicas=dp, offload=place is not None, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
     master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0

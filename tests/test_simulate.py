@@ -191,6 +191,24 @@ def test_four_chunks_a_rank_gather_their_zero_1_weights_once_a_step():
     assert gathered["sent_bytes"] == gathered["predicted_sent_bytes"]
 
 
+def test_a_stage_of_one_replica_computes_in_16_bits_as_one_of_many():
+    """bf16 without data parallelism (tp2 x pp2 on 4 GPUs): FSDP2's mixed precision holds the
+    weights of a stage of one replica too, so the first stage's embedding lookup, and the
+    residual stream it starts, are bf16, as on a stage of two replicas. Under autocast over fp32
+    weights alone they were fp32: the first rank's tensor-parallel collectives moved 1.22x the
+    bytes priced and its memory was 38% over the prediction."""
+    model, inputs = build_model("gpt:layers=4,hidden=128,heads=4,seq=64,vocab=512")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "1x4:a100-80g", Config(tp=2, pp=2, global_batch=4, micro_batch=1))
+    assert plan.precision == "bf16" and plan.dp == 1
+    [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
+                           loss_fn=lm_loss, graph=graph)
+    report = rank_report(plan, run, plan_collectives(graph, plan))
+    for entry in report.collectives:
+        assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
+    assert -0.05 <= report.memory_error <= 0.05, (report.peak_memory_bytes, report.predicted_memory_bytes)
+
+
 def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
     """Values of another head size than the keys (DeepSeek's latent attention): on CPU tensors
     scaled_dot_product_attention falls back to the math kernel and holds a [heads, tokens,

@@ -9,11 +9,19 @@ again for the backward. Zero-bubble schedules split the backward into an input h
 half that runs later: FSDP's per-layer reduction would fire between them, and freeing weights
 between forward and backward gives wrong weight gradients in torch 2.13, so under them gradients
 accumulate whole and ZeRO-3 keeps its weights gathered.
+
+FSDP2 holds a stage's weights wherever more than one replica shares them, where they are
+offloaded, and under mixed precision even for one replica: FSDP2's policy hands the forward
+16-bit weights. Autocast alone keeps fp32 weights where it casts nothing (an embedding's
+lookup, a learned position added, a norm's scale), so a stage of one replica computed its
+residual stream in fp32 from the first layer on while the same stage of two computed it in 16
+bits: twice its activations' bytes and tensor-parallel traffic, on plans the estimator priced
+alike.
 """
 
 from __future__ import annotations
 
-from autopar.plans.vocabulary import Schedule
+from autopar.plans.vocabulary import Precision, Schedule
 
 
 def reduces_every_micro_batch(zero: int, schedule: str) -> bool:
@@ -27,3 +35,9 @@ def keeps_weights_gathered(zero: int, schedule: str) -> bool:
     (FSDP2's `reshard_after_forward=False`): below ZeRO-3 always, under ZeRO-3 only with a
     zero-bubble schedule."""
     return zero < 3 or schedule == Schedule.ZERO_BUBBLE
+
+
+def holds_weights_in_fsdp(*, replicas: int, offload: bool, precision: str) -> bool:
+    """Whether FSDP2 wraps a stage of `replicas` (its dp x cp ranks of the same weights): over
+    several replicas, offloaded, or in 16 bits (module docstring)."""
+    return replicas > 1 or offload or precision != Precision.FP32

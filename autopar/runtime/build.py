@@ -45,6 +45,7 @@ from autopar.runtime.schedule import build_schedule
 from autopar.runtime.stage_state import broadcast_from_first_rank, hold_unread_buffers
 from autopar.runtime.tied import TiedWeights
 from autopar.plans.schedules import relay_error
+from autopar.plans.zero import holds_weights_in_fsdp
 
 
 def build_runtime(model: nn.Module, plan: Plan, *, example_inputs: tuple, loss_fn, optimizer,
@@ -230,11 +231,13 @@ def _wrap_stages(programs: list[StageProgram], plan: Plan, layout: PipelineLayou
                  expert_meshes: dict | None) -> None:
     for program in programs:
         stage = plan.stages[program.index]
+        wrapped = holds_weights_in_fsdp(replicas=layout.replicas, offload=stage.offload,
+                                        precision=plan.precision)
         if stage.ep > 1:
             expert_data_parallel(program.module, stage.zero, plan.schedule,
-                                 expert_meshes[stage.ep]["edp"], layout.replicas,
+                                 expert_meshes[stage.ep]["edp"], wrapped,
                                  mixed.mp_policy(plan.precision), offload=stage.offload)
-        if layout.replicas > 1 or stage.offload:
+        if wrapped:
             data_parallel(program.module, stage.zero, plan.schedule, mesh["dp"],
                           mixed.mp_policy(plan.precision), offload=stage.offload)
 

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.pipelining import PipelineStage
 
 from autopar.errors import AutoparError
-from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
+from autopar.plans.zero import holds_weights_in_fsdp, keeps_weights_gathered, reduces_every_micro_batch
 from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.passes.tensor_parallel import TensorParallelStage
 from autopar.plans import Plan
@@ -68,13 +68,13 @@ def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMe
 
 
 def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: DeviceMesh,
-                         replicas: int, mp_policy=None, offload: bool = False) -> None:
+                         wrapped: bool, mp_policy=None, offload: bool = False) -> None:
     """The gradients of the stage's split experts reduced over `edp_mesh` (plain data parallelism
     or ZeRO there, as the stage's `zero` says), with FSDP2 as `data_parallel` does; also over a
-    mesh of one rank when the stage has dp x cp `replicas` (whose groups must leave the experts
-    alone) or offloads (the experts' states go to the host too). The experts' inputs are left as
-    they come: a routing value cast to 16 bits would count exactly only up to 256."""
-    if edp_mesh.size() == 1 and replicas == 1 and not offload:
+    mesh of one rank when FSDP2 `wrapped` the stage (its groups must leave the experts alone;
+    offloaded, the experts' states go to the host too: autopar.plans.zero). The experts' inputs
+    are left as they come: a routing value cast to 16 bits would count exactly only up to 256."""
+    if edp_mesh.size() == 1 and not wrapped:
         return
     policy = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
@@ -107,9 +107,11 @@ def stage_class(plan: Plan, index: int, replicas: int) -> type:
     """ZeRO-2 and 3 stages reduce their gradients after each micro-batch's backward, ZeRO-3
     stages also free their gathered weights (schedule.py); `replicas`: the dp x cp ranks."""
     zero = plan.stages[index].zero
-    if replicas > 1 and plan.schedule == Schedule.ZERO_BUBBLE:
+    wrapped = holds_weights_in_fsdp(replicas=replicas, offload=plan.stages[index].offload,
+                                    precision=plan.precision)
+    if wrapped and plan.schedule == Schedule.ZERO_BUBBLE:
         return WeightBackwardStage
-    if (replicas == 1 and not plan.stages[index].offload) or not reduces_every_micro_batch(zero, plan.schedule):
+    if not wrapped or not reduces_every_micro_batch(zero, plan.schedule):
         return PipelineStage
     return ReshardingStage if zero == 3 else ReducingStage
 

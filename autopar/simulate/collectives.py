@@ -6,7 +6,9 @@ autopar's tensor-parallel and context-parallel collectives). Each is recorded wi
 (named by the rank-grid axes its ranks differ on: "dp", "tp", "pp", "dp+cp", ...), the payload
 each rank contributes and the bytes this rank sends under the ring algorithms NCCL uses:
 all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n of the whole,
-all-to-all (n-1)/n of its input, a send all of it, a receive nothing.
+all-to-all (n-1)/n of its input, a send all of it, a receive nothing. A collective over a group
+of one rank (FSDP2's reduction of a stage it wraps for one replica) moves nothing and is not
+recorded.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class CollectiveRecorder(TorchDispatchMode):
         kind, position = _OPS[name]
         group = _group(args)
         ranks = dist.get_process_group_ranks(group)
+        if len(ranks) < 2:
+            return
         tensors = [t for t in pytree.tree_leaves(args[position]) if isinstance(t, torch.Tensor)]
         payload = sum(t.numel() * t.element_size() for t in tensors)
         key = (group.group_desc, tuple(ranks))
