@@ -27,13 +27,15 @@ class Redistribute(nn.Module):
             moved = _Placed.apply(value, self.placements)
         else:
             moved = value.redistribute(self.mesh, self.placements)
-        # Handed on with a dense local tensor, as DTensor's own redistributions hand on their
-        # chunks: DTensor dispatches attention to the CPU flash kernel after checking the global
-        # layout only, and that kernel misreads a local whose last dim is strided (Gemma's
-        # multi-query attention under tensor parallelism trained wrong). Whether the local is
-        # dense is the local's business: the global tensor's strides do not say.
+        # Handed on with a local whose last dim is dense, as DTensor's own redistributions hand on
+        # their chunks: DTensor dispatches attention to the CPU flash kernel after checking the
+        # global layout only, and that kernel misreads a local whose last dim is strided (Gemma's
+        # multi-query attention under tensor parallelism trained wrong). Only those are copied:
+        # a transposed local (heads before tokens, as attention reads q, k and v) is what every
+        # kernel takes as it is, and copying it held a second copy of q, k, v and of attention's
+        # output for each layer's backward.
         local = moved.to_local()
-        if local.is_contiguous():
+        if local.dim() == 0 or local.stride(-1) == 1:
             return moved
         return DTensor.from_local(local.contiguous(), self.mesh, moved.placements, run_check=False,
                                   shape=moved.shape, stride=moved.stride())
