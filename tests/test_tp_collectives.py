@@ -60,3 +60,25 @@ def test_a_sequence_parallel_block_gathers_each_norm_output_once():
     counts = autopar.launch(per_block, 2, timeout=240)[0]
     assert {op: n for op, n in counts.items() if n} == {"all_gather_into_tensor": 4,
                                                         "reduce_scatter_tensor": 4}
+
+
+def _placed_locals() -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from autopar.passes import Redistribute
+    mesh = init_device_mesh("cpu", (2,))
+    tokens_first = torch.randn(2, 8, 4, 6)
+    placed = Redistribute(mesh, (Replicate(),))
+    heads_first = DTensor.from_local(tokens_first.transpose(1, 2), mesh, [Replicate()], run_check=False)
+    every_other = DTensor.from_local(tokens_first[..., ::2], mesh, [Replicate()], run_check=False)
+    kept, copied = placed(heads_first).to_local(), placed(every_other).to_local()
+    return (kept.data_ptr() == tokens_first.data_ptr(), kept.stride() == heads_first.to_local().stride(),
+            copied.is_contiguous())
+
+
+def test_a_placed_value_is_copied_only_where_its_last_dim_is_strided():
+    """Attention's q, k and v (heads before tokens: a transpose, its last dim dense) go on as they
+    are; copying them also made attention's output heads-major, so each layer held a second copy of
+    it for the output projection's backward. A local whose last dim is strided, which the CPU flash
+    kernel misreads, is made dense."""
+    assert autopar.launch(_placed_locals, 2, timeout=120)[0] == (True, True, True)
