@@ -180,8 +180,13 @@ def share_redistributions(module: nn.Module, mesh: DeviceMesh, parameters: dict[
     summed before its one reverse collective. Which placement an op reads is the cost model's
     choice (`cost.reshard.cheapest_inputs`), so what runs is what the plan was priced with.
     Partial reads (R -> P, a local zeroing) and values written in place (`written_nodes`) are
-    left to DTensor."""
-    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+    left to DTensor. A value handed to several parts of a graph split for recomputation is
+    redistributed before it is handed on, where every part reads it the same way
+    (`_read_before_parts`)."""
+    graph_modules = [m for m in module.modules() if isinstance(m, fx.GraphModule)]
+    for graph_module in graph_modules:
+        _read_before_parts(graph_module, mesh, parameters, nodes, tp_axis)
+    for graph_module in graph_modules:
         placed = _planned_placements(graph_module, parameters, nodes, tp_axis)
         written = written_nodes(graph_module.graph)
         readers: dict[tuple[fx.Node, str], list[fx.Node]] = {}
@@ -200,6 +205,51 @@ def share_redistributions(module: nn.Module, mesh: DeviceMesh, parameters: dict[
                 user.replace_input_with(source, shared)
         if readers:
             graph_module.recompile()
+
+
+def _read_before_parts(graph_module: fx.GraphModule, mesh: DeviceMesh, parameters: dict[str, list[str]],
+                       nodes: dict[str, list[str]], tp_axis: int) -> None:
+    """Where selective recompute split a layer into parts (graph modules: the attention's, under
+    its checkpoint, and those before and after it), a value read by several parts, each in the
+    same placement but the plan's (the first layer's input, an embedding split on the hidden dim,
+    read whole by its norm and by the residual add), is redistributed here once, before the
+    parts: within each part it then arrives as its ops read it, and each part's own redistribution
+    is the identity. Left to the parts, each gathered it again."""
+    placed = _planned_placements(graph_module, parameters, nodes, tp_axis)
+    written = written_nodes(graph_module.graph)
+    for source in list(graph_module.graph.nodes):
+        if source.op not in ("call_function", "placeholder") or source.name not in nodes \
+                or source in written or len(source.users) < 2:
+            continue
+        reads = {_part_reads(graph_module, user, source, parameters, nodes, tp_axis, mesh.size())
+                 for user in source.users}
+        read = reads.pop() if len(reads) == 1 else None
+        if read is None or read in (placed[source.name], "P"):
+            continue
+        name = f"read_{source.name}_{read.replace('(', '').replace(')', '')}"
+        graph_module.add_submodule(name, Redistribute(mesh, (parse_placement(read),)))
+        with graph_module.graph.inserting_after(source):
+            shared = graph_module.graph.call_module(name, (source,))
+        source.replace_all_uses_with(shared, delete_user_cb=lambda user: user is not shared)
+        graph_module.recompile()
+
+
+def _part_reads(graph_module: fx.GraphModule, user: fx.Node, source: fx.Node, parameters: dict,
+                nodes: dict, tp_axis: int, size: int) -> str | None:
+    """The one placement in which the part that `user` calls reads `source` (None: not a part,
+    or a part that reads it in several placements or through ops the plan does not place)."""
+    part = graph_module.get_submodule(user.target) if user.op == "call_module" else None
+    if not isinstance(part, fx.GraphModule) or source in user.kwargs.values() or user.args.count(source) != 1:
+        return None
+    inputs = [node for node in part.graph.nodes if node.op == "placeholder"]
+    given = inputs[user.args.index(source)]
+    placed = _planned_placements(part, parameters, nodes, tp_axis)
+    reads = set()
+    for reader in given.users:
+        found = [read for read_from, read in zip(reader.all_input_nodes, _read_placements(reader, placed, size))
+                 if read_from is given]
+        reads.update(found or [None])
+    return reads.pop() if len(reads) == 1 else None
 
 
 def _planned_placements(graph_module: fx.GraphModule, parameters: dict[str, list[str]],
