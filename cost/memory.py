@@ -230,8 +230,11 @@ def pending_weight_backwards(schedule: str, *, pp: int, micro_batches: int, virt
     under torch's interleaved zero-bubble schedule stage + 1 (the last stage defers the most, to
     fill the drain), at most the `in_flight` pairs (tests/test_cost.py checks it against
     torch's orders of actions). During an input backward one fewer are done: the one running
-    holds its gradients as the backward's transients."""
-    if schedule != Schedule.ZERO_BUBBLE:
+    holds its gradients as the backward's transients. The model's first chunk computes no input
+    gradients (its inputs are the model's): torch's input backward of it does nothing and its
+    weight backward is the whole backward, so none of its pairs keeps gradients in between; on
+    the first rank of a pipeline of one chunk a rank, none does."""
+    if schedule != Schedule.ZERO_BUBBLE or (stage == 0 and virtual == 1):
         return 0
     held = in_flight(schedule, pp=pp, micro_batches=micro_batches, virtual=virtual, stage=stage)
     return min(stage + 1, held)
