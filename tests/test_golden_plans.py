@@ -14,9 +14,11 @@ golden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(golden)
 
 
-# the 175B plan is captured, solved and priced in the slow tier (a third of the module's time);
-# the default tier's 64-rank plan is tests/test_simulate.py's
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name.startswith("gpt3-175b")
+# the 175B plan is captured, solved and priced in the slow tier (a third of the module's time),
+# and so is the llama-7b one (the default tier keeps a CPU plan and a GPU one); the default
+# tier's 64-rank plan is tests/test_simulate.py's
+SLOW = ("gpt3-175b", "llama-7b")
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name.startswith(SLOW)
                                   else name for name in sorted(golden.PROBLEMS)])
 def test_plan_equals_its_golden_json(name):
     expected = golden.path_of(name).read_text()
@@ -25,7 +27,7 @@ def test_plan_equals_its_golden_json(name):
                                  f"`python tests/golden/regenerate.py {name}` and explain it")
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name.startswith("gpt3-175b")
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name.startswith(SLOW)
                                   else name for name in sorted(golden.PROBLEMS)])
 def test_golden_plans_record_their_own_price(name):
     """A saved plan priced again by `estimate_plan` gives the figures it records."""

@@ -54,10 +54,23 @@ def new_model():
     return build_model(SPEC, device="cpu")[0]
 
 
-def train_forms(forms: dict) -> dict:
-    """On every rank: each form with and without recompute against one process's training."""
+# The default tier trains every form without recompute, and every recompute level on the form
+# with the most collectives; the slow tier trains the other pairs.
+FULLEST = "dp x tp + sp, zero-3"
+DEFAULT_CASES = [(form, "none") for form in FORMS_ON_4] + [(FULLEST, r) for r in RECOMPUTE if r != "none"]
+SLOW_CASES = [(form, r) for form in FORMS_ON_4 for r in RECOMPUTE if (form, r) not in DEFAULT_CASES]
+
+
+def train_forms(forms: dict, cases: list | None = None) -> dict:
+    """On every rank: each (form, recompute) of `cases` (every form at every level by default)
+    against one process's training."""
     data = batches()
-    results = train_forms_against_one_process(new_model, data, lm_loss, sgd, forms, RECOMPUTE)
+    cases = cases or [(form, r) for form in forms for r in RECOMPUTE]
+    results = {}
+    for form in dict.fromkeys(form for form, _ in cases):
+        levels = [r for name, r in cases if name == form]
+        results.update(train_forms_against_one_process(new_model, data, lm_loss, sgd,
+                                                       {form: forms[form]}, levels))
     # The check can fail: a run with another learning rate disagrees with the reference.
     other = train_single_process(new_model(), data, lm_loss, lambda p: torch.optim.SGD(p, lr=0.21, momentum=0.9))
     results["control"] = mismatches(other, *train_single_process(new_model(), data, lm_loss, sgd))
@@ -66,7 +79,12 @@ def train_forms(forms: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def on_4_ranks():
-    return autopar.launch(train_forms, 4, FORMS_ON_4, timeout=240)
+    return autopar.launch(train_forms, 4, FORMS_ON_4, DEFAULT_CASES, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def on_4_ranks_slow():
+    return autopar.launch(train_forms, 4, FORMS_ON_4, SLOW_CASES, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +92,15 @@ def on_2_ranks():
     return autopar.launch(train_forms, 2, FORMS_ON_2, timeout=240)
 
 
-@pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("form", FORMS_ON_4)
+@pytest.mark.parametrize("form, recompute", DEFAULT_CASES)
 def test_forms_on_4_ranks(on_4_ranks, form, recompute, form_problems):
     assert form_problems(on_4_ranks, (form, recompute)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form, recompute", SLOW_CASES)
+def test_more_forms_on_4_ranks(on_4_ranks_slow, form, recompute, form_problems):
+    assert form_problems(on_4_ranks_slow, (form, recompute)) == []
 
 
 # slow tier: tensor and sequence parallelism run in the default tier on 4 ranks (dp x tp + sp,

@@ -126,7 +126,8 @@ def test_simulate_command_prints_json_and_refuses_bad_ranks(tmp_path, capsys):
     assert "plan this model again" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+# slow tier: full recompute's MoE rank (the default tier simulates the plain one)
+@pytest.mark.parametrize("recompute", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_a_mixture_of_experts_rank_sends_and_holds_what_the_plan_predicts(recompute):
     """Routing depends on token values, which fake tensors lack: the simulated expert layers
     send every expert an equal share of their rows, as the estimator assumes. Each all-to-all
@@ -156,7 +157,8 @@ def test_a_mixture_of_experts_rank_sends_and_holds_what_the_plan_predicts(recomp
 HEAD_SPEC = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,seq=512,vocab=8192"
 
 
-@pytest.mark.parametrize("schedule", ["zero-bubble", "1f1b"])
+# slow tier: 1F1B's head rank (zero-bubble's, which holds more, runs in the default tier)
+@pytest.mark.parametrize("schedule", ["zero-bubble", pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_the_head_rank_holds_what_the_plan_predicts(schedule):
     """The last pipeline rank of pp2 x dp2 (ZeRO-1, fp32, 8 micro-batches, a vocabulary large
     enough that the loss dominates). Measured on real gloo ranks (second step, every live tensor):
@@ -175,6 +177,7 @@ def test_the_head_rank_holds_what_the_plan_predicts(schedule):
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
+@pytest.mark.slow
 def test_four_chunks_a_rank_gather_their_zero_1_weights_once_a_step():
     """torch's interleaved schedule frees a rank's 4th chunk's weights to gather another's, and
     gathered every chunk again each round of micro-batches; ZeRO-1 keeps them for the step."""
@@ -207,6 +210,22 @@ def test_a_stage_of_one_replica_computes_in_16_bits_as_one_of_many():
     for entry in report.collectives:
         assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
     assert -0.05 <= report.memory_error <= 0.05, (report.peak_memory_bytes, report.predicted_memory_bytes)
+
+
+@pytest.mark.slow
+def test_selective_recompute_gathers_the_first_layers_input_once():
+    """Selective recompute splits each layer around its attention; the first layer's input (an
+    embedding split on the hidden dim) is read whole by the norm before the attention and by the
+    residual add after it. It is gathered once a micro-batch, as priced, not once per part."""
+    model, inputs = build_model("llama:layers=6,hidden=192,heads=6,kv_heads=2,seq=64,vocab=512")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "1x6:h100-80g", Config(tp=2, pp=3, global_batch=6, micro_batch=1,
+                                                          recompute="selective"))
+    [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
+                           loss_fn=lm_loss, graph=graph)
+    report = rank_report(plan, run, plan_collectives(graph, plan))
+    gathered = _sent(report, "all_gather", "tp")
+    assert gathered["sent_bytes"] == gathered["predicted_sent_bytes"]
 
 
 def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
