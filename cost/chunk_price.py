@@ -76,6 +76,8 @@ class Chunk:
     # bytes of the tensor-parallel collectives of one micro-batch, whole tensors (cost/layout.py),
     # by (kind, per sample): what `tensor_comm_s` prices, for cost/rank_traffic.py
     tensor_moved: dict = field(default_factory=dict)
+    # bytes of the tensor-parallel reductions of partial weight gradients, once a step, by kind
+    step_moved: dict = field(default_factory=dict)
     # bytes per sample the rank puts into the experts' all-to-alls: each exchange's forward, its
     # backward and its recomputed forward (cost/rank_traffic.py)
     exchange_moved: float = 0.0
@@ -151,11 +153,13 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     region_block: dict[str, tuple] = {}
     widest = (0.0, 0)                   # the largest output the backward differentiates
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
-    for node in nodes:
+    rerun_until = _last_saving_nodes(layout, regions, nodes)
+    for position, node in enumerate(nodes):
         i = layout.index[node.name]
         kept = prices[node.name][4]
         region = regions[i]
-        _add_times(out, node, prices[node.name], recomputed=bool(region))
+        _add_times(out, node, prices[node.name],
+                   recomputed=bool(region) and position <= rerun_until[region])
         if region:
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)
@@ -196,6 +200,20 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     return out
 
 
+def _last_saving_nodes(layout: GraphLayout, regions: list, nodes: list[NodeLayout]) -> dict:
+    """Recomputed region -> the position (in `nodes`) of its last op that keeps something for
+    the backward. torch's non-reentrant checkpoint stops rerunning a region once the tensors its
+    backward needs are recomputed (early stop), so the ops after that one, a layer's closing
+    all-reduce and residual add, run once: one tensor-parallel collective a layer fewer than a
+    whole second forward."""
+    last: dict[str, int] = {}
+    for position, node in enumerate(nodes):
+        region = regions[layout.index[node.name]]
+        if region and node.requires_grad and (node.saved or node.param_bytes):
+            last[region] = position
+    return {region: last.get(region, -1) for region in set(regions) if region}
+
+
 def _heaviest_weight(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout]):
     """The elements of the largest weight an op of the chunk reads (the last such op), and
     what the ops after it keep for the backward: by that op's backward, the micro-batch's
@@ -222,6 +240,8 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) 
     for collectives in runs:
         for kind, nbytes, per_sample in collectives:
             out.tensor_moved[kind, per_sample] = out.tensor_moved.get((kind, per_sample), 0.0) + nbytes
+    for kind, nbytes, _ in node.comm_step if node.requires_grad else ():
+        out.step_moved[kind] = out.step_moved.get(kind, 0.0) + nbytes
     out.forward_s += fwd
     out.tensor_comm_s += comm_fwd
     out.exchange_s += exchange
@@ -235,6 +255,15 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) 
         out.recompute_s += fwd
         out.tensor_comm_s += comm_fwd
         out.exchange_s += exchange
+
+
+def partial_gradients_time(chunks: list[Chunk], mesh: Mesh, tp: int) -> float:
+    """A pipeline rank's tensor-parallel reduction of the weight gradients left as partial sums,
+    after the schedule's backward, in one bucket a kind (autopar/runtime/gradients.py)."""
+    group = Group.strided(mesh, tp, 1)
+    kinds = {kind for chunk in chunks for kind in chunk.step_moved}
+    return sum(getattr(group, kind)(sum(chunk.step_moved.get(kind, 0.0) for chunk in chunks))
+               for kind in kinds)
 
 
 def _collectives_time(group: Group, collectives: tuple, b: int) -> float:

@@ -65,7 +65,7 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import Chunk, poly_at
+from autopar.cost.chunk_price import Chunk, partial_gradients_time, poly_at
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, tied_exposed
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
@@ -243,7 +243,8 @@ def _device_steps(pipe: _Pipeline, stages: list[StageSpec], split, schedule: str
                             kept_gathered=keeps_weights_gathered(spec.zero, schedule),
                             reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
         data_comm.append(sharded_traffic(work, spec, micro_batches=m, mesh=mesh, runtime=runtime,
-                                         element_bytes=DTYPE_BYTES[memo.dtype]))
+                                         element_bytes=DTYPE_BYTES[memo.dtype])
+                         + partial_gradients_time([chunks[c] for c in cs], mesh, spec.tp))
         if spec.offload:
             offloaded.append(offload_step(work, spec, micro_batches=m, schedule=schedule,
                                           mesh=mesh, eff=eff))
@@ -380,7 +381,6 @@ def _pipeline_shape(stages: list[StageSpec], virtual: int, mesh: Mesh) -> tuple[
 def _chunk_time(chunk: Chunk) -> float:
     return (chunk.forward_s + chunk.backward_s + chunk.recompute_s + chunk.tensor_comm_s
             + chunk.exchange_s + chunk.send_s + chunk.host_s + chunk.casts_s)
-
 
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,

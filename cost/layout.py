@@ -60,6 +60,10 @@ class NodeLayout:
     # for parameters.
     comm_forward: tuple = ()
     comm_backward: tuple = ()
+    # Once a step: the gradients of weights that tensor parallelism leaves as partial sums (a
+    # norm's weight under sequence parallelism), which the runtime reduces after the schedule's
+    # backward, all in one bucket (autopar/runtime/gradients.py).
+    comm_step: tuple = ()
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa
     gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns),
@@ -278,7 +282,7 @@ class _LayoutBuilder:
                                  self.tp)
         self.place[node.name] = out
         layout.sharded = out.startswith("S")
-        forward, backward = [], []
+        forward, backward, step = [], [], []
         self.read_as = {}
         for k, name in enumerate(node.inputs):
             whole, per_sample = self._edge_bytes(name, node)
@@ -294,9 +298,21 @@ class _LayoutBuilder:
             given = gradient_given((out,), [(p,) for p in inputs], k)
             need = gradient_need((sources[k],))
             moves = reshard_steps(given, need, [self.tp]) or []
-            if moves and self._first((self.storage[name], given, need, "gradient")):
+            if not (moves and self._first((self.storage[name], given, need, "gradient"))):
+                continue
+            if per_sample:
                 backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
+            else:       # a weight's gradient, reduced in the dtype the weight is held in
+                whole = self.by_name[self.weight_of.get(name, name)].bytes
+                step += [(kind, whole / divisor, False) for kind, _, divisor in moves]
+        if out == "P" and op_family(node.target) == "embedding":
+            # a lookup in a table split on the vocabulary: the runtime reduces its masked partial
+            # sums to whole right away (autopar.passes.dtensor_adapters.SettledLookup), which its
+            # readers then take as they read them without moving anything (R -> S, R -> P)
+            forward.append(("all_reduce", self.full_bytes(node), True))
+            self.place[node.name] = "R"
         layout.comm_forward, layout.comm_backward = tuple(forward), tuple(backward)
+        layout.comm_step = tuple(step)
         return work_split((out,), [(p,) for p in inputs], [self.tp]) > 1
 
     def _read_redistributed(self, name: str, placement: str) -> None:

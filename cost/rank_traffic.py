@@ -7,7 +7,10 @@ rank-grid axes its group spans and the group's size, with the bytes the rank sen
 algorithms (all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n of the
 whole tensor, all-to-all (n-1)/n of its input, a send all of it).
 
-How often each runs, as autopar's runtime issues them (autopar/runtime/schedule.py): gradients
+How often each runs, as autopar's runtime issues them (autopar/runtime/schedule.py): a
+recomputed region's tensor-parallel collectives again up to its last op that keeps anything for
+the backward (torch's checkpoint stops there), the reduction of weight gradients tensor
+parallelism leaves as partial sums once a step (autopar/runtime/gradients.py); gradients
 are reduced once a step, or after every micro-batch where ZeRO-2/3 reduces every one
 (`reduces_every_micro_batch`); ZeRO-1/2 gather the updated weights once, at the step's first
 forward; ZeRO-3 gathers before every micro-batch's forward and again before its backward,
@@ -55,7 +58,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         found: dict[tuple, float] = {}
         spec = specs[chunks[0]]
         for c in chunks:
-            _tensor_parallel(found, pipe.chunks[c].tensor_moved, spec.tp, pipe)
+            _tensor_parallel(found, pipe.chunks[c], spec.tp, pipe)
             _context_parallel(found, graph, memo, specs, c, pipe, element)
             _expert_parallel(found, pipe.chunks[c], specs[c], pipe)
         _pipeline(found, crossing, specs, chunks, pipe)
@@ -81,9 +84,11 @@ def _add(found: dict, kind: str, axis: str, size: int, payload: float) -> None:
     found[kind, axis, size] = found.get((kind, axis, size), 0.0) + share * payload
 
 
-def _tensor_parallel(found: dict, moved: dict, tp: int, pipe) -> None:
-    for (kind, per_sample), nbytes in moved.items():
+def _tensor_parallel(found: dict, chunk, tp: int, pipe) -> None:
+    for (kind, per_sample), nbytes in chunk.tensor_moved.items():
         _add(found, kind, "tp", tp, nbytes * (pipe.samples if per_sample else 1) * pipe.micro_batches)
+    for kind, nbytes in chunk.step_moved.items():
+        _add(found, kind, "tp", tp, nbytes)
 
 
 def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, c: int, pipe,

@@ -228,6 +228,52 @@ def test_selective_recompute_gathers_the_first_layers_input_once():
     assert gathered["sent_bytes"] == gathered["predicted_sent_bytes"]
 
 
+FULL_SP_SPEC = "llama:layers=4,hidden=128,heads=4,kv_heads=2,seq=64,vocab=512"
+FULL_SP_CONFIG = dict(tp=2, global_batch=4, micro_batch=1, sequence_parallel=True)
+
+
+def _tensor_parallel_sent(recompute: str, sequence_parallel: bool) -> dict:
+    model, inputs = build_model(FULL_SP_SPEC)
+    graph = capture(model, example_inputs=inputs)
+    config = Config(**{**FULL_SP_CONFIG, "sequence_parallel": sequence_parallel}, recompute=recompute)
+    plan = plan_from_config(graph, "1x2:a100-80g", config)
+    return {entry["kind"]: entry["sent_bytes"] for entry in plan_collectives(graph, plan)[0]
+            if entry["axis"] == "tp"}
+
+
+def test_a_recomputed_layer_skips_its_closing_reduction():
+    """torch's checkpoint stops a layer's second forward once its backward has what it needs (the
+    MLP's down projection keeps its input): the all-reduce of that projection's partial sums
+    runs in the first forward only, the attention's output's in both. 4 micro-batches of 4
+    layers: one all-reduce of a bf16 [64, 128] activation a layer and micro-batch more than
+    without recompute (2 ranks: each sends the payload), not two."""
+    kept, recomputed = _tensor_parallel_sent("none", False), _tensor_parallel_sent("full", False)
+    assert recomputed["all_reduce"] - kept["all_reduce"] == 4 * 4 * 64 * 128 * 2
+
+
+def test_partial_weight_gradients_are_reduced_once_a_step():
+    """Under sequence parallelism the norms' weight gradients are partial sums, reduced once a
+    step in fp32 (9 norms of 128 elements; autopar/runtime/gradients.py), not each micro-batch;
+    the vocabulary-split lookup's partial sums are all-reduced once a micro-batch (4) where the
+    runtime settles them, and the loss once."""
+    sent = _tensor_parallel_sent("full", True)
+    assert sent["all_reduce"] == 9 * 128 * 4 + 4 * 64 * 128 * 2 + 8
+
+
+@pytest.mark.slow
+def test_a_full_recompute_sequence_parallel_rank_sends_what_was_priced():
+    """The plan above run by the simulator: every collective of the rank is the bytes priced
+    (the skipped closing reductions, the norms' gradients once a step, the lookup's all-reduce)."""
+    model, inputs = build_model(FULL_SP_SPEC)
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "1x2:a100-80g", Config(**FULL_SP_CONFIG, recompute="full"))
+    [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
+                           loss_fn=lm_loss, graph=graph)
+    report = rank_report(plan, run, plan_collectives(graph, plan))
+    for entry in report.collectives:
+        assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
+
+
 def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
     """Values of another head size than the keys (DeepSeek's latent attention): on CPU tensors
     scaled_dot_product_attention falls back to the math kernel and holds a [heads, tokens,
