@@ -59,14 +59,13 @@ from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
 from autopar.cost.master_weights import cast_seconds
-from autopar.cost.memory import (in_flight, peak_bytes,
-                                 pending_weight_backwards)
+from autopar.cost.memory import in_flight, peak_bytes, pending_weight_backwards
 from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import Chunk, partial_gradients_time, poly_at
-from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, tied_exposed
+from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
 from autopar.cost.offload import host_fits, host_memory_share, offloaded_memory
@@ -321,22 +320,10 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
     add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, samples)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
-    for c, poly in enumerate(_received(crossing, stages)):
+    for c, poly in enumerate(received_bytes(crossing, stages)):
         chunks[c].received_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
     return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples)
-
-
-def _received(crossing: list[dict], stages: list[StageSpec]) -> list[dict]:
-    """Per chunk, the bytes per sample it receives ({power of the sequence: bytes}): its inputs
-    from the chunk before, and the gradients of what it sends to the chunk after, each rank its
-    chunk (cost/traffic.py, `crossing_bytes`)."""
-    received: list[dict] = [{} for _ in stages]
-    for c in range(len(stages) - 1):
-        for power, size in crossing[c].items():
-            for chunk in (c, c + 1):
-                received[chunk][power] = received[chunk].get(power, 0.0) + size
-    return received
 
 
 def pipeline_memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,

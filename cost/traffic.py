@@ -102,3 +102,15 @@ def loss_sync(mesh: Mesh, eff: Efficiencies) -> float:
     on each), waited for after the whole step's compute."""
     return (Group.strided(mesh, mesh.world_size, 1).all_reduce(8, algorithm="auto")
             + eff.wait_after(float("inf")))
+
+
+def received_bytes(crossing: list[dict], stages: list) -> list[dict]:
+    """Per chunk, the bytes per sample it receives ({power of the sequence: bytes}): its inputs
+    from the chunk before, and the gradients of what it sends to the chunk after, each rank its
+    chunk (`crossing_bytes`)."""
+    received: list[dict] = [{} for _ in stages]
+    for c in range(len(stages) - 1):
+        for power, size in crossing[c].items():
+            for chunk in (c, c + 1):
+                received[chunk][power] = received[chunk].get(power, 0.0) + size
+    return received

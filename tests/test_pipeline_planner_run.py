@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multiprocess
 
 SPEC = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
 FORCED = [Config(pp=2, dp=2, global_batch=6, micro_batch=1, schedule="zero-bubble", zero=3),
-          Config(pp=4, global_batch=10, micro_batch=2, schedule="zero-bubble", recompute="full")]
+          Config(pp=4, global_batch=10, micro_batch=2, schedule="zero-bubble")]
 
 
 def _plans() -> list:

@@ -22,6 +22,7 @@ from pathlib import Path
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.plans.mesh import check_mesh_dict
 from autopar.plans.placements import parse_placement
+from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import (AXIS_ROLES, CONTEXT_PARALLEL, MULTI_CHUNK_SCHEDULES,
                                       PRECISIONS, RECOMPUTE, SCHEDULES)
 
@@ -137,6 +138,9 @@ def _check_values(data: dict) -> None:
         raise PlanMismatchError(f"plan has {len(stages)} stages, not a multiple of virtual={virtual}")
     for position, stage in enumerate(stages):
         _check_stage(stage, position, axes, sub, world)
+    refusal = recompute_error(schedule, [stage.get("recompute", "none") for stage in stages])
+    if refusal is not None:
+        raise PlanMismatchError(f"plan: {refusal}")
     pp = len(stages) // virtual
     _check_ranks(stages, pp, world)
     dp = stages[0].get("dp", 1)

@@ -44,7 +44,7 @@ from autopar.runtime.rank_grid import (PipelineLayout, context_group, device_mes
 from autopar.runtime.schedule import build_schedule
 from autopar.runtime.stage_state import broadcast_from_first_rank, hold_unread_buffers
 from autopar.runtime.tied import TiedWeights
-from autopar.plans.schedules import relay_error
+from autopar.plans.schedules import recompute_error, relay_error
 from autopar.plans.zero import holds_weights_in_fsdp
 
 
@@ -205,7 +205,8 @@ def rank_programs(exported: fx.GraphModule, model: nn.Module, plan: Plan, layout
     hold_unread_buffers(programs, model, [stage.layers for stage in plan.stages])
     # the planner never emits this (autopar.plans.stage_flow finds the same values); a plan
     # written by hand, or for other stages, may
-    refusal = relay_error(plan.schedule, programs[0].relayed)
+    refusal = relay_error(plan.schedule, programs[0].relayed) \
+        or recompute_error(plan.schedule, [stage.recompute for stage in plan.stages])
     if refusal is not None:
         raise AutoparError(refusal)
     mine = [copy_tensors(programs[s], model, device, meta) for s in layout.own_stages(dist.get_rank())]

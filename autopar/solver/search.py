@@ -24,7 +24,8 @@ else fits (`context_phase`, `offload_phase`).
 What the runtime cannot run is never generated (`layout_error`): the global batch divides into
 dp x micro-batch x count, and torch.distributed.pipelining runs the schedule with that count on
 pp ranks of v chunks (the rules are in autopar.plans.schedules); and zero-bubble is no candidate
-for cuts that make an activation skip a stage (`Search.relay_error`, autopar.plans.stage_flow).
+for cuts that make an activation skip a stage (`Search.relay_error`, autopar.plans.stage_flow)
+nor for stages that recompute (autopar.plans.schedules.recompute_error).
 A model whose numbers change with micro-batching (BatchNorm in training mode, buffers written in
 forward: `Graph.batch_coupling`) gets one micro-batch per replica (`whole_batch`), which the
 runtime requires of it.
@@ -38,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from autopar.solver.candidates import (MAX_MICRO_BATCH, RECOMPUTE_ORDER, Candidate, Priced, Shape, Unit,
                                        balanced_cuts, expert_degrees, layout_error, uniform_cuts)
-from autopar.plans.schedules import relay_error, runs
+from autopar.plans.schedules import recompute_error, relay_error, runs
 from autopar.plans.stage_flow import skips_a_stage
 from autopar.plans.vocabulary import Recompute, Schedule
 
@@ -84,9 +85,12 @@ class Search:
         return result
 
     def relay_error(self, candidate: Candidate) -> str | None:
-        """Why the candidate's schedule cannot train the activations its cuts relay."""
+        """Why the candidate's schedule cannot train the activations its cuts relay, or its
+        stages' recomputation (`autopar.plans.schedules.recompute_error`)."""
         if candidate.shape.schedule != Schedule.ZERO_BUBBLE:
             return None
+        if recompute_error(candidate.shape.schedule, candidate.recompute):
+            return recompute_error(candidate.shape.schedule, candidate.recompute)
         unit_stage = [c for c in range(candidate.chunks)
                       for _ in range(candidate.cuts[c], candidate.cuts[c + 1])]
         return relay_error(Schedule.ZERO_BUBBLE, [value for (made, read), value in self.skipping.items()
@@ -168,8 +172,9 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_
     and that one (None when none fits); None when the estimator refuses the configuration."""
     chunks = len(cuts) - 1
     priced: list[Priced] = []
-    for recompute in ((Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE) if try_none_first
-                      else (Recompute.FULL, Recompute.NONE, Recompute.SELECTIVE)):
+    levels = ((Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE) if try_none_first
+              else (Recompute.FULL, Recompute.NONE, Recompute.SELECTIVE))
+    for recompute in [r for r in levels if recompute_error(shape.schedule, (r,)) is None]:
         candidate = search.price(Candidate(shape, cuts, (recompute,) * chunks, (zero,) * chunks),
                                  uniform=uniform)
         if candidate is None:
