@@ -122,8 +122,8 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
         if distributed:
             fwd += eff.distributed_op_latency_s
             bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
-        comm_fwd = _collectives_time(tp_group, node.comm_forward, b)
-        comm_bwd = _collectives_time(tp_group, node.comm_backward, b)
+        comm_fwd = _collectives_time(tp_group, node.comm_forward, b, mesh)
+        comm_bwd = _collectives_time(tp_group, node.comm_backward, b, mesh)
         if node.expert:
             fwd, bwd = fwd * pricing.routing_imbalance, bwd * pricing.routing_imbalance
         exchange = 0.0
@@ -257,19 +257,27 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) 
         out.exchange_s += exchange
 
 
-def partial_gradients_time(chunks: list[Chunk], mesh: Mesh, tp: int) -> float:
-    """A pipeline rank's tensor-parallel reduction of the weight gradients left as partial sums,
-    after the schedule's backward, in one bucket a kind (autopar/runtime/gradients.py)."""
+def partial_gradients_time(chunks: list[Chunk], mesh: Mesh, tp: int, count: int,
+                           share: float) -> float:
+    """A pipeline rank's tensor-parallel reductions of the weight gradients left as partial sums:
+    `count` a step, `share` of their fp32 bytes each
+    (`autopar.plans.zero.partial_gradient_reductions`), in one bucket a kind."""
     group = Group.strided(mesh, tp, 1)
     kinds = {kind for chunk in chunks for kind in chunk.step_moved}
-    return sum(getattr(group, kind)(sum(chunk.step_moved.get(kind, 0.0) for chunk in chunks))
-               for kind in kinds)
+    return count * sum(getattr(group, kind)(share * sum(chunk.step_moved.get(kind, 0.0)
+                                                        for chunk in chunks)) for kind in kinds)
 
 
-def _collectives_time(group: Group, collectives: tuple, b: int) -> float:
+def _collectives_time(group: Group, collectives: tuple, b: int, mesh: Mesh) -> float:
     """A node's collectives over the tensor-parallel group, (kind, bytes, per sample) each."""
-    return sum(getattr(group, kind)(nbytes * b if per_sample else nbytes)
+    return sum(getattr(group, tensor_parallel_kind(kind, mesh))(nbytes * b if per_sample else nbytes)
                for kind, nbytes, per_sample in collectives)
+
+
+def tensor_parallel_kind(kind: str, mesh: Mesh) -> str:
+    """The collective DTensor runs for a tensor-parallel `kind` on `mesh`: a split moved from one
+    dim to another is an all-to-all, but an all-gather and a chunk over CPU (gloo) groups."""
+    return "all_gather" if kind == "all_to_all" and mesh.device.name == "cpu" else kind
 
 
 def chunk_states(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int,

@@ -71,7 +71,8 @@ from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step
 from autopar.cost.offload import host_fits, host_memory_share, offloaded_memory
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
-from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
+from autopar.plans.zero import (keeps_weights_gathered, partial_gradient_reductions,
+                                reduces_every_micro_batch)
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
@@ -241,9 +242,12 @@ def _device_steps(pipe: _Pipeline, stages: list[StageSpec], split, schedule: str
                             [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
                             kept_gathered=keeps_weights_gathered(spec.zero, schedule),
                             reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
+        partial = partial_gradient_reductions(
+            zero=spec.zero, schedule=schedule, replicas=spec.dp * spec.cp, offload=spec.offload,
+            precision=_PRECISION_OF_DTYPE[memo.dtype], micro_batches=m)
         data_comm.append(sharded_traffic(work, spec, micro_batches=m, mesh=mesh, runtime=runtime,
                                          element_bytes=DTYPE_BYTES[memo.dtype])
-                         + partial_gradients_time([chunks[c] for c in cs], mesh, spec.tp))
+                         + partial_gradients_time([chunks[c] for c in cs], mesh, spec.tp, *partial))
         if spec.offload:
             offloaded.append(offload_step(work, spec, micro_batches=m, schedule=schedule,
                                           mesh=mesh, eff=eff))

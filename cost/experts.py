@@ -9,10 +9,11 @@ tensor-parallel ranks innermost):
                their gradients and optimizer state; ZeRO shards them over the remaining
                tp x cp x dp / ep ranks (the expert-data-parallel group), which also reduces
                their gradients
-  compute      the stage's tokens are split over its tensor-parallel ranks before routing (as
-               Megatron's sequence parallelism, which MoE requires), so each rank computes the
-               expert rows of 1/tp of the tokens: the members' work divided by tp, with no
-               tensor-parallel collective
+  compute      the routed rows are split over the stage's tensor-parallel ranks, so each rank
+               computes 1/tp of them: the members' work divided by tp. The runtime takes its
+               share of the rows, which every tensor-parallel rank holds whole, and gathers the
+               experts' output rows back (passes/expert_dispatch.py): an all-gather of the
+               output in the forward and one of the rows' gradient in the backward
   dispatch     an all-to-all over the ep ranks before the first grouped matmul (each rank's
                rows to the ranks holding their experts) and one after the last (the combine),
                each moving the rows' bytes (of which 1/ep stay on the rank); the backward
@@ -95,6 +96,11 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
     for name, nbytes in ((first.name, dispatched), (last.name, combined)):
         node = nodes[position[name]]
         nodes[position[name]] = replace(node, exchange_bytes=node.exchange_bytes + nbytes)
+    if tp > 1:      # the tensor-parallel shares joined, and the rows' gradients
+        node = nodes[position[last.name]]
+        nodes[position[last.name]] = replace(node, comm_forward=(("all_gather", combined * tp, True),))
+        node = nodes[position[first.name]]
+        nodes[position[first.name]] = replace(node, comm_backward=(("all_gather", dispatched * tp, True),))
 
 
 def _sample_bytes(node, layout: GraphLayout) -> float:

@@ -5,12 +5,14 @@ context parallelism's ring (cost/context.py) and the closing loss all-reduce, ke
 `autopar simulate` records a rank's collectives (autopar/simulate/collectives.py): the kind, the
 rank-grid axes its group spans and the group's size, with the bytes the rank sends under ring
 algorithms (all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n of the
-whole tensor, all-to-all (n-1)/n of its input, a send all of it).
+whole tensor, all-to-all (n-1)/n of its input, a send all of it). DTensor moves a split from
+one dim to another by all-to-all, or by an all-gather over CPU process groups
+(`tensor_parallel_kind`).
 
 How often each runs, as autopar's runtime issues them (autopar/runtime/schedule.py): a
 recomputed region's tensor-parallel collectives again up to its last op that keeps anything for
 the backward (torch's checkpoint stops there), the reduction of weight gradients tensor
-parallelism leaves as partial sums once a step (autopar/runtime/gradients.py); gradients
+parallelism leaves as partial sums as `autopar.plans.zero.partial_gradient_reductions` says; gradients
 are reduced once a step, or after every micro-batch where ZeRO-2/3 reduces every one
 (`reduces_every_micro_batch`); ZeRO-1/2 gather the updated weights once, at the step's first
 forward; ZeRO-3 gathers before every micro-batch's forward and again before its backward,
@@ -31,11 +33,12 @@ from autopar.cost.context import attention_bytes
 from autopar.cost.estimator import ACTIVATION_DTYPE, crossing_bytes, price_pipeline
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import poly_at
+from autopar.cost.chunk_price import poly_at, tensor_parallel_kind
 from autopar.cost.forms import expert_data_parallel
 from autopar.graph import Graph
 from autopar.plans.vocabulary import ContextParallel, Precision
-from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
+from autopar.plans.zero import (keeps_weights_gathered, partial_gradient_reductions,
+                                reduces_every_micro_batch)
 
 # the order autopar.simulate.groups names groups in (cost sits below the simulator: not imported)
 _AXES = ("pp", "dp", "cp", "tp")
@@ -58,9 +61,11 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         found: dict[tuple, float] = {}
         spec = specs[chunks[0]]
         for c in chunks:
-            _tensor_parallel(found, pipe.chunks[c], spec.tp, pipe)
+            _tensor_parallel(found, pipe.chunks[c], spec.tp, pipe, mesh, partial_gradient_reductions(
+                zero=spec.zero, schedule=plan.schedule, replicas=spec.dp * spec.cp,
+                offload=spec.offload, precision=plan.precision, micro_batches=pipe.micro_batches))
             _context_parallel(found, graph, memo, specs, c, pipe, element)
-            _expert_parallel(found, pipe.chunks[c], specs[c], pipe)
+            _expert_parallel(found, pipe.chunks[c], specs[c], pipe, world)
         _pipeline(found, crossing, specs, chunks, pipe)
         experts = sum(pipe.chunks[c].expert_params for c in chunks)
         _data_parallel(found, sum(pipe.chunks[c].params for c in chunks) - experts, spec,
@@ -84,11 +89,15 @@ def _add(found: dict, kind: str, axis: str, size: int, payload: float) -> None:
     found[kind, axis, size] = found.get((kind, axis, size), 0.0) + share * payload
 
 
-def _tensor_parallel(found: dict, chunk, tp: int, pipe) -> None:
+def _tensor_parallel(found: dict, chunk, tp: int, pipe, mesh, partial: tuple[int, float]) -> None:
+    """The chunk's tensor-parallel collectives, and the reductions of its partial weight
+    gradients, `partial` = (count, share) (`autopar.plans.zero.partial_gradient_reductions`)."""
     for (kind, per_sample), nbytes in chunk.tensor_moved.items():
-        _add(found, kind, "tp", tp, nbytes * (pipe.samples if per_sample else 1) * pipe.micro_batches)
+        _add(found, tensor_parallel_kind(kind, mesh), "tp", tp,
+             nbytes * (pipe.samples if per_sample else 1) * pipe.micro_batches)
+    count, share = partial
     for kind, nbytes in chunk.step_moved.items():
-        _add(found, kind, "tp", tp, nbytes)
+        _add(found, kind, "tp", tp, count * share * nbytes)
 
 
 def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, c: int, pipe,
@@ -113,13 +122,16 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
             _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)
 
 
-def _expert_parallel(found: dict, chunk, spec, pipe) -> None:
+def _expert_parallel(found: dict, chunk, spec, pipe, world: dict) -> None:
     """Each MoE layer's dispatch and combine: an all-to-all of the rank's rows (1/tp of the
     routed rows where tensor-parallel ranks share them) over the ep ranks, forward, backward and
-    again in a recomputed forward (cost/chunk_price.py counts the same exchanges' times)."""
+    again in a recomputed forward (cost/chunk_price.py counts the same exchanges' times). An ep
+    group of every rank is torch's default group, which carries no name of its own: it is
+    named by the axes it spans, as the simulator names it."""
     if spec.ep > 1:
         per_step = pipe.samples * pipe.micro_batches
-        _add(found, "all_to_all", "ep", spec.ep, chunk.exchange_moved * spec.ep * per_step)
+        axis = _axis_name(world) if spec.ep == math.prod(world.values()) else "ep"
+        _add(found, "all_to_all", axis, spec.ep, chunk.exchange_moved * spec.ep * per_step)
 
 
 def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> None:

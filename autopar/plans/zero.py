@@ -41,3 +41,17 @@ def holds_weights_in_fsdp(*, replicas: int, offload: bool, precision: str) -> bo
     """Whether FSDP2 wraps a stage of `replicas` (its dp x cp ranks of the same weights): over
     several replicas, offloaded, or in 16 bits (module docstring)."""
     return replicas > 1 or offload or precision != Precision.FP32
+
+
+def partial_gradient_reductions(*, zero: int, schedule: str, replicas: int, offload: bool,
+                                precision: str, micro_batches: int) -> tuple[int, float]:
+    """How often a stage all-reduces over its tensor-parallel ranks the weight gradients that
+    tensor parallelism leaves as partial sums (a norm's weight under sequence parallelism), and
+    the share of their fp32 bytes each moves. Where FSDP2 reduces the gradients after every
+    micro-batch, it reduces these with them, unsharded and in the compute dtype; where it
+    accumulates them for the last micro-batch, it holds them in fp32 and reduces them once, as the
+    runtime does where FSDP2 does not hold the weights (autopar/runtime/gradients.py)."""
+    wrapped = holds_weights_in_fsdp(replicas=replicas, offload=offload, precision=precision)
+    if not (wrapped and reduces_every_micro_batch(zero, schedule)):
+        return 1, 1.0
+    return micro_batches, 1.0 if precision == Precision.FP32 else 0.5
