@@ -27,21 +27,33 @@ class Redistribute(nn.Module):
             moved = _Placed.apply(value, self.placements)
         else:
             moved = value.redistribute(self.mesh, self.placements)
-        # Handed on with a local whose last dim is dense, as DTensor's own redistributions hand on
-        # their chunks: DTensor dispatches attention to the CPU flash kernel after checking the
-        # global layout only, and that kernel misreads a local whose last dim is strided (Gemma's
-        # multi-query attention under tensor parallelism trained wrong). Only those are copied:
-        # a transposed local (heads before tokens, as attention reads q, k and v) is what every
+        # Handed on with a local that is dense and whose last dim is dense: DTensor decides by the
+        # global layout alone, and a local that is not dense where its global is (a chunk of a
+        # dim after the first) is misread: the CPU flash kernel misread a local whose last dim is
+        # strided (Gemma's multi-query attention under tensor parallelism trained wrong), and a
+        # view the global allows fails on a gapped local. Only those are copied: a transposed
+        # local (heads before tokens, as attention reads q, k and v) is dense and what every
         # kernel takes as it is, and copying it held a second copy of q, k, v and of attention's
         # output for each layer's backward.
         local = moved.to_local()
-        if local.dim() == 0 or local.stride(-1) == 1:
+        if local.dim() == 0 or (local.stride(-1) == 1 and _dense(local)):
             return moved
         return DTensor.from_local(local.contiguous(), self.mesh, moved.placements, run_check=False,
                                   shape=moved.shape, stride=moved.stride())
 
     def extra_repr(self) -> str:
         return f"placements={self.placements}"
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` covers its memory without gaps in some order of its dims (contiguous, or
+    a permutation of a contiguous tensor such as a transpose)."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _Placed(torch.autograd.Function):

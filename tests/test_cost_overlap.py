@@ -153,6 +153,19 @@ def test_measured_rows_without_a_group_size_still_load():
     assert link.alpha_beta("all_reduce", 2) == (1e-3, 1e8)
 
 
+def _distributed_op_latency() -> float:
+    from autopar.calibrate.host_probes import distributed_op_latency
+    return distributed_op_latency(0.01)
+
+
+@pytest.mark.multiprocess
+def test_the_distributed_op_probe_runs_on_4_ranks():
+    """`autopar calibrate --mesh 4:cpu` failed in this probe's backward (a view of a gradient whose
+    local is strided where its global is not), where 2 ranks did not."""
+    import autopar
+    assert all(seconds >= 0 for seconds in autopar.launch(_distributed_op_latency, 4, timeout=120))
+
+
 @pytest.mark.slow
 def test_calibrate_a_gloo_mesh_writes_collectives_that_estimate_uses(tmp_path, capsys):
     """Every figure measured in each of `--rounds` rounds (the median kept, the spread shown),

@@ -60,7 +60,7 @@ def distributed_op_latency(budget_s: float) -> float:
     def chain(h, places) -> None:
         for _ in range(_CHAIN):
             h = _head_link(h, *places)
-        h.sum().backward()
+        (h * h).sum().backward()    # a dense gradient, as a loss's: sum()'s is one expanded value
 
     plain = torch.ones(2, 2 * ranks, 4, 4, requires_grad=True)
     sharded = distribute_tensor(torch.ones(2, 2 * ranks, 4, 4), mesh, [Shard(1)])
@@ -81,7 +81,10 @@ def _head_link(h: torch.Tensor, on_heads, on_hidden) -> torch.Tensor:
     y = on_heads(scores @ h)
     y = on_hidden(on_hidden(y.transpose(1, 2)).reshape(batch, seq, heads * dim))
     y = on_hidden(on_hidden(F.gelu(y)) * 1.0001)
-    return on_heads(on_hidden(y.view(batch, seq, heads, dim)).transpose(1, 2))
+    # dense again, as an attention's projection makes the next layer's input: DTensor's
+    # transpose hands its backward a gradient whose local is strided where the global it records
+    # is not, which the next link's view then fails on (on 4 ranks)
+    return on_heads(on_hidden(y.view(batch, seq, heads, dim)).transpose(1, 2).contiguous())
 
 
 def _unchanged(value: torch.Tensor) -> torch.Tensor:
