@@ -81,6 +81,8 @@ class Chunk:
     # bytes per sample the rank puts into the experts' all-to-alls: each exchange's forward, its
     # backward and its recomputed forward (cost/rank_traffic.py)
     exchange_moved: float = 0.0
+    # bytes per micro-batch of the per-expert row counts each dispatch exchanges first (int64)
+    counts_moved: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,7 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) 
     fwd, bwd, comm_fwd, comm_bwd, _, exchange = price
     runs = [node.comm_forward] * (2 if recomputed else 1) + ([node.comm_backward] if node.requires_grad else [])
     out.exchange_moved += node.exchange_bytes * (1 + recomputed + node.requires_grad)
+    out.counts_moved += node.routing_counts * 8 * (1 + recomputed)
     for collectives in runs:
         for kind, nbytes, per_sample in collectives:
             out.tensor_moved[kind, per_sample] = out.tensor_moved.get((kind, per_sample), 0.0) + nbytes

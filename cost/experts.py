@@ -96,6 +96,8 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
     for name, nbytes in ((first.name, dispatched), (last.name, combined)):
         node = nodes[position[name]]
         nodes[position[name]] = replace(node, exchange_bytes=node.exchange_bytes + nbytes)
+    node = nodes[position[first.name]]
+    nodes[position[first.name]] = replace(node, routing_counts=layer.experts)
     if tp > 1:      # the tensor-parallel shares joined, and the rows' gradients
         node = nodes[position[last.name]]
         nodes[position[last.name]] = replace(node, comm_forward=(("all_gather", combined * tp, True),))

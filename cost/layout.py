@@ -69,6 +69,7 @@ class NodeLayout:
     gemm: tuple = ()               # a matmul with a weight: (output rows per sample, local columns),
                                    # and for grouped matmuls the GEMMs run together (cost/experts.py)
     expert: bool = False           # runs on a mixture-of-experts layer's rows (cost/experts.py)
+    routing_counts: int = 0        # experts whose row counts (int64) a dispatch exchanges first
     exchange_bytes: float = 0.0    # bytes per sample this rank sends into an expert all-to-all,
                                    # in the forward and again in the backward
 

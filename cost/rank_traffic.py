@@ -19,9 +19,8 @@ forward; ZeRO-3 gathers before every micro-batch's forward and again before its 
 except where a zero-bubble schedule keeps them gathered through the step; split experts' weights
 over the ranks that hold the same experts ("edp"), the rest over dp x cp. Mixture-of-experts
 dispatch and combine are each an all-to-all over the ep ranks, forward, backward and in a
-recomputed forward. Not counted:
-the per-expert counts exchanged before each dispatch (8 bytes an expert), and the ring of a
-recomputed attention's second forward.
+recomputed forward, and each forward dispatch first exchanges the rows per expert (8 bytes an
+expert). Not counted: the ring of a recomputed attention's second forward.
 """
 
 from __future__ import annotations
@@ -125,13 +124,14 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
 def _expert_parallel(found: dict, chunk, spec, pipe, world: dict) -> None:
     """Each MoE layer's dispatch and combine: an all-to-all of the rank's rows (1/tp of the
     routed rows where tensor-parallel ranks share them) over the ep ranks, forward, backward and
-    again in a recomputed forward (cost/chunk_price.py counts the same exchanges' times). An ep
+    again in a recomputed forward (cost/chunk_price.py counts the same exchanges' times), each
+    forward's dispatch after an all-to-all of its rows per expert (not timed). An ep
     group of every rank is torch's default group, which carries no name of its own: it is
     named by the axes it spans, as the simulator names it."""
     if spec.ep > 1:
-        per_step = pipe.samples * pipe.micro_batches
         axis = _axis_name(world) if spec.ep == math.prod(world.values()) else "ep"
-        _add(found, "all_to_all", axis, spec.ep, chunk.exchange_moved * spec.ep * per_step)
+        _add(found, "all_to_all", axis, spec.ep, (chunk.exchange_moved * pipe.samples
+                                                  + chunk.counts_moved) * spec.ep * pipe.micro_batches)
 
 
 def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> None:
