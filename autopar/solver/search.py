@@ -89,8 +89,9 @@ class Search:
         stages' recomputation (`autopar.plans.schedules.recompute_error`)."""
         if candidate.shape.schedule != Schedule.ZERO_BUBBLE:
             return None
-        if recompute_error(candidate.shape.schedule, candidate.recompute):
-            return recompute_error(candidate.shape.schedule, candidate.recompute)
+        refusal = recompute_error(candidate.shape.schedule, candidate.recompute)
+        if refusal is not None:
+            return refusal
         unit_stage = [c for c in range(candidate.chunks)
                       for _ in range(candidate.cuts[c], candidate.cuts[c + 1])]
         return relay_error(Schedule.ZERO_BUBBLE, [value for (made, read), value in self.skipping.items()
