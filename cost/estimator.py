@@ -70,6 +70,7 @@ from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step
                                 sharded_traffic)
 from autopar.cost.offload import host_fits, host_memory_share, offloaded_memory
 from autopar.cost.stages import StageSpec, uniform_stages
+from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
 from autopar.plans.zero import (keeps_weights_gathered, partial_gradient_reductions,
                                 reduces_every_micro_batch)
@@ -130,6 +131,9 @@ def estimate(graph: Graph, mesh: Mesh, config: Config, *, efficiencies: Efficien
     `calibration`: a file written by `autopar calibrate`, whose measured efficiencies and
     collectives replace the defaults and the mesh's links; `precision`: see `estimate_stages`."""
     check_world(mesh, config)
+    refusal = recompute_error(config.schedule, (config.recompute,))
+    if refusal is not None:
+        raise AutoparError(refusal)
     stages = uniform_stages(graph, config, placements)
     return estimate_stages(graph, mesh, stages, global_batch=config.global_batch,
                            micro_batch=config.micro_batch, schedule=config.schedule,

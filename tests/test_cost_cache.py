@@ -72,7 +72,8 @@ def test_a_shared_cache_keeps_host_costs_apart_on_a_calibrated_cpu_mesh(tiny_gpt
                         collective_wait_span_s=1e-2, host_cores=2)
     cache: dict = {}
     for fields in (dict(pp=2, dp=2, virtual=2, schedule="interleaved-1f1b", zero=3),
-                   dict(pp=4), dict(pp=4, schedule="zero-bubble", recompute="selective"),
+                   dict(pp=4), dict(pp=4, schedule="zero-bubble"),
+                   dict(pp=4, recompute="selective"),
                    dict(pp=2, dp=2, zero=3, recompute="full"), dict(pp=2, dp=2), dict(dp=4, zero=3),
                    dict(dp=4)):
         fresh = megatron_estimate(tiny_gpt, mesh, _config(fields), efficiencies=host)
