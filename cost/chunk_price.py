@@ -18,6 +18,7 @@ from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, com
                                   gemm_utilization)
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, Recompute
+from autopar.plans.zero import partial_gradient_reductions
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, group_elements, selective_region
 from autopar.cost.memory import GATHERED_GROUPS
@@ -76,7 +77,8 @@ class Chunk:
     # bytes of the tensor-parallel collectives of one micro-batch, whole tensors (cost/layout.py),
     # by (kind, per sample): what `tensor_comm_s` prices, for cost/rank_traffic.py
     tensor_moved: dict = field(default_factory=dict)
-    # bytes of the tensor-parallel reductions of partial weight gradients, once a step, by kind
+    # fp32 bytes of the weight gradients tensor parallelism leaves as partial sums, by the kind
+    # of their reduction (how often, and in which dtype: `partial_reductions`)
     step_moved: dict = field(default_factory=dict)
     # bytes per sample the rank puts into the experts' all-to-alls: each exchange's forward, its
     # backward and its recomputed forward (cost/rank_traffic.py)
@@ -161,7 +163,7 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
         kept = prices[node.name][4]
         region = regions[i]
         _add_times(out, node, prices[node.name],
-                   recomputed=bool(region) and position <= rerun_until[region])
+                   recomputed=bool(region) and position <= rerun_until.get(region, -1))
         if region:
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)
@@ -213,7 +215,7 @@ def _last_saving_nodes(layout: GraphLayout, regions: list, nodes: list[NodeLayou
         region = regions[layout.index[node.name]]
         if region and node.requires_grad and (node.saved or node.param_bytes):
             last[region] = position
-    return {region: last.get(region, -1) for region in set(regions) if region}
+    return last
 
 
 def _heaviest_weight(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout]):
@@ -258,6 +260,14 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) 
         out.recompute_s += fwd
         out.tensor_comm_s += comm_fwd
         out.exchange_s += exchange
+
+
+def partial_reductions(spec: StageSpec, schedule: str, precision: str,
+                       micro_batches: int) -> tuple[int, float]:
+    """`autopar.plans.zero.partial_gradient_reductions` for a stage."""
+    return partial_gradient_reductions(zero=spec.zero, schedule=schedule, replicas=spec.dp * spec.cp,
+                                       offload=spec.offload, precision=precision,
+                                       micro_batches=micro_batches)
 
 
 def partial_gradients_time(chunks: list[Chunk], mesh: Mesh, tp: int, count: int,

@@ -64,7 +64,7 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import Chunk, partial_gradients_time, poly_at
+from autopar.cost.chunk_price import Chunk, partial_gradients_time, partial_reductions, poly_at
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
@@ -72,8 +72,7 @@ from autopar.cost.offload import host_fits, host_memory_share, offloaded_memory
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
-from autopar.plans.zero import (keeps_weights_gathered, partial_gradient_reductions,
-                                reduces_every_micro_batch)
+from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
@@ -246,9 +245,7 @@ def _device_steps(pipe: _Pipeline, stages: list[StageSpec], split, schedule: str
                             [split.groups[c] for c in cs], stage=d, pipelined=len(devices) > 1,
                             kept_gathered=keeps_weights_gathered(spec.zero, schedule),
                             reduce_every=reduces_every_micro_batch(spec.zero, schedule), eff=eff)
-        partial = partial_gradient_reductions(
-            zero=spec.zero, schedule=schedule, replicas=spec.dp * spec.cp, offload=spec.offload,
-            precision=_PRECISION_OF_DTYPE[memo.dtype], micro_batches=m)
+        partial = partial_reductions(spec, schedule, _PRECISION_OF_DTYPE[memo.dtype], m)
         data_comm.append(sharded_traffic(work, spec, micro_batches=m, mesh=mesh, runtime=runtime,
                                          element_bytes=DTYPE_BYTES[memo.dtype])
                          + partial_gradients_time([chunks[c] for c in cs], mesh, spec.tp, *partial))

@@ -60,9 +60,9 @@ class NodeLayout:
     # for parameters.
     comm_forward: tuple = ()
     comm_backward: tuple = ()
-    # Once a step: the gradients of weights that tensor parallelism leaves as partial sums (a
-    # norm's weight under sequence parallelism), which the runtime reduces after the schedule's
-    # backward, all in one bucket (autopar/runtime/gradients.py).
+    # The reductions of the gradients of weights that tensor parallelism leaves as partial sums
+    # (a norm's weight under sequence parallelism), in fp32 bytes: FSDP2's reduction or the
+    # runtime's after the backward makes them (`autopar.plans.zero.partial_gradient_reductions`).
     comm_step: tuple = ()
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa

@@ -32,12 +32,11 @@ from autopar.cost.context import attention_bytes
 from autopar.cost.estimator import ACTIVATION_DTYPE, crossing_bytes, price_pipeline
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import poly_at, tensor_parallel_kind
+from autopar.cost.chunk_price import partial_reductions, poly_at, tensor_parallel_kind
 from autopar.cost.forms import expert_data_parallel
 from autopar.graph import Graph
 from autopar.plans.vocabulary import ContextParallel, Precision
-from autopar.plans.zero import (keeps_weights_gathered, partial_gradient_reductions,
-                                reduces_every_micro_batch)
+from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 
 # the order autopar.simulate.groups names groups in (cost sits below the simulator: not imported)
 _AXES = ("pp", "dp", "cp", "tp")
@@ -60,9 +59,8 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         found: dict[tuple, float] = {}
         spec = specs[chunks[0]]
         for c in chunks:
-            _tensor_parallel(found, pipe.chunks[c], spec.tp, pipe, mesh, partial_gradient_reductions(
-                zero=spec.zero, schedule=plan.schedule, replicas=spec.dp * spec.cp,
-                offload=spec.offload, precision=plan.precision, micro_batches=pipe.micro_batches))
+            _tensor_parallel(found, pipe.chunks[c], spec.tp, pipe, mesh, partial_reductions(
+                spec, plan.schedule, plan.precision, pipe.micro_batches))
             _context_parallel(found, graph, memo, specs, c, pipe, element)
             _expert_parallel(found, pipe.chunks[c], specs[c], pipe, world)
         _pipeline(found, crossing, specs, chunks, pipe)
