@@ -64,7 +64,8 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
             _context_parallel(found, graph, memo, specs, c, pipe, element)
             _expert_parallel(found, pipe.chunks[c], specs[c], pipe, world)
         _pipeline(found, crossing, specs, chunks, pipe)
-        experts = sum(pipe.chunks[c].expert_params for c in chunks)
+        # experts not split over ep ranks are replicated as the rest: dp x cp reduce them too
+        experts = sum(pipe.chunks[c].expert_params for c in chunks) if spec.ep > 1 else 0.0
         _data_parallel(found, sum(pipe.chunks[c].params for c in chunks) - experts, spec,
                        plan.schedule, pipe.micro_batches, element)
         if spec.ep > 1:

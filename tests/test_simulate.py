@@ -274,6 +274,19 @@ def test_a_full_recompute_sequence_parallel_rank_sends_what_was_priced():
         assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
 
 
+
+def test_experts_not_split_over_ep_ranks_are_gathered_as_the_rest():
+    """ep=1: the experts are replicated over dp like every other weight, so ZeRO-1 gathers all of
+    a rank's weights once a step (bf16, 8 ranks: 7/8 of them sent); the priced bytes left the
+    experts out."""
+    model, inputs = build_model("moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,experts=4,"
+                                "top_k=2,expert_ffn=64,seq=32")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "2x4:a100-80g", Config(dp=8, zero=1, global_batch=16, micro_batch=2))
+    elements = sum(math.prod(node.shape) for node in graph.parameters)
+    gathered = [c for c in plan_collectives(graph, plan)[0] if (c["kind"], c["axis"]) == ("all_gather", "dp")]
+    assert gathered[0]["sent_bytes"] == pytest.approx(elements * 2 * 7 / 8, rel=1e-6)
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, mesh, config", [
     # experts split over every rank of a tensor-parallel stage: the rows' tensor-parallel shares
