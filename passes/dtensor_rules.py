@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autopar.cost.strategies import OpView, axis_strategies
 from autopar.errors import AutoparError
+from autopar.passes.program import is_tensor_read
 from autopar.tracer import plain_arguments
 
 aten = torch.ops.aten
@@ -87,28 +88,52 @@ class RunReplicated(nn.Module):
     """Runs `op` on whole plain tensors and returns replicated DTensors: what an op without a
     DTensor rule does under tensor parallelism (always correct; the planner prices such ops as
     replicated and lists them in `Plan.replicated_ops`). DTensor inputs are gathered first; the
-    backward of that gather hands each rank's identical gradient back as replicated."""
+    backward of that gather hands each rank's identical gradient back as replicated.
 
-    def __init__(self, op, mesh: DeviceMesh):
+    A weight (an input at one of `weights`, the positions of the flattened arguments computed
+    from parameters alone) is gathered again when the backward needs it, not kept whole from the
+    forward: as DTensor does for the ops it runs, and as the estimator prices it. A whole copy of
+    a mixture-of-experts layer's experts kept per micro-batch in flight would hold the memory
+    that splitting them saved."""
+
+    def __init__(self, op, mesh: DeviceMesh, weights: tuple[int, ...] = ()):
         super().__init__()
-        self.op, self.mesh = op, mesh
+        self.op, self.mesh, self.weights = op, mesh, frozenset(weights)
 
     def forward(self, *args, **kwargs):
-        def whole(value):
+        flat, spec = tree_flatten((args, kwargs))
+        gathered = []           # (whole local tensor, the DTensor it was gathered from)
+        for position, value in enumerate(flat):
             if isinstance(value, DTensor):
-                return value.redistribute(self.mesh, [Replicate()] * self.mesh.ndim).to_local()
-            return value
+                flat[position] = self._whole(value)
+                if position in self.weights:
+                    gathered.append((flat[position], value))
+        args, kwargs = tree_unflatten(flat, spec)
 
-        def replicated(value):
-            if isinstance(value, torch.Tensor):
-                return DTensor.from_local(value, self.mesh, [Replicate()] * self.mesh.ndim,
-                                          run_check=False)
-            return value
+        def pack(tensor):
+            return next((source for whole, source in gathered if tensor is whole), tensor)
 
-        return tree_map(replicated, self.op(*tree_map(whole, args), **tree_map(whole, kwargs)))
+        def unpack(saved):
+            if isinstance(saved, DTensor):
+                with torch.no_grad():
+                    return self._whole(saved)
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            result = self.op(*args, **kwargs)
+        gathered.clear()        # autograd keeps `pack` with what it saved: not the whole copies
+        return tree_map(self._replicated, result)
+
+    def _whole(self, value: DTensor) -> torch.Tensor:
+        return value.redistribute(self.mesh, [Replicate()] * self.mesh.ndim).to_local()
+
+    def _replicated(self, value):
+        if isinstance(value, torch.Tensor):
+            return DTensor.from_local(value, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        return value
 
     def extra_repr(self) -> str:
-        return f"op={self.op}"
+        return f"op={self.op}, weights={sorted(self.weights)}"
 
 
 class RunByStrategy(nn.Module):
@@ -184,6 +209,7 @@ def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]
     refused. Returns the ops run replicated, by name."""
     replaced = []
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        weights = parameters_only(graph_module)
         for node in list(graph_module.graph.nodes):
             # ops that create a tensor from nothing see no DTensor (replicate_created_tensors)
             if node.op != "call_function" or not node.all_input_nodes:
@@ -202,11 +228,25 @@ def replicate_ops_without_rule(module: nn.Module, mesh: DeviceMesh) -> list[str]
                     f"tensor parallelism (tp=1)")
             else:
                 name = f"replicated_{node.name}"
-                graph_module.add_submodule(name, RunReplicated(node.target, mesh))
+                positions = tuple(k for k, value in enumerate(tree_flatten((node.args, node.kwargs))[0])
+                                  if value in weights)
+                graph_module.add_submodule(name, RunReplicated(node.target, mesh, positions))
                 replaced.append(str(node.target))
             node.op, node.target = "call_module", name
         graph_module.recompile()
     return sorted(set(replaced))
+
+
+def parameters_only(module: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of `module` computed from the model's tensors (parameters, buffers) alone: what
+    does not change with the samples, such as a weight, its transpose or its cast."""
+    found = set()
+    for node in module.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "get_attr" or is_tensor_read(module, node) or (
+                node.op != "placeholder" and inputs and all(i in found for i in inputs)):
+            found.add(node)
+    return found
 
 
 def _aliases(op) -> bool:

@@ -295,6 +295,24 @@ def test_expert_parallelism_composes_with_every_form():
             assert shards and all(ep == config.ep for ep, _, _ in shards), (name, shards)
 
 
+# ep=1: the experts' weights split over tp, their grouped matmul run on them whole and its
+# weights gathered again for the backward (passes.dtensor_rules.RunReplicated), recomputed or not
+SPLIT_BY_TENSOR_PARALLELISM = {
+    "dp2 x tp2, ep1": Config(dp=2, tp=2, global_batch=BATCH, micro_batch=2),
+    "dp2 x tp2, ep1, full recompute": Config(dp=2, tp=2, recompute="full", global_batch=BATCH,
+                                             micro_batch=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_experts_split_by_tensor_parallelism_train_like_one_process():
+    ranks = autopar.launch(train_forms, 4, SPLIT_BY_TENSOR_PARALLELISM, timeout=600)
+    for name in SPLIT_BY_TENSOR_PARALLELISM:
+        losses, problems, _ = ranks[0][name]
+        assert problems == [], (name, problems)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_autopar_moe_preset_under_ep4():
