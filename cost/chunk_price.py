@@ -229,7 +229,8 @@ def _heaviest_weight(graph: Graph, layout: GraphLayout, regions: list, nodes: li
         for key in () if regions[i] else node.saved:
             kept_at.setdefault(key, position)
         read = max((layout.param_local.get(name, 0.0) for name in graph.nodes[i].inputs), default=0.0)
-        read = max(read, node.param_bytes / DTYPE_BYTES[layout.dtype])
+        # a weight read whole: its gathered copy and its whole gradient, both live in the backward
+        read = max(read, node.param_bytes / DTYPE_BYTES[layout.dtype], 2 * node.weight_gathered)
         if read and node.requires_grad and read >= heaviest[0]:
             heaviest = (read, position)
     return heaviest[0], _poly([key for key, at in kept_at.items() if at > heaviest[1]], layout)

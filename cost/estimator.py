@@ -437,7 +437,7 @@ def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b):
     """Elements of the weight gradient that adds most to a backward's peak: the largest weight of
     a chunk, less the activations its micro-batch's backward has freed before reaching the op
     that reads it (`Chunk.weight_freed_poly`; none where that op was not found)."""
-    added = [c.largest * element
+    added = [max(c.largest, c.weight_read) * element
              - (poly_at(c.weight_freed_poly, seq_ratio) * b if c.weight_read >= c.largest else 0.0)
              for c in chunks]
     return _largest([0.0, *added]) / element

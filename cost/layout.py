@@ -72,6 +72,9 @@ class NodeLayout:
     routing_counts: int = 0        # experts whose row counts (int64) a dispatch exchanges first
     exchange_bytes: float = 0.0    # bytes per sample this rank sends into an expert all-to-all,
                                    # in the forward and again in the backward
+    weight_gathered: float = 0.0   # elements of the tensor-parallel-split weights it reads whole:
+                                   # gathered for its forward and again for its backward, which
+                                   # also makes their whole gradient (an op run replicated)
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -294,6 +297,8 @@ class _LayoutBuilder:
                 forward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
                 if not per_sample:    # a gathered weight is freed, and gathered again for the backward
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
+            if moves and not per_sample and inputs[k] == "R":
+                layout.weight_gathered += _numel(self.by_name[self.weight_of.get(name, name)].shape)
             if not (self.grad[name] and node_differentiable(self.by_name[name])):
                 continue
             given = gradient_given((out,), [(p,) for p in inputs], k)

@@ -314,9 +314,10 @@ def test_experts_split_by_tensor_parallelism_are_gathered_for_each_pass():
     """ep=1 on a tensor-parallel stage: the experts' weights are split over tp and their grouped
     matmul, which DTensor has no rule for, runs on them whole (RunReplicated). Its weights are
     gathered for the forward and again for the backward, as DTensor does for its own ops and as
-    priced; the whole copies were kept from the forward instead, per micro-batch in flight
-    (21% over the predicted memory here, half the priced gathers)."""
-    spec = "moe:layers=4,hidden=64,heads=4,kv_heads=2,seq=32,vocab=256,experts=8,top_k=2,expert_ffn=32"
+    priced; the whole copies were kept from the forward instead, per micro-batch in flight (36%
+    over the predicted memory here, half the priced gathers). The backward of such an op holds
+    the gathered weight and its whole gradient, which the prediction counts (+5% without)."""
+    spec = "moe:layers=4,hidden=256,heads=4,kv_heads=2,seq=128,vocab=1024,experts=8,top_k=2,expert_ffn=256"
     model, inputs = build_model(spec, device="meta")
     graph = capture(model, example_inputs=inputs)
     plan = plan_from_config(graph, "2x4:a100-80g", Config(tp=2, dp=4, zero=3, global_batch=8,
