@@ -332,6 +332,25 @@ def test_experts_split_by_tensor_parallelism_are_gathered_for_each_pass():
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
+def test_values_handed_between_stages_are_never_partial_sums():
+    """tp2 x pp2 x dp2 with sequence parallelism (1F1B): the ILP once left the residual stream a
+    partial sum where a block hands it on, so a stage cut there sent a partial sum. The sender
+    reduce-scattered it into its chunk and the receiver gathered it whole again, none of it
+    priced: the first rank sent one all-gather and one reduce-scatter a micro-batch more than
+    priced, the last rank one all-gather more and one reduce-scatter fewer. The plan now reduces
+    it inside the block, where the estimator prices it."""
+    model, inputs = build_model("llama:layers=8,hidden=256,heads=8,kv_heads=2,seq=128,vocab=1024")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "1x8:h100-80g", Config(tp=2, pp=2, dp=2, sequence_parallel=True,
+                                                         global_batch=16, micro_batch=1))
+    runs = simulate_ranks(model, plan, [0, 7], example_inputs=inputs, targets=inputs[0],
+                          loss_fn=lm_loss, graph=graph)
+    for run in runs:
+        report = rank_report(plan, run, plan_collectives(graph, plan))
+        for entry in report.collectives:
+            assert entry["sent_bytes"] == entry["predicted_sent_bytes"], (run.rank, entry)
+
+
 def test_latent_attention_runs_by_the_kernel_a_gpu_runs():
     """Values of another head size than the keys (DeepSeek's latent attention): on CPU tensors
     scaled_dot_product_attention falls back to the math kernel and holds a [heads, tokens,

@@ -97,6 +97,7 @@ class _Builder:
         self.outputs = {name for n in graph.nodes if n.target == "output" for name in n.inputs}
         self.requiring_grad = graph.requiring_grad()
         self.stream: dict = {}      # norm node -> {input index: (value, its forced placement on a tensor axis)}
+        self.handed_on = self._handed_on()
 
     def build(self, memory_limit: float | None, tie_blocks: bool) -> Problem:
         if tie_blocks:
@@ -165,12 +166,28 @@ class _Builder:
             allowed = [replicated] + [s for s in one_axis[1:] if not any(self._on_batch(node, s))]
             if node.name in self.stream:
                 allowed = self._forced_stream(node, allowed, size)
+            if node.name in self.handed_on:
+                allowed = [s for s in allowed if not s.output.is_partial()] or allowed
             # matrices are used where they are stored, split (see _parameter_strategies)
             split = [s for s in allowed if not self._uses_whole_matrix(node, s)]
             return split or allowed
         # a data axis splits the batch wherever there is one, and only the batch
         split = [s for s in one_axis[1:] if self._batch_split(node, s, self._on_batch(node, s))]
         return split or [replicated]
+
+    def _handed_on(self) -> set[str]:
+        """The values a block instance hands on to the nodes after it, where a pipeline may cut
+        the model. They are not left as partial sums on a tensor axis: a stage cannot send one
+        (its sender would reduce it, unpriced, and its receiver hold it in another placement
+        than the plan's), and the reduction costs the same at the end of the block as at the
+        start of the next."""
+        owner: dict[int, tuple] = {}
+        for kind in self.graph.blocks:
+            for number, instance in enumerate(kind.instances):
+                owner.update({i: (kind.kind, number) for i in range(instance.start, instance.stop)})
+        index = {n.name: i for i, n in enumerate(self.graph.nodes)}
+        return {name for j, node in enumerate(self.graph.nodes) for name in node.inputs
+                if index[name] in owner and owner[index[name]] != owner.get(j)}
 
     def _forced_stream(self, node: Node, allowed: list[OpStrategy], size: int) -> list[OpStrategy]:
         """The strategies of a norm that read the residual stream as the forced configuration says."""
