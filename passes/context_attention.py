@@ -183,7 +183,10 @@ class RingAttention(torch.autograd.Function):
                 window: int | None):
         ring = _Ring(group)
         keeps = None if keep is None else _gathered(keep, group, ring.size)
-        dtype, chunk = query.dtype, query.shape[-2] // 2
+        # the dtype scaled_dot_product_attention reads and returns (autocast's where it is on:
+        # rotary tables may leave Llama's queries in fp32), computed on in fp32
+        dtype, chunk = _attention_dtype(query), query.shape[-2] // 2
+        given, ctx.query_dtype = query.to(dtype), query.dtype
         query = query.float().contiguous()
         heads = query.shape[-3] // key.shape[-3]
         # one message per hop, in the dtype attention reads them in (autocast's, where it is on:
@@ -201,13 +204,18 @@ class RingAttention(torch.autograd.Function):
                 out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
             if pending is not None:
                 [block] = ring.finish(pending)
-        ctx.save_for_backward(query, key, value, out, lse)
+        # kept for the backward as a flash kernel keeps them, in the dtype of the inputs and of
+        # the output it returns (no fp32 copies of queries and output per layer in flight)
+        result = out.to(dtype)
+        ctx.input_dtypes = (key.dtype, value.dtype)
+        ctx.save_for_backward(given, key.to(block.dtype), value.to(block.dtype), result, lse)
         ctx.settings = (group, causal, scale, window, keeps, dtype, block.dtype)
-        return out.to(dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
+        query, out = query.float().contiguous(), out.float()
         group, causal, scale, window, keeps, dtype, sent = ctx.settings
         ring = _Ring(group)
         chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
@@ -226,7 +234,8 @@ class RingAttention(torch.autograd.Function):
             block, grads = ring.finish(ring.start(block, grads))
         # after cp hops every block, with all of its gradients, is back on the rank that owns it
         grad_key, grad_value = grads.split(sizes, dim=-1)
-        return (grad_query.to(dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
+        return (grad_query.to(ctx.query_dtype), grad_key.to(ctx.input_dtypes[0]),
+                grad_value.to(ctx.input_dtypes[1]),
                 None, None, None, None, None)
 
 
