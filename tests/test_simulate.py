@@ -253,11 +253,12 @@ def test_a_recomputed_layer_skips_its_closing_reduction():
 
 def test_partial_weight_gradients_are_reduced_once_a_step():
     """Under sequence parallelism the norms' weight gradients are partial sums, reduced once a
-    step in fp32 (9 norms of 128 elements; autopar/runtime/gradients.py), not each micro-batch;
-    the vocabulary-split lookup's partial sums are all-reduced once a micro-batch (4) where the
-    runtime settles them, and the loss once."""
+    step in fp32 (9 norms of 128 elements; autopar/runtime/gradients.py), not each micro-batch,
+    and the loss once. (The lookup splits the hidden dim here: a stream handed on by a block
+    is never a partial sum, so a vocabulary-split lookup would need one reduction more; the
+    golden 175B plan's lookup, split on the vocabulary, is settled and priced as simulated.)"""
     sent = _tensor_parallel_sent("full", True)
-    assert sent["all_reduce"] == 9 * 128 * 4 + 4 * 64 * 128 * 2 + 8
+    assert sent["all_reduce"] == 9 * 128 * 4 + 8
 
 
 @pytest.mark.slow
@@ -366,6 +367,21 @@ def test_ring_attention_keeps_what_a_flash_kernel_keeps():
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
     for entry in report.collectives:
         assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
+
+
+def test_a_fused_norms_backward_holds_only_its_gradients():
+    """tp2 x pp2 x dp2 llama in bf16, the first pipeline rank, whose peak is in a norm's
+    backward: a GPU's fused rms_norm backward makes the input's and the weight's gradients and
+    nothing else. Simulated through the composite it also held five fp32 temporaries of the
+    rows (3.7% over the prediction here)."""
+    model, inputs = build_model("llama:layers=4,hidden=256,heads=8,kv_heads=2,seq=256,vocab=1024")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "1x8:h100-80g", Config(tp=2, pp=2, dp=2, global_batch=8,
+                                                         micro_batch=1, schedule="1f1b"))
+    [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
+                           loss_fn=lm_loss, graph=graph)
+    report = rank_report(plan, run, plan_collectives(graph, plan))
+    assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
 def test_latent_attention_runs_by_the_kernel_a_gpu_runs():

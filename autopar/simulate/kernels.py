@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import is_fake
 
 from autopar.cost.mesh import Mesh
 from autopar.plans import Plan
@@ -54,7 +55,10 @@ def _fuses(value, shape, weight=None, *rest) -> bool:
 
 class _FusedRMSNorm(torch.autograd.Function):
     """rms_norm keeping what the GPU's fused kernel keeps (its input, weight and the fp32
-    reciprocal RMS of each row); the backward computes through the composite again."""
+    reciprocal RMS of each row). Its backward on fake tensors is the fused backward's, which
+    makes the input's and the weight's gradients and nothing else (the composite's fp32
+    temporaries, several times the input's bytes, live in no GPU kernel); on real tensors, which
+    have no CPU kernel for it, the composite's."""
 
     @staticmethod
     def forward(ctx, value, shape, weight=None, eps=None):
@@ -68,7 +72,11 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        value, weight, _ = ctx.saved_tensors
+        value, weight, reciprocal = ctx.saved_tensors
+        if is_fake(value):
+            grad_value, grad_weight = torch.ops.aten._fused_rms_norm_backward(
+                grad, value, ctx.shape, reciprocal, weight, [True, weight is not None])
+            return grad_value, None, grad_weight, None
         inputs = [value.detach().requires_grad_()]
         if weight is not None:
             inputs.append(weight.detach().requires_grad_())
