@@ -37,11 +37,12 @@ and in the phase at the peak, the larger of:
               on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
 When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3 do)
 each backward is two phases, the loss's and its blocks'. After an earlier micro-batch the rank
-holds the shards of its gradients, and at the loss's backward the input of its last
-reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
-reduce-scatter starts; the blocks' backwards hold what `scattered_bytes` counts. The loss's
+holds the shards of its gradients, and in a pipeline, at the loss's backward, the input of its
+last reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
+reduce-scatter starts (a single stage's loop ends each backward as a step's last, where FSDP2
+lets go of it); the blocks' backwards hold what `scattered_bytes` counts. The loss's
 backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards,
-at most one is gathered again by then (the output layer's; the largest bounds it).
+none is gathered again by then.
 """
 
 from __future__ import annotations
@@ -129,17 +130,20 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     shards = sharded(GRADIENT_BYTES)
     scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element, blocks=blocks,
                                           block_kept=block_kept, new_shards=not earlier) for earlier in (False, True)}
-    # ZeRO-3 at the loss's backward: the groups were resharded after their forwards and are
-    # gathered again as their backwards start; at most one, the output layer's, is by then
-    loss_weights = {"weights": element * group} if zero == 3 else {}
+    # ZeRO-3 at the loss's backward: every group was resharded after its forward (the runtime
+    # sets reshard_after_forward, so FSDP2 does not keep even the root's gathered) and is
+    # gathered again as its backward starts, after the loss's
+    loss_weights = {"weights": 0.0} if zero == 3 else {}
 
     def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
         held_now = {**zeros, "activations": activations_held}
         if not (reduce_every and wrapped):
             return [{**held_now, "gradients": gradients if earlier else 0.0,
                      "buffers": _max(loss, block)}]
-        # the loss's backward: an earlier micro-batch's shards and its last reduce-scatter's input
-        loss_gradients = shards + group * GRADIENT_BYTES if earlier else 0.0
+        # the loss's backward: an earlier micro-batch's shards, and in a pipeline its last
+        # reduce-scatter's input (FSDP2 lets go of it at a step's last backward, and a single
+        # stage's loop makes every backward one: autopar.runtime.schedule)
+        loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
         return [{**held_now, **loss_weights, "gradients": loss_gradients, "buffers": loss},
                 {**held_now, "gradients": (shards if earlier else 0.0) + scattered[earlier],
                  "buffers": block}]

@@ -603,18 +603,24 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_holds_p(tiny_gpt):
 
 def test_zero_2_and_3_accumulate_only_their_gradient_shard_between_micro_batches():
     """The runtime reduce-scatters ZeRO-2/3 gradients after every micro-batch (but under
-    zero-bubble), so a rank holds its 1/dp share of them between micro-batches, and the last
-    reduce-scatter's input (one group's gradients); plain data parallelism and ZeRO-1 accumulate
-    them whole until the last."""
+    zero-bubble), so a rank holds its 1/dp share of them between micro-batches, and in a
+    pipeline the last reduce-scatter's input (one group's gradients: FSDP2 keeps it until a
+    step's last backward, which a single stage's loop makes every backward); plain data
+    parallelism and ZeRO-1 accumulate them whole until the last."""
     from autopar.cost.memory import peak_bytes
     sizes = dict(params=1e6, gathered=1e5, group=5e4, weight=1e4, dp=8, precision="bf16", micro_batches=4,
-                 held=1, pipelined=False, activations=1e6, logits=0.0, recomputed=0.0, flowing=0.0)
+                 held=1, activations=1e6, logits=0.0, recomputed=0.0, flowing=0.0)
 
-    def gradients(zero, schedule="1f1b"):
-        return peak_bytes(**sizes, zero=zero, reduce_every=reduces_every_micro_batch(zero, schedule))
+    def gradients(zero, schedule="1f1b", pipelined=False):
+        return peak_bytes(**sizes, zero=zero, pipelined=pipelined,
+                          reduce_every=reduces_every_micro_batch(zero, schedule))
 
     assert gradients(0)["gradients"] == gradients(1)["gradients"] == 4e6
-    assert gradients(2)["gradients"] == gradients(3)["gradients"] == 4e6 / 8 + 4 * 5e4
+    assert gradients(2)["gradients"] == gradients(3)["gradients"] == 4e6 / 8
+    # the loss's backward the fullest (large logits): in a pipeline it also holds the group
+    sizes["logits"] = 1e6
+    assert gradients(3, pipelined=True)["gradients"] == 4e6 / 8 + 4 * 5e4
+    assert gradients(3)["gradients"] == 4e6 / 8
     assert gradients(2, "zero-bubble")["gradients"] == 4e6
     assert [reduces_every_micro_batch(z, "1f1b") for z in range(4)] == [False, False, True, True]
 
