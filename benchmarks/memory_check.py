@@ -39,6 +39,7 @@ import autopar
 from autopar.cost.config import Config
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
+from autopar.plans.schedules import recompute_error
 from autopar.testing.memory import LiveBytes, rank_tensors
 
 BATCH = 8
@@ -114,6 +115,8 @@ def measure_form(spec: str, name: str, args_tracker: str) -> list[dict]:
     rows = []
     for recompute in RECOMPUTE:
         config = replace(FORMS[name], recompute=recompute)
+        if recompute_error(config.schedule, [recompute]):     # zero-bubble does not recompute
+            continue
         example = (ids[:config.micro_batch],)
         graph = autopar.capture(build_model(spec, device="meta")[0], example)
         cm = autopar.compile(build_model(spec, device="cpu")[0], "4:cpu", loss_fn=lm_loss,
