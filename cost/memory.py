@@ -41,8 +41,9 @@ holds the shards of its gradients, and in a pipeline, at the loss's backward, th
 last reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
 reduce-scatter starts (a single stage's loop ends each backward as a step's last, where FSDP2
 lets go of it); the blocks' backwards hold what `scattered_bytes` counts. The loss's
-backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards,
-none is gathered again by then.
+backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards
+(the runtime sets reshard_after_forward, so FSDP2 does not keep even the root's gathered), none
+is gathered again by then.
 """
 
 from __future__ import annotations
@@ -130,9 +131,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     shards = sharded(GRADIENT_BYTES)
     scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element, blocks=blocks,
                                           block_kept=block_kept, new_shards=not earlier) for earlier in (False, True)}
-    # ZeRO-3 at the loss's backward: every group was resharded after its forward (the runtime
-    # sets reshard_after_forward, so FSDP2 does not keep even the root's gathered) and is
-    # gathered again as its backward starts, after the loss's
+    # ZeRO-3 at the loss's backward: no group gathered (module docstring)
     loss_weights = {"weights": 0.0} if zero == 3 else {}
 
     def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
@@ -140,9 +139,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         if not (reduce_every and wrapped):
             return [{**held_now, "gradients": gradients if earlier else 0.0,
                      "buffers": _max(loss, block)}]
-        # the loss's backward: an earlier micro-batch's shards, and in a pipeline its last
-        # reduce-scatter's input (FSDP2 lets go of it at a step's last backward, and a single
-        # stage's loop makes every backward one: autopar.runtime.schedule)
+        # the loss's backward: an earlier micro-batch's shards, in a pipeline with its last
+        # reduce-scatter's input (module docstring)
         loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
         return [{**held_now, **loss_weights, "gradients": loss_gradients, "buffers": loss},
                 {**held_now, "gradients": (shards if earlier else 0.0) + scattered[earlier],
