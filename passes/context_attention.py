@@ -186,7 +186,7 @@ class RingAttention(torch.autograd.Function):
         # the dtype scaled_dot_product_attention reads and returns (autocast's where it is on:
         # rotary tables may leave Llama's queries in fp32), computed on in fp32
         dtype, chunk = _attention_dtype(query), query.shape[-2] // 2
-        given, ctx.query_dtype = query.to(dtype), query.dtype
+        given, given_dtypes = query.to(dtype), (query.dtype, key.dtype, value.dtype)
         query = query.float().contiguous()
         heads = query.shape[-3] // key.shape[-3]
         # one message per hop, in the dtype attention reads them in (autocast's, where it is on:
@@ -207,23 +207,22 @@ class RingAttention(torch.autograd.Function):
         # kept for the backward as a flash kernel keeps them, in the dtype of the inputs and of
         # the output it returns (no fp32 copies of queries and output per layer in flight)
         result = out.to(dtype)
-        ctx.input_dtypes = (key.dtype, value.dtype)
         ctx.save_for_backward(given, key.to(block.dtype), value.to(block.dtype), result, lse)
-        ctx.settings = (group, causal, scale, window, keeps, dtype, block.dtype)
+        ctx.settings = (group, causal, scale, window, keeps, given_dtypes)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         query, out = query.float().contiguous(), out.float()
-        group, causal, scale, window, keeps, dtype, sent = ctx.settings
+        group, causal, scale, window, keeps, given_dtypes = ctx.settings
         ring = _Ring(group)
         chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
         grad_out = grad_out.float().contiguous()
         sizes = [key.shape[-1], value.shape[-1]]
-        # each block travels with its gradients so far: [K, V] as the forward sent them, [dK, dV]
-        # in fp32
-        block = torch.cat([key, value], dim=-1).to(sent)
+        # each block travels with its gradients so far: [K, V] as the forward sent them (and
+        # kept them), [dK, dV] in fp32
+        block = torch.cat([key, value], dim=-1)
         grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         grad_query = torch.zeros_like(query)
         for step in range(ring.size):
@@ -234,9 +233,8 @@ class RingAttention(torch.autograd.Function):
             block, grads = ring.finish(ring.start(block, grads))
         # after cp hops every block, with all of its gradients, is back on the rank that owns it
         grad_key, grad_value = grads.split(sizes, dim=-1)
-        return (grad_query.to(ctx.query_dtype), grad_key.to(ctx.input_dtypes[0]),
-                grad_value.to(ctx.input_dtypes[1]),
-                None, None, None, None, None)
+        grads = (grad_query, grad_key, grad_value)
+        return (*(g.to(d) for g, d in zip(grads, given_dtypes)), None, None, None, None, None)
 
 
 def _gathered(keep: torch.Tensor, group, size: int) -> list[torch.Tensor]:
