@@ -148,12 +148,27 @@ def _merge(out, lse, part, part_lse, rows: slice):
 class _Ring:
     """The ring of a context-parallel group: who sends to whom, and one exchange at a time."""
 
-    def __init__(self, group):
+    def __init__(self, group, *, causal: bool, masked: bool):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.causal, self.masked = causal, masked
+
+    def steps(self) -> range:
+        """The hops of one pass, in order."""
+        return range(self.size)
+
+    def step_kind(self, step: int) -> tuple:
+        """What a hop's shapes and messages depend on: the rows and columns of its block
+        (`_pairs`), and whether it is the last hop (which the forward sends nothing after). Hops
+        of one kind run the same ops on the same shapes (autopar.simulate runs one of each run of
+        them); under a sliding window or padding every hop's mask is its own."""
+        if self.masked:
+            return (step,)
+        rows, cols, causal = _pairs(self.rank, self.source(step), 1, self.causal)
+        return (rows.start, cols.stop, causal, step == self.size - 1)
 
     def start(self, *tensors: torch.Tensor):
         """Send `tensors` to the next rank and receive the previous rank's; (works, received)."""
@@ -181,7 +196,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, keep, group, causal: bool, scale: float,
                 window: int | None):
-        ring = _Ring(group)
+        ring = _Ring(group, causal=causal, masked=keep is not None or window is not None)
         keeps = None if keep is None else _gathered(keep, group, ring.size)
         # the dtype scaled_dot_product_attention reads and returns (autocast's where it is on:
         # rotary tables may leave Llama's queries in fp32), computed on in fp32
@@ -193,7 +208,7 @@ class RingAttention(torch.autograd.Function):
         # a model may compute them in fp32, as rotary tables make Llama's), computed on in fp32
         block = torch.cat([key, value], dim=-1).to(_attention_dtype(key))
         out = lse = None
-        for step in range(ring.size):
+        for step in ring.steps():
             pending = ring.start(block) if step < ring.size - 1 else None
             rows, cols, mask = _block(ring, step, chunk, causal, window, keeps, query.device)
             if mask is not None:
@@ -216,7 +231,7 @@ class RingAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         query, out = query.float().contiguous(), out.float()
         group, causal, scale, window, keeps, given_dtypes = ctx.settings
-        ring = _Ring(group)
+        ring = _Ring(group, causal=causal, masked=keeps is not None or window is not None)
         chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
         grad_out = grad_out.float().contiguous()
         sizes = [key.shape[-1], value.shape[-1]]
@@ -225,7 +240,7 @@ class RingAttention(torch.autograd.Function):
         block = torch.cat([key, value], dim=-1)
         grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         grad_query = torch.zeros_like(query)
-        for step in range(ring.size):
+        for step in ring.steps():
             rows, cols, mask = _block(ring, step, chunk, causal, window, keeps, query.device)
             if mask is not None:
                 _accumulate_block(block.split(sizes, dim=-1), grads.split(sizes, dim=-1), grad_query,

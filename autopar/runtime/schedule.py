@@ -40,17 +40,27 @@ class MicroBatchLoop:
     def step(self, *inputs: torch.Tensor, target: torch.Tensor, losses: list,
              return_outputs: bool = False):
         """`return_outputs` is torch's schedules' argument; outputs are never kept here."""
-        chunks = [x.tensor_split(self.n) for x in (*inputs, target)]
+        chunks = self.micro_batches(*inputs, target=target)
         for index in range(self.n):
-            *micro, micro_target = (chunk[index] for chunk in chunks)
-            if isinstance(self.module, FSDPModule):
-                # accumulated whole until the last micro-batch, or reduced every one (module doc)
-                self.module.set_requires_gradient_sync(self.reduce_every or index == self.n - 1)
-                if self.keep_gathered:    # ZeRO-1/2 gather the weights once a step, as a pipeline
-                    self.module.set_reshard_after_backward(index == self.n - 1)   # stage does
-            loss = self.loss_fn(self.module(*micro), micro_target)
-            (loss / self.n).backward()
-            losses.append(loss.detach())
+            self.run_micro_batch(index, chunks, losses)
+
+    def micro_batches(self, *inputs: torch.Tensor, target: torch.Tensor) -> list:
+        """Every input's and the target's `n` micro-batches."""
+        return [x.tensor_split(self.n) for x in (*inputs, target)]
+
+    def run_micro_batch(self, index: int, chunks: list, losses: list) -> None:
+        """Forward, loss and backward of micro-batch `index`. Only the first (which makes the
+        gradients) and the last (which reduces them) differ from the others, which repeat
+        (autopar.simulate runs one of them for all)."""
+        *micro, micro_target = (chunk[index] for chunk in chunks)
+        if isinstance(self.module, FSDPModule):
+            # accumulated whole until the last micro-batch, or reduced every one (module doc)
+            self.module.set_requires_gradient_sync(self.reduce_every or index == self.n - 1)
+            if self.keep_gathered:    # ZeRO-1/2 gather the weights once a step, as a pipeline
+                self.module.set_reshard_after_backward(index == self.n - 1)   # stage does
+        loss = self.loss_fn(self.module(*micro), micro_target)
+        (loss / self.n).backward()
+        losses.append(loss.detach())
 
 
 class ReducingStage(PipelineStage):

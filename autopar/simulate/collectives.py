@@ -13,6 +13,7 @@ recorded.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,6 +79,16 @@ class CollectiveRecorder(TorchDispatchMode):
         self.axis_of = axis_of
         self.collectives: list[Collective] = []
         self._axes: dict[tuple[int, ...], str] = {}
+        self._times = 1      # how many iterations the code running now stands for (folding.py)
+
+    @contextlib.contextmanager
+    def repeated(self, times: int):
+        """While active, each collective is recorded `times` times (nested: the product)."""
+        saved, self._times = self._times, self._times * times
+        try:
+            yield
+        finally:
+            self._times = saved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,8 +108,8 @@ class CollectiveRecorder(TorchDispatchMode):
         if key not in self._axes:
             self._axes[key] = _NAMED_GROUPS.get(group.group_desc) or self.axis_of(list(ranks))
         n = len(ranks)
-        self.collectives.append(Collective(kind, self._axes[key], n, payload,
-                                           sent_bytes(kind, payload, n)))
+        record = Collective(kind, self._axes[key], n, payload, sent_bytes(kind, payload, n))
+        self.collectives.extend([record] * self._times)
 
 
 # Groups the runtime names for what they do, where ranks alone would not tell: a cp group and an

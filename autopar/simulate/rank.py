@@ -35,6 +35,7 @@ from autopar.plans import Plan
 from autopar.runtime.build import build_runtime
 from autopar.runtime.rank_grid import pipeline_layout
 from autopar.simulate.collectives import CollectiveRecorder
+from autopar.simulate.folding import folding_repeats
 from autopar.simulate.groups import axis_namer
 from autopar.simulate.kernels import kernels_as_the_device_runs
 from autopar.simulate.memory import MemoryRecorder
@@ -51,9 +52,11 @@ class RankRun:
 
 
 def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tuple,
-                  targets: torch.Tensor, loss_fn, optimizer=None, graph=None) -> RankRun:
+                  targets: torch.Tensor, loss_fn, optimizer=None, graph=None,
+                  fold: bool = True) -> RankRun:
     """Build `rank`'s program for `plan` from `model` (built on the meta device) and run one step
-    on a global batch shaped like `example_inputs` and `targets` (one sequence each, repeated)."""
+    on a global batch shaped like `example_inputs` and `targets` (one sequence each, repeated).
+    `fold`: run one iteration of each run of repeating ones (folding.py)."""
     if not 0 <= rank < plan.world_size:
         raise AutoparError(f"rank {rank} is not in the plan, whose ranks are 0..{plan.world_size - 1}")
     if dist.is_initialized():
@@ -75,7 +78,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
             _agree_on_static_shapes(compiled.schedule)
             _hold_optimizer_state(compiled.optimizer)
             batch = [_rows(x, plan.global_batch) for x in (*example_inputs, targets)]
-            with sent:
+            with sent, (folding_repeats(compiled.schedule, sent) if fold else contextlib.nullcontext()):
                 compiled.step(*batch)
         layout = pipeline_layout(plan)
         return RankRun(rank=rank, stages=list(layout.own_stages(rank)), peak_memory_bytes=memory.peak,
@@ -85,7 +88,8 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
 
 
 def simulate_ranks(model: nn.Module, plan: Plan, ranks: list[int], *, example_inputs: tuple,
-                   targets: torch.Tensor, loss_fn, optimizer=None, graph=None, progress=None) -> list[RankRun]:
+                   targets: torch.Tensor, loss_fn, optimizer=None, graph=None, progress=None,
+                   fold: bool = True) -> list[RankRun]:
     """`simulate_rank` for each of `ranks`, each in a forked process of its own: torch keeps
     process groups' names and device meshes in caches that outlive a process group, so a second
     world in the same process finds the first one's. `progress(rank, done, total)` before each."""
@@ -96,7 +100,7 @@ def simulate_ranks(model: nn.Module, plan: Plan, ranks: list[int], *, example_in
             progress(rank, done, len(ranks))
         receive, send = context.Pipe(duplex=False)
         child = context.Process(target=_simulate_in_child, args=(
-            send, model, plan, rank, example_inputs, targets, loss_fn, optimizer, graph))
+            send, model, plan, rank, example_inputs, targets, loss_fn, optimizer, graph, fold))
         child.start()
         send.close()
         outcome = receive.recv() if receive.poll(None) else None
@@ -110,10 +114,11 @@ def simulate_ranks(model: nn.Module, plan: Plan, ranks: list[int], *, example_in
     return runs
 
 
-def _simulate_in_child(send, model, plan, rank, example_inputs, targets, loss_fn, optimizer, graph):
+def _simulate_in_child(send, model, plan, rank, example_inputs, targets, loss_fn, optimizer, graph,
+                       fold):
     try:
         send.send(simulate_rank(model, plan, rank, example_inputs=example_inputs, targets=targets,
-                                loss_fn=loss_fn, optimizer=optimizer, graph=graph))
+                                loss_fn=loss_fn, optimizer=optimizer, graph=graph, fold=fold))
     except Exception as error:     # handed to the parent, which raises it
         send.send(error)
     finally:
