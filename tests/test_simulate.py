@@ -23,6 +23,9 @@ from autopar.models import build_model
 from autopar.models.gpt import lm_loss
 from autopar.plans.placements import parse_placement
 from autopar.simulate import rank_report, ranks_to_simulate, simulate_ranks
+from autopar.testing.simulated import (assert_holds_as_predicted as _assert_holds_as_predicted,
+                                       assert_sent_as_priced as _assert_sent_as_priced,
+                                       simulated as _simulated)
 from autopar.tracer import capture
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,seq=64,vocab=256"
@@ -312,27 +315,6 @@ def test_sequence_parallel_ranks_send_what_was_priced(spec, mesh, config):
 
 
 ROTARY_SPEC = "llama:layers=4,hidden=256,heads=8,kv_heads=2,seq=256,vocab=1024"
-
-
-def _simulated(spec: str, mesh: str, config: Config, ranks=(0,)):
-    """The plan of `config` for `spec` on `mesh`, and the reports of its simulated `ranks`."""
-    model, inputs = build_model(spec, device="meta")
-    graph = capture(model, example_inputs=inputs)
-    plan = plan_from_config(graph, mesh, config)
-    runs = simulate_ranks(model, plan, list(ranks), example_inputs=inputs, targets=inputs[0],
-                          loss_fn=lm_loss, graph=graph)
-    predicted = plan_collectives(graph, plan)
-    return plan, [rank_report(plan, run, predicted) for run in runs]
-
-
-def _assert_sent_as_priced(report) -> None:
-    for entry in report.collectives:
-        assert entry["sent_bytes"] == entry["predicted_sent_bytes"], (report.rank, entry)
-
-
-def _assert_holds_as_predicted(report) -> None:
-    """Issue 28's band: within -5%..+3% of the prediction, never under-predicted beyond 3%."""
-    assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
 def test_experts_split_by_tensor_parallelism_are_gathered_for_each_pass():

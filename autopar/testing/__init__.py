@@ -7,4 +7,5 @@ memory. Nothing in the compiler imports them.
     conformance.py  one architecture of autopar.models.hf_zoo under one parallel form, trained on
                     gloo ranks against one process (benchmarks/conformance.py runs the matrix)
     memory.py       `LiveBytes`: a rank's peak tensor memory, measured
+    simulated.py    a plan's ranks simulated beside its prediction, and the checks of each
 """

@@ -1,0 +1,36 @@
+"""A plan's ranks simulated beside what the plan predicts for them, and the two checks the
+simulation tests make of each rank: it sends the bytes the estimator priced, and it holds what
+was predicted within the band of a cluster plan (-5%..+3%: never under-predicted beyond 3%)."""
+
+from __future__ import annotations
+
+from autopar.api import plan_from_config
+from autopar.cost.config import Config
+from autopar.cost.rank_traffic import plan_collectives
+from autopar.models import build_model
+from autopar.models.gpt import lm_loss
+from autopar.simulate import rank_report, simulate_ranks
+from autopar.tracer import capture
+
+MEMORY_BAND = (-0.05, 0.03)
+
+
+def simulated(spec: str, mesh: str, config: Config, ranks=(0,)):
+    """The plan of `config` for `spec` on `mesh`, and the reports of its simulated `ranks`."""
+    model, inputs = build_model(spec, device="meta")
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, mesh, config)
+    runs = simulate_ranks(model, plan, list(ranks), example_inputs=inputs, targets=inputs[0],
+                          loss_fn=lm_loss, graph=graph)
+    predicted = plan_collectives(graph, plan)
+    return plan, [rank_report(plan, run, predicted) for run in runs]
+
+
+def assert_sent_as_priced(report) -> None:
+    for entry in report.collectives:
+        assert entry["sent_bytes"] == entry["predicted_sent_bytes"], (report.rank, entry)
+
+
+def assert_holds_as_predicted(report) -> None:
+    low, high = MEMORY_BAND
+    assert low <= report.memory_error <= high, (report.peak_memory_bytes, report.predicted_memory_bytes)
