@@ -175,7 +175,8 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
         if in_block[i] is not None:
             block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
         if node.requires_grad and node.family != "view":
-            widest = max(widest, (node.out_bytes, layout.seq_degree.get(layout.storage[node.name], 0)))
+            widest = max(widest, (node.out_bytes + node.backward_bytes,
+                                  layout.seq_degree.get(layout.storage[node.name], 0)))
         if node.requires_grad and (node.param_bytes or node.family == "embedding"):
             degree = layout.seq_degree.get(layout.storage[node.name], 0)
             out.deferred_poly[degree] = out.deferred_poly.get(degree, 0.0) + node.out_bytes

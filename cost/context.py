@@ -27,6 +27,8 @@ context parallelism), and ZeRO shards over them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import op_family
 from autopar.cost.layout import GraphLayout, graph_sequence
@@ -41,6 +43,7 @@ OWN_MASKS = ("autopar.sliding_window_mask.default", "autopar.padding_mask.defaul
 
 # Ops through which a value reaches attention unchanged in content (grouped-query heads repeated
 # by expand + reshape, a copy): the K/V a ring passes are before them.
+_REPEAT_STEPS = {"reshape", "view", "_unsafe_view", "clone", "expand"}
 _SAME_VALUES = {"view", "reshape", "_unsafe_view", "expand", "unsqueeze", "clone", "contiguous",
                 "slice", "transpose", "permute", "alias", "_to_copy", "squeeze"}
 
@@ -62,6 +65,56 @@ def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float,
         found[node.name] = tuple(size / layout.batch * share
                                  for size in (_bytes(query, element), kv, output))
     return found
+
+
+def with_ring_attention(layout: GraphLayout, graph: Graph) -> GraphLayout:
+    """`layout` with its attention as ring attention keeps it for the backward: the keys and
+    values as the model computes them, before grouped-query heads are repeated (the tensors the
+    ring passes; autopar.passes.context_parallel.before_repeat), with the queries, the output and
+    its log-sum-exp. The repeated copies are never made."""
+    by_name = {n.name: n for n in graph.nodes}
+    sizes = attention_bytes(graph, layout)
+    nodes = []
+    for node in layout.nodes:
+        if node.family == "attention" and node.attention and len(node.saved) >= 3:
+            _, key, value = by_name[node.name].inputs[:3]
+            origins = [_before_repeat(by_name, name) for name in (key, value)]
+            repeat = _numel(by_name[key].shape) / _numel(by_name[origins[0]].shape)
+            node = replace(node, saved=(node.saved[0], *(layout.storage[o] for o in origins),
+                                        *node.saved[3:]),
+                           backward_bytes=_ring_backward_bytes(*sizes[node.name], repeat, layout.dtype))
+        nodes.append(node)
+    return replace(layout, nodes=nodes)
+
+
+def _ring_backward_bytes(query: float, kv: float, output: float, repeat: float, dtype: str) -> float:
+    """What ring attention's backward holds beyond the gradient it takes and the ones it gives,
+    per sample (autopar.passes.context_attention.RingAttention.backward), which computes in
+    fp32: fp32 copies of the queries and output (of 16-bit ones) and of the output's gradient,
+    the queries' gradient, the K/V block it passes on with the fp32 gradients travelling with
+    it, and for the block in hand its K/V repeated to every query head in fp32 and the block's
+    three gradients. `repeat`: query heads per K/V head."""
+    widen = 4 / DTYPE_BYTES[dtype]
+    copies = (query + output) * widen if widen > 1 else 0.0
+    return (copies + output * widen + query * widen + kv * (1 + widen)
+            + query * widen + 2 * repeat * kv * widen)
+
+
+def _before_repeat(by_name: dict, name: str) -> str:
+    """The node whose heads `name` repeats (`x[:, :, None].expand(b, kv, g, s, d).reshape(b, kv
+    * g, s, d)`), or `name` where it repeats none: the runtime's rule, on the captured graph."""
+    node = by_name[name]
+    while node.inputs and _op(node.target) in _REPEAT_STEPS:
+        if _op(node.target) == "expand":
+            source = by_name[node.inputs[0]]
+            if _op(source.target) != "unsqueeze" or source.args[1:2] != (2,) or not source.inputs:
+                return name
+            kept, whole = by_name[source.inputs[0]].shape, by_name[name].shape
+            repeated = len(kept) == 4 and len(whole) == 4 and whole[1] % kept[1] == 0 and \
+                (kept[0], kept[2], kept[3]) == (whole[0], whole[2], whole[3])
+            return source.inputs[0] if repeated else name
+        node = by_name[node.inputs[0]]
+    return name
 
 
 def _numel(shape) -> int:

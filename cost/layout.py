@@ -72,6 +72,8 @@ class NodeLayout:
     routing_counts: int = 0        # experts whose row counts (int64) a dispatch exchanges first
     exchange_bytes: float = 0.0    # bytes per sample this rank sends into an expert all-to-all,
                                    # in the forward and again in the backward
+    backward_bytes: float = 0.0    # what its backward holds beyond the gradients it takes and
+                                   # gives, per sample (ring attention's: cost/context.py)
     weight_gathered: float = 0.0   # elements of the tensor-parallel-split weights it reads whole:
                                    # gathered for its forward and again for its backward, which
                                    # also makes their whole gradient (an op run replicated)
@@ -258,6 +260,11 @@ class _LayoutBuilder:
         backward needs its indices, not the table (or activation) it reads."""
         if family == "embedding":
             acts = [i for i in acts if not node_differentiable(self.by_name[i])]
+        if name == "mul" and len(node.inputs) == 2:
+            # a product keeps each factor for the other's gradient only: q * cos (a rotary
+            # table, no gradient) keeps cos and not q
+            first, second = node.inputs
+            acts = [i for i in acts if self.grad[second if i == first else first]]
         layout.saved = tuple(self.read_as.get(key, key)
                              for key in _saved(node, name, family, acts, self.storage))
         for key in layout.saved:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 from autopar.cost.chunk_price import (Chunk, Pricing, chunk_states, node_prices, price_chunk,
                                      recomputed_regions)
-from autopar.cost.context import attention_bytes
+from autopar.cost.context import attention_bytes, with_ring_attention
+from autopar.cost.kernels import with_composite_norms
 from autopar.cost.expert_layers import expert_layers, expert_parameters
 from autopar.cost.experts import with_expert_parallelism
 from autopar.cost.layout import GraphLayout, graph_batch, infer_layout
@@ -71,13 +72,19 @@ class PriceCache:
         return self.store[key]
 
     def layout(self, spec: StageSpec) -> GraphLayout:
-        """The stage's layout: its tensor-parallel placements, then its expert parallelism."""
-        tp, _, placements, ep = spec.layout_key
-        tensor = self._get(("layout", tp, placements),
-                           lambda: infer_layout(self.graph, tp, compute_dtype=self.dtype,
-                                                placements=placements))
-        return self._get(("layout", *spec.layout_key), lambda: with_expert_parallelism(
+        """The stage's layout: its tensor-parallel placements, then its expert parallelism, then
+        ring attention's saved keys and values."""
+        tp, _, placements, ep, ring = spec.layout_key
+        tensor = self._get(("layout", tp, placements), lambda: self._device_kernels(
+            infer_layout(self.graph, tp, compute_dtype=self.dtype, placements=placements)))
+        experts = self._get(("layout", tp, placements, ep), lambda: with_expert_parallelism(
             tensor, self.expert_layers(), self.graph, ep=ep, tp=tp))
+        return self._get(("layout", *spec.layout_key),
+                         lambda: with_ring_attention(experts, self.graph) if ring else experts)
+
+    def _device_kernels(self, layout: GraphLayout) -> GraphLayout:
+        """What the mesh's device keeps where its kernels differ from a GPU's (cost/kernels.py)."""
+        return with_composite_norms(layout, self.graph) if self.mesh.device.name == "cpu" else layout
 
     def expert_layers(self) -> list:
         """The graph's mixture-of-experts layers (cost/experts.py)."""

@@ -44,7 +44,8 @@ class StageSpec:
     @property
     def layout_key(self) -> tuple:
         """What the chunk's layout depends on."""
-        return (self.tp, self.sequence_parallel, self.placements if self.tp > 1 else None, self.ep)
+        return (self.tp, self.sequence_parallel, self.placements if self.tp > 1 else None, self.ep,
+                self.cp > 1 and self.cp_kind == "ring")
 
     @property
     def ranks(self) -> int:

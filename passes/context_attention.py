@@ -221,7 +221,9 @@ class RingAttention(torch.autograd.Function):
                 [block] = ring.finish(pending)
         # kept for the backward as a flash kernel keeps them, in the dtype of the inputs and of
         # the output it returns (no fp32 copies of queries and output per layer in flight)
-        result = out.to(dtype)
+        # laid out [batch, tokens, heads, dim] as a flash kernel lays its output out, so that the
+        # model's transpose and reshape to [batch, tokens, hidden] is a view, not a second copy
+        result = out.transpose(-3, -2).to(dtype, memory_format=torch.contiguous_format).transpose(-3, -2)
         ctx.save_for_backward(given, key.to(block.dtype), value.to(block.dtype), result, lse)
         ctx.settings = (group, causal, scale, window, keeps, given_dtypes)
         return result
