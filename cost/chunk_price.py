@@ -48,6 +48,7 @@ class Chunk:
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
     params: float = 0.0             # elements on this device
     expert_params: float = 0.0      # of which experts' (cost/experts.py), sharded over their own group
+    padding: tuple = (0.0, 0.0)     # elements FSDP2 pads ZeRO's shards with: dense, experts (cost/padding.py)
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
     group: float = 0.0              # elements of its largest FSDP group
     largest: float = 0.0            # elements of its largest parameter tensor

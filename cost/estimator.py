@@ -281,6 +281,7 @@ def _device_work(chunks: list[Chunk], stages: list[StageSpec], groups: list[int]
     units = max(1, sum(groups))
     return DeviceWork(params=sum(c.params for c in chunks), tensors=sum(c.tensors for c in chunks),
                       expert_params=sum(c.expert_params for c in chunks),
+                      padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
                       blocks=sum(groups), forward_s=forward, backward_s=backward,
                       drain_s=backward * (1 + stage),
                       recompute=any(s.recompute == Recompute.FULL for s in stages),
@@ -321,6 +322,7 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
         chunks[c].gathered, chunks[c].largest, chunks[c].group = gathered[c]
         chunks[c].loss_per_sample = poly_at(loss[c], 1)
         chunks[c].expert_params = memo.expert_params(split, s)[c]
+        chunks[c].padding = memo.shard_padding(split, s)[c] if s.zero else (0.0, 0.0)
     crossing = memo.crossing(split, stages, crossing_bytes)
     add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, samples)
     for c, poly in enumerate(crossing):
@@ -427,6 +429,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        block_kept=_smallest([poly_at(c.block_kept_poly, seq_ratio) for c in chunks
                                              if c.blocks]) * b,
                        expert_params=sum(c.expert_params for c in chunks),
+                       padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0)

@@ -58,13 +58,15 @@ def sharded_params(work: DeviceWork, spec) -> float:
 def sharded_traffic(work: DeviceWork, spec, *, micro_batches: int, mesh, runtime,
                     element_bytes: int) -> float:
     """Data-parallel communication on the critical path of a step (cost/overlap.py): the dense
-    parameters' over cp x dp, the experts' over their own group."""
+    parameters' over cp x dp, the experts' over their own group, with the padding FSDP2 gives
+    their shards (cost/padding.py)."""
     if spec.ep == 1 or not work.expert_params:
-        return exposed_data_parallel(work, dp=spec.dp * spec.cp, tp=spec.tp, zero=spec.zero,
+        return exposed_data_parallel(replace(work, params=work.params + sum(work.padding)),
+                                     dp=spec.dp * spec.cp, tp=spec.tp, zero=spec.zero,
                                      micro_batches=micro_batches, mesh=mesh, runtime=runtime,
                                      element_bytes=element_bytes)
-    dense = replace(work, params=work.params - work.expert_params, expert_params=0.0)
-    experts = replace(work, params=work.expert_params, expert_params=0.0)
+    dense = replace(work, params=work.params - work.expert_params + work.padding[0], expert_params=0.0)
+    experts = replace(work, params=work.expert_params + work.padding[1], expert_params=0.0)
     return (exposed_data_parallel(dense, dp=spec.dp * spec.cp, tp=spec.tp, zero=spec.zero,
                                   micro_batches=micro_batches, mesh=mesh, runtime=runtime,
                                   element_bytes=element_bytes)

@@ -99,7 +99,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
                recomputed, flowing, reduce_every: bool = False, blocks: int = 0, block_kept=0.0,
                expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
-               loss_held: int | None = None, place=None, deferred=(0.0, 0.0)) -> dict:
+               loss_held: int | None = None, place=None, deferred=(0.0, 0.0), padding=(0.0, 0.0)) -> dict:
     """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`). `params`
     elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer
     state and gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the
@@ -113,18 +113,18 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     widest op (`flowing`) and the gradient of the weight it reads (`weight` elements: the largest,
     less what the backward freed before it); in a pipeline both also hold the logits. `received`:
     the receive buffers; `place`: what of a phase stays on the device; `deferred`: zero-bubble's
-    kept gradients (`pending_weight_backwards`), during and between backwards."""
+    kept gradients (`pending_weight_backwards`); `padding`: ZeRO's (dense, experts: cost/padding.py)."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=place is not None, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
     master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0
-    weights = element * (gathered if wrapped and zero == 3 else params)
-    gradients = params * GRADIENT_BYTES
-    cached = element * logits if pipelined else 0.0     # the stage's output, kept by torch's stage
+    weights = element * (gathered if wrapped and zero == 3 else params + sum(padding))  # padded buffers
+    gradients, cached = params * GRADIENT_BYTES, element * logits if pipelined else 0.0   # stage output
     kept, losses = LOSS_KEPT_COPIES * 4 * logits + cached, held if loss_held is None else loss_held
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
     block = recomputed + flowing + weight * element + cached
-    sharded = lambda per: (params - expert_params) * per / split + expert_params * per / expert_split
+    dense, experts = params - expert_params + padding[0], expert_params + padding[1]   # as FSDP2 pads
+    sharded = lambda per: dense * per / split + experts * per / expert_split
     persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master),
                   **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}

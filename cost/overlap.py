@@ -120,6 +120,8 @@ class DeviceWork:
     reduce_group_s: float = 0.0
     reduce_byte_s: float = 0.0
     expert_params: float = 0.0  # of `params`, experts' under expert parallelism (own group)
+    padding: tuple = (0.0, 0.0)  # elements FSDP2 pads ZeRO's shards with, gathered and reduced
+                                 # with them: dense, experts (cost/padding.py)
 
 
 def exposed_data_parallel(work: DeviceWork, *, dp: int, tp: int, zero: int, micro_batches: int,

@@ -17,7 +17,9 @@ from autopar.cost.context import attention_bytes, with_ring_attention
 from autopar.cost.kernels import with_composite_norms
 from autopar.cost.expert_layers import expert_layers, expert_parameters
 from autopar.cost.experts import with_expert_parallelism
+from autopar.cost.forms import expert_data_parallel
 from autopar.cost.layout import GraphLayout, graph_batch, infer_layout
+from autopar.cost.padding import padding_elements
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_groups
 from autopar.cost.traffic import parameter_readers, parameter_reads
@@ -99,6 +101,24 @@ class PriceCache:
                 totals[owner[layout.index[name]]] += layout.param_local.get(name, 0.0)
             return totals
         return self._get(("expert_params", split.key, *spec.layout_key), make)
+
+    def shard_padding(self, split: Split, spec: StageSpec) -> list[tuple[float, float]]:
+        """Per chunk, the elements FSDP2 pads its parameters with when ZeRO shards them
+        (cost/padding.py): (the dp x cp ranks' shards, the experts' over their own group)."""
+        def make():
+            layout, owner = self.layout(spec), split.owner
+            experts = set(expert_parameters(self.expert_layers())) if spec.ep > 1 else set()
+            split_by = spec.placements.parameters if spec.tp > 1 and spec.placements else None
+            names = [[[], []] for _ in split.node_sets]
+            for name in layout.param_local:
+                names[owner[layout.index[name]]][name in experts].append(name)
+            edp = expert_data_parallel(spec)
+            local = [layer.experts // spec.ep for layer in self.expert_layers()]
+            rows = 0 if all(n % edp == 0 for n in local) else 1    # runtime.data_parallel's rule
+            return [(padding_elements(self.graph, layout, plain, spec.dp * spec.cp, split_by),
+                     padding_elements(self.graph, layout, expert, edp, dim=rows))
+                    for plain, expert in names]
+        return self._get(("shard_padding", split.key, *spec.layout_key, spec.dp, spec.cp), make)
 
     def model_flops_per_sample(self) -> float:
         """A training step's model FLOPs per sample: 3x the forward (backward = 2x)."""

@@ -66,11 +66,14 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         _pipeline(found, crossing, specs, chunks, pipe)
         # experts not split over ep ranks are replicated as the rest: dp x cp reduce them too
         experts = sum(pipe.chunks[c].expert_params for c in chunks) if spec.ep > 1 else 0.0
-        _data_parallel(found, sum(pipe.chunks[c].params for c in chunks) - experts, spec,
-                       plan.schedule, pipe.micro_batches, element)
+        # ZeRO's shards as FSDP2 pads them (cost/padding.py)
+        padding = [memo.shard_padding(memo.split(specs), specs[c])[c] for c in chunks] \
+            if spec.zero else [(0.0, 0.0)]
+        _data_parallel(found, sum(pipe.chunks[c].params for c in chunks) - experts
+                       + sum(p[0] for p in padding), spec, plan.schedule, pipe.micro_batches, element)
         if spec.ep > 1:
-            _data_parallel(found, experts, spec, plan.schedule, pipe.micro_batches, element,
-                           group=("edp", expert_data_parallel(spec)))
+            _data_parallel(found, experts + sum(p[1] for p in padding), spec, plan.schedule,
+                           pipe.micro_batches, element, group=("edp", expert_data_parallel(spec)))
         _add(found, "all_reduce", _axis_name(world), math.prod(world.values()), 8.0)
         ranks.append([{"kind": kind, "axis": axis, "group_size": size, "sent_bytes": int(sent)}
                       for (kind, axis, size), sent in found.items()])

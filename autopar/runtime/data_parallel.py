@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
@@ -59,7 +60,8 @@ def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMe
         wrap = functools.partial(replicate, mesh=dp_mesh, **policy)
     else:
         wrap = functools.partial(fully_shard, mesh=dp_mesh, **policy,
-                                 reshard_after_forward=not keeps_weights_gathered(zero, schedule))
+                                 reshard_after_forward=not keeps_weights_gathered(zero, schedule),
+                                 shard_placement_fn=_even_shards(dp_mesh.size()))
     for layer in _layers(module):
         wrap(layer)
     wrap(module)
@@ -91,6 +93,20 @@ def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: 
         wrap(experts, **placement)
         if zero:
             reduce_in_place_on_cpu(experts)
+
+
+def _even_shards(ranks: int):
+    """FSDP2's placement of a plain parameter over `ranks`: on its first dim where that divides
+    among them, else on the first dim that does. FSDP2 pads a first dim that does not divide up
+    to a multiple of the ranks, and gathers, reduces and keeps the padding: experts [8, ...] at
+    ep=1 over 64 data-parallel ranks would be gathered as [64, ...]. Tensor-parallel DTensors keep
+    FSDP2's split of their first dim."""
+    def place(parameter: torch.Tensor):
+        if isinstance(parameter, DTensor) or parameter.dim() == 0 or parameter.shape[0] % ranks == 0:
+            return None
+        dim = next((d for d in range(1, parameter.dim()) if parameter.shape[d] % ranks == 0), None)
+        return None if dim is None else Shard(dim)
+    return place
 
 
 def _expert_shards(experts: ExpertParallel, edp: int):
