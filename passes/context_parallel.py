@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
 from autopar.models.hf_attention import padding_mask, sliding_window_mask
@@ -324,13 +325,14 @@ def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProg
     split = target.sequence_split
     if stage.cp == 1 or split is None:
         return program
+    rows = ChunkRows(_chunks(split, target.cp_rank))
     for graph_module in [m for m in program.module.modules() if isinstance(m, fx.GraphModule)]:
         for node in list(graph_module.graph.nodes):
             mark = node.meta.get(MARK, ("",)) if node.op == "call_function" else ("",)
             if mark[0] == POSITIONS:
                 _rewrite(graph_module, node, _positions(graph_module, node, split, target.cp_rank))
             elif mark[0] == TABLE:
-                _rewrite(graph_module, node, _table_rows(graph_module, node, split, target.cp_rank))
+                _rewrite(graph_module, node, _table_rows(graph_module, node, rows))
             elif mark[0] == ATTENTION_CALL:
                 causal, scale, returns_lse, window = mark[1:]
                 name = f"context_{node.name}"
@@ -400,17 +402,42 @@ def _positions(graph_module: fx.GraphModule, node: fx.Node, split: SequenceSplit
         return graph.call_function(aten.cat.default, (parts,))
 
 
-def _table_rows(graph_module: fx.GraphModule, node: fx.Node, split: SequenceSplit, rank: int) -> fx.Node:
-    """table[0:L] on dim d -> cat(table[chunk r], table[chunk 2cp-1-r]) on dim d."""
-    graph = graph_module.graph
-    table, dim = node.args[0], _sliced_dim(node)
-    parts = []
-    with graph.inserting_before(node):
-        for start, stop in _chunks(split, rank):
-            part = graph.call_function(aten.slice.Tensor, (table, dim, start, stop))
-            part.meta["val"] = node.meta["val"].narrow(dim, 0, split.chunk)
-            parts.append(part)
-        return graph.call_function(aten.cat.default, (parts, dim))
+MADE_TABLES = 8     # a stage's tables (rotary cos and sin, in one dtype or two)
+
+
+class ChunkRows(nn.Module):
+    """table[0:L] on dim d -> cat(table[chunk r], table[chunk 2cp-1-r]) on dim d, made once for
+    every layer that reads the table: each layer's program slices the stage's rotary tables
+    itself, and a copy made per layer would be kept by each layer's rotary product for its
+    backward, per micro-batch in flight. A table that takes a gradient is cut at every call."""
+
+    def __init__(self, chunks: tuple):
+        super().__init__()
+        self.chunks = chunks
+        self._made: dict = {}       # (the table's storage and view, dim) -> (table, its rows)
+
+    def forward(self, table: torch.Tensor, dim: int) -> torch.Tensor:
+        # each layer may read the table through a tensor of its own (a DTensor's wrapper, a
+        # view): the same storage, view and version are the same table
+        local = table.to_local() if isinstance(table, DTensor) else table
+        key = (local.untyped_storage()._cdata, local.storage_offset(), tuple(local.shape),
+               local.stride(), local._version, dim)
+        if key in self._made:
+            return self._made[key][1]
+        rows = torch.cat([table.narrow(dim, start, stop - start) for start, stop in self.chunks], dim)
+        if not table.requires_grad:     # held, so that its storage is not reused meanwhile
+            if len(self._made) >= MADE_TABLES:
+                self._made.clear()
+            self._made[key] = (table, rows)
+        return rows
+
+
+def _table_rows(graph_module: fx.GraphModule, node: fx.Node, rows: ChunkRows) -> fx.Node:
+    """The stage's `ChunkRows` in place of a table's slice."""
+    if not hasattr(graph_module, "context_table_rows"):
+        graph_module.add_submodule("context_table_rows", rows)
+    with graph_module.graph.inserting_before(node):
+        return graph_module.graph.call_module("context_table_rows", (node.args[0], _sliced_dim(node)))
 
 
 def _rewrite(graph_module: fx.GraphModule, node: fx.Node, replacement: fx.Node) -> None:

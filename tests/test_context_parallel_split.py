@@ -11,7 +11,7 @@ from autopar.errors import AutoparError
 from autopar.models import build_model
 from autopar.passes import find_sequence_split
 from autopar.passes.context_attention import chunk_positions
-from autopar.passes.context_parallel import MARK
+from autopar.passes.context_parallel import MARK, ChunkRows
 from autopar.passes.program import export_for_pipeline
 
 VOCAB, HIDDEN, HEADS, SEQ = 32, 16, 2, 16
@@ -200,3 +200,18 @@ def test_block_attention_without_the_kernel_matches_it(causal):
     for a, b in zip(_attend_backward(grad, q, k, v, out, lse, causal, 0.3, kernel=True),
                     _attend_backward(grad, q, k, v, out, lse, causal, 0.3, kernel=False)):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_tables_chunk_rows_are_made_once_for_every_layer():
+    """Each layer's program slices the rotary tables itself; the rank's 2 chunks of rows are cut
+    once and shared (each layer's rotary product keeps them for its backward), through a view of
+    the same table too, and cut again when the table changes or takes a gradient."""
+    rows = ChunkRows(((0, 2), (6, 8)))          # rank 0 of cp=2 over 8 positions
+    table = torch.arange(16.0).view(8, 2)
+    first = rows(table, 0)
+    assert torch.equal(first, torch.cat([table[0:2], table[6:8]]))
+    assert rows(table, 0) is first and rows(table.view(8, 2), 0) is first
+    table.add_(1.0)                              # a new version: cut again
+    assert torch.equal(rows(table, 0), torch.cat([table[0:2], table[6:8]]))
+    learned = torch.ones(8, 2, requires_grad=True)
+    assert rows(learned, 0) is not rows(learned, 0)
