@@ -1,11 +1,12 @@
 """FSDP2's padding of sharded parameters: a parameter is split on one dim over the ranks that
 shard it, and a dim that does not divide by them is padded up to a multiple of them (`FSDPParam`'s
 `padded_sharded_param_size`); the padding is gathered, reduced and kept as the parameter is. The
-runtime splits a plain parameter on its first dim that divides (autopar.runtime.data_parallel):
-DeepSeek-V3's router ([256, 7168]) over 1024 data-parallel ranks would be gathered as
-[1024, 7168] on its first dim, and is split on its second. What cannot be split evenly (a norm's
-[512] over 1024 ranks, tensor-parallel DTensors, which FSDP2 splits on their first dim, experts
-over their own group) is padded, and priced so.
+runtime splits a plain grouped weight ([experts, in, out]) on its first dim that divides
+(autopar.runtime.data_parallel); matrices and vectors, tensor-parallel DTensors and experts over
+their own group are split on their first dim, padded where it does not divide, and priced so:
+DeepSeek-V3's router ([256, 7168]) over 1024 data-parallel ranks is gathered as [1024, 7168],
+and its MLA down-projections ([1536, 7168], [576, 7168]) as [2048, ...] and [1024, ...] (4.4% of
+its rank's ZeRO-3 bytes).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ def padding_elements(graph: Graph, layout: GraphLayout, names, shards: int,
     """Elements FSDP2 adds to the parameters `names` (as one rank holds them in `layout`) by
     padding their dim `dim` to a multiple of `shards`. `tensor_split`: the parameters' tensor-
     parallel placements ("S(1)" leaves the first dim whole); without them (no tensor
-    parallelism) a parameter is split on the first dim that divides, as the runtime places it
-    (autopar.runtime.data_parallel), and padded only where none does. Experts split over ep ranks are
+    parallelism) a grouped weight is split on the first dim that divides, as the runtime places
+    it (autopar.runtime.data_parallel), and padded only where none does. Experts split over ep ranks are
     sharded on each expert's rows (dim 1) where their count does not divide by the ranks
     (autopar.runtime.data_parallel), and nothing else splits that dim."""
     if shards <= 1:
@@ -38,7 +39,7 @@ def padding_elements(graph: Graph, layout: GraphLayout, names, shards: int,
         split_elsewhere = (tensor_split or {}).get(name, "R") not in ("R", "S(0)")
         if dim:
             rows = shape[dim]
-        elif tensor_split is None:      # a plain tensor: split on a dim that divides, if any
+        elif tensor_split is None and len(shape) >= 3:   # a grouped weight: on a dim that divides
             if any(size % shards == 0 for size in shape):
                 continue
             rows = shape[0] * local / whole

@@ -13,11 +13,13 @@ from autopar.testing.simulated import assert_holds_as_predicted, assert_sent_as_
 
 
 def test_a_parameter_is_split_on_a_dim_that_divides():
-    """Experts [4, 64, 64] over 8 ranks: on each expert's rows, not padded to [8, 64, 64]."""
+    """Experts [4, 64, 64] over 8 ranks: on each expert's rows, not padded to [8, 64, 64].
+    Matrices and vectors keep FSDP2's split of their first dim, padded where it does not divide."""
     place = _even_shards(8)
     assert place(torch.empty(4, 64, 64, device="meta")) == Shard(1)
     assert place(torch.empty(16, 3, device="meta")) is None        # the first dim divides
     assert place(torch.empty(5, 3, device="meta")) is None         # none does: padded
+    assert place(torch.empty(5, 8, device="meta")) is None         # a matrix keeps dim 0: padded
     assert place(torch.empty((), device="meta")) is None
 
 

@@ -96,13 +96,16 @@ def expert_data_parallel(module: nn.Module, zero: int, schedule: str, edp_mesh: 
 
 
 def _even_shards(ranks: int):
-    """FSDP2's placement of a plain parameter over `ranks`: on its first dim where that divides
-    among them, else on the first dim that does. FSDP2 pads a first dim that does not divide up
-    to a multiple of the ranks, and gathers, reduces and keeps the padding: experts [8, ...] at
-    ep=1 over 64 data-parallel ranks would be gathered as [64, ...]. Tensor-parallel DTensors keep
-    FSDP2's split of their first dim."""
+    """FSDP2's placement of a plain grouped weight ([experts, in, out]) over `ranks`: on its
+    first dim where that divides among them, else on the first dim that does. FSDP2 pads a first
+    dim that does not divide up to a multiple of the ranks, and gathers, reduces and keeps the
+    padding: Mixtral's experts [8, ...] at ep=1 over 64 data-parallel ranks would be held as
+    [64, ...], 8 times their share. Matrices and vectors keep FSDP2's split of their first dim
+    (their padding is priced: cost/padding.py): a split on another dim costs FSDP2 a view per
+    rank at every gather's copy-out, which at a thousand ranks outweighs a small padding (a
+    router's [256, 7168] over 1024). Tensor-parallel DTensors keep FSDP2's split too."""
     def place(parameter: torch.Tensor):
-        if isinstance(parameter, DTensor) or parameter.dim() == 0 or parameter.shape[0] % ranks == 0:
+        if isinstance(parameter, DTensor) or parameter.dim() < 3 or parameter.shape[0] % ranks == 0:
             return None
         dim = next((d for d in range(1, parameter.dim()) if parameter.shape[d] % ranks == 0), None)
         return None if dim is None else Shard(dim)
