@@ -19,7 +19,10 @@ a one-GPU step against plain eager PyTorch.
    `torch.cuda.max_memory_allocated` beside the estimator's predictions for the named device.
 3. On one GPU, bf16: autopar's compiled step against the same eager loop under autocast, and each
    one's MFU (forward and backward FLOPs of the captured graph over the device's peak).
-`--device cpu` runs 1 and 2 on gloo CPU ranks (times then say nothing about GPUs): it checks the
+4. On rank 0, context parallelism's ring blocks: the fused kernel a block runs on the device (CUDA's
+   memory-efficient attention, fp32) against the plain products, forward and backward, with the
+   backward given the log-sum-exp of a whole attention over two blocks (as the ring's is).
+`--device cpu` runs 1, 2 and 4 on gloo CPU ranks (times then say nothing about GPUs): it checks the
 script itself where no GPU is lent. Needs torch and autopar only.
 """
 
@@ -232,6 +235,30 @@ def check_mfu(args, spec: str, device: torch.device, mesh) -> None:
           f"(ratio {compiled_s / eager_s:.2f}); peak {peak / 2**30:.2f} GiB")
 
 
+def check_ring_blocks(device: torch.device) -> None:
+    """Check 4: each ring block's kernel against plain products, causal and not, 16 query rows
+    a chunk's odd count (the CUDA kernel pads its log-sum-exp to 32 rows) and 72 keys."""
+    from autopar.passes.context_attention import _attend, _attend_backward, _merge, has_kernel
+
+    generator = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=generator).to(device)
+    worst = 0.0
+    for rows, keys, causal in ((40, 40, True), (40, 72, False)):
+        q, grad = make(2, 4, rows, 64), make(2, 4, rows, 64)
+        blocks = [(make(2, 4, keys, 64), make(2, 4, keys, 64)) for _ in range(2)]
+        outs = [_attend(q, k, v, causal, 0.125, kernel=False) for k, v in blocks]
+        out, lse = _merge(*outs[0], *outs[1], slice(None))      # the whole attention's
+        for (k, v), plain in zip(blocks, outs):
+            fused = _attend(q, k, v, causal, 0.125, kernel=has_kernel(device))
+            worst = max(worst, *(float((a - b).abs().max()) for a, b in zip(fused, plain)))
+            for a, b in zip(_attend_backward(grad, q, k, v, out, lse, causal, 0.125, kernel=True),
+                            _attend_backward(grad, q, k, v, out, lse, causal, 0.125, kernel=False)):
+                worst = max(worst, float((a - b).abs().max()))
+    verdict = "ok" if worst <= TOLERANCE else "DIFFERS"
+    print(f"ring attention blocks on {device.type}: fused kernel vs plain products, largest "
+          f"difference {worst:.2e} (forward, log-sum-exp, gradients): {verdict}")
+
+
 def run(args) -> None:
     """Every check this world runs; the default process group is up."""
     import autopar
@@ -249,6 +276,8 @@ def run(args) -> None:
         check_forms(args, spec, device, mesh)
     elif not cpu:
         check_mfu(args, spec, device, mesh)
+    if dist.get_rank() == 0:
+        check_ring_blocks(device)
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -9,7 +9,8 @@ as many earlier keys to attend to). `chunk_positions` gives a rank's positions.
   attention against the block in hand while the next one travels (point-to-point to the ring's
   neighbours, started before the block's compute and waited for after it). With the load-balanced
   chunks each step is one unmasked rectangle of the block or its own causal block (`_pairs`), the
-  same work on every rank, computed by CPU flash attention's kernel where the ranks are CPUs.
+  same work on every rank, computed by a fused kernel (`has_kernel`: CPU flash attention, CUDA's
+  memory-efficient attention) that keeps nothing of size queries x keys.
   Under a sliding window (`window`) or padding (`keep`, every rank's gathered once a call)
   each block is masked by its pairs' true positions, and a block no query of this rank can see
   is passed on without being computed.
@@ -95,16 +96,47 @@ def _block(ring: "_Ring", step: int, chunk: int, causal: bool, window: int | Non
 def _attend(query, key, value, mask, scale: float, kernel: bool):
     """(output, log-sum-exp per query row) of one block, fp32. `mask`: True for causal, False
     for none, or which keys each query sees (a sliding window's block; a row that sees none
-    gives 0 and a log-sum-exp of -inf, which the merge weighs 0). With `kernel`, CPU flash
-    attention's (nothing of size queries x keys is kept), plain products otherwise or masked."""
+    gives 0 and a log-sum-exp of -inf, which the merge weighs 0). With `kernel`, the device's
+    fused attention (`_kernel_forward`: nothing of size queries x keys is kept), plain products
+    otherwise or masked."""
     if kernel and isinstance(mask, bool):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, mask, scale=scale)
-        return out, lse
+        return _kernel_forward(query, key, value, mask, scale)
     scores = _scores(query, key, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)
     return torch.matmul(torch.exp(scores - finite.unsqueeze(-1)), value), lse
+
+
+def has_kernel(device: torch.device) -> bool:
+    """Whether a block on `device` runs a fused kernel that returns its log-sum-exp: CPU flash
+    attention, or CUDA's memory-efficient attention (it takes fp32, as the ring computes)."""
+    return device.type in ("cpu", "cuda")
+
+
+def _kernel_forward(query, key, value, causal: bool, scale: float):
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)
+        return out, lse
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, 0.0, causal, scale=scale)
+    # its log-sum-exp is padded to a multiple of 32 rows
+    return out, lse.narrow(-1, 0, query.shape[-2])
+
+
+def _kernel_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
+    rows = lse.shape[-1]
+    # as the forward kernel returns it: padded to a multiple of 32 rows
+    padded = torch.nn.functional.pad(lse, (0, -rows % 32))
+    # no dropout: the random seed and offset are not read
+    unused = torch.empty((), dtype=torch.long)
+    grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, query, key, value, None, out, padded, unused, unused, 0.0,
+        [True, True, True, False], causal, scale=scale)
+    return grads[:3]
 
 
 def _scores(query, key, mask, scale: float):
@@ -121,8 +153,7 @@ def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, 
     attention's backward: what the block contributed to them); `mask` and `kernel` as for
     `_attend`."""
     if kernel and isinstance(mask, bool):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, lse, 0.0, mask, scale=scale)
+        return _kernel_backward(grad_out, query, key, value, out, lse, mask, scale)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)     # a query that sees no key at all
     probs = torch.exp(_scores(query, key, mask, scale) - finite.unsqueeze(-1))
     delta = (grad_out * out).sum(-1, keepdim=True)
@@ -215,7 +246,7 @@ class RingAttention(torch.autograd.Function):
                 k, v = (_repeat_heads(t[..., cols, :].float(), heads).contiguous()
                         for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
                 part, part_lse = _attend(query[..., rows, :], k, v, mask, scale,
-                                         kernel=query.device.type == "cpu")
+                                         kernel=has_kernel(query.device))
                 out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
             if pending is not None:
                 [block] = ring.finish(pending)
@@ -272,7 +303,7 @@ def _accumulate_block(block, grads, grad_query, saved, rows, cols, mask, scale, 
         _repeat_heads(k[..., cols, :].float(), heads).contiguous(),
         _repeat_heads(v[..., cols, :].float(), heads).contiguous(),
         out[..., rows, :].contiguous(), lse[..., rows].contiguous(), mask, scale,
-        kernel=query.device.type == "cpu")
+        kernel=has_kernel(query.device))
     grad_query[..., rows, :] += parts[0]
     grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `grads`: in place
     grad_v[..., cols, :] += _fold_heads(parts[2], heads)

@@ -202,6 +202,45 @@ def test_block_attention_without_the_kernel_matches_it(causal):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_cuda_block_runs_the_fused_kernel_and_holds_no_score_matrix(causal):
+    """On CUDA a ring block runs memory-efficient attention (fp32), forward and backward: its
+    log-sum-exp, padded to 32 rows by the kernel, comes back one per query row, and no tensor of
+    queries x keys is made. Shapes and calls checked on fake CUDA tensors; the numbers need a
+    GPU (benchmarks/gpu_check.py compares them with the plain products)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.passes.context_attention import _attend, _attend_backward, has_kernel
+
+    # the log-sum-exp of 40 rows is padded to 64 by the kernel; a causal block is square
+    rows, keys = (40, 40) if causal else (40, 72)
+
+    class Largest(TorchDispatchMode):
+        elements, called = 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            Largest.called.add(func.__name__.split(".")[0])
+            for value in result if isinstance(result, (tuple, list)) else [result]:
+                if isinstance(value, torch.Tensor):
+                    Largest.elements = max(Largest.elements, value.numel())
+            return result
+
+    with FakeTensorMode(), Largest():
+        device = torch.device("cuda")
+        q, grad = (torch.randn(2, 4, rows, 16, device=device) for _ in range(2))
+        k, v = (torch.randn(2, 4, keys, 16, device=device) for _ in range(2))
+        assert has_kernel(q.device)
+        out, lse = _attend(q, k, v, causal, 0.3, kernel=True)
+        grads = _attend_backward(grad, q, k, v, out, lse, causal, 0.3, kernel=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, rows)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert {"_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_efficient_attention_backward"} <= Largest.called
+    assert Largest.elements < 2 * 4 * rows * keys
+
+
 def test_a_tables_chunk_rows_are_made_once_for_every_layer():
     """Each layer's program slices the rotary tables itself; the rank's 2 chunks of rows are cut
     once and shared (each layer's rotary product keeps them for its backward), through a view of
