@@ -220,7 +220,7 @@ def data_parallel_reduce_latency(budget_s: float) -> tuple[float, float, float]:
     """Host seconds FSDP2's gradient reduction adds beyond its collective: (per group under
     `replicate`, per byte of each of the two buffers it fills with a group's gradients, per group
     under `fully_shard` with the runtime's in-place reduce-scatter on CPUs, as ZeRO reduces).
-    `_reduce_extra` of 8 x 8 and 512 x 512 layers (1 MiB of gradients) under replicate, of
+    `_reduce_extra` of 8 x 8 and 2048 x 2048 layers (16 MiB of gradients) under replicate, of
     8 x 8 ones under fully_shard."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
@@ -235,7 +235,7 @@ def data_parallel_reduce_latency(budget_s: float) -> tuple[float, float, float]:
         reduce_in_place_on_cpu(module)
 
     (small, small_bytes), (large, large_bytes) = (_reduce_extra(replicate_over, width, budget_s)
-                                                  for width in (8, 512))
+                                                  for width in (8, 2048))
     buffers = reduction_buffers(0, 1)       # as the estimator counts them
     per_byte = max(large - small, 0.0) / (large_bytes - small_bytes) / buffers
     sharded, sharded_bytes = _reduce_extra(shard, 8, budget_s)
