@@ -70,9 +70,7 @@ def uniform_stages(graph: Graph, config: Config, placements=None) -> list[StageS
     if chunks == 1:
         groups = [paths or [(0, len(graph.nodes))]]
     elif len(paths) < chunks:
-        raise AutoparError(f"{len(paths)} repeated blocks cannot fill pp x virtual = {config.pp} x "
-                           f"{config.virtual} = {chunks} pipeline chunks; choose pp and virtual whose "
-                           f"product is at most {len(paths)}")
+        groups = _ends_as_chunks(graph, paths, chunks, config)
     else:
         counts = blocks_per_chunk(len(paths), chunks)
         starts = [sum(counts[:c]) for c in range(chunks)]
@@ -82,6 +80,32 @@ def uniform_stages(graph: Graph, config: Config, placements=None) -> list[StageS
                       placements=placements, ep=config.ep, cp=config.cp, cp_kind=config.cp_kind,
                       offload=config.offload)
             for group in groups]
+
+
+def _ends_as_chunks(graph: Graph, paths: list, chunks: int, config: Config) -> list[list]:
+    """One block a chunk, with the embedding (the modules before the first block) a chunk of its
+    own where the blocks are one fewer than the chunks, and the head (those after the last) one
+    too where they are two fewer: Megatron's `account_for_embedding_in_pipeline_split` and
+    `account_for_loss_in_pipeline_split`, which run Qwen3-235B's 94 layers as 96 chunks."""
+    ends = chunks - len(paths)
+    first = graph.blocks and min((i.start for kind in graph.blocks for i in kind.instances))
+    last = graph.blocks and max((i.stop for kind in graph.blocks for i in kind.instances))
+    before = _modules([n for n in graph.nodes[:first or 0] if n.module_path], paths)
+    after = _modules([n for n in graph.nodes[last or 0:] if n.module_path], paths)
+    if ends > 2 or not all(isinstance(p, str) for p in paths) or not before or (ends == 2 and not after):
+        raise AutoparError(f"{len(paths)} repeated blocks cannot fill pp x virtual = {config.pp} x "
+                           f"{config.virtual} = {chunks} pipeline chunks (the embedding and the head "
+                           f"can each take one more); choose pp and virtual whose product is at most "
+                           f"{len(paths) + 2 if after else len(paths) + 1}")
+    return [before] + [[path] for path in paths] + ([after] if ends == 2 else [])
+
+
+def _modules(nodes, blocks: list[str]) -> list[str]:
+    """The outermost module paths of `nodes` that hold no block (not the model that holds them
+    all), in order of first use."""
+    paths = [path for path in dict.fromkeys(node.module_path for node in nodes)
+             if not any(block.startswith(path + ".") for block in blocks)]
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
 
 
 def blocks_per_chunk(blocks: int, chunks: int) -> list[int]:

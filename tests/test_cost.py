@@ -420,8 +420,8 @@ def test_estimate_stages_prices_non_uniform_stages(tiny_gpt):
 def test_estimate_rejects_a_bad_factorization(tiny_gpt):
     with pytest.raises(AutoparError, match="does not match the 8 devices"):
         megatron_estimate(tiny_gpt, Mesh.parse("8:a100-80g"), Config(tp=2, dp=2, global_batch=8))
-    with pytest.raises(AutoparError, match="cannot fill"):
-        megatron_estimate(tiny_gpt, Mesh.parse("5:a100-80g"), Config(pp=5, global_batch=5))
+    with pytest.raises(AutoparError, match="cannot fill .* at most 6"):
+        megatron_estimate(tiny_gpt, Mesh.parse("7:a100-80g"), Config(pp=7, global_batch=7))
 
 
 def test_uneven_pipelines_give_the_extra_blocks_to_the_middle_stages(tiny_gpt):
@@ -433,6 +433,25 @@ def test_uneven_pipelines_give_the_extra_blocks_to_the_middle_stages(tiny_gpt):
     result = megatron_estimate(tiny_gpt, Mesh.parse("3:a100-80g"), Config(pp=3, global_batch=6))
     middle = result.devices[1]["time_per_micro_batch_s"]
     assert len(result.devices) == 3 and middle > result.devices[0]["time_per_micro_batch_s"]
+
+
+def test_more_chunks_than_blocks_give_the_embedding_and_the_head_chunks_of_their_own(tiny_gpt):
+    """Megatron's accounting of the embedding and the loss as a layer each: 4 blocks fill 5
+    chunks (the embedding alone) or 6 (the head alone too), and the forced plan is cut and
+    priced as the estimate is."""
+    from autopar.api import plan_from_config
+
+    blocks = [f"model.layers.{i}" for i in range(4)]
+    for pp in (5, 6):
+        config = Config(pp=pp, global_batch=2 * pp, micro_batch=1)
+        stages = uniform_stages(tiny_gpt, config)
+        assert [stage.layers for stage in stages[1:5]] == [[block] for block in blocks]
+        assert stages[0].layers and not set(stages[0].layers) & set(blocks)
+        assert len(stages) == pp and (pp == 5 or not set(stages[5].layers) & set(blocks))
+        estimate = megatron_estimate(tiny_gpt, Mesh.parse(f"{pp}:a100-80g"), config)
+        plan = plan_from_config(tiny_gpt, f"{pp}:a100-80g", config)
+        assert [stage.layers[0] for stage in plan.stages[1:5]] == blocks
+        assert plan.predicted["step_time_s"] == pytest.approx(estimate.step_time_s)
 
 
 def test_cli_estimate_json_schema(capsys):

@@ -144,6 +144,15 @@ def test_interleaved_and_zero_bubble_with_two_chunks_per_rank():
         assert_equal_to_one_process(report)
 
 
+def test_a_config_with_more_chunks_than_blocks_runs_the_embedding_and_head_as_chunks():
+    """Megatron's accounting of the embedding and the loss as a layer each: 4 blocks on pp2 x
+    virtual3 = 6 chunks, the embedding one and the head another (Qwen3-235B's 94 layers run on
+    pp32 x vpp3 this way), compiled from the Config and trained like one process."""
+    config = autopar.Config(pp=2, virtual=3, schedule="interleaved-1f1b", global_batch=8, micro_batch=2)
+    results = autopar.launch(train_plans, 2, [config], adamw, "2:cpu", timeout=120)
+    assert_equal_to_one_process(results[0][0])
+
+
 @pytest.mark.slow
 def test_four_chunks_per_rank_under_zero_keep_their_weights_gathered_and_train_exactly():
     """torch's action-list schedules gather at most 3 of a rank's chunks at a time; ZeRO-1/2

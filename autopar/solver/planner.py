@@ -176,8 +176,12 @@ def _megatron_cuts(units, chunks: int) -> tuple[int, ...]:
     head = 1 if units[0].name == "embedding" else 0
     blocks = sum(1 for unit in units if unit.block)
     if blocks < chunks:
-        raise AutoparError(f"{len(units)} units (embedding, blocks, head) cannot fill {chunks} "
-                           f"pipeline chunks; use fewer stages")
+        if len(units) < chunks:
+            raise AutoparError(f"{len(units)} units (embedding, blocks, head) cannot fill {chunks} "
+                               f"pipeline chunks; use at most {len(units)}")
+        # Megatron's accounting of the embedding and the loss as layers (cost.stages.uniform_stages):
+        # a unit a chunk, what is left with the last
+        return (*range(chunks), len(units))
     counts = blocks_per_chunk(blocks, chunks)
     inner = [head + sum(counts[:c]) for c in range(1, chunks)]
     return (0, *inner, len(units))
