@@ -90,8 +90,10 @@ def _ends_as_chunks(graph: Graph, paths: list, chunks: int, config: Config) -> l
     ends = chunks - len(paths)
     first = graph.blocks and min((i.start for kind in graph.blocks for i in kind.instances))
     last = graph.blocks and max((i.stop for kind in graph.blocks for i in kind.instances))
-    before = _modules([n for n in graph.nodes[:first or 0] if n.module_path], paths)
-    after = _modules([n for n in graph.nodes[last or 0:] if n.module_path], paths)
+    # the ops' modules, as the planner's units name them (autopar.solver.units)
+    ops = lambda nodes: [n for n in nodes if n.module_path and n.role is Role.ACTIVATION]
+    before = _modules(ops(graph.nodes[:first or 0]), paths)
+    after = _modules(ops(graph.nodes[last or 0:]), paths)
     if ends > 2 or not all(isinstance(p, str) for p in paths) or not before or (ends == 2 and not after):
         raise AutoparError(f"{len(paths)} repeated blocks cannot fill pp x virtual = {config.pp} x "
                            f"{config.virtual} = {chunks} pipeline chunks (the embedding and the head "
