@@ -160,6 +160,22 @@ class Graph:
                                                        else NodeKind.FUNCTION))
                 for node in self.nodes]
 
+    def top_modules(self, start: int, stop: int, block_paths) -> tuple[str, ...]:
+        """The outermost modules of the ops in nodes[start:stop] that hold no block (for a model
+        nested as `transformer.wte`, `transformer.h.0`: `transformer.wte`, not `transformer`), in
+        first-use order: what a pipeline chunk names for the ops outside its blocks."""
+        seen: dict[str, None] = {}
+        for node in self.nodes[start:stop]:
+            if node.role is not Role.ACTIVATION or not node.module_path:
+                continue
+            parts = node.module_path.split(".")
+            for depth in range(1, len(parts) + 1):
+                path = ".".join(parts[:depth])
+                if not any(block == path or block.startswith(path + ".") for block in block_paths):
+                    seen.setdefault(path, None)
+                    break
+        return tuple(seen)
+
     def fingerprint(self) -> str:
         """A hash of the structure (ops, shapes, dtypes, wiring, parameter names): equal for the same
         model and input shapes, different when any of them change."""

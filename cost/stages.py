@@ -86,28 +86,19 @@ def _ends_as_chunks(graph: Graph, paths: list, chunks: int, config: Config) -> l
     """One block a chunk, with the embedding (the modules before the first block) a chunk of its
     own where the blocks are one fewer than the chunks, and the head (those after the last) one
     too where they are two fewer: Megatron's `account_for_embedding_in_pipeline_split` and
-    `account_for_loss_in_pipeline_split`, which run Qwen3-235B's 94 layers as 96 chunks."""
+    `account_for_loss_in_pipeline_split`, which run Qwen3-235B's 94 layers as 96 chunks. The
+    modules named are those of the planner's units (autopar.solver.units)."""
+    instances = [i for kind in graph.blocks for i in kind.instances]
+    blocks = {i.module_path for i in instances}
+    before = graph.top_modules(0, min(i.start for i in instances), blocks) if instances else ()
+    after = graph.top_modules(max(i.stop for i in instances), len(graph.nodes), blocks) if instances else ()
     ends = chunks - len(paths)
-    first = graph.blocks and min((i.start for kind in graph.blocks for i in kind.instances))
-    last = graph.blocks and max((i.stop for kind in graph.blocks for i in kind.instances))
-    # the ops' modules, as the planner's units name them (autopar.solver.units)
-    ops = lambda nodes: [n for n in nodes if n.module_path and n.role is Role.ACTIVATION]
-    before = _modules(ops(graph.nodes[:first or 0]), paths)
-    after = _modules(ops(graph.nodes[last or 0:]), paths)
     if ends > 2 or not all(isinstance(p, str) for p in paths) or not before or (ends == 2 and not after):
         raise AutoparError(f"{len(paths)} repeated blocks cannot fill pp x virtual = {config.pp} x "
                            f"{config.virtual} = {chunks} pipeline chunks (the embedding and the head "
                            f"can each take one more); choose pp and virtual whose product is at most "
                            f"{len(paths) + 2 if after else len(paths) + 1}")
-    return [before] + [[path] for path in paths] + ([after] if ends == 2 else [])
-
-
-def _modules(nodes, blocks: list[str]) -> list[str]:
-    """The outermost module paths of `nodes` that hold no block (not the model that holds them
-    all), in order of first use."""
-    paths = [path for path in dict.fromkeys(node.module_path for node in nodes)
-             if not any(block.startswith(path + ".") for block in blocks)]
-    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+    return [list(before)] + [[path] for path in paths] + ([list(after)] if ends == 2 else [])
 
 
 def blocks_per_chunk(blocks: int, chunks: int) -> list[int]:

@@ -43,7 +43,7 @@ def pipeline_units(graph: Graph) -> list[Unit]:
     units = []
     first, last = instances[0], instances[-1]
     # an embedding or head with no ops of its own (only parameter placeholders) is no unit
-    embedding = _top_modules(graph, 0, first.start, blocks)
+    embedding = graph.top_modules(0, first.start, blocks)
     if embedding:
         units.append(Unit(name="embedding", layers=embedding, start=0, stop=first.start))
     for inst, following in zip(instances, instances[1:] + [None]):
@@ -52,29 +52,13 @@ def pipeline_units(graph: Graph) -> list[Unit]:
         # block that differs from the others, the decoder's embedding): the unit names them all,
         # so that every module's nodes belong to some unit
         stop = following.start if following is not None else inst.stop
-        between = _top_modules(graph, inst.stop, stop, blocks)
+        between = graph.top_modules(inst.stop, stop, blocks)
         units.append(Unit(name=inst.module_path, layers=(inst.module_path, *between), start=inst.start,
                           stop=stop, block=True))
-    head = _top_modules(graph, last.stop, len(graph.nodes), blocks)
+    head = graph.top_modules(last.stop, len(graph.nodes), blocks)
     if head:
         units.append(Unit(name="head", layers=head, start=last.stop, stop=len(graph.nodes)))
     return units
-
-
-def _top_modules(graph: Graph, start: int, stop: int, block_paths: set[str]) -> tuple[str, ...]:
-    """The outermost modules of the ops in a node range that hold no block (for a model nested as
-    `transformer.wte`, `transformer.h.0`: `transformer.wte`, not `transformer`), in first-use order."""
-    seen: dict[str, None] = {}
-    for node in graph.nodes[start:stop]:
-        if node.role is not Role.ACTIVATION or not node.module_path:
-            continue
-        parts = node.module_path.split(".")
-        for depth in range(1, len(parts) + 1):
-            path = ".".join(parts[:depth])
-            if not any(block == path or block.startswith(path + ".") for block in block_paths):
-                seen.setdefault(path, None)
-                break
-    return tuple(seen)
 
 
 def unit_weights(graph: Graph, units: list[Unit], mesh, tp: int) -> list[float]:
