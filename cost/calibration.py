@@ -79,12 +79,13 @@ def spread(values: list[float]) -> float:
     return high / low if low > 0 else float("inf")
 
 
-def calibrated(mesh: Mesh, efficiencies: Efficiencies | None,
-               calibration: str | Path | None) -> tuple[Mesh, Efficiencies]:
+def calibrated(mesh: Mesh, efficiencies: Efficiencies | None, calibration: str | Path | None,
+               attention_kernel: str = "flash") -> tuple[Mesh, Efficiencies]:
     """The mesh and efficiencies to price with: the calibration file's where one is given
-    (collectives only when it measured them on the mesh's device), else the published defaults."""
+    (collectives only when it measured them on the mesh's device), else the published defaults
+    for the runtime's `attention_kernel`."""
     if calibration is None:
-        return mesh, efficiencies or Efficiencies.for_device(mesh.device.name)
+        return mesh, efficiencies or Efficiencies.for_device(mesh.device.name, attention_kernel)
     if efficiencies is not None:
         raise AutoparError("give efficiencies or a calibration file, not both: the file's "
                            "efficiencies would replace the ones passed")

@@ -107,6 +107,17 @@ _DEVICE_COMPUTE = {
     "h200-141g": {"matmul": 0.68, "attention": 0.33},
 }
 
+# Attention where the runtime runs another kernel than FlashAttention-2 (`Runtime.attention_kernel`).
+# Transformer Engine, under Megatron-Core, prefers cuDNN's fused attention on Hopper and later.
+# cuDNN on an H100 SXM, head dimension 128, 4k-16k tokens (Shah et al. 2024, FlashAttention-3,
+# figs. 5-6): causal forward 518-539 TFLOP/s, backward 499-518. With the backward's five matmuls
+# to the forward's two, 7 / (2/530 + 5/510) = 515 TFLOP/s of 989: 0.52. (The same arithmetic on
+# that paper's FlashAttention-2 figures, forward 330 and backward 320, gives the 0.33 above.)
+_KERNEL_COMPUTE = {
+    "cudnn": {"h100-80g": {"attention": 0.52}, "h100-96g": {"attention": 0.52},
+              "h200-141g": {"attention": 0.52}},
+}
+
 
 def _default_memory() -> dict[str, float]:
     # Fraction of HBM bandwidth. Streaming kernels (copy, elementwise) reach about 80-90% of the
@@ -193,10 +204,12 @@ class Efficiencies:
         return asdict(self)
 
     @classmethod
-    def for_device(cls, name: str) -> Efficiencies:
-        """The published defaults for device `name` (a DeviceSpec name); the A100's where the
-        device has no figures of its own. `device` stays "": these are not measurements."""
-        return cls(compute={**_default_compute(), **_DEVICE_COMPUTE.get(name, {})})
+    def for_device(cls, name: str, attention_kernel: str = "flash") -> Efficiencies:
+        """The published defaults for device `name` (a DeviceSpec name) running attention with
+        `attention_kernel` ("flash" or "cudnn"); the A100's where the device has no figures of its
+        own. `device` stays "": these are not measurements."""
+        kernel = _KERNEL_COMPUTE.get(attention_kernel, {}).get(name, {})
+        return cls(compute={**_default_compute(), **_DEVICE_COMPUTE.get(name, {}), **kernel})
 
     @classmethod
     def from_dict(cls, data: dict) -> Efficiencies:

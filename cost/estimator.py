@@ -170,8 +170,8 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     (cost.experts.exchange_time); `overlap_exchange`: the experts' all-to-alls run behind
     another micro-batch's compute (Megatron-Core's 1F1B all-to-all overlap, DualPipe), showing
     only where they outlast it."""
-    mesh, eff = calibrated(mesh, efficiencies, calibration)
     runtime = runtime_named(runtime)
+    mesh, eff = calibrated(mesh, efficiencies, calibration, runtime.attention_kernel)
     precision = precision or default_precision(mesh)
     memo = _price_cache(cache, graph, mesh, eff, precision, routing_imbalance, dispatch)
     check_stages(graph, stages, memo)

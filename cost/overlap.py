@@ -72,6 +72,9 @@ class Runtime:
     # bytes its optimizer step moves per parameter: a fused Adam (Megatron's, DeepSpeed's), or
     # torch's AdamW as a user's training script builds it, foreach (cost/memory.py)
     optimizer_step_bytes: int = OPTIMIZER_STEP_BYTES_PER_PARAM
+    # the attention kernel it runs on a GPU (cost/compute.py): torch's SDPA picks
+    # FlashAttention-2, Transformer Engine picks cuDNN's fused attention on Hopper and later
+    attention_kernel: str = "flash"
 
 
 RUNTIMES = {
@@ -81,7 +84,8 @@ RUNTIMES = {
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False,
                      receive_buffers=True, optimizer_step_bytes=FOREACH_ADAMW_BYTES_PER_PARAM),
     "megatron-core": Runtime("megatron-core", overlap=True, gather_unit="block",
-                             regather_on_recompute=False, overlap_param_gather=True),
+                             regather_on_recompute=False, overlap_param_gather=True,
+                             attention_kernel="cudnn"),
     "megatron-local": Runtime("megatron-local", overlap=False, gather_unit="block",
                               regather_on_recompute=True),
     "deepspeed-2021": Runtime("deepspeed-2021", overlap=False, gather_unit="tensor",

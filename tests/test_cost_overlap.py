@@ -494,3 +494,18 @@ def test_the_reduction_cost_reaches_the_step_from_a_calibration(tiny_gpt):
     assert step(dp, hosted) > step(dp, plain)
     tp = Config(tp=4, global_batch=16, micro_batch=2)
     assert step(tp, hosted) == step(tp, plain)
+
+
+def test_attention_is_priced_at_the_kernel_the_runtime_runs():
+    """Transformer Engine (Megatron-Core) runs cuDNN's fused attention on Hopper, faster than the
+    FlashAttention-2 torch's SDPA runs there; on an A100 both run at FlashAttention-2's figure."""
+    from autopar.commands.estimate import capture_training_step
+    long_context = capture_training_step("gpt:layers=1,hidden=256,heads=2,seq=4096,vocab=512")
+    config = Config(dp=8, micro_batch=1, global_batch=8)
+    times = {}
+    for device in ("h100-80g", "a100-80g"):
+        for runtime in ("torch", "megatron-core"):
+            result = estimate(long_context, Mesh.parse(f"8:{device}"), config, runtime=runtime)
+            times[device, runtime] = result.breakdown["compute"]
+    assert times["h100-80g", "megatron-core"] < times["h100-80g", "torch"]
+    assert times["a100-80g", "megatron-core"] == pytest.approx(times["a100-80g", "torch"])
