@@ -61,7 +61,8 @@ from autopar.cost.config import Config
 from autopar.cost.master_weights import cast_seconds
 from autopar.cost.memory import in_flight, peak_bytes, pending_weight_backwards
 from autopar.cost.mesh import Mesh
-from autopar.cost.overlap import DeviceWork, Runtime, runtime_named
+from autopar.cost.overlap import (RUNTIMES, DeviceWork, Runtime, holds_every_transfer,
+                                  runtime_named)
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import Chunk, partial_gradients_time, partial_reductions, poly_at
@@ -197,7 +198,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     data_comm, optimizer, offloaded = _device_steps(pipe, stages, split, schedule, mesh=mesh,
                                                     eff=eff, runtime=runtime, memo=memo)
     memory, host = pipeline_memory(pipe, stages, pipe.samples, schedule, virtual, precision=precision,
-                                   receive_buffers=runtime.receive_buffers)
+                                   receive_buffers=holds_every_transfer(runtime, schedule))
     exposed_copies = max((copies for copies, _ in offloaded), default=0.0)
     tied = tied_exposed(memo.readers(split), memo.layout(stages[0]), stages[0], mesh, pp=len(devices))
     closing = loss_sync(mesh, eff)
@@ -335,11 +336,13 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
 
 def pipeline_memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
             virtual: int, seq_ratio=1, precision: str = Precision.BF16,
-            receive_buffers: bool = True) -> tuple[list[dict], list]:
+            receive_buffers: bool | None = None) -> tuple[list[dict], list]:
     """Memory breakdown of each pipeline rank and the bytes it keeps on its host (offload);
     `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the
-    captured one) may be sympy expressions; `receive_buffers`: the runtime keeps a receive
-    buffer per micro-batch (`Runtime.receive_buffers`)."""
+    captured one) may be sympy expressions; `receive_buffers`: the rank holds every
+    micro-batch's transfers (`holds_every_transfer`; by default as autopar's runtime does)."""
+    if receive_buffers is None:
+        receive_buffers = holds_every_transfer(RUNTIMES["autopar"], schedule)
     parts = [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], samples, schedule,
                             pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
                             seq_ratio=seq_ratio, precision=precision,
@@ -387,8 +390,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     GATHERED_GROUPS at a time; other schedules free them after each use (the runtime's
     `fully_shard(reshard_after_forward=True)` and `autopar.runtime.schedule.ReshardingStage`).
     ZeRO shards over the cp x dp ranks, experts' states over their own group (cost/forms.py).
-    `receive_buffers`: torch's PipelineStage allocates, at its first step, a buffer for every
-    micro-batch's inputs and outputs' gradients, and keeps them all."""
+    `receive_buffers`: the rank holds, for every micro-batch, as many bytes as its inputs and
+    its outputs' gradients (`cost.overlap.holds_every_transfer`)."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its

@@ -23,9 +23,10 @@ A device's peak (`peak_bytes`), as autopar's runtime trains (FSDP2 `replicate` f
   weights     what the forward and backward read, in the compute dtype: the stage's gathered
               weights (FSDP keeps them from forward to backward below ZeRO-3), `gathered` under
               ZeRO-3
-  receive_buffers  in a pipeline, one buffer per micro-batch of a step for each input a stage
-              receives and each gradient of what it sends (torch's PipelineStage allocates
-              them at the first step and keeps them)
+  receive_buffers  in a pipeline, for every micro-batch of a step, as many bytes as a stage's
+              inputs and its outputs' gradients: torch's PipelineStage keeps a receive buffer
+              for each, and torch's schedule runtime (interleaved, zero-bubble) keeps what each
+              sent (cost.overlap.holds_every_transfer)
 and in the phase at the peak, the larger of:
   first backward  the `held` micro-batches' activations, with the gradients of earlier
               micro-batches only when the schedule ran a backward before holding that many (a

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from autopar.cost.collectives import Group
 from autopar.cost.memory import FOREACH_ADAMW_BYTES_PER_PARAM, GRADIENT_BYTES, OPTIMIZER_STEP_BYTES_PER_PARAM
 from autopar.errors import AutoparError
+from autopar.plans.vocabulary import Schedule
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25); FSDP's per-block units are similar.
 BUCKET_BYTES = 25 * 2**20
@@ -67,7 +68,8 @@ class Runtime:
     # --overlap-param-gather) rather than after the optimizer step
     overlap_param_gather: bool = False
     # torch's PipelineStage allocates a receive buffer per micro-batch for a stage's inputs and
-    # for its outputs' gradients, and keeps them from the first step on (cost/estimator.py)
+    # for its outputs' gradients, and keeps them from the first step on (cost/estimator.py);
+    # autopar's stages let each go after its micro-batch's backward
     receive_buffers: bool = False
     # bytes its optimizer step moves per parameter: a fused Adam (Megatron's, DeepSpeed's), or
     # torch's AdamW as a user's training script builds it, foreach (cost/memory.py)
@@ -79,7 +81,7 @@ class Runtime:
 
 RUNTIMES = {
     "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
-                       fsdp2=True, receive_buffers=True,
+                       fsdp2=True,
                        optimizer_step_bytes=FOREACH_ADAMW_BYTES_PER_PARAM),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False,
                      receive_buffers=True, optimizer_step_bytes=FOREACH_ADAMW_BYTES_PER_PARAM),
@@ -91,6 +93,20 @@ RUNTIMES = {
     "deepspeed-2021": Runtime("deepspeed-2021", overlap=False, gather_unit="tensor",
                               regather_on_recompute=True),
 }
+
+
+# torch's schedule runtime, which runs these schedules, waits each micro-batch's sends only at
+# the step's end, and a process group's send holds its tensor until waited: every micro-batch's
+# sent activations and input gradients stay until then (as many bytes as a receive buffer each)
+_SENDS_WAITED_AT_THE_END = (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+
+
+def holds_every_transfer(runtime: Runtime, schedule: str) -> bool:
+    """Whether a pipeline rank holds what it receives or sends for every micro-batch of a step:
+    torch's PipelineStage keeps a receive buffer per micro-batch (autopar's lets each go after
+    the micro-batch's backward: autopar.runtime.schedule.ReceivingStage); some schedules keep
+    every send until the step's end (above)."""
+    return runtime.receive_buffers or schedule in _SENDS_WAITED_AT_THE_END
 
 
 def runtime_named(name: str | Runtime) -> Runtime:

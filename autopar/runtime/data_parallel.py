@@ -28,7 +28,6 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage
 
 from autopar.errors import AutoparError
 from autopar.plans.zero import holds_weights_in_fsdp, keeps_weights_gathered, reduces_every_micro_batch
@@ -37,7 +36,8 @@ from autopar.passes.tensor_parallel import TensorParallelStage
 from autopar.plans import Plan
 from autopar.plans.vocabulary import Schedule
 from autopar.runtime.gloo_reduce import reduce_in_place_on_cpu
-from autopar.runtime.schedule import ReducingStage, ReshardingStage, WeightBackwardStage
+from autopar.runtime.schedule import (ReceivingStage, ReducingStage, ReshardingStage,
+                                      WeightBackwardStage)
 
 
 def data_parallel(module: nn.Module, zero: int, schedule: str, dp_mesh: DeviceMesh,
@@ -131,7 +131,7 @@ def stage_class(plan: Plan, index: int, replicas: int) -> type:
     if wrapped and plan.schedule == Schedule.ZERO_BUBBLE:
         return WeightBackwardStage
     if not wrapped or not reduces_every_micro_batch(zero, plan.schedule):
-        return PipelineStage
+        return ReceivingStage
     return ReshardingStage if zero == 3 else ReducingStage
 
 

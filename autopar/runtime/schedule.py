@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, stage_backward,
                                                     stage_backward_weight)
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
 
 from autopar.plans.zero import reduces_every_micro_batch
 from autopar.errors import PlanMismatchError
@@ -63,7 +64,63 @@ class MicroBatchLoop:
         losses.append(loss.detach())
 
 
-class ReducingStage(PipelineStage):
+class ReceivingStage(PipelineStage):
+    """A pipeline stage that holds a micro-batch's receive buffers only while the micro-batch
+    needs them: allocated when its receive is posted, let go after its backward. torch's
+    PipelineStage allocates one for every micro-batch's inputs and every one's output gradients
+    at its first step and keeps them all, m of each (about 48 GiB on a Qwen3-235B rank at
+    pp32 x virtual 3 with 512 micro-batches); Megatron-Core receives into fresh tensors as this
+    does. Buffers are torch's own (`_make_tensor_from_meta` of each receive's metadata)."""
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        super()._setup_forward_recv_info(num_microbatches, has_backward)
+        for index in range(num_microbatches):
+            self._let_go(self.args_recv_info[index])
+
+    def _setup_backward_recv_info(self, num_microbatches: int):
+        super()._setup_backward_recv_info(num_microbatches)
+        for index in range(num_microbatches):
+            self._let_go(self.grad_recv_info[index])
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        self._allocate(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        if self.has_backward and not self.is_last:
+            self._allocate(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        self._allocate(self.grad_recv_info[mb_index])    # a None gradient zeroes its buffer
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, *args, **kwargs):
+        result = super().backward_one_chunk(bwd_chunk_id, loss, *args, **kwargs)
+        # the input gradients it made are in bwd_cache until sent; autograd keeps what a
+        # zero-bubble weight backward still needs
+        self._let_go(self.args_recv_info.get(bwd_chunk_id, ()))
+        self._let_go(self.grad_recv_info.get(bwd_chunk_id, ()))
+        # the schedule keeps each micro-batch's loss to the step's end, and with it the graph's
+        # nodes back to the received input, which an AccumulateGrad node holds: one input a
+        # micro-batch. torch detaches the stage's output here, but not where it is a view.
+        if loss is not None and not loss._is_view():
+            loss.detach_()
+        return result
+
+    @staticmethod
+    def _let_go(infos) -> None:
+        for info in infos:
+            if not info.is_root_arg and info.tensor_meta is not None:
+                info.buffer = None
+
+    def _allocate(self, infos) -> None:
+        for info in infos:
+            if not info.is_root_arg and info.tensor_meta is not None and info.buffer is None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+
+
+class ReducingStage(ReceivingStage):
     """A pipeline stage under ZeRO-2 that reduce-scatters its gradients after every
     micro-batch's backward (module doc). torch's PipelineStage turns FSDP's gradient sync off
     for every backward and reduces once after the last, holding the stage's whole gradients
@@ -98,7 +155,7 @@ class ReshardingStage(ReducingStage):
         return result
 
 
-class WeightBackwardStage(PipelineStage):
+class WeightBackwardStage(ReceivingStage):
     """A pipeline stage of a zero-bubble schedule under FSDP mixed precision. FSDP2 folds a
     group's 16-bit gradients into its fp32 accumulated gradients in the group's post-backward
     hook, which fires with the input backward; a zero-bubble schedule computes the weight

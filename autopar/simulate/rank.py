@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.stage import InferenceMode
 from torch.distributed.tensor import placement_types
 from torch.distributed._functional_collectives import _group_or_group_name, _resolve_group
@@ -71,7 +72,8 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         memory = MemoryRecorder(fake)
         sent = CollectiveRecorder(axis_namer(plan))
-        with fake, memory, _all_to_all_as_the_device_does(plan), kernels_as_the_device_runs(plan):
+        with (fake, memory, _all_to_all_as_the_device_does(plan), kernels_as_the_device_runs(plan),
+              _transfers_held_until_waited()):
             compiled = build_runtime(model, plan, example_inputs=example_inputs, loss_fn=loss_fn,
                                      optimizer=optimizer or _adamw, graph=graph, device="cpu")
             _route_balanced(compiled)
@@ -155,6 +157,35 @@ def _all_to_all_as_the_device_does(plan: Plan):
         yield
     finally:
         placement_types.shard_dim_alltoall = saved
+
+
+class _HeldWork:
+    """A peer-to-peer work that keeps its tensors until waited, as gloo's and NCCL's do."""
+
+    def __init__(self, work, tensors: list):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        self.tensors = None
+        return self.work.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _transfers_held_until_waited():
+    """A real process group's send and receive works hold their tensors until waited; the fake
+    one's hold nothing. torch's schedules wait some sends only at the step's end (its schedule
+    runtime, which runs the interleaved and zero-bubble schedules, keeps every micro-batch's
+    sent activations and gradients until then), so the simulated rank's works hold theirs too."""
+    saved = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        return [_HeldWork(work, [op.tensor for op in p2p_ops]) for work in saved(p2p_ops, desc=desc)]
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = saved
 
 
 def _hold_optimizer_state(optimizer) -> None:
