@@ -464,3 +464,23 @@ def test_rms_norm_keeps_what_the_gpus_fused_kernel_keeps():
         torch.testing.assert_close(gpu, cpu)
     assert kept["gpu"][3] == 4 * 64 * 4           # one fp32 reciprocal RMS a row
     assert kept["cpu"][3] >= 4 * x.numel() * 4 // 2
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_the_shards_a_simulated_rank_makes_are_fsdps_own(dim):
+    """The simulation hands FSDP2 its chunks as it reads them (autopar.simulate.rank._Chunks):
+    every chunk is the view torch.chunk and FSDP2's padding give, for sizes that do and do not
+    divide, fewer rows than ranks, and none."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from autopar.simulate.rank import _Chunks
+
+    for size in (0, 1, 7, 8, 1000, 1024, 3000):
+        for ranks in (1, 3, 8, 1024):
+            tensor = torch.zeros(size, 3) if dim == 0 else torch.zeros(4, size)
+            made, lazy = _chunk_with_empty(tensor, ranks, dim), _Chunks(tensor, ranks, dim)
+            assert len(lazy) == len(made)
+            for rank in range(ranks):
+                assert (lazy[rank].shape, lazy[rank].stride()) == (made[rank].shape, made[rank].stride())
+                if made[rank].numel():
+                    assert lazy[rank].data_ptr() == made[rank].data_ptr()

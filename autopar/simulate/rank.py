@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp._fully_shard import _fsdp_param
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.stage import InferenceMode
 from torch.distributed.tensor import placement_types
@@ -74,8 +75,10 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
         sent = CollectiveRecorder(axis_namer(plan))
         with (fake, memory, _all_to_all_as_the_device_does(plan), kernels_as_the_device_runs(plan),
               _transfers_held_until_waited()):
-            compiled = build_runtime(model, plan, example_inputs=example_inputs, loss_fn=loss_fn,
-                                     optimizer=optimizer or _adamw, graph=graph, device="cpu")
+            with _only_the_rank_s_shards_made():
+                compiled = build_runtime(model, plan, example_inputs=example_inputs,
+                                         loss_fn=loss_fn, optimizer=optimizer or _adamw,
+                                         graph=graph, device="cpu")
             _route_balanced(compiled)
             _agree_on_static_shapes(compiled.schedule)
             _hold_optimizer_state(compiled.optimizer)
@@ -157,6 +160,42 @@ def _all_to_all_as_the_device_does(plan: Plan):
         yield
     finally:
         placement_types.shard_dim_alltoall = saved
+
+
+class _Chunks:
+    """`torch.chunk(tensor, n, dim)` padded with empty tensors to n (FSDP2's
+    `_chunk_with_empty`), each chunk made when asked for: the same views, without the n - 1
+    this rank never reads."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int):
+        self.tensor, self.n, self.dim = tensor, n, dim
+        self.size = -(-tensor.size(dim) // n) if tensor.size(dim) else 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        index, length = range(self.n)[index], self.tensor.size(self.dim)
+        if not length:          # torch.chunk gives n empty views of an empty tensor
+            return self.tensor.narrow(self.dim, 0, 0)
+        start = index * self.size
+        if start < length:
+            return self.tensor.narrow(self.dim, start, min(self.size, length - start))
+        return self[0].new_empty(0)
+
+
+@contextlib.contextmanager
+def _only_the_rank_s_shards_made():
+    """FSDP2 shards a parameter by chunking it into a piece for every rank of its group and
+    keeping its own (and the first's size): on a fake tensor of a 1024-rank group, 1024 fake
+    tensors a parameter, two thirds of a DeepSeek-V3 rank's simulation. Here it is handed the
+    chunks it reads, as views of the same offsets and sizes."""
+    saved = _fsdp_param._chunk_with_empty
+    _fsdp_param._chunk_with_empty = _Chunks
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = saved
 
 
 class _HeldWork:
