@@ -22,7 +22,9 @@ a one-GPU step against plain eager PyTorch.
 4. On rank 0, context parallelism's ring blocks: the fused kernel a block runs on the device (CUDA's
    memory-efficient attention, fp32) against the plain products, forward and backward, with the
    backward given the log-sum-exp of a whole attention over two blocks (as the ring's is).
-`--device cpu` runs 1, 2 and 4 on gloo CPU ranks (times then say nothing about GPUs): it checks the
+5. On rank 0, the experts' grouped matmul (one grouped GEMM on a GPU) against a loop of fp32
+   matmuls, forward and gradients, in bf16.
+`--device cpu` runs 1, 2, 4 and 5 on gloo CPU ranks (times then say nothing about GPUs): it checks the
 script itself where no GPU is lent. Needs torch and autopar only.
 """
 
@@ -259,6 +261,31 @@ def check_ring_blocks(device: torch.device) -> None:
           f"difference {worst:.2e} (forward, log-sum-exp, gradients): {verdict}")
 
 
+def check_grouped_experts(device: torch.device) -> None:
+    """Check 5: the experts' grouped matmul (autopar.models.experts.grouped_mm: one
+    torch._grouped_mm on a GPU, its backward on the weights transposed as a view, column-major)
+    against a loop of fp32 matmuls, forward and both gradients, with an expert that got no rows."""
+    from autopar.models.experts import grouped_mm
+
+    generator = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=generator).to(device, torch.bfloat16)
+    rows, weight = make(96, 64).requires_grad_(), make(4, 64, 128).requires_grad_()
+    ends = torch.tensor([16, 16, 64, 96], device=device)
+    out = grouped_mm(rows, weight, ends)
+    grad = make(*out.shape)
+    out.backward(grad)
+    plain_rows = rows.detach().float().requires_grad_()
+    plain_weight = weight.detach().float().requires_grad_()
+    starts = [0, *ends.tolist()[:-1]]
+    plain = torch.cat([plain_rows[a:b] @ plain_weight[e] for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
+    plain.backward(grad.float())
+    worst = max(float((a.detach().float() - b.detach()).abs().max() / b.detach().abs().max())
+                for a, b in ((out, plain), (rows.grad, plain_rows.grad), (weight.grad, plain_weight.grad)))
+    verdict = "ok" if worst <= 2e-2 else "DIFFERS"
+    print(f"grouped expert matmul on {device.type} (bf16) vs fp32 loop: largest difference "
+          f"{worst:.2e} of the largest value (forward, gradients): {verdict}")
+
+
 def run(args) -> None:
     """Every check this world runs; the default process group is up."""
     import autopar
@@ -278,6 +305,7 @@ def run(args) -> None:
         check_mfu(args, spec, device, mesh)
     if dist.get_rank() == 0:
         check_ring_blocks(device)
+        check_grouped_experts(device)
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -99,7 +99,9 @@ def _grouped_mm_context(ctx, inputs, output):
 
 def _grouped_mm_backward(ctx, grad):
     rows, weight, ends = ctx.saved_tensors
-    grad_rows = grouped_mm(grad, weight.transpose(1, 2).contiguous(), ends)
+    # the weights transposed as a view: torch._grouped_mm takes them column-major as they are,
+    # and a contiguous copy held a second copy of the experts' weights in every backward
+    grad_rows = grouped_mm(grad, weight.transpose(1, 2), ends)
     grad_weight = grouped_mm_weight_grad(rows, grad.contiguous(), ends, weight.shape[0])
     return grad_rows, grad_weight, None
 
