@@ -105,6 +105,7 @@ _DEVICE_COMPUTE = {
     "h100-80g": {"matmul": 0.68, "attention": 0.33},
     "h100-96g": {"matmul": 0.68, "attention": 0.33},
     "h200-141g": {"matmul": 0.68, "attention": 0.33},
+    "h800-80g": {"matmul": 0.68, "attention": 0.33},
 }
 
 # Attention where the runtime runs another kernel than FlashAttention-2 (`Runtime.attention_kernel`).
@@ -114,8 +115,8 @@ _DEVICE_COMPUTE = {
 # to the forward's two, 7 / (2/530 + 5/510) = 515 TFLOP/s of 989: 0.52. (The same arithmetic on
 # that paper's FlashAttention-2 figures, forward 330 and backward 320, gives the 0.33 above.)
 _KERNEL_COMPUTE = {
-    "cudnn": {"h100-80g": {"attention": 0.52}, "h100-96g": {"attention": 0.52},
-              "h200-141g": {"attention": 0.52}},
+    "cudnn": {name: {"attention": 0.52} for name in ("h100-80g", "h100-96g", "h200-141g",
+                                                     "h800-80g")},
 }
 
 

@@ -106,6 +106,9 @@ GIB = 1 << 30
 NVLINK2 = Link("nvlink2", 150 * GB, 5e-6, 0.80)
 NVLINK3 = Link("nvlink3", 300 * GB, 5e-6, 0.77)
 NVLINK4 = Link("nvlink4", 450 * GB, 5e-6, 0.80)
+# The export parts (H800, A800): the same chips with 8 NVLinks of their 18 (H800) or 12 (A800),
+# 400 GB/s bidirectional; DeepSeek-V3's report measures about 160 GB/s on an H800's NVLink
+NVLINK_EXPORT = Link("nvlink-export", 200 * GB, 5e-6, 0.80)
 NVLINK5 = Link("nvlink5", 900 * GB, 5e-6, 0.80)
 IB_EDR = Link("ib-edr", 6.25 * GB, 10e-6, 0.90)    # DGX-2: 8 x 100 Gb/s for 16 GPUs
 IB_HDR = Link("ib-hdr", 25 * GB, 10e-6, 0.90)
@@ -146,7 +149,7 @@ def _tensor_flops(bf16: float, fp32: float, fp8: float = 0.0) -> dict:
 # Dense (not sparse) tensor-core FLOP/s from the vendors' data sheets and whitepapers:
 # V100 SXM3 fp16 125 TFLOP/s, no bf16 (it falls back to fp32); A100 312; H100 SXM 989, FP8 1979
 # (the H100 96 GB of Grand Teton is priced as an SXM H100, its 500 W cap not modeled); H200 as
-# H100; B200 (HGX/DGX, 1000 W) 2250 bf16 and 4500 FP8 (DGX B200: 72 PFLOP/s FP8 sparse for 8);
+# H100; the export H800 and A800 as the H100 and A100 but for their NVLink (NVLINK_EXPORT); B200 (HGX/DGX, 1000 W) 2250 bf16 and 4500 FP8 (DGX B200: 72 PFLOP/s FP8 sparse for 8);
 # GB200 2500 and 5000 (GB200 NVL72: 180 PFLOP/s bf16, 360 FP8 dense for 72); GB300 the same
 # tensor rates with 288 GB (GB300 NVL72). GeForce cards run 16-bit matmuls with fp32
 # accumulation at half their fp16-accumulate rate: RTX 3090 71 TFLOP/s (GA102 whitepaper,
@@ -160,8 +163,12 @@ DEVICES = {device.name: device for device in (
                IB_EDR, 80),
     DeviceSpec("a100-40g", _tensor_flops(312e12, 19.5e12), 1555 * GB, 40 * GIB, NVLINK3, IB_HDR, 108),
     DeviceSpec("a100-80g", _tensor_flops(312e12, 19.5e12), 2039 * GB, 80 * GIB, NVLINK3, IB_HDR, 108),
+    DeviceSpec("a800-80g", _tensor_flops(312e12, 19.5e12), 2039 * GB, 80 * GIB, NVLINK_EXPORT,
+               IB_HDR, 108),
     DeviceSpec("h100-80g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 80 * GIB, NVLINK4,
                IB_NDR, 132),
+    DeviceSpec("h800-80g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 80 * GIB,
+               NVLINK_EXPORT, IB_NDR, 132),
     DeviceSpec("h100-96g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 96 * GIB, NVLINK4,
                IB_NDR, 132),
     DeviceSpec("h200-141g", _tensor_flops(989e12, 67e12, 1979e12), 4800 * GB, 141 * GIB, NVLINK4,
@@ -185,7 +192,9 @@ HOSTS = {
     "v100-32g": _host_figures(256, 2e12, 16, PCIE3, 1500),
     "a100-40g": _host_figures(410, 4e12, 8, PCIE4, 1000),
     "a100-80g": _host_figures(410, 4e12, 8, PCIE4, 1000),
+    "a800-80g": _host_figures(410, 4e12, 8, PCIE4, 1000),
     "h100-80g": _host_figures(614, 6e12, 8, PCIE5, 2000),
+    "h800-80g": _host_figures(614, 6e12, 8, PCIE5, 2000),
     "h100-96g": _host_figures(614, 6e12, 8, PCIE5, 2000),
     "h200-141g": _host_figures(614, 6e12, 8, PCIE5, 2000),
     "b200-180g": _host_figures(717, 6e12, 8, PCIE5, 2000),

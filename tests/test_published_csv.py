@@ -27,6 +27,10 @@ ROWS = [
     dict(DENSE, kind="offload", model="tiny Llama offloaded", gpu="RTX 4090", gpus=1, gpus_per_node=1,
          zero_fsdp="ZeRO-3", offload="CPU (params and optimizer)", figure_kind="step_time_s",
          figure_value=0.5, source="DeepSpeed"),
+    # the export H800 (DeepSeek-V3's), its NVLink a fraction of an H100's
+    dict(DENSE, kind="moe", model="tiny MoE on H800s", gpu="H800 SXM5 80GB", gpus=16,
+         num_experts=8, top_k=2, expert_ffn_hidden=128, shared_experts=0,
+         moe_layer_freq="every layer", ep=8, figure_kind="tflops_per_gpu", figure_value=100),
     # a device that is not in the table: failed, with the reason
     dict(DENSE, kind="cp", model="unknown card", gpu="TPU v5", figure_kind="step_time_s", figure_value=1),
 ]
@@ -43,7 +47,7 @@ def test_every_row_is_priced_or_fails_with_its_reason(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
-    assert (summary["estimated"], summary["failed"]) == (3, 1), summary["rows"]
+    assert (summary["estimated"], summary["failed"]) == (4, 1), summary["rows"]
     failed = [row for row in summary["rows"] if row["status"] == "failed"]
     assert "TPU v5" in failed[0]["reason"] and "device table" in failed[0]["reason"]
     for row in summary["rows"][:3]:
@@ -51,4 +55,5 @@ def test_every_row_is_priced_or_fails_with_its_reason(tmp_path):
     moe, context, offload = summary["rows"][:3]
     assert (moe["config"]["tp"], moe["config"]["ep"]) == (2, 4) and moe["comm"].get("expert", 0) > 0
     assert context["config"]["cp"] == 2 and offload["config"]["offload"]
+    assert summary["rows"][3]["mesh"] == "2x8:h800-80g"
     assert set(summary) >= {"estimated", "failed", "median_abs_err", "worst_abs_err", "rows"}
