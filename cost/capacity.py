@@ -12,6 +12,7 @@ from autopar.cost.config import Config
 from autopar.cost.estimator import _Pipeline, check_world, pipeline_memory, price_pipeline
 from autopar.cost.layout import graph_sequence
 from autopar.cost.mesh import Mesh
+from autopar.cost.overlap import RUNTIMES, holds_every_transfer
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.errors import AutoparError
@@ -35,7 +36,8 @@ def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
     ratio = 1 if seq is None else seq / _captured_sequence(graph)
     totals = [sympy.Add(*part.values()) for part in pipeline_memory(
-        pipe, stages, batch / config.cp, config.schedule, config.virtual, ratio)[0]]
+        pipe, stages, batch / config.cp, config.schedule, config.virtual, ratio,
+        receive_buffers=holds_every_transfer(RUNTIMES["autopar"], config.schedule))[0]]
     return sympy.Max(*totals)
 
 
@@ -66,7 +68,8 @@ def max_batch(graph: Graph, mesh: Mesh, config: Config, memory_limit: float | No
     limit = memory_limit if memory_limit is not None else mesh.device.memory_bytes
     pipe, stages = _uniform_pipeline(graph, mesh, config, attention, placements)
     memory = lambda size: max(sum(part.values()) for part in pipeline_memory(
-        pipe, stages, size / config.cp, config.schedule, config.virtual)[0])
+        pipe, stages, size / config.cp, config.schedule, config.virtual,
+        receive_buffers=holds_every_transfer(RUNTIMES["autopar"], config.schedule))[0])
     return 0 if memory(0) > limit else _largest_fitting(memory, limit, 0)
 
 

@@ -65,6 +65,12 @@ class Chunk:
     weight_read: float = 0.0        # elements of the largest weight an op reads, and what its
     weight_freed_poly: dict = field(default_factory=dict)  # micro-batch's backward freed before
                                                            # that weight's gradient is made
+    # The same where FSDP2 reduces each block's gradients once the block's backward is done
+    # (ZeRO-2/3): the 16-bit gradients alive at a weight's backward are its own and those of its
+    # block's later weights, made before it (`_heaviest_block_gradients`)
+    group_read: float = 0.0
+    group_freed_poly: dict = field(default_factory=dict)
+    group_alive_poly: dict = field(default_factory=dict)   # its recomputed region's, still kept
     sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
     received_poly: dict = field(default_factory=dict)  # what it receives: inputs, outputs' gradients
     # What the backward of one block frees: the activations of the block instance that keeps the
@@ -203,6 +209,8 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     # it kept for the next op's backward (as large) is freed by then
     out.flowing_poly = {widest[1]: widest[0]}
     out.weight_read, out.weight_freed_poly = _heaviest_weight(graph, layout, regions, nodes)
+    out.group_read, out.group_freed_poly, out.group_alive_poly = _heaviest_block_gradients(
+        graph, layout, in_block, regions, nodes)
     return out
 
 
@@ -224,18 +232,65 @@ def _heaviest_weight(graph: Graph, layout: GraphLayout, regions: list, nodes: li
     """The elements of the largest weight an op of the chunk reads (the last such op), and
     what the ops after it keep for the backward: by that op's backward, the micro-batch's
     backward has freed it (an embedding's gradient comes after all of them)."""
-    kept_at: dict[str, int] = {}        # saved storage -> the position of the first node keeping it
+    kept_at = _first_keepers(layout, regions, nodes)
     heaviest = (0.0, -1)                # (weight elements read, position)
+    for read, _, position, _ in _weight_reads(graph, layout, nodes):
+        if read >= heaviest[0]:
+            heaviest = (read, position)
+    return heaviest[0], _poly([key for key, at in kept_at.items() if at > heaviest[1]], layout)
+
+
+def _heaviest_block_gradients(graph: Graph, layout: GraphLayout, in_block: list, regions: list,
+                              nodes: list[NodeLayout]):
+    """Where FSDP2 reduces each block's gradients once the block's backward is done (ZeRO-2/3),
+    a weight's backward holds the 16-bit gradients of its block's later weights, made before
+    its own, and what the recomputed forward kept for the ops before it. The op where the two
+    weigh most (per sample): its gradients' elements, what the ops after it kept outside
+    recomputed regions (freed by then) and what its region's earlier ops keep (still alive)."""
+    kept_at = _first_keepers(layout, regions, nodes)
+    region_keys: dict[tuple, list] = {}         # (block, position) -> region keys kept before it
+    seen: dict = {}
+    for position, node in enumerate(nodes):
+        i = layout.index[node.name]
+        region_keys[in_block[i], position] = list(seen.get(in_block[i], ()))
+        if regions[i]:
+            seen.setdefault(in_block[i], []).extend(node.saved)
+    heaviest, later = (0.0, 0.0, -1, ()), {}    # (weight per sample, elements, position, alive)
+    for read, local, position, i in reversed(_weight_reads(graph, layout, nodes)):
+        block = in_block[i]
+        if block is not None:
+            read, later[block] = read + later.get(block, 0.0), later.get(block, 0.0) + local
+        alive = region_keys[block, position] if block is not None else []
+        weight = read * DTYPE_BYTES[layout.dtype] / layout.batch + poly_at(_poly(alive, layout), 1)
+        heaviest = max(heaviest, (weight, read, position, alive), key=lambda entry: entry[0])
+    _, read, position, alive = heaviest
+    return (read, _poly([key for key, at in kept_at.items() if at > position], layout),
+            _poly(alive, layout))
+
+
+def _first_keepers(layout: GraphLayout, regions: list, nodes: list[NodeLayout]) -> dict:
+    """Saved storage -> the position of the first node keeping it outside recomputed regions."""
+    kept_at: dict[str, int] = {}
     for position, node in enumerate(nodes):
         i = layout.index[node.name]
         for key in () if regions[i] else node.saved:
             kept_at.setdefault(key, position)
-        read = max((layout.param_local.get(name, 0.0) for name in graph.nodes[i].inputs), default=0.0)
+    return kept_at
+
+
+def _weight_reads(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) -> list:
+    """(elements a backward holds for the weight an op reads, its gradient's elements, position,
+    graph index) of each op that reads a weight and is differentiated."""
+    reads = []
+    for position, node in enumerate(nodes):
+        i = layout.index[node.name]
+        local = max((layout.param_local.get(name, 0.0) for name in graph.nodes[i].inputs), default=0.0)
+        local = max(local, node.param_bytes / DTYPE_BYTES[layout.dtype])
         # a weight read whole: its gathered copy and its whole gradient, both live in the backward
-        read = max(read, node.param_bytes / DTYPE_BYTES[layout.dtype], 2 * node.weight_gathered)
-        if read and node.requires_grad and read >= heaviest[0]:
-            heaviest = (read, position)
-    return heaviest[0], _poly([key for key, at in kept_at.items() if at > heaviest[1]], layout)
+        read = max(local, 2 * node.weight_gathered)
+        if read and node.requires_grad:
+            reads.append((read, local, position, i))
+    return reads
 
 
 def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) -> None:

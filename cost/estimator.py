@@ -61,8 +61,7 @@ from autopar.cost.config import Config
 from autopar.cost.master_weights import cast_seconds
 from autopar.cost.memory import in_flight, peak_bytes, pending_weight_backwards
 from autopar.cost.mesh import Mesh
-from autopar.cost.overlap import (RUNTIMES, DeviceWork, Runtime, holds_every_transfer,
-                                  runtime_named)
+from autopar.cost.overlap import DeviceWork, Runtime, holds_every_transfer, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import Chunk, partial_gradients_time, partial_reductions, poly_at
@@ -336,13 +335,11 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
 
 def pipeline_memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
             virtual: int, seq_ratio=1, precision: str = Precision.BF16,
-            receive_buffers: bool | None = None) -> tuple[list[dict], list]:
+            receive_buffers: bool = False) -> tuple[list[dict], list]:
     """Memory breakdown of each pipeline rank and the bytes it keeps on its host (offload);
     `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the
     captured one) may be sympy expressions; `receive_buffers`: the rank holds every
-    micro-batch's transfers (`holds_every_transfer`; by default as autopar's runtime does)."""
-    if receive_buffers is None:
-        receive_buffers = holds_every_transfer(RUNTIMES["autopar"], schedule)
+    micro-batch's transfers (`cost.overlap.holds_every_transfer`)."""
     parts = [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], samples, schedule,
                             pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
                             seq_ratio=seq_ratio, precision=precision,
@@ -416,6 +413,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     parts = peak_bytes(params=params, gathered=gathered, group=group,
                        place=(lambda phase: offloaded(phase)[0]) if spec.offload else None,
                        weight=_heaviest_gradient(chunks, element, seq_ratio, b),
+                       block_weights=_heaviest_gradient(chunks, element, seq_ratio, b, by_block=True),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
                        reduce_every=reduces_every_micro_batch(spec.zero, schedule),
                        held=held, pipelined=pp > 1,   # both in (chunk, micro-batch) pairs
@@ -439,12 +437,17 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     return parts, offloaded(parts)[1] if spec.offload else 0.0
 
 
-def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b):
+def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b, *, by_block: bool = False):
     """Elements of the weight gradient that adds most to a backward's peak: the largest weight of
     a chunk, less the activations its micro-batch's backward has freed before reaching the op
-    that reads it (`Chunk.weight_freed_poly`; none where that op was not found)."""
-    added = [max(c.largest, c.weight_read) * element
-             - (poly_at(c.weight_freed_poly, seq_ratio) * b if c.weight_read >= c.largest else 0.0)
+    that reads it (`Chunk.weight_freed_poly`; none where that op was not found). `by_block`:
+    with the gradients of its block's later weights, which FSDP2 reduces together when the block's
+    backward ends (`Chunk.group_read`)."""
+    read = lambda c: (c.group_read, c.group_freed_poly, c.group_alive_poly) if by_block else \
+        (c.weight_read, c.weight_freed_poly, {})
+    added = [max(c.largest, read(c)[0]) * element
+             - ((poly_at(read(c)[1], seq_ratio) - poly_at(read(c)[2], seq_ratio)) * b
+                if read(c)[0] >= c.largest else 0.0)
              for c in chunks]
     return _largest([0.0, *added]) / element
 

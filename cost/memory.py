@@ -99,22 +99,22 @@ GATHERED_GROUPS = 2
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
                recomputed, flowing, reduce_every: bool = False, blocks: int = 0, block_kept=0.0,
-               expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
+               expert_params: float = 0.0, expert_dp: int = 1, received=0.0, block_weights=None,
                loss_held: int | None = None, place=None, deferred=(0.0, 0.0), padding=(0.0, 0.0)) -> dict:
-    """Memory of one device at its peak, by part; the parts sum to the peak (`_at_peak`). `params`
-    elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer
-    state and gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the
-    elements ZeRO-3 holds gathered at once, `activations` the bytes the schedule keeps for the
-    backward: `held` micro-batches of the `micro_batches` of a step; on the last stage each of
-    the `loss_held` of them that ran the last chunk (all `held` by default) also keeps the loss's
-    copy of its `logits` elements (fp32) and, in a pipeline, the logits (torch's PipelineStage
-    caches a stage's outputs). Phases as in the module docstring. A backward's transients
-    (`buffers`): the larger of the loss's kept copy and its gradients, and what a block's backward
-    holds: a recomputed region's activations (`recomputed`), the gradients flowing through its
-    widest op (`flowing`) and the gradient of the weight it reads (`weight` elements: the largest,
-    less what the backward freed before it); in a pipeline both also hold the logits. `received`:
-    the receive buffers; `place`: what of a phase stays on the device; `deferred`: zero-bubble's
-    kept gradients (`pending_weight_backwards`); `padding`: ZeRO's (dense, experts: cost/padding.py)."""
+    """Memory of one device at its peak, by part, summing to the peak (`_at_peak`). `params`
+    elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer state and
+    gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the elements ZeRO-3
+    holds gathered at once, `activations` the bytes the schedule keeps for the backward: `held`
+    micro-batches of the `micro_batches` of a step; on the last stage each of the `loss_held` of
+    them that ran the last chunk (all `held` by default) also keeps the loss's copy of its
+    `logits` elements (fp32) and, in a pipeline, the logits (its outputs, cached by torch's
+    PipelineStage). Phases as in the module docstring. A backward's transients (`buffers`): the
+    larger of the loss's kept copy and its gradients, and what a block's backward holds: a
+    recomputed region's activations (`recomputed`), the gradients flowing through its widest op
+    (`flowing`), the gradient of the weight it reads (`weight` elements, less what was freed;
+    `block_weights`: `_reduced_block`); in a pipeline both hold the logits too. `received`, `place`,
+    `deferred`, `padding`: receive buffers, a phase's part on the device, zero-bubble's kept
+    gradients, ZeRO's padding (dense, experts: cost/padding.py)."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=place is not None, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -130,10 +130,9 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = sharded(GRADIENT_BYTES)
-    scattered = {earlier: scattered_bytes(group=group, dp=dp, zero=zero, element=element, blocks=blocks,
-                                          block_kept=block_kept, new_shards=not earlier) for earlier in (False, True)}
-    # ZeRO-3 at the loss's backward: no group gathered (module docstring)
-    loss_weights = {"weights": 0.0} if zero == 3 else {}
+    scattered = {earlier: _scattered(earlier, group=group, dp=dp, zero=zero, element=element,
+                                     blocks=blocks, block_kept=block_kept, micro_batches=micro_batches)
+                 for earlier in (False, True)}
 
     def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
         held_now = {**zeros, "activations": activations_held}
@@ -141,21 +140,39 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
             return [{**held_now, "gradients": gradients if earlier else 0.0,
                      "buffers": _max(loss, block)}]
         # the loss's backward: an earlier micro-batch's shards, in a pipeline with its last
-        # reduce-scatter's input (module docstring)
+        # reduce-scatter's input (module docstring); under ZeRO-3 no group gathered
         loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
-        return [{**held_now, **loss_weights, "gradients": loss_gradients, "buffers": loss},
+        return [{**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
+                 "buffers": loss},
                 {**held_now, "gradients": (shards if earlier else 0.0) + scattered[earlier],
-                 "buffers": block}]
-
-    later = max(held - 1, 1)          # micro-batches held at the second backward
-    phases = [      # the first backward, the time between backwards (zero-bubble), the second
-        *backward(activations + deferred[0] + (losses - 1) * kept, micro_batches > held),
+                 "buffers": _reduced_block(block, recomputed + weight * element, block_weights, element)}]
+    later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
+    phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
+        *backward(first, micro_batches > held),     # the time between backwards (zero-bubble),
+        *(backward(first, False) if reduce_every and micro_batches > held else ()),   # the second
         {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[-1], "buffers": 0.0},
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
          "optimizer_step": sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
     ]
     return _at_peak(persistent, phases, place)
+
+
+def _reduced_block(block, one_weight, block_weights, element: int):
+    """What a block's backward holds where FSDP2 reduces each block's gradients when its backward
+    ends (ZeRO-2/3) and `block_weights` is given: its 16-bit gradients are all made by then, and
+    the activations its recompute made freed, so the larger of the moment at its heaviest weight
+    (`one_weight` with the region) and the one at its block's heaviest gradients."""
+    if block_weights is None:
+        return block
+    return block - one_weight + _max(one_weight, block_weights * element)
+
+
+def _scattered(earlier: bool, *, micro_batches: int, **sizes):
+    """`scattered_bytes` of a backward after an earlier micro-batch's or not. ZeRO-2's runtime
+    keeps the weights gathered until the step's last micro-batch: only a first backward that is
+    also the last frees them block by block."""
+    return scattered_bytes(**sizes, new_shards=not earlier, weights_freed=micro_batches == 1 or earlier)
 
 
 def _at_peak(persistent: dict, phases: list[dict], place=None) -> dict:
@@ -171,7 +188,7 @@ def _at_peak(persistent: dict, phases: list[dict], place=None) -> dict:
 
 
 def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: int, block_kept,
-                    new_shards: bool = True):
+                    new_shards: bool = True, weights_freed: bool = True):
     """What a micro-batch's backward holds at its peak beyond its activations and the shards of
     earlier micro-batches, once the runtime reduces each FSDP group's gradients as its backward
     ends (ZeRO-2/3, `reduces_every_micro_batch`).
@@ -181,7 +198,9 @@ def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: i
     group of fp32 gradients, kept by FSDP2 until the next one) and, in the first micro-batch's
     backward (`new_shards`; later ones add into them), the k - 1 shards (1/dp each, fp32); it has
     freed the activations those blocks kept (`block_kept` bytes, the fewest of a block) and, under
-    ZeRO-2, their gathered weights (ZeRO-3 counts only the groups gathered at once). Each block
+    ZeRO-2, their gathered weights where the runtime frees them after the backward
+    (`weights_freed`: it keeps them gathered until a step's last micro-batch; ZeRO-3 counts only
+    the groups gathered at once). Each block
     adds the same, so the peak is at the second block or at the last: the second when the
     activations a block frees outweigh its shard (no recompute), the last when they do not (full
     recompute of large blocks). At the first block only the head's smaller group was reduced:
@@ -189,7 +208,7 @@ def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: i
     if blocks < 2:
         return 0.0
     shard = group * GRADIENT_BYTES / dp if new_shards else 0.0
-    per_block = shard - block_kept - (group * element if zero < 3 else 0.0)
+    per_block = shard - block_kept - (group * element if zero < 3 and weights_freed else 0.0)
     return _max(0.0, group * GRADIENT_BYTES + _max(per_block, per_block * (blocks - 1)))
 
 

@@ -21,13 +21,13 @@ def graph():
 
 
 def tight_plans(graph) -> tuple[Plan, Plan]:
-    """Plans under 45% and 20% of the memory the unconstrained plan (zero-bubble) needs on 4 CPU
-    ranks."""
+    """Plans under 50% and 20% of the memory the unconstrained plan (zero-bubble) needs on 4 CPU
+    ranks (under 40% tensor parallelism over 2 ranks with recompute is cheaper than cp=2)."""
     free = plan_graph(graph, "4:cpu", global_batch=BATCH)
     need = free.predicted["memory_per_gpu_bytes"]
     assert free.cp == 1 and not free.offload       # where memory is loose, neither is used
     return tuple(plan_graph(graph, "4:cpu", global_batch=BATCH, memory_limit=int(need * fraction))
-                 for fraction in (0.45, 0.2))
+                 for fraction in (0.5, 0.2))
 
 
 def test_tight_memory_finds_context_parallelism_then_offload(graph):
