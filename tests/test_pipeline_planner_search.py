@@ -68,11 +68,13 @@ def test_forced_pipelines_under_tight_memory_use_many_schedules(graphs):
     assert schedules == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"}
 
 
-def _grid(graph, mesh: Mesh, batch: int, limit: float, placements):
+def _grid(graph, mesh: Mesh, batch: int, limit: float, pricer):
     """Every Megatron-style configuration, enumerated here and not by the planner: TP inside a
     node, PP dividing the blocks, DP the rest, micro-batch sizes dividing a replica's batch, the
     schedules torch runs, every recompute and ZeRO stage; priced by `estimate` on the per-op
-    placements `placements(tp)` (those a plan of that degree runs). The fitting ones."""
+    placements `pricer.placements(tp)` (those a plan of that degree runs), with sequence
+    parallelism where those placements split the residual stream (a stage that says it does
+    while its norms read the stream whole is no plan's). The fitting ones."""
     fitting = []
     for tp, pp in itertools.product(range(1, mesh.gpus_per_node + 1), range(1, BLOCKS + 1)):
         if mesh.gpus_per_node % tp or BLOCKS % pp or mesh.world_size % (tp * pp):
@@ -91,9 +93,9 @@ def _grid(graph, mesh: Mesh, batch: int, limit: float, placements):
                     continue
                 config = Config(tp=tp, pp=pp, dp=dp, virtual=v, global_batch=batch, micro_batch=mbs,
                                 recompute=recompute, zero=zero, schedule=schedule,
-                                sequence_parallel=tp > 1)
+                                sequence_parallel=tp > 1 and pricer.tensor_axis(tp)[0]["splits_stream"])
                 try:
-                    priced = estimate(graph, mesh, config, placements=placements(tp))
+                    priced = estimate(graph, mesh, config, placements=pricer.placements(tp))
                 except AutoparError:
                     continue        # a degree the model does not divide
                 if priced.memory_per_gpu_bytes <= limit:
@@ -138,7 +140,7 @@ def test_plan_is_the_fastest_fitting_candidate_and_never_slower_than_the_grid(gr
         assert 3 in zeros
     if any(p.fits and 3 in p.candidate.zero for p in data_parallel):
         assert 2 in zeros
-    grid = _grid(graph, Mesh.parse(mesh), batch, budget, search.pricer.placements)
+    grid = _grid(graph, Mesh.parse(mesh), batch, budget, search.pricer)
     if grid:
         best, config = min(grid, key=lambda pair: pair[0])
         assert step <= best * (1 + 1e-9), f"{plan.summary()} is slower than {config}"
