@@ -248,19 +248,20 @@ def _heaviest_block_gradients(graph: Graph, layout: GraphLayout, in_block: list,
     weigh most (per sample): its gradients' elements, what the ops after it kept outside
     recomputed regions (freed by then) and what its region's earlier ops keep (still alive)."""
     kept_at = _first_keepers(layout, regions, nodes)
-    region_keys: dict[tuple, list] = {}         # (block, position) -> region keys kept before it
-    seen: dict = {}
+    seen: dict = {}                     # block -> the keys its recomputed regions keep, in order
+    before: dict[int, int] = {}         # position -> how many of its block's were kept before it
     for position, node in enumerate(nodes):
         i = layout.index[node.name]
-        region_keys[in_block[i], position] = list(seen.get(in_block[i], ()))
+        kept = seen.setdefault(in_block[i], [])
+        before[position] = len(kept)
         if regions[i]:
-            seen.setdefault(in_block[i], []).extend(node.saved)
+            kept.extend(node.saved)
     heaviest, later = (0.0, 0.0, -1, ()), {}    # (weight per sample, elements, position, alive)
     for read, local, position, i in reversed(_weight_reads(graph, layout, nodes)):
         block = in_block[i]
         if block is not None:
             read, later[block] = read + later.get(block, 0.0), later.get(block, 0.0) + local
-        alive = region_keys[block, position] if block is not None else []
+        alive = seen[block][:before[position]] if block is not None else []
         weight = read * DTYPE_BYTES[layout.dtype] / layout.batch + poly_at(_poly(alive, layout), 1)
         heaviest = max(heaviest, (weight, read, position, alive), key=lambda entry: entry[0])
     _, read, position, alive = heaviest

@@ -443,12 +443,12 @@ def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b, *, by_bl
     that reads it (`Chunk.weight_freed_poly`; none where that op was not found). `by_block`:
     with the gradients of its block's later weights, which FSDP2 reduces together when the block's
     backward ends (`Chunk.group_read`)."""
-    read = lambda c: (c.group_read, c.group_freed_poly, c.group_alive_poly) if by_block else \
-        (c.weight_read, c.weight_freed_poly, {})
-    added = [max(c.largest, read(c)[0]) * element
-             - ((poly_at(read(c)[1], seq_ratio) - poly_at(read(c)[2], seq_ratio)) * b
-                if read(c)[0] >= c.largest else 0.0)
-             for c in chunks]
+    added = []
+    for c in chunks:
+        read, freed, alive = (c.group_read, c.group_freed_poly, c.group_alive_poly) if by_block \
+            else (c.weight_read, c.weight_freed_poly, {})
+        released = (poly_at(freed, seq_ratio) - poly_at(alive, seq_ratio)) * b if read >= c.largest else 0.0
+        added.append(max(c.largest, read) * element - released)
     return _largest([0.0, *added]) / element
 
 

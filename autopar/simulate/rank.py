@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import time
+from unittest import mock
 from dataclasses import dataclass, field
 
 import torch
@@ -184,18 +185,12 @@ class _Chunks:
         return self[0].new_empty(0)
 
 
-@contextlib.contextmanager
 def _only_the_rank_s_shards_made():
     """FSDP2 shards a parameter by chunking it into a piece for every rank of its group and
     keeping its own (and the first's size): on a fake tensor of a 1024-rank group, 1024 fake
     tensors a parameter, two thirds of a DeepSeek-V3 rank's simulation. Here it is handed the
     chunks it reads, as views of the same offsets and sizes."""
-    saved = _fsdp_param._chunk_with_empty
-    _fsdp_param._chunk_with_empty = _Chunks
-    try:
-        yield
-    finally:
-        _fsdp_param._chunk_with_empty = saved
+    return mock.patch.object(_fsdp_param, "_chunk_with_empty", _Chunks)
 
 
 class _HeldWork:
@@ -209,22 +204,17 @@ class _HeldWork:
         return self.work.wait(*args, **kwargs)
 
 
-@contextlib.contextmanager
 def _transfers_held_until_waited():
     """A real process group's send and receive works hold their tensors until waited; the fake
     one's hold nothing. torch's schedules wait some sends only at the step's end (its schedule
     runtime, which runs the interleaved and zero-bubble schedules, keeps every micro-batch's
     sent activations and gradients until then), so the simulated rank's works hold theirs too."""
-    saved = schedules._batch_p2p
+    batch_p2p = schedules._batch_p2p
 
-    def batch_p2p(p2p_ops, desc=None):
-        return [_HeldWork(work, [op.tensor for op in p2p_ops]) for work in saved(p2p_ops, desc=desc)]
+    def holding(p2p_ops, desc=None):
+        return [_HeldWork(work, [op.tensor for op in p2p_ops]) for work in batch_p2p(p2p_ops, desc=desc)]
 
-    schedules._batch_p2p = batch_p2p
-    try:
-        yield
-    finally:
-        schedules._batch_p2p = saved
+    return mock.patch.object(schedules, "_batch_p2p", holding)
 
 
 def _hold_optimizer_state(optimizer) -> None:
