@@ -115,14 +115,23 @@ def export_for_pipeline(model: nn.Module, example_inputs: tuple, program=None,
     for node in list(module.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             module.graph.erase_node(node)
+    regions = set()
     for node in module.graph.nodes:
         if node.op == "get_attr":
-            tensor = _attribute(module, node.target)
-            if isinstance(tensor, torch.Tensor):
+            value = _attribute(module, node.target)
+            if isinstance(value, torch.Tensor):
                 # a fresh name: the node's own may be the tensor's attribute name on the model
                 name = f"ref_{node.name}"
-                module.add_submodule(name, TensorRef(node.target, tensor))
+                module.add_submodule(name, TensorRef(node.target, value))
                 node.op, node.target = "call_module", name
+            elif isinstance(value, fx.GraphModule):
+                # the body of a no-grad or autocast region, which the export names submod_N:
+                # renamed, as the stage split names its parts so (split_module)
+                regions.add(node.target)
+                node.target = f"region_{node.name}"
+                module.add_submodule(node.target, value)
+    for name in regions:
+        delattr(module, name)
     module.graph.lint()
     module.recompile()
     return module

@@ -36,6 +36,36 @@ def test_stages_in_sequence_compute_the_model(recompute):
     torch.testing.assert_close(run_stages(programs, ids), model(ids), rtol=0, atol=0)
 
 
+class NoGradRegions(nn.Module):
+    """Layers that compute part of their forward under torch.no_grad(), which the export keeps as
+    regions whose bodies it names submod_1, submod_3, ... (HuggingFace routers and rotary tables
+    do this); a layer without nodes comes first."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.nothing = nn.Identity()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, ids):
+        x = self.nothing(self.embed(ids))
+        for layer in self.layers:
+            with torch.no_grad():
+                keep = x > x.mean()
+            x = layer(x) * keep
+        return x
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_layers_with_no_grad_regions_split_and_recompute(recompute):
+    model = NoGradRegions()
+    ids = torch.randint(0, 16, (2, 4))
+    stages = [["embed", "nothing", "layers.0", "layers.1"], ["layers.2"]]
+    programs = [recompute_blocks(program, recompute)
+                for program in split_stages(export_for_pipeline(model, (ids,)), stages)]
+    torch.testing.assert_close(run_stages(programs, ids), model(ids), rtol=0, atol=0)
+
+
 def test_each_stage_owns_exactly_its_layers_parameters():
     model, (ids,) = build_model(GPT, device="cpu", batch=2)
     programs = split_stages(export_for_pipeline(model, (ids,)), GPT_STAGES)
