@@ -3,7 +3,8 @@ rewritten to run expert-parallel by passes/expert_parallel.py).
 
 A MoE layer is recognized by what it computes, not by module or class names:
 - a router's `topk` whose indices choose experts (softmax or sigmoid scores, group-limited or
-  not: only the indices matter here), the *routing source*;
+  not: only the indices matter here), or its `max` taken in turns (Phi-3.5-MoE's sparsemixer
+  picks one expert, masks it, picks the next), the *routing source*;
 - expert weights: parameters whose leading dim is the number of experts E (the width of the
   scores the router's topk reads), read by a grouped matmul (`torch._grouped_mm`, transformers'
   `grouped_mm_fallback`: rows sorted by expert, cumulative counts as offsets) or gathered row by
@@ -135,7 +136,7 @@ def _kinds(gm: fx.GraphModule) -> dict[fx.Node, str]:
             kinds[node] = VALUE
         elif node.op in ("call_module", "get_attr") and not inputs:
             kinds[node] = PARAM if _parameter(gm, node) is not None else CONST
-        elif _is_topk_indices(node):
+        elif _is_expert_choice(node):
             kinds[node] = ROUTE
         elif not inputs:
             kinds[node] = CONST
@@ -169,9 +170,40 @@ def _takes_no_input(module: nn.Module) -> bool:
         return False
 
 
-def _is_topk_indices(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 1
-            and isinstance(node.args[0], fx.Node) and str(node.args[0].target) == "aten.topk.default")
+# ops whose indices choose among a router's scores: top-k, or the largest one (a router that
+# picks its k experts one at a time, as Phi-3.5-MoE's sparsemixer does)
+CHOICES = ("aten.topk.default", "aten.max.dim")
+
+
+def _is_expert_choice(node: fx.Node) -> bool:
+    """Whether `node` is the indices of a top-k or max over scores (the routing source)."""
+    return _choice(node) is not None
+
+
+def _choice(node: fx.Node) -> fx.Node | None:
+    """The top-k, max or argmax node whose indices `node` is, where it is one: `node` itself, or
+    the node a no-grad region's output stands for (torch.export wraps `torch.no_grad()` code in
+    a `wrap_with_set_grad_enabled` call of a submodule)."""
+    if node.op != "call_function":
+        return None
+    if str(node.target) == "aten.argmax.default":
+        return node
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return None
+    producer, index = node.args
+    if str(producer.target) in CHOICES:
+        return node if index == 1 else None
+    if "wrap_with_set_grad_enabled" in str(producer.target):
+        inner = _region_output(producer, index)
+        return _choice(inner) if isinstance(inner, fx.Node) else None
+    return None
+
+
+def _region_output(call: fx.Node, index: int):
+    """The node of a `wrap_with_set_grad_enabled` call's submodule that its output `index` is."""
+    submodule = call.graph.owning_module.get_submodule(call.args[1].target)
+    output = next(n for n in submodule.graph.nodes if n.op == "output").args[0]
+    return output[index] if isinstance(output, (tuple, list)) else output
 
 
 # --- expert ops and their weights -----------------------------------------------------------------
@@ -220,27 +252,34 @@ def _gather_arguments(node: fx.Node) -> tuple:
 
 
 def _routing_source(route: fx.Node, kinds) -> fx.Node:
-    """The router topk indices a ROUTE value derives from (one; else the experts mix routers)."""
+    """The router choice a ROUTE value derives from: the last of the top-k or max indices it is
+    computed from (a router may pick its experts in turns, each from the scores the turns before
+    left), all over the same number of experts; else the experts mix routers."""
     sources, stack, seen = set(), [route], set()
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if _is_topk_indices(node):
+        if _is_expert_choice(node):
             sources.add(node)
         else:
             stack.extend(i for i in node.all_input_nodes if kinds[i] == ROUTE)
-    if len(sources) != 1:
+    widths = {_router_width(source) for source in sources}
+    if len(widths) != 1:
         raise ExpertStructureError(
             f"the expert routing value {route.name} in {_module_path(route)} derives from "
-            f"{len(sources)} router top-k choices; expert parallelism needs each expert "
-            f"computation chosen by one router: train this model with ep=1")
-    return sources.pop()
+            f"{len(sources)} router choices over {sorted(widths)} experts; expert parallelism "
+            f"needs each expert computation chosen among one router's experts: train this model "
+            f"with ep=1")
+    order = {node: index for index, node in enumerate(route.graph.nodes)}
+    return max(sources, key=order.__getitem__)
 
 
 def _router_width(source: fx.Node) -> int:
-    scores = source.args[0].args[0]
+    """The number of experts a routing choice picks among: the width of the scores it reads."""
+    choice = _choice(source)
+    scores = choice.args[0] if str(choice.target) == "aten.argmax.default" else choice.args[0].args[0]
     return int(scores.meta["val"].shape[-1])
 
 
