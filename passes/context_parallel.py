@@ -16,9 +16,12 @@ no slice, and the export leaves it out. Then:
   sliding-window or padding mask: it keeps the window, and hands the [batch, tokens] padding,
   split like the tokens, to the attention) runs over the cp group as a ring or an all-to-all
   (the stage's `cp_kind`; context_attention.py);
+- a running count along the sequence (`cumsum` of integers: OPT's and RoBERTa's positions from
+  the attention mask) gets the counts of the chunks before each of the rank's own
+  (context_scan.py);
 - anything else that mixes tokens along the sequence refuses the split, naming the op and why: an
   explicit attention mask (padding, masks the model builds), attention written
-  as its own matmul and softmax, a reduction, cumulative op, convolution or batch norm over the
+  as its own matmul and softmax, a reduction, cumulative op over values that take gradients, convolution or batch norm over the
   sequence, a token selected from it (a pooler's first token); so does a model whose outputs do
   not keep the sequence on dim 1 (the targets are split there) or whose graph changes with the
   length.
@@ -43,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import AutoparError
 from autopar.models.hf_attention import padding_mask, sliding_window_mask
 from autopar.passes.context_attention import ContextParallelAttention
+from autopar.passes.context_scan import SequenceCumsum, splittable_scan
 from autopar.passes.experts import token_wise_nodes
 from autopar.passes.program import PassTarget, StageProgram
 
@@ -77,7 +81,7 @@ CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.defau
 # copies the stage split makes of a constant (a table's slice in every layer that reads it)
 # carry the mark with them.
 MARK = "autopar_context_parallel"
-POSITIONS, TABLE, ATTENTION_CALL = "positions", "table", "attention"
+POSITIONS, TABLE, ATTENTION_CALL, SCAN = "positions", "table", "attention", "scan"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,6 +135,8 @@ def find_sequence_split(short: fx.GraphModule, long: fx.GraphModule, cp: int) ->
         elif node.target is aten.slice.Tensor and _sliced_dim(node) in seq.get(node.name, ()):
             if _table_slice(node, seq, length):
                 marked[node.name] = (TABLE,)
+        elif _splittable_scan(node, seq, length):
+            marked[node.name] = (SCAN,)
         else:
             _refuse_mixing(node, seq)
     if not any(mark[0] == ATTENTION_CALL for mark in marked.values()):
@@ -170,6 +176,39 @@ def _describe(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     where = list(stack.values())[-1][0] if stack else "the model's forward"
     return f"{node.target} ({node.name}, in {where or 'the model'})"
+
+
+def _splittable_scan(node: fx.Node, seq: dict, length: int) -> bool:
+    """A running count along the sequence (context_scan.py), which the split computes exactly:
+    over a dim after the batch that holds the rank's tokens alone (not tokens flattened with the
+    batch, whose 2 chunks are not its halves), of values that take no gradient (integers, or
+    floats made from constants and integers alone, as OPT's mask of ones)."""
+    if node.target is not aten.cumsum.default:
+        return False
+    source = node.args[0]
+    value = source.meta["val"]
+    dims = _dims(_dim_argument(node), value.dim())
+    along = dims & seq.get(source.name, frozenset())
+    return bool(along) and all(d > 0 and value.shape[d] == length for d in along) \
+        and _without_gradient(source)
+
+
+def _without_gradient(value: fx.Node) -> bool:
+    """Whether no gradient flows into `value`: it is counted (context_scan.splittable_scan), or
+    every value it is computed from is, or is a constant; not a parameter or a float input."""
+    pending, seen = [value], set()
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and splittable_scan(val):
+            continue
+        if node.op in ("placeholder", "get_attr") or (node.op == "call_module" and not node.args):
+            return False
+        pending.extend(node.all_input_nodes)
+    return True
 
 
 def _check_positions(node: fx.Node, length: int) -> None:
@@ -333,6 +372,11 @@ def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProg
                 _rewrite(graph_module, node, _positions(graph_module, node, split, target.cp_rank))
             elif mark[0] == TABLE:
                 _rewrite(graph_module, node, _table_rows(graph_module, node, rows))
+            elif mark[0] == SCAN:
+                if not hasattr(graph_module, "context_cumsum"):
+                    graph_module.add_submodule("context_cumsum", SequenceCumsum(
+                        target.cp_group, target.cp_rank, stage.cp))
+                node.op, node.target = "call_module", "context_cumsum"
             elif mark[0] == ATTENTION_CALL:
                 causal, scale, returns_lse, window = mark[1:]
                 name = f"context_{node.name}"

@@ -108,14 +108,16 @@ def on_two_ranks():
             "cp2": train(LLAMA, {"cp2": Config(cp=2, global_batch=BATCH, micro_batch=2)}),
             "sliding window": train_hf("mistral", {"cp2": Config(cp=2, global_batch=BATCH,
                                                                  micro_batch=BATCH)},
-                                       padded=True)}
+                                       padded=True),
+            "counted positions": train_hf("opt", {"cp2": Config(cp=2, global_batch=BATCH,
+                                                                micro_batch=BATCH)}, padded=True)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     from autopar.models.hf_zoo import resolve
 
-    resolve(["mistral"])    # before forking: transformers imports its models lazily
+    resolve(["mistral", "opt"])    # before forking: transformers imports its models lazily
     return autopar.launch(on_two_ranks, 2, timeout=240)
 
 
@@ -134,6 +136,13 @@ def test_sliding_window_and_padding_split_over_the_sequence(two_ranks, form_prob
     at the end, the start and inside: each rank's queries see the keys of the window by their
     true positions, whichever rank holds them, and no padded key."""
     assert form_problems([r["sliding window"] for r in two_ranks], ("cp2", "none")) == []
+
+
+def test_positions_counted_from_the_mask_split_over_the_sequence(two_ranks, form_problems):
+    """OPT counts its positions from the attention_mask (a cumsum along the sequence); with
+    padding at the end, the start and inside, each rank's chunks count the real tokens of the
+    chunks before them, whichever rank holds those."""
+    assert form_problems([r["counted positions"] for r in two_ranks], ("cp2", "none")) == []
 
 
 def offloaded(forms):

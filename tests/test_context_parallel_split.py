@@ -72,6 +72,26 @@ class Convolved(Tokens):
         return self.head(x + self.attend(*self.heads(x)).transpose(1, 2).reshape(x.shape))
 
 
+class Counted(Tokens):
+    """Positions counted from the tokens that are not padding (RoBERTa's, OPT's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Embedding(SEQ + 1, HIDDEN)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.positions((ids != 0).cumsum(1))
+        return self.head(x + self.attend(*self.heads(x)).transpose(1, 2).reshape(x.shape))
+
+
+class RunningSum(Tokens):
+    """A running sum of the embeddings: a scan that takes gradients."""
+
+    def forward(self, ids):
+        x = self.embed(ids).cumsum(1)
+        return self.head(x + self.attend(*self.heads(x)).transpose(1, 2).reshape(x.shape))
+
+
 def split(model, cp=2, seq=SEQ):
     ids = torch.randint(0, VOCAB, (2, seq))
     short = export_for_pipeline(model, (ids[:, :seq // cp],))
@@ -91,6 +111,12 @@ def test_positions_tables_and_attention_are_found():
     assert [mark[0] for mark in found.marked.values()].count("positions") == 1
 
 
+def test_a_count_along_the_sequence_is_split_and_a_running_sum_of_activations_is_not():
+    # the count reads integers alone; RunningSum (refused below) sums values that take gradients
+    program, found = split(Counted())
+    assert sorted(mark[0] for mark in found.marked.values()) == ["attention", "scan"]
+
+
 def test_load_balanced_chunks():
     # each rank holds chunk r and chunk 2cp-1-r: together they cover the sequence once
     positions = [chunk_positions(rank, 4, 2).tolist() for rank in range(4)]
@@ -104,6 +130,7 @@ def test_load_balanced_chunks():
     (Pooled, "reduces over the sequence|works along the sequence"),
     (NoAttention, "no scaled_dot_product_attention call"),
     (Convolved, "convolves along the sequence"),
+    (RunningSum, "cumsum.* works along the sequence"),
 ])
 def test_models_that_cannot_be_split_are_refused_with_the_reason(model, words):
     torch.manual_seed(0)
