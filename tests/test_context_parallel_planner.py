@@ -144,7 +144,7 @@ def test_sliding_windows_keep_their_mask_and_plan_a_split():
     graph = autopar.capture(windowed, (ids,))
     assert any(node.target == "autopar.sliding_window_mask.default" for node in graph.nodes)
     autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), autopar.Config(cp=4, global_batch=4))
-    with pytest.raises(AutoparError, match="GPT-OSS's sinks.*use cp=1"):
+    with pytest.raises(AutoparError, match="its attention sinks join the softmax.*use cp=1"):
         causal_sdpa(ARCHITECTURES["gpt-oss"].build())
 
 

@@ -88,13 +88,23 @@ def causal_sdpa(model: nn.Module) -> nn.Module:
                            f"attention implementation; causal_sdpa applies to those only")
     if getattr(model, "_supports_sdpa", True) is False:
         raise AutoparError(f"{type(model).__name__} does not run its attention as "
-                           f"scaled_dot_product_attention in transformers (GPT-OSS's sinks, for "
-                           f"one), so autopar cannot split it over the sequence; use cp=1")
+                           f"scaled_dot_product_attention in transformers ({_why_not_sdpa(model)}), "
+                           f"so autopar cannot split it over the sequence; use cp=1")
     setter(IMPLEMENTATION)
     if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
         raise AutoparError(f"{type(model).__name__} does not take its attention from transformers' "
                            f"AttentionInterface, so its traced mask cannot be left out; use cp=1")
     return model
+
+
+def _why_not_sdpa(model: nn.Module) -> str:
+    """What a transformers model that declares no SDPA support computes that SDPA does not."""
+    config = model.config
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"it soft-caps its attention scores at {config.attn_logit_softcapping}"
+    if any("sink" in name for name, _ in model.named_parameters()):
+        return "its attention sinks join the softmax"
+    return "its class declares no SDPA support"
 
 
 def _padding_or_none(*args, attention_mask=None, **kwargs):
