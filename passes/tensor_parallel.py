@@ -148,9 +148,13 @@ def _returns_alias(node: fx.Node) -> bool:
 
 def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]], tp_axis: int) -> None:
     """After each node the plan places on `tp_axis`, move its value to that placement (but for
-    values written in place: `written_nodes`)."""
+    views of values written in place and the writes themselves: `written_nodes`). A value
+    written in place is moved where it is made, before any view or write reads it, and every
+    reader then reads the moved one: the plan places it as the op that writes it keeps it (a
+    buffer `full_like` a column-split router's scores, then filled by `scatter_`)."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
-        written = written_nodes(graph_module.graph)
+        written = {node for node in written_nodes(graph_module.graph)
+                   if node.target is operator.getitem or _returns_alias(node)}
         for node in list(graph_module.graph.nodes):
             texts = nodes.get(node.name)
             if node.op != "call_function" or texts is None or node in written \

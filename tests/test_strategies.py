@@ -87,6 +87,19 @@ def test_pointwise_broadcasting_and_partial_sums():
     assert gelu == {("R", ("R",)), ("S(0)", ("S(0)",)), ("S(1)", ("S(1)",))}
 
 
+def test_in_place_ops_keep_the_value_they_write_where_it_is():
+    """An in-place op takes its out-of-place form's rule, but only the strategies that leave its
+    first input as it is: DTensor cannot move a value it writes into (add_ onto a row-parallel
+    linear's partial sums, as Llama 4's MoE adds its routed experts onto its shared one)."""
+    found = strategies("aten.add_.Tensor", [(2, 8), (2, 8)], (2, 8))
+    assert found and all(out == inputs[0] for out, inputs in found)
+    assert {("P", ("P", "P")), ("S(1)", ("S(1)", "S(1)"))} <= found
+    assert found == {case for case in strategies("aten.add.Tensor", [(2, 8), (2, 8)], (2, 8))
+                     if case[0] == case[1][0]}
+    mul = strategies("aten.mul_.Tensor", [(2, 8), (2, 8)], (2, 8))
+    assert ("P", ("P", "R")) in mul and ("P", ("R", "P")) not in mul
+
+
 def test_dropout_is_pointwise_without_partial_sums():
     found = strategies("aten.dropout.default", [(2, 8, 16)], (2, 8, 16), args=(None, 0.1, True))
     assert ("S(1)", ("S(1)",)) in found and all(out != "P" for out, _ in found)

@@ -41,7 +41,7 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.reshard import gradient_given, gradient_need, work_split
 from autopar.plans.vocabulary import AXIS_ROLES, AxisRole
 from autopar.cost.strategies import (R, S, OpStrategy, OpView, axis_strategies, combine,
-                                      placement_str)
+                                     out_of_place, placement_str)
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.solver.op_prices import (NOT_DIFFERENTIABLE, ZERO2, OpPricer, local_bytes,
@@ -319,10 +319,11 @@ class _Builder:
             differentiable = (name in self.requiring_grad and
                               (src_node.dtype if one_tensor else node.dtype) not in NOT_DIFFERENTIABLE)
             is_param = src_node.role is Role.PARAMETER
-            key = (id(made[name].strategies), id(dst.strategies), k, nbytes, differentiable)
+            written = k == 0 and out_of_place(node.target) != node.target
+            key = (id(made[name].strategies), id(dst.strategies), k, nbytes, differentiable, written)
             if key not in self.edge_cache:
                 self.edge_cache[key] = self._edge_classes(made[name], dst, k, nbytes,
-                                                          differentiable, is_param)
+                                                          differentiable, is_param, written)
             src_class, dst_class, cost = self.edge_cache[key]
             found.append(Edge(src=name, dst=node.name, arg=k, src_class=src_class,
                               dst_class=dst_class, cost=cost,
@@ -330,7 +331,9 @@ class _Builder:
         return found
 
     def _edge_classes(self, src: ProblemNode, dst: ProblemNode, k: int, nbytes: float,
-                      differentiable: bool, is_param: bool) -> tuple:
+                      differentiable: bool, is_param: bool, written: bool = False) -> tuple:
+        """Classes of the two ends' strategies and the cost of each pair (None: not allowed). A
+        value an op writes in place is taken as it was made: DTensor cannot move it first."""
         src_keys = [(tuple(s.output), gradient_need(s.output, s.gradient)) for s in src.strategies]
         dst_keys = [(tuple(s.inputs[k]), gradient_given(s.output, s.inputs, k))
                     for s in dst.strategies]
@@ -344,7 +347,9 @@ class _Builder:
                 forward = self.pricer.reshard(out, given_in, nbytes, bucketed=is_param)
                 backward = (self.pricer.reshard(grad, need, nbytes, bucketed=is_param)
                             if differentiable else 0.0)
-                if forward is None or backward is None or (is_param and _zero3_off_dim0(need, given_in)):
+                if written and given_in != out:
+                    row.append(None)
+                elif forward is None or backward is None or (is_param and _zero3_off_dim0(need, given_in)):
                     row.append(None)
                 else:   # a gathered parameter is freed after use and gathered again for the backward
                     row.append(forward * (2 if is_param else 1) + backward)

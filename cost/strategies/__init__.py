@@ -14,7 +14,7 @@ from autopar.cost.strategies import matmul, pointwise, shape  # noqa: F401  (reg
 from autopar.cost.strategies.placements import (P, R, S, is_shard, parse_placement,
                                                 placement_str)
 from autopar.cost.strategies.registry import (RULES, OpStrategy, OpView, axis_strategies, combine,
-                                              rule)
+                                              out_of_place, rule)
 
 __all__ = ["P", "R", "S", "RULES", "OpStrategy", "OpView", "axis_strategies", "combine",
-           "is_shard", "parse_placement", "placement_str", "rule"]
+           "is_shard", "out_of_place", "parse_placement", "placement_str", "rule"]

@@ -58,15 +58,29 @@ def axis_strategies(view: OpView) -> list[OpStrategy] | None:
     """The op's valid strategies on one mesh axis, replicate-everything first; None when no rule
     knows the op (the caller runs it replicated and reports it)."""
     fn = RULES.get(view.target)
+    in_place = fn is None and out_of_place(view.target) in RULES
+    if in_place:
+        fn = RULES[out_of_place(view.target)]
     if fn is None:
         return None
     found = [replicated(view)]
     for strategy in fn(view):
         if len(strategy.inputs) != len(view.input_shapes):
             return None     # a call form the rule does not know (extra tensor arguments)
-        if strategy not in found:
+        # an op that writes its first input keeps it where it is: DTensor cannot move it first
+        if strategy not in found and not (in_place and strategy.output != strategy.inputs[0]):
             found.append(strategy)
     return found
+
+
+def out_of_place(target: str) -> str:
+    """The out-of-place form of an in-place ATen op ("aten.add_.Tensor" -> "aten.add.Tensor");
+    the target itself for any other op."""
+    parts = target.split(".")
+    if len(parts) == 3 and parts[0] == "aten" and parts[1].endswith("_") \
+            and not parts[1].endswith("__") and not parts[1].startswith("_"):
+        return ".".join((parts[0], parts[1][:-1], parts[2]))
+    return target
 
 
 def combine(per_axis: Sequence[Sequence[OpStrategy]], axis_sizes: Sequence[int],
