@@ -124,5 +124,25 @@ def _tokens(by_name: dict, matmul) -> int:
     return source.shape[0] if len(source.shape) == 2 else rows.shape[0]
 
 
+def experts_on_every_token(graph: Graph) -> list[str]:
+    """Parameters stacked over a router's experts ([E, in, out], E the width of a top-k in the
+    graph) that a batched matmul runs on every token: experts computed densely, each on all the
+    tokens weighted by the router's scores (HuggingFace's Llama 4 layout), which expert
+    parallelism cannot dispatch."""
+    by_name = {n.name: n for n in graph.nodes}
+    widths = {by_name[n.inputs[0]].shape[-1] for n in graph.nodes
+              if n.target.startswith("aten.topk") and n.inputs and by_name[n.inputs[0]].shape}
+    found = []
+    for node in graph.nodes:
+        if node.role is not Role.ACTIVATION or not node.target.startswith(("aten.bmm", "aten.matmul")):
+            continue
+        for name in node.inputs:
+            parameter = parameter_behind(name, by_name)
+            shape = by_name[parameter].shape if parameter is not None else ()
+            if len(shape) == 3 and shape[0] in widths and parameter not in found:
+                found.append(parameter)
+    return found
+
+
 def expert_parameters(layers: list[ExpertLayer]) -> set[str]:
     return {weight for layer in layers for weight in layer.weights}

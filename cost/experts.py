@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from autopar.cost.expert_layers import ExpertLayer, parameter_behind
+from autopar.cost.expert_layers import ExpertLayer, experts_on_every_token, parameter_behind
 from autopar.cost.layout import GraphLayout
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.errors import AutoparError
@@ -46,8 +46,7 @@ def with_expert_parallelism(layout: GraphLayout, layers: list[ExpertLayer], grap
     rank, the all-to-alls of dispatch and combine, the grouped GEMMs' shapes."""
     if not layers:
         if ep > 1:
-            raise AutoparError(f"ep={ep}: the model has no mixture-of-experts layer (no grouped "
-                               f"matmul over an [experts, in, out] weight) to split; use ep=1")
+            raise AutoparError(_no_expert_layer(graph, ep))
         return layout
     for layer in layers:
         if layer.experts % ep:
@@ -151,3 +150,17 @@ def _numel(shape) -> int:
     for size in shape:
         count *= size
     return count
+
+
+def _no_expert_layer(graph: Graph, ep: int) -> str:
+    """Why a model offers no experts to split: none, or experts that compute every token."""
+    fqn = {node.name: node.param_fqn or node.name for node in graph.parameters}
+    dense = [fqn.get(name, name) for name in experts_on_every_token(graph)]
+    if dense:
+        return (f"ep={ep}: the model's experts ({', '.join(dense[:2])}{', ...' if len(dense) > 2 else ''}) "
+                f"compute every token, weighted by the router's scores (a batched matmul over all "
+                f"the experts, as HuggingFace's Llama 4 does), not the tokens routed to them, so "
+                f"there are no routed tokens to dispatch; use ep=1 (tp, dp and ZeRO split these "
+                f"weights), or a model whose experts run on their routed tokens (a grouped matmul)")
+    return (f"ep={ep}: the model has no mixture-of-experts layer (no grouped matmul over an "
+            f"[experts, in, out] weight) to split; use ep=1")
