@@ -140,6 +140,31 @@ class FixedTokenCount(nn.Module):
         return (out * top).view(x.shape).sum()
 
 
+class EveryExpertOnEveryToken(nn.Module):
+    """HuggingFace's Llama 4 layout: each expert runs on every token, scaled by a router score
+    that is zero outside the token's top-k, by a batched matmul over all the experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        tokens = x.flatten(0, 1)
+        logits = self.router(tokens)
+        top, ids = logits.topk(1, dim=-1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, ids, top).sigmoid()
+        routed = tokens.repeat(4, 1) * scores.t().reshape(-1, 1)
+        out = torch.bmm(routed.view(4, -1, 8), self.experts).view(4, *tokens.shape).sum(0)
+        return out.view(x.shape)
+
+
+def test_experts_that_compute_every_token_are_refused_by_name():
+    graph = autopar.capture(EveryExpertOnEveryToken(), (torch.randn(2, 8, 8),))
+    with pytest.raises(autopar.AutoparError, match="experts .experts. compute every token.*use ep=1"):
+        autopar.estimate(graph, Mesh.parse("2:cpu"), Config(dp=2, ep=2, global_batch=4))
+
+
 def _with_ep(plan: Plan, ep: int) -> Plan:
     return Plan.from_dict({**plan.to_dict(), "stages": [{**s, "ep": ep} for s in plan.to_dict()["stages"]]})
 
