@@ -20,11 +20,11 @@ no slice, and the export leaves it out. Then:
   the attention mask) gets the counts of the chunks before each of the rank's own
   (context_scan.py);
 - anything else that mixes tokens along the sequence refuses the split, naming the op and why: an
-  explicit attention mask (padding, masks the model builds), attention written
-  as its own matmul and softmax, a reduction, cumulative op over values that take gradients, convolution or batch norm over the
-  sequence, a token selected from it (a pooler's first token); so does a model whose outputs do
-  not keep the sequence on dim 1 (the targets are split there) or whose graph changes with the
-  length.
+  explicit attention mask (padding, masks the model builds), attention written as its own matmul
+  and softmax, a reduction, a cumulative op over values that take gradients, a convolution or
+  batch norm over the sequence, a token selected from it (a pooler's first token); so does a
+  model whose outputs do not keep the sequence on dim 1 (the targets are split there) or whose
+  graph changes with the length.
 Mixture-of-experts layers (found by structure, experts.py) sort and gather their routed rows along
 the tokens, but under dropless top-k routing each token's output depends on that token alone:
 their dispatch, experts and combine run on a rank's tokens as they are (`token_wise_nodes`), and
@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import AutoparError
 from autopar.models.hf_attention import padding_mask, sliding_window_mask
 from autopar.passes.context_attention import ContextParallelAttention
-from autopar.passes.context_scan import SequenceCumsum, splittable_scan
+from autopar.passes.context_scan import SequenceCumsum, counted
 from autopar.passes.experts import token_wise_nodes
 from autopar.passes.program import PassTarget, StageProgram
 
@@ -194,8 +194,8 @@ def _splittable_scan(node: fx.Node, seq: dict, length: int) -> bool:
 
 
 def _without_gradient(value: fx.Node) -> bool:
-    """Whether no gradient flows into `value`: it is counted (context_scan.splittable_scan), or
-    every value it is computed from is, or is a constant; not a parameter or a float input."""
+    """Whether no gradient flows into `value`: it holds counts (context_scan.counted), or every
+    value it is computed from does, or is a constant; not a parameter or a float input."""
     pending, seen = [value], set()
     while pending:
         node = pending.pop()
@@ -203,7 +203,7 @@ def _without_gradient(value: fx.Node) -> bool:
             continue
         seen.add(node)
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and splittable_scan(val):
+        if isinstance(val, torch.Tensor) and counted(val):
             continue
         if node.op in ("placeholder", "get_attr") or (node.op == "call_module" and not node.args):
             return False

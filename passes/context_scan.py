@@ -8,9 +8,9 @@ are all-gathered over the cp group (2 values per row of the dims kept: a few byt
 and each chunk's running sum is offset by the totals of the chunks before it in the sequence.
 That is the cumulative sum of the whole sequence at this rank's positions, exactly.
 
-Integer and boolean values only (counts of tokens): they take no gradient. A running sum of
-values that do (a float scan) would need the backward's reverse sum across the ranks too; the
-split refuses it.
+Values that take no gradient only (counts of tokens: integers, booleans, or a float mask made
+from constants). A running sum of values that do (a float scan of activations) would need the
+backward's reverse sum across the ranks too; the split refuses it.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from autopar.errors import AutoparError
 
-def splittable_scan(value: torch.Tensor) -> bool:
-    """Whether a running sum over `value`'s sequence can be split: it counts, so it takes no
-    gradient (integers or booleans)."""
+
+def counted(value: torch.Tensor) -> bool:
+    """Whether `value` holds counts (integers or booleans), which take no gradient."""
     return not (value.dtype.is_floating_point or value.dtype.is_complex)
 
 
@@ -37,8 +38,8 @@ class SequenceCumsum(nn.Module):
     def forward(self, x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         if isinstance(x, DTensor):
             if any(isinstance(p, Shard) and p.dim % x.dim() == dim % x.dim() for p in x.placements):
-                raise ValueError("a running sum along a sequence dim that tensor parallelism "
-                                 "also splits")
+                raise AutoparError("context parallelism: a running sum along a sequence dim "
+                                   "that tensor parallelism also splits; use cp=1 or tp=1")
             local = self.forward(x.to_local(), dim, dtype)
             return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
         dim = dim % x.dim()

@@ -272,6 +272,8 @@ def _routing_source(route: fx.Node, kinds) -> fx.Node:
             f"{len(sources)} router choices over {sorted(widths)} experts; expert parallelism "
             f"needs each expert computation chosen among one router's experts: train this model "
             f"with ep=1")
+    if len(sources) == 1:
+        return sources.pop()
     order = {node: index for index, node in enumerate(route.graph.nodes)}
     return max(sources, key=order.__getitem__)
 

@@ -57,10 +57,8 @@ def replicated(view: OpView) -> OpStrategy:
 def axis_strategies(view: OpView) -> list[OpStrategy] | None:
     """The op's valid strategies on one mesh axis, replicate-everything first; None when no rule
     knows the op (the caller runs it replicated and reports it)."""
-    fn = RULES.get(view.target)
-    in_place = fn is None and out_of_place(view.target) in RULES
-    if in_place:
-        fn = RULES[out_of_place(view.target)]
+    in_place = out_of_place(view.target) != view.target
+    fn = RULES.get(view.target) or RULES.get(out_of_place(view.target))
     if fn is None:
         return None
     found = [replicated(view)]
