@@ -173,8 +173,8 @@ def sequence_split_error(graph: Graph) -> str | None:
         return "the model has no attention op to split over the sequence (scaled_dot_product_attention)"
     # autopar's sliding-window and padding masks are computed from true positions: the runtime
     # splits them
-    masked = next((n for n in attention if len(n.inputs) > 3 and not any(
-        graph.node(name).target in OWN_MASKS for name in n.inputs)), None)
+    masked = next((n for n in attention if any(_foreign_mask(graph.node(name)) for name in n.inputs[3:])),
+                  None)
     if masked is not None:
         return (f"its attention ({masked.name}) takes an explicit mask, which autopar cannot split "
                 f"over the sequence (autopar.models.hf_attention.causal_sdpa gives HuggingFace "
@@ -184,6 +184,12 @@ def sequence_split_error(graph: Graph) -> str | None:
     if softmax is not None:
         return f"{softmax.name} takes a softmax over the sequence outside scaled_dot_product_attention"
     return None
+
+
+def _foreign_mask(node) -> bool:
+    """Whether an input of attention beyond q, k and v is a mask the model built: not autopar's
+    sliding-window or padding mask, nor a parameter (the sinks of autopar's attention)."""
+    return node.target not in OWN_MASKS and node.param_fqn is None
 
 
 def ulysses_error(layout: GraphLayout, cp: int) -> str | None:

@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from autopar.models.capped_attention import cap_gradient, capped_scores, finite, with_sinks
 from autopar.models.hf_attention import visible_keys
 
 
@@ -93,18 +94,17 @@ def _block(ring: "_Ring", step: int, chunk: int, causal: bool, window: int | Non
     return slice(None), slice(None), mask if bool(mask.any()) else None
 
 
-def _attend(query, key, value, mask, scale: float, kernel: bool):
+def _attend(query, key, value, mask, scale: float, kernel: bool, softcap: float = 0.0):
     """(output, log-sum-exp per query row) of one block, fp32. `mask`: True for causal, False
     for none, or which keys each query sees (a sliding window's block; a row that sees none
     gives 0 and a log-sum-exp of -inf, which the merge weighs 0). With `kernel`, the device's
     fused attention (`_kernel_forward`: nothing of size queries x keys is kept), plain products
-    otherwise or masked."""
-    if kernel and isinstance(mask, bool):
+    otherwise, masked or with scores soft-capped at `softcap`."""
+    if kernel and isinstance(mask, bool) and not softcap:
         return _kernel_forward(query, key, value, mask, scale)
-    scores = _scores(query, key, mask, scale)
+    scores = _masked(capped_scores(query, key, scale, softcap), mask)
     lse = torch.logsumexp(scores, dim=-1)
-    finite = lse.masked_fill(lse == float("-inf"), 0.0)
-    return torch.matmul(torch.exp(scores - finite.unsqueeze(-1)), value), lse
+    return torch.matmul(torch.exp(scores - finite(lse).unsqueeze(-1)), value), lse
 
 
 def has_kernel(device: torch.device) -> bool:
@@ -139,8 +139,7 @@ def _kernel_backward(grad_out, query, key, value, out, lse, causal: bool, scale:
     return grads[:3]
 
 
-def _scores(query, key, mask, scale: float):
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+def _masked(scores, mask):
     if mask is True:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
     if mask is not False:
@@ -148,16 +147,18 @@ def _scores(query, key, mask, scale: float):
     return scores
 
 
-def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, kernel: bool):
+def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, kernel: bool,
+                     softcap: float = 0.0):
     """(dq, dk, dv) of one block given the whole attention's output and log-sum-exp (flash
-    attention's backward: what the block contributed to them); `mask` and `kernel` as for
-    `_attend`."""
-    if kernel and isinstance(mask, bool):
+    attention's backward: what the block contributed to them); `mask`, `kernel` and `softcap`
+    as for `_attend`."""
+    if kernel and isinstance(mask, bool) and not softcap:
         return _kernel_backward(grad_out, query, key, value, out, lse, mask, scale)
-    finite = lse.masked_fill(lse == float("-inf"), 0.0)     # a query that sees no key at all
-    probs = torch.exp(_scores(query, key, mask, scale) - finite.unsqueeze(-1))
+    scores = capped_scores(query, key, scale, softcap)
+    probs = torch.exp(_masked(scores, mask) - finite(lse).unsqueeze(-1))
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_scores = probs * (torch.matmul(grad_out, value.transpose(-1, -2)) - delta)
+    grad_scores = grad_scores * cap_gradient(scores, softcap)
     return (torch.matmul(grad_scores, key) * scale,
             torch.matmul(grad_scores.transpose(-1, -2), query) * scale,
             torch.matmul(probs.transpose(-1, -2), grad_out))
@@ -225,8 +226,8 @@ class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries over every rank's keys and values, passed around a ring."""
 
     @staticmethod
-    def forward(ctx, query, key, value, keep, group, causal: bool, scale: float,
-                window: int | None):
+    def forward(ctx, query, key, value, keep, sinks, group, causal: bool, scale: float,
+                window: int | None, softcap: float):
         ring = _Ring(group, causal=causal, masked=keep is not None or window is not None)
         keeps = None if keep is None else _gathered(keep, group, ring.size)
         # the dtype scaled_dot_product_attention reads and returns (autocast's where it is on:
@@ -246,24 +247,27 @@ class RingAttention(torch.autograd.Function):
                 k, v = (_repeat_heads(t[..., cols, :].float(), heads).contiguous()
                         for t in block.split([key.shape[-1], value.shape[-1]], dim=-1))
                 part, part_lse = _attend(query[..., rows, :], k, v, mask, scale,
-                                         kernel=has_kernel(query.device))
+                                         kernel=has_kernel(query.device), softcap=softcap)
                 out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse, rows)
             if pending is not None:
                 [block] = ring.finish(pending)
+        if sinks is not None:       # one more logit per head in every row's softmax, no value
+            joined = with_sinks(lse, sinks)
+            out, lse = out * torch.exp(lse - finite(joined)).unsqueeze(-1), joined
         # kept for the backward as a flash kernel keeps them, in the dtype of the inputs and of
         # the output it returns (no fp32 copies of queries and output per layer in flight)
         # laid out [batch, tokens, heads, dim] as a flash kernel lays its output out, so that the
         # model's transpose and reshape to [batch, tokens, hidden] is a view, not a second copy
         result = out.transpose(-3, -2).to(dtype, memory_format=torch.contiguous_format).transpose(-3, -2)
-        ctx.save_for_backward(given, key.to(block.dtype), value.to(block.dtype), result, lse)
-        ctx.settings = (group, causal, scale, window, keeps, given_dtypes)
+        ctx.save_for_backward(given, key.to(block.dtype), value.to(block.dtype), result, lse, sinks)
+        ctx.settings = (group, causal, scale, window, keeps, given_dtypes, softcap)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, out, lse, sinks = ctx.saved_tensors
         query, out = query.float().contiguous(), out.float()
-        group, causal, scale, window, keeps, given_dtypes = ctx.settings
+        group, causal, scale, window, keeps, given_dtypes, softcap = ctx.settings
         ring = _Ring(group, causal=causal, masked=keeps is not None or window is not None)
         chunk, heads = query.shape[-2] // 2, query.shape[-3] // key.shape[-3]
         grad_out = grad_out.float().contiguous()
@@ -277,12 +281,13 @@ class RingAttention(torch.autograd.Function):
             rows, cols, mask = _block(ring, step, chunk, causal, window, keeps, query.device)
             if mask is not None:
                 _accumulate_block(block.split(sizes, dim=-1), grads.split(sizes, dim=-1), grad_query,
-                                  (grad_out, query, out, lse), rows, cols, mask, scale, heads)
+                                  (grad_out, query, out, lse), rows, cols, mask, scale, heads, softcap)
             block, grads = ring.finish(ring.start(block, grads))
         # after cp hops every block, with all of its gradients, is back on the rank that owns it
         grad_key, grad_value = grads.split(sizes, dim=-1)
         grads = (grad_query, grad_key, grad_value)
-        return (*(g.to(d) for g, d in zip(grads, given_dtypes)), None, None, None, None, None)
+        return (*(g.to(d) for g, d in zip(grads, given_dtypes)), None, _sink_gradient(
+            sinks, grad_out, out, lse), None, None, None, None, None)
 
 
 def _gathered(keep: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -293,7 +298,16 @@ def _gathered(keep: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return gathered
 
 
-def _accumulate_block(block, grads, grad_query, saved, rows, cols, mask, scale, heads):
+def _sink_gradient(sinks, grad_out, out, lse):
+    """d sinks ([heads]) of this rank's queries: -sum of each row's sink weight x rowsum(dO * O)."""
+    if sinks is None:
+        return None
+    delta = (grad_out * out).sum(-1)
+    weight = torch.exp(sinks.float().view(-1, 1) - finite(lse))
+    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _accumulate_block(block, grads, grad_query, saved, rows, cols, mask, scale, heads, softcap):
     """Add one block's share of the gradients: of this rank's queries to `grad_query`, of the
     block's keys and values to `grads` (views of the gradients travelling with the block)."""
     (k, v), (grad_k, grad_v) = block, grads
@@ -303,7 +317,7 @@ def _accumulate_block(block, grads, grad_query, saved, rows, cols, mask, scale, 
         _repeat_heads(k[..., cols, :].float(), heads).contiguous(),
         _repeat_heads(v[..., cols, :].float(), heads).contiguous(),
         out[..., rows, :].contiguous(), lse[..., rows].contiguous(), mask, scale,
-        kernel=has_kernel(query.device))
+        kernel=has_kernel(query.device), softcap=softcap)
     grad_query[..., rows, :] += parts[0]
     grad_k[..., cols, :] += _fold_heads(parts[1], heads)    # views of `grads`: in place
     grad_v[..., cols, :] += _fold_heads(parts[2], heads)
@@ -316,16 +330,19 @@ def _attention_dtype(key: torch.Tensor) -> torch.dtype:
 
 
 def ring_attention(query, key, value, group, *, causal: bool, scale: float | None = None,
-                   window: int | None = None, keep: torch.Tensor | None = None):
+                   window: int | None = None, keep: torch.Tensor | None = None,
+                   softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """Attention of this rank's tokens (2 chunks) over the whole sequence by a ring over `group`;
     causal over the last `window` positions where `window` is given, to the keys `keep` (this
-    rank's [batch, tokens] attention_mask) marks real where it is given."""
+    rank's [batch, tokens] attention_mask) marks real where it is given; scores soft-capped at
+    `softcap` (0: not) and the heads' `sinks` joining the softmax (autopar::attention's)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return RingAttention.apply(query, key, value, keep, group, causal, scale, window)
+    return RingAttention.apply(query, key, value, keep, sinks, group, causal, scale, window, softcap)
 
 
 def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | None = None,
-                      window: int | None = None, keep: torch.Tensor | None = None):
+                      window: int | None = None, keep: torch.Tensor | None = None,
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim] (rank r's
     chunks r-th), the sequence put in position order, causal attention over it, and back."""
     size = dist.get_world_size(group)
@@ -342,9 +359,15 @@ def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | 
         whole = None if keep is None else torch.cat(_gathered(keep, group, size), 1)[:, order]
         mask = visible_keys(positions.unsqueeze(1), positions.unsqueeze(0), causal, window, whole)
         causal = False
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, _repeat_heads(key, heads), _repeat_heads(value, heads), attn_mask=mask,
-        is_causal=causal, scale=scale)
+    key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    if softcap or sinks is not None:        # this rank's heads: the r-th of cp groups
+        mine = None if sinks is None else sinks.view(size, -1)[dist.get_rank(group)]
+        out = torch.ops.autopar.attention(query, key, value, mask, 0.0, causal,
+                                          query.shape[-1] ** -0.5 if scale is None else scale,
+                                          softcap, mine)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=causal, scale=scale)
     out = out.index_select(-2, torch.argsort(order))     # back to the order they arrived in
     return _heads_to_sequence(out, group, size).to(dtype)
 
@@ -379,26 +402,40 @@ class ContextParallelAttention(nn.Module):
     callers read (output, log-sum-exp); only the output is ever read there."""
 
     def __init__(self, kind: str, group, *, causal: bool, scale: float | None,
-                 returns_lse: bool = False, window: int | None = None):
+                 returns_lse: bool = False, window: int | None = None, softcap: float = 0.0):
         super().__init__()
         self.attend = KINDS[kind]
         self.group, self.causal, self.scale, self.returns_lse = group, causal, scale, returns_lse
-        self.window = window
+        self.window, self.softcap = window, softcap
 
-    def forward(self, query, key, value, keep=None):
+    def forward(self, query, key, value, keep=None, sinks=None):
         if isinstance(keep, DTensor):
             keep = keep.full_tensor()
+        settings = dict(causal=self.causal, scale=self.scale, window=self.window, keep=keep,
+                        softcap=self.softcap)
         if isinstance(query, DTensor):
             mesh = query.device_mesh
             placements = _local_heads(query, key, mesh.size())
             query, key, value = (t.redistribute(mesh, placements) for t in (query, key, value))
             out = self.attend(query.to_local(), key.to_local(), value.to_local(), self.group,
-                              causal=self.causal, scale=self.scale, window=self.window, keep=keep)
+                              sinks=_local_sinks(sinks, mesh, placements[0]), **settings)
             out = DTensor.from_local(out, mesh, placements, run_check=False)
         else:
-            out = self.attend(query, key, value, self.group, causal=self.causal, scale=self.scale,
-                              window=self.window, keep=keep)
+            out = self.attend(query, key, value, self.group, sinks=sinks, **settings)
         return (out, None) if self.returns_lse else out
+
+
+def _local_sinks(sinks, mesh, place):
+    """This rank's sinks where its q, k and v are local in `place`: its heads' where the heads
+    are split; all of them otherwise, their gradient a partial sum where the batch is split."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, DTensor):
+        sinks = DTensor.from_local(sinks, mesh, (Replicate(),), run_check=False)
+    if isinstance(place, Shard) and place.dim == 1:
+        return sinks.redistribute(mesh, (Shard(0),)).to_local()
+    grad = Partial() if isinstance(place, Shard) else Replicate()
+    return sinks.redistribute(mesh, (Replicate(),)).to_local(grad_placements=(grad,))
 
 
 def _local_heads(query: DTensor, key: DTensor, size: int) -> tuple:

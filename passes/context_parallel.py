@@ -12,10 +12,10 @@ no slice, and the export leaves it out. Then:
 - positions: an `arange(0, L)` (a position embedding's ids, HuggingFace's cache positions) is
   rewritten into the rank's true positions, and a slice [0:L] of a table along a dim that is not
   the sequence's (Llama's rotary tables) into the slices of the rank's 2 chunks;
-- attention (scaled_dot_product_attention, causal or not, without a mask or with autopar's
-  sliding-window or padding mask: it keeps the window, and hands the [batch, tokens] padding,
-  split like the tokens, to the attention) runs over the cp group as a ring or an all-to-all
-  (the stage's `cp_kind`; context_attention.py);
+- attention (scaled_dot_product_attention, or autopar::attention with soft-capped scores or
+  sinks; causal or not, without a mask or with autopar's sliding-window or padding mask: it keeps
+  the window, and hands the [batch, tokens] padding, split like the tokens, to the attention)
+  runs over the cp group as a ring or an all-to-all (the stage's `cp_kind`; context_attention.py);
 - a running count along the sequence (`cumsum` of integers: OPT's and RoBERTa's positions from
   the attention mask) gets the counts of the chunks before each of the rank's own
   (context_scan.py);
@@ -44,6 +44,7 @@ from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
+from autopar.models import capped_attention  # noqa: F401  (autopar::attention)
 from autopar.models.hf_attention import padding_mask, sliding_window_mask
 from autopar.passes.context_attention import ContextParallelAttention
 from autopar.passes.context_scan import SequenceCumsum, counted
@@ -52,7 +53,8 @@ from autopar.passes.program import PassTarget, StageProgram
 
 aten = torch.ops.aten
 ATTENTION = {aten.scaled_dot_product_attention.default: False,              # op -> returns lse
-             aten._scaled_dot_product_flash_attention_for_cpu.default: True}
+             aten._scaled_dot_product_flash_attention_for_cpu.default: True,
+             torch.ops.autopar.attention.default: False}         # soft-capped scores, sinks
 SLIDING_WINDOW_MASK = sliding_window_mask._opoverload
 PADDING_MASK = padding_mask._opoverload
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
@@ -250,8 +252,9 @@ def _table_slice(node: fx.Node, seq: dict, length: int) -> bool:
     return True
 
 
-def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool, int | None]:
-    """(causal, scale, returns lse, sliding window) of an attention call that the split can run."""
+def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool, int | None, float]:
+    """(causal, scale, returns lse, sliding window, softcap) of an attention call that the split
+    can run (softcap 0: none)."""
     returns_lse = ATTENTION[node.target]
     schema = [argument.name for argument in node.target._schema.arguments]
     given = {**dict(zip(schema, node.args)), **node.kwargs}
@@ -278,7 +281,8 @@ def _attention(node: fx.Node, seq: dict) -> tuple[bool, float | None, bool, int 
         if seq.get(value.name) != frozenset({rank - 2}):
             raise AutoparError(f"context parallelism: the {name} of {_describe(node)} does not hold "
                                f"the sequence on its tokens' dim alone; use cp=1")
-    return bool(given.get("is_causal", False)), given.get("scale"), returns_lse, window
+    return (bool(given.get("is_causal", False)), given.get("scale"), returns_lse, window,
+            given.get("softcap", 0.0))
 
 
 def _own_mask(mask: fx.Node) -> tuple[int | None, bool, fx.Node | None]:
@@ -378,19 +382,21 @@ def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProg
                         target.cp_group, target.cp_rank, stage.cp))
                 node.op, node.target = "call_module", "context_cumsum"
             elif mark[0] == ATTENTION_CALL:
-                causal, scale, returns_lse, window = mark[1:]
+                causal, scale, returns_lse, window, softcap = mark[1:]
                 name = f"context_{node.name}"
                 graph_module.add_submodule(name, ContextParallelAttention(
                     stage.cp_kind, target.cp_group, causal=causal, scale=scale,
-                    returns_lse=returns_lse, window=window))
+                    returns_lse=returns_lse, window=window, softcap=softcap))
                 keep = _padding_of(node)
+                # autopar::attention's per-head sink logits
+                sinks = node.args[8] if node.target is torch.ops.autopar.attention.default else None
                 node.op, node.target, node.kwargs = "call_module", name, {}
                 # the ring passes the kv heads; all-to-all splits heads over the cp ranks,
                 # which must then divide the heads it is given (the repeated ones, as planned)
                 ring = stage.cp_kind == "ring"
                 node.args = (node.args[0], *(before_repeat(value) if ring else value
                                              for value in node.args[1:3]))
-                node.args += (keep,) if keep is not None else ()
+                node.args += (keep, sinks) if sinks is not None else (keep,) if keep is not None else ()
         graph_module.graph.eliminate_dead_code()       # the repeats the attention no longer reads
         graph_module.graph.lint()
         graph_module.recompile()

@@ -24,6 +24,7 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autopar.cost.strategies import OpView, axis_strategies
+from autopar.models import capped_attention  # noqa: F401  (its ops, for the rules below)
 from autopar.errors import AutoparError
 from autopar.passes.program import is_tensor_read
 from autopar.tracer import plain_arguments
@@ -67,6 +68,30 @@ def _sdpa_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, i
                        attn_mask=None, scale=None):
     """Gradients of query, key and value follow every tensor input."""
     return _strategies(3, 6, attn_mask)
+
+
+def _capped_strategies(n_outputs: int, tensors_before: int, attn_mask, sinks, scalars: int):
+    """autopar::attention and its backward: replicated, heads split (the sinks with them), or
+    the batch split where there are no sinks (their gradient would be a partial sum)."""
+    result = []
+    for dim in (None, 1) if sinks is not None else (None, 1, 0):
+        place = Replicate() if dim is None else Shard(dim)
+        mask = None if attn_mask is None else (
+            Replicate() if dim is None or len(attn_mask.shape) < 4 else _mask_placement(attn_mask, dim))
+        sink = None if sinks is None else (Shard(0) if dim == 1 else Replicate())
+        outputs = [place] * 3 + [Shard(0) if dim == 1 else Replicate()] if n_outputs == 4 else [place]
+        result.append((outputs, [place] * tensors_before + [mask] + [None] * scalars + [sink]))
+    return result
+
+
+@register_sharding(torch.ops.autopar.attention.default)
+def _capped_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, softcap, sinks):
+    return _capped_strategies(1, 3, attn_mask, sinks, 4)
+
+
+@register_sharding(torch.ops.autopar.attention_backward.default)
+def _capped_backward(grad_out, query, key, value, out, attn_mask, is_causal, scale, softcap, sinks):
+    return _capped_strategies(4, 5, attn_mask, sinks, 3)
 
 
 def has_dtensor_rule(op) -> bool:

@@ -1,7 +1,8 @@
 """Context parallelism and ZeRO-3 offload train exactly like one process: real gloo ranks, fp32,
 loss at each of 3 SGD steps and the final full parameters (autopar.testing.equivalence).
 
-Default tier: the ring and all-to-all attentions against scaled_dot_product_attention, cp=2 on a
+Default tier: the ring and all-to-all attentions against scaled_dot_product_attention (and
+autopar::attention, with soft-capped scores and sinks), cp=2 on a
 small Llama (rotary tables, grouped-query attention), and dp=4 ZeRO-3 with offload. Slow tier:
 cp=4 (ring and all-to-all), dp2 x cp2 under ZeRO-3, tp2 x cp2, tp2 with sequence parallelism x
 cp2 all-to-all, pp2 x cp2 under 1F1B, each with every recompute level, a GPT (learned positions)
@@ -88,6 +89,44 @@ def attention_errors(world):
             differences = [(out - reference[:, :, mine]).abs().max()]
             differences += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, whole)]
             errors[(attend.__name__, causal, window, keep is not None)] = \
+                max(d.item() for d in differences)
+    errors.update(capped_attention_errors(world, (q, k, v, grad), mine, padding))
+    return errors
+
+
+def capped_attention_errors(world, tensors, mine, padding):
+    """The same for scores soft-capped at 0.5 and per-head sinks (Gemma 2's and GPT-OSS's
+    attention) against autopar::attention on the whole sequence, the sinks' gradient summed over
+    the ranks (each rank's is its own queries' under the ring, its own heads' under all-to-all)."""
+    from autopar.models import capped_attention  # noqa: F401
+    from autopar.passes.context_attention import ring_attention, ulysses_attention
+
+    q, k, v, grad = tensors
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3))
+    cases = [(True, None, None, 0.5, False), (True, None, None, 0.0, True),
+             (False, None, padding, 0.5, True), (True, 3, padding, 0.5, True)]
+    errors = {}
+    for attend in (ring_attention, ulysses_attention):
+        for causal, window, keep, softcap, sunk in cases:
+            whole = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            mask = visible(16, causal, window, keep)
+            reference = torch.ops.autopar.attention(
+                whole[0], *(t.repeat_interleave(2, dim=1) for t in whole[1:3]), mask, 0.0,
+                causal and mask is None, 8 ** -0.5, softcap, whole[3] if sunk else None)
+            reference.backward(grad)
+            local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+            local.append(sinks.clone().requires_grad_())
+            out = attend(*local[:3], dist.group.WORLD, causal=causal, window=window,
+                         keep=None if keep is None else keep[:, mine], softcap=softcap,
+                         sinks=local[3] if sunk else None)
+            out.backward(grad[:, :, mine])
+            differences = [(out - reference[:, :, mine]).abs().max()]
+            differences += [(a.grad - b.grad[:, :, mine]).abs().max()
+                            for a, b in zip(local[:3], whole[:3])]
+            if sunk:
+                dist.all_reduce(local[3].grad)
+                differences.append((local[3].grad - whole[3].grad).abs().max())
+            errors[(attend.__name__, causal, window, keep is not None, softcap, sunk)] = \
                 max(d.item() for d in differences)
     return errors
 
@@ -240,6 +279,23 @@ def test_huggingface_models_cp(name, form_problems):
     forms = {"dp2 x cp2, zero-3": Config(dp=2, cp=2, zero=3, global_batch=BATCH, micro_batch=2)}
     by_rank = autopar.launch(train_hf, 4, name, forms, timeout=600)
     assert form_problems(by_rank, ("dp2 x cp2, zero-3", "none")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
+def test_capped_scores_and_sinks_split_over_the_sequence(name, form_problems):
+    """Gemma 2's soft-capped scores and GPT-OSS's sinks (autopar::attention), with padding, over
+    the ring under tensor parallelism and a pipeline, and over the all-to-all."""
+    from autopar.models.hf_zoo import resolve
+
+    resolve([name])
+    forms = {"tp2 x cp2": Config(tp=2, cp=2, global_batch=BATCH, micro_batch=BATCH),
+             "pp2 x cp2 1f1b": Config(pp=2, cp=2, global_batch=BATCH, micro_batch=1),
+             "dp2 x cp2 all-to-all": Config(dp=2, cp=2, cp_kind="all-to-all", global_batch=BATCH,
+                                            micro_batch=2)}
+    by_rank = autopar.launch(train_hf, 4, name, forms, True, timeout=600)
+    for form in forms:
+        assert form_problems(by_rank, (form, "none")) == []
 
 
 def checkpoint_across_plans(path):

@@ -127,8 +127,9 @@ def test_all_to_all_needs_cp_to_divide_the_key_value_heads():
 
 def test_sliding_windows_keep_their_mask_and_plan_a_split():
     """causal_sdpa computes what Mistral's own attention does over its window (8 of 16 tokens),
-    through autopar's window mask, which the planner knows it can split; a model whose attention
-    scaled_dot_product_attention cannot compute (GPT-OSS's sinks) is refused by name."""
+    through autopar's window mask, which the planner knows it can split; a model whose class
+    declares no SDPA support for another reason than soft-capped scores or sinks (GPT-Neo) is
+    refused by name."""
     pytest.importorskip("transformers")
     from autopar.errors import AutoparError
     from autopar.models.hf_attention import causal_sdpa
@@ -144,8 +145,42 @@ def test_sliding_windows_keep_their_mask_and_plan_a_split():
     graph = autopar.capture(windowed, (ids,))
     assert any(node.target == "autopar.sliding_window_mask.default" for node in graph.nodes)
     autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), autopar.Config(cp=4, global_batch=4))
-    with pytest.raises(AutoparError, match="its attention sinks join the softmax.*use cp=1"):
-        causal_sdpa(ARCHITECTURES["gpt-oss"].build())
+    import transformers
+
+    neo = transformers.GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                                    attention_types=[[["global", "local"], 1]], bos_token_id=0,
+                                    eos_token_id=1, max_position_embeddings=16)
+    with pytest.raises(AutoparError, match="its class declares no SDPA support.*use cp=1"):
+        causal_sdpa(transformers.GPTNeoForCausalLM(neo))
+
+
+def test_capped_scores_and_sinks_run_as_one_op_the_planner_splits():
+    """Gemma 2 soft-caps its attention scores and GPT-OSS adds sinks to the softmax, which
+    scaled_dot_product_attention cannot compute: causal_sdpa runs them as autopar::attention,
+    which computes what the models' own attention does (with padding too), keeps its
+    sliding-window mask, and plans under context parallelism as attention (its sinks, a
+    parameter, are no mask) and under tensor parallelism split on the heads, not replicated."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES
+
+    for name in ("gemma2", "gpt-oss"):
+        arch = ARCHITECTURES[name]
+        ids, _ = arch.batch(4, torch.Generator().manual_seed(1))
+        keep = torch.ones_like(ids)
+        keep[0, 11:], keep[1, :3] = 0, 0
+        theirs, mine = arch.build(), causal_sdpa(arch.build())
+        theirs.set_attn_implementation("eager")
+        for given in ((ids,), (ids, keep)):
+            real = given[-1].bool() if len(given) > 1 else torch.ones_like(ids, dtype=torch.bool)
+            assert torch.allclose(mine(*given).logits[real], theirs(*given).logits[real],
+                                  atol=1e-5), name
+        graph = autopar.capture(mine, (ids,))
+        assert sum(node.target == "autopar.attention.default" for node in graph.nodes) == 4
+        mesh = autopar.Mesh.parse("4:cpu")
+        autopar.estimate(graph, mesh, autopar.Config(cp=4, global_batch=4))
+        plan = autopar.plan_from_config(graph, mesh, autopar.Config(tp=2, dp=2, global_batch=4))
+        assert "autopar.attention.default" not in plan.replicated_ops
 
 
 def test_padding_keeps_its_mask_and_plans_a_split():

@@ -16,7 +16,8 @@ every token's true position rather than from one rank's tokens:
   each layer masks the padded keys with it (packed sequences, told by position ids, are not).
 The model then computes what it computed with its own masks. An encoder's attention modules
 are not causal (BERT's): there the same implementation attends both ways. Attention that
-scaled_dot_product_attention cannot compute (GPT-OSS's sinks) is refused.
+scaled_dot_product_attention cannot compute, soft-capped scores (Gemma 2) and sinks (GPT-OSS),
+runs as autopar's own op (autopar.models.capped_attention), which context parallelism splits too.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.models.capped_attention import attention as capped_attention
 
 IMPLEMENTATION = "autopar_causal_sdpa"
+# the same, for models that soft-cap their scores or have sinks (autopar::attention)
+CAPPED = "autopar_capped_attention"
 
 
 def visible_keys(queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: int | None,
@@ -78,32 +82,37 @@ def causal_sdpa(model: nn.Module) -> nn.Module:
     traced mask but its sliding windows' (module docstring); returns it."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    AttentionInterface.register(IMPLEMENTATION, _attention)
-    # no mask (sdpa_attention_forward then calls the kernel with is_causal=True), or the
-    # attention_mask as given: each layer makes its mask of it (padding_mask)
-    AttentionMaskInterface.register(IMPLEMENTATION, _padding_or_none)
+    for name in (IMPLEMENTATION, CAPPED):
+        AttentionInterface.register(name, _attention)
+        # no mask (sdpa_attention_forward then calls the kernel with is_causal=True), or the
+        # attention_mask as given: each layer makes its mask of it (padding_mask)
+        AttentionMaskInterface.register(name, _padding_or_none)
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         raise AutoparError(f"{type(model).__name__} is not a transformers model with a choice of "
                            f"attention implementation; causal_sdpa applies to those only")
+    name = IMPLEMENTATION
     if getattr(model, "_supports_sdpa", True) is False:
-        raise AutoparError(f"{type(model).__name__} does not run its attention as "
-                           f"scaled_dot_product_attention in transformers ({_why_not_sdpa(model)}), "
-                           f"so autopar cannot split it over the sequence; use cp=1")
-    setter(IMPLEMENTATION)
-    if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
+        if _why_not_sdpa(model) is not None:
+            raise AutoparError(f"{type(model).__name__} does not run its attention as "
+                               f"scaled_dot_product_attention in transformers "
+                               f"({_why_not_sdpa(model)}), so autopar cannot split it over the "
+                               f"sequence; use cp=1")
+        name = CAPPED       # transformers checks that a model takes SDPA by the name's "sdpa"
+    setter(name)
+    if getattr(model.config, "_attn_implementation", None) != name:
         raise AutoparError(f"{type(model).__name__} does not take its attention from transformers' "
                            f"AttentionInterface, so its traced mask cannot be left out; use cp=1")
     return model
 
 
-def _why_not_sdpa(model: nn.Module) -> str:
-    """What a transformers model that declares no SDPA support computes that SDPA does not."""
+def _why_not_sdpa(model: nn.Module) -> str | None:
+    """What a transformers model that declares no SDPA support computes that neither SDPA nor
+    autopar::attention does (None: autopar::attention computes it)."""
     config = model.config
-    if getattr(config, "attn_logit_softcapping", None):
-        return f"it soft-caps its attention scores at {config.attn_logit_softcapping}"
-    if any("sink" in name for name, _ in model.named_parameters()):
-        return "its attention sinks join the softmax"
+    if getattr(config, "attn_logit_softcapping", None) or \
+            any("sink" in name for name, _ in model.named_parameters()):
+        return None     # soft-capped scores and sinks: autopar::attention computes them
     return "its class declares no SDPA support"
 
 
@@ -121,11 +130,6 @@ def _attention(module, query, key, value, attention_mask, sliding_window=None, *
 
     where = type(module).__name__
     causal = getattr(module, "is_causal", True)
-    if kwargs.get("s_aux") is not None:
-        raise AutoparError(f"{where} adds attention sinks to the softmax, which "
-                           f"scaled_dot_product_attention does not compute, so causal_sdpa would "
-                           f"change what the model computes; train it with cp=1 and its own "
-                           f"attention implementation")
     if sliding_window is not None and not causal:
         raise AutoparError(f"{where} attends both ways over a sliding window, which causal_sdpa "
                            f"does not split; use cp=1 and the model's own attention implementation")
@@ -141,4 +145,25 @@ def _attention(module, query, key, value, attention_mask, sliding_window=None, *
         mask = sliding_window_mask(query.shape[2], key.shape[2], window, query.device)
     else:
         mask = None
-    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    sinks, softcap = kwargs.pop("s_aux", None), kwargs.pop("softcap", None)
+    if sinks is None and not softcap:
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return _capped(module, query, key, value, mask, causal, sinks, softcap or 0.0, **kwargs)
+
+
+def _capped(module, query, key, value, mask, causal, sinks, softcap, *, dropout=0.0,
+            scaling=None, **kwargs):
+    """Soft-capped scores or sinks (Gemma 2, GPT-OSS) as one autopar::attention call, the keys and
+    values of grouped-query attention repeated as transformers repeats them."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    if dropout:
+        raise AutoparError(f"{type(module).__name__} drops attention weights (dropout={dropout}); "
+                           f"autopar's attention with soft-capped scores or sinks has no dropout: "
+                           f"set the model's attention_dropout to 0")
+    group = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, group), repeat_kv(value, group)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = capped_attention(query, key, value, mask, 0.0, causal and mask is None and query.shape[2] > 1,
+                           scale, softcap, sinks)
+    return out.transpose(1, 2).contiguous(), None

@@ -99,17 +99,22 @@ ATTENTION_OPS = ("aten.scaled_dot_product_attention.default",
                  "aten._scaled_dot_product_flash_attention.default",
                  "aten._scaled_dot_product_efficient_attention.default",
                  "aten._scaled_dot_product_cudnn_attention.default",
-                 "aten._scaled_dot_product_flash_attention_for_cpu.default")
+                 "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                 "autopar.attention.default")
 
 
 @rule(*ATTENTION_OPS)
 def attention(view: OpView) -> list[OpStrategy]:
     """q, k, v [batch, heads, seq, head_dim]: batch or heads sharded on all three (and on a mask
-    where it has that dim); the sequence stays whole because a causal mask needs absolute positions."""
+    where it has that dim, on the sinks [heads] of autopar's attention where the heads are); the
+    sequence stays whole because a causal mask needs absolute positions."""
     found = []
     for dim in (0, 1):
         inputs = [Shard(dim)] * 3
         for shape in view.input_shapes[3:]:        # an attention mask broadcast to [b, h, s, s]
+            if len(shape) == 1:                    # sinks: one logit per head
+                inputs.append(Shard(0) if dim == 1 else Replicate())
+                continue
             offset = 4 - len(shape)
             inputs.append(Shard(dim - offset) if dim >= offset and shape[dim - offset] > 1
                           else Replicate())

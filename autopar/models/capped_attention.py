@@ -1,0 +1,136 @@
+"""Attention that scaled_dot_product_attention cannot compute, as one op autopar can split.
+
+Two published forms change the softmax of attention, and no fused kernel of torch computes them:
+- soft-capped scores (Gemma 2): `cap * tanh(scores / cap)` before the mask and the softmax;
+- attention sinks (GPT-OSS): one learned logit per head joins each row's softmax, taking a
+  share of the weight without a value, so a query may attend to nothing much.
+
+transformers writes them as matmuls, a softmax and a concatenation, which a split over the
+sequence cannot tell from any other softmax along it. `autopar::attention` is the same math as one
+op of the traced graph (the model's own result to float rounding): context parallelism runs it
+over the ring or the all-to-all (passes/context_attention.py), and the cost model prices it as
+attention. Its backward is flash attention's, recomputing the probabilities from the inputs:
+    dS = P * (dP - rowsum(dO * O)),  through the cap: dS * (1 - tanh^2),
+    d sink = -sum over queries of P_sink * rowsum(dO * O).
+`attn_mask` is a bool mask (True: the query sees the key), as autopar's own masks make it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def capped_scores(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """The scores before any mask: q k^T * scale, soft-capped where `softcap` > 0."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
+
+
+def cap_gradient(scores: torch.Tensor, softcap: float) -> torch.Tensor | float:
+    """d(capped)/d(raw) from the capped scores (unmasked): 1 - tanh^2, or 1 without a cap."""
+    return 1.0 - (scores / softcap) ** 2 if softcap > 0 else 1.0
+
+
+def visibility(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None,
+               is_causal: bool) -> torch.Tensor | None:
+    """Which keys each query sees ([.., q, k] bool), or None for all of them."""
+    if attn_mask is not None:
+        return attn_mask
+    if is_causal:
+        return torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                          device=query.device).tril(key.shape[-2] - query.shape[-2])
+    return None
+
+
+def with_sinks(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Each row's log-sum-exp with its head's sink logit joined ([b, h, q]; sinks [h])."""
+    return lse if sinks is None else torch.logaddexp(lse, upcast(sinks).view(-1, 1))
+
+
+def upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """16-bit values computed on in fp32, as flash attention does; fp32 and fp64 as they are."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """A row that sees no key has a log-sum-exp of -inf: its weights are 0, its output 0."""
+    return lse.masked_fill(lse == NEG_INF, 0.0)
+
+
+def _forward(query, key, value, attn_mask, is_causal, scale, softcap, sinks):
+    """(output, log-sum-exp with the sinks, the capped scores, the weights), 16-bit inputs in fp32."""
+    scores = capped_scores(upcast(query), upcast(key), scale, softcap)
+    seen = visibility(query, key, attn_mask, is_causal)
+    masked = scores if seen is None else scores.masked_fill(~seen, NEG_INF)
+    lse = with_sinks(torch.logsumexp(masked, dim=-1), sinks)
+    probs = torch.exp(masked - finite(lse).unsqueeze(-1))
+    return torch.matmul(probs, upcast(value)), lse, scores, probs
+
+
+@torch.library.custom_op("autopar::attention", mutates_args=())
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
+              softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """[b, h, q, d] attention of `query` over `key` and `value` (as many heads: repeat a grouped
+    query's keys first), soft-capped at `softcap` (0: not), with per-head `sinks` ([h]) or None.
+    `dropout_p` must be 0."""
+    if dropout_p:
+        raise ValueError(f"autopar::attention has no dropout (dropout_p={dropout_p}); set the "
+                         f"model's attention dropout to 0")
+    out, *_ = _forward(query, key, value, attn_mask, is_causal, scale, softcap, sinks)
+    return out.to(query.dtype)
+
+
+@attention.register_fake
+def _attention_shape(query, key, value, attn_mask, dropout_p, is_causal, scale, softcap, sinks):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+@torch.library.custom_op("autopar::attention_backward", mutates_args=())
+def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, out: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                       is_causal: bool, scale: float, softcap: float,
+                       sinks: Optional[torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d query, d key, d value, d sinks) of `attention` (d sinks: zeros [h] without sinks)."""
+    q, k, v = upcast(query), upcast(key), upcast(value)
+    _, lse, scores, probs = _forward(q, k, v, attn_mask, is_causal, scale, softcap, sinks)
+    grad_out = upcast(grad_out)
+    delta = (grad_out * upcast(out)).sum(-1)
+    grad_scores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    grad_scores = grad_scores * cap_gradient(scores, softcap)
+    grads = [torch.matmul(grad_scores, k) * scale, torch.matmul(grad_scores.transpose(-1, -2), q) * scale,
+             torch.matmul(probs.transpose(-1, -2), grad_out)]
+    if sinks is None:
+        sink_grad = query.new_zeros(query.shape[-3])
+    else:
+        sink_grad = -(torch.exp(upcast(sinks).view(-1, 1) - finite(lse)) * delta).sum((0, 2))
+    return (*(g.to(t.dtype) for g, t in zip(grads, (query, key, value))),
+            sink_grad.to(query.dtype if sinks is None else sinks.dtype))
+
+
+@attention_backward.register_fake
+def _attention_backward_shape(grad_out, query, key, value, out, attn_mask, is_causal, scale,
+                              softcap, sinks):
+    sink = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(query.shape[-3])
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), sink
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, _, is_causal, scale, softcap, sinks = inputs
+    ctx.save_for_backward(query, key, value, output, attn_mask, sinks)
+    ctx.settings = (is_causal, scale, softcap)
+
+
+def _backward(ctx, grad_out):
+    query, key, value, out, attn_mask, sinks = ctx.saved_tensors
+    grads = torch.ops.autopar.attention_backward(grad_out, query, key, value, out, attn_mask,
+                                                 *ctx.settings, sinks)
+    return (*grads[:3], None, None, None, None, None, grads[3] if sinks is not None else None)
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)
