@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import op_family
-from autopar.cost.layout import GraphLayout, graph_sequence
+from autopar.cost.layout import GraphLayout, graph_batch, graph_sequence
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.plans.vocabulary import ContextParallel
 from autopar.errors import AutoparError
@@ -183,7 +183,45 @@ def sequence_split_error(graph: Graph) -> str | None:
                     and n.shape[-1] == seq), None)
     if softmax is not None:
         return f"{softmax.name} takes a softmax over the sequence outside scaled_dot_product_attention"
+    by_name = {n.name: n for n in graph.nodes}
+    running = next((n for n in sequence_scans(graph) if not _without_gradient(by_name, n.inputs[0])),
+                   None)
+    if running is not None:
+        return (f"{running.name} is a running sum along the sequence of values that take gradients, "
+                f"which autopar splits for counts only (OPT's positions)")
     return None
+
+
+def sequence_scans(graph: Graph) -> list:
+    """The cumsums along the sequence (a dim after the batch as long as it): a rank computes its
+    chunks' and adds the totals of the chunks before them (autopar.passes.context_scan)."""
+    seq = graph_sequence(graph)
+    scans = []
+    for node in graph.nodes:
+        if node.target != "aten.cumsum.default" or not node.inputs:
+            continue
+        shape = graph.node(node.inputs[0]).shape
+        dim = node.args[1] % len(shape) if len(node.args) > 1 and isinstance(node.args[1], int) else None
+        if dim and shape[dim] == seq:
+            scans.append(node)
+    return scans
+
+
+def scan_bytes(graph: Graph) -> dict[str, float]:
+    """Sequence cumsum -> bytes per sequence of its 2 chunk totals, which the rank all-gathers."""
+    return {node.name: node.bytes / graph_batch(graph) / graph_sequence(graph) * 2
+            for node in sequence_scans(graph)}
+
+
+def _without_gradient(by_name: dict, name: str) -> bool:
+    """Whether no gradient reaches `name`: counts (integers, booleans), constants, or values
+    computed from those alone (the runtime's test, autopar.passes.context_parallel)."""
+    node = by_name[name]
+    if not node.dtype.startswith(("float", "bfloat", "complex")) or node.role is Role.BUFFER:
+        return True
+    if node.role is not Role.ACTIVATION:
+        return False
+    return all(_without_gradient(by_name, source) for source in node.inputs)
 
 
 def _foreign_mask(node) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost.calibration import calibrated
-from autopar.cost.context import attention_bytes
+from autopar.cost.context import attention_bytes, scan_bytes
 from autopar.cost.estimator import ACTIVATION_DTYPE, crossing_bytes, price_pipeline
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
@@ -106,7 +106,7 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
     """Ring (autopar's, passes/context_attention.py): cp - 1 hops of the K/V block (the kv heads,
     in the compute dtype) in the forward, cp hops of the block and its fp32 gradients in the
     backward (the last brings them home); all-to-all: q, k + v and the output swapped forward
-    and backward."""
+    and backward; a running count along the sequence, each rank's 2 chunk totals all-gathered."""
     spec = specs[c]
     if spec.cp < 2:
         return
@@ -121,6 +121,12 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
         else:
             swapped = (query + kv + output) * spec.cp * per_step
             _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)
+    # running counts along the sequence: each rank's 2 chunk totals of every sequence of its
+    # micro-batch (the estimator's `samples` are the micro-batch's sequences / cp), all-gathered
+    for name, totals in scan_bytes(graph).items():
+        if owner[layout.index[name]] == c:
+            sequences = pipe.samples * spec.cp * pipe.micro_batches
+            _add(found, "all_gather", "cp", spec.cp, spec.cp * totals * sequences)     # the whole
 
 
 def _expert_parallel(found: dict, chunk, spec, pipe, world: dict) -> None:

@@ -115,6 +115,19 @@ def test_a_count_along_the_sequence_is_split_and_a_running_sum_of_activations_is
     # the count reads integers alone; RunningSum (refused below) sums values that take gradients
     program, found = split(Counted())
     assert sorted(mark[0] for mark in found.marked.values()) == ["attention", "scan"]
+    # the planner knows it too: it prices the count's all-gather and refuses the running sum
+    # before any plan is made, naming it
+    import autopar
+    from autopar.cost.context import scan_bytes
+
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    mesh, config = autopar.Mesh.parse("2:cpu"), autopar.Config(cp=2, global_batch=2)
+    counted = autopar.capture(Counted(), (ids,))
+    assert list(scan_bytes(counted).values()) == [2 * 8]       # 2 int64 totals a sequence
+    autopar.estimate(counted, mesh, config)
+    with pytest.raises(AutoparError, match="cumsum.* running sum along the sequence of values that "
+                                           "take gradients"):
+        autopar.estimate(autopar.capture(RunningSum(), (ids,)), mesh, config)
 
 
 def test_load_balanced_chunks():

@@ -503,3 +503,28 @@ def test_the_shards_a_simulated_rank_makes_are_fsdps_own(dim):
                 assert (lazy[rank].shape, lazy[rank].stride()) == (made[rank].shape, made[rank].stride())
                 if made[rank].numel():
                     assert lazy[rank].data_ptr() == made[rank].data_ptr()
+
+
+@pytest.mark.slow
+def test_positions_counted_over_a_split_sequence_gather_what_was_priced():
+    """OPT counts its positions from the attention mask (a running sum along the sequence):
+    under cp=2 each rank all-gathers its 2 chunk totals of every sequence, and the estimator
+    prices those bytes with the ring's."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
+
+    resolve(["opt"])
+    arch = ARCHITECTURES["opt"]
+    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
+    model = causal_sdpa(arch.build())
+    graph = capture(model, example_inputs=(ids,))
+    plan = plan_from_config(graph, "4:cpu", Config(dp=2, cp=2, global_batch=8, micro_batch=2))
+    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
+                          loss_fn=loss_fn, graph=graph)
+    report = rank_report(plan, runs[0], plan_collectives(graph, plan))
+    gathered = [entry for entry in report.collectives if entry["kind"] == "all_gather"]
+    assert [(g["axis"], g["sent_bytes"], g["predicted_sent_bytes"]) for g in gathered] == \
+        [("cp", 2 * 2 * 4 * 2, 2 * 2 * 4 * 2)]        # 2 sequences x 2 fp32 totals x 2 micro-batches
+    for entry in report.collectives:
+        assert entry["predicted_sent_bytes"] == pytest.approx(entry["sent_bytes"], rel=0.05), entry
