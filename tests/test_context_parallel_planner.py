@@ -206,3 +206,20 @@ def test_padding_keeps_its_mask_and_plans_a_split():
     autopar.estimate(graph, autopar.Mesh.parse("4:cpu"), autopar.Config(cp=2, dp=2, global_batch=6))
     with pytest.raises(AutoparError, match="4-D mask"):
         mine(ids, torch.zeros(3, 1, 16, 16))
+
+
+def test_keys_beyond_the_tokens_are_refused_not_dropped():
+    """DeepSeek-V4 appends compressed keys to its tokens' and masks them with a bias of its own:
+    attention over the tokens alone would compute something else, so causal_sdpa refuses it
+    when the model runs, naming the layer, rather than drop the keys' mask."""
+    pytest.importorskip("transformers")
+    from autopar.errors import AutoparError
+    from autopar.models.hf_attention import _attention
+
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    query, keys = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
+    with pytest.raises(AutoparError, match="Module attends over 6 keys for 4 queries.*use cp=1"):
+        _attention(layer, query, keys, keys, None, s_aux=torch.zeros(2))
+    layer.is_causal = False        # cross-attention: every key, as the model computes it
+    assert _attention(layer, query, keys, keys, None)[0].shape == (1, 4, 2, 8)

@@ -130,6 +130,12 @@ def _attention(module, query, key, value, attention_mask, sliding_window=None, *
 
     where = type(module).__name__
     causal = getattr(module, "is_causal", True)
+    if causal and key.shape[2] != query.shape[2]:
+        raise AutoparError(f"{where} attends over {key.shape[2]} keys for {query.shape[2]} queries "
+                           f"(keys the model adds beyond its tokens, with a mask of its own: "
+                           f"DeepSeek-V4's compressed ones); causal_sdpa attends over the tokens "
+                           f"alone, which would change what the model computes; use cp=1 and the "
+                           f"model's own attention implementation")
     if sliding_window is not None and not causal:
         raise AutoparError(f"{where} attends both ways over a sliding window, which causal_sdpa "
                            f"does not split; use cp=1 and the model's own attention implementation")
