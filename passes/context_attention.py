@@ -100,11 +100,18 @@ def _attend(query, key, value, mask, scale: float, kernel: bool, softcap: float 
     gives 0 and a log-sum-exp of -inf, which the merge weighs 0). With `kernel`, the device's
     fused attention (`_kernel_forward`: nothing of size queries x keys is kept), plain products
     otherwise, masked or with scores soft-capped at `softcap`."""
-    if kernel and isinstance(mask, bool) and not softcap:
+    if _fused(kernel, query, value, mask, softcap):
         return _kernel_forward(query, key, value, mask, scale)
     scores = _masked(capped_scores(query, key, scale, softcap), mask)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - finite(lse).unsqueeze(-1)), value), lse
+
+
+def _fused(kernel: bool, query, value, mask, softcap: float) -> bool:
+    """Whether a block runs the fused kernel: a plain causal or full block without a cap, and on
+    a CPU, whose flash kernel takes one head size, values as wide as queries (MiMo's are not)."""
+    same_width = query.device.type != "cpu" or query.shape[-1] == value.shape[-1]
+    return kernel and isinstance(mask, bool) and not softcap and same_width
 
 
 def has_kernel(device: torch.device) -> bool:
@@ -152,7 +159,7 @@ def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, 
     """(dq, dk, dv) of one block given the whole attention's output and log-sum-exp (flash
     attention's backward: what the block contributed to them); `mask`, `kernel` and `softcap`
     as for `_attend`."""
-    if kernel and isinstance(mask, bool) and not softcap:
+    if _fused(kernel, query, value, mask, softcap):
         return _kernel_backward(grad_out, query, key, value, out, lse, mask, scale)
     scores = capped_scores(query, key, scale, softcap)
     probs = torch.exp(_masked(scores, mask) - finite(lse).unsqueeze(-1))

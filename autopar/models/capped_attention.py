@@ -35,15 +35,25 @@ def cap_gradient(scores: torch.Tensor, softcap: float) -> torch.Tensor | float:
     return 1.0 - (scores / softcap) ** 2 if softcap > 0 else 1.0
 
 
-def visibility(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None,
-               is_causal: bool) -> torch.Tensor | None:
-    """Which keys each query sees ([.., q, k] bool), or None for all of them."""
+def visibility(rows: range, queries: int, keys: int, attn_mask: torch.Tensor | None,
+               is_causal: bool, device) -> torch.Tensor | None:
+    """Which keys the queries `rows` (of `queries`, the last of `keys` positions) see
+    ([.., len(rows), keys] bool), or None for all of them."""
     if attn_mask is not None:
-        return attn_mask
+        return attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., rows.start:rows.stop, :]
     if is_causal:
-        return torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
-                          device=query.device).tril(key.shape[-2] - query.shape[-2])
+        return torch.ones(len(rows), keys, dtype=torch.bool, device=device).tril(
+            keys - queries + rows.start)
     return None
+
+
+def tiles(query: torch.Tensor, key: torch.Tensor) -> list[range]:
+    """Query rows computed together: as many as keep a tile's scores near 2^26 values (256 MiB
+    in fp32), so that no queries x keys matrix of a long sequence is ever made whole."""
+    rows = query.shape[-2]
+    per_row = max(1, query[..., 0, 0].numel() * key.shape[-2])
+    step = max(1, min(rows, 2**26 // per_row))
+    return [range(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def with_sinks(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -61,10 +71,10 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == NEG_INF, 0.0)
 
 
-def _forward(query, key, value, attn_mask, is_causal, scale, softcap, sinks):
-    """(output, log-sum-exp with the sinks, the capped scores, the weights), 16-bit inputs in fp32."""
+def _forward(query, key, value, seen, scale, softcap, sinks):
+    """(output, log-sum-exp with the sinks, the capped scores, the weights) of queries that see
+    the keys `seen` marks (None: all), 16-bit inputs in fp32."""
     scores = capped_scores(upcast(query), upcast(key), scale, softcap)
-    seen = visibility(query, key, attn_mask, is_causal)
     masked = scores if seen is None else scores.masked_fill(~seen, NEG_INF)
     lse = with_sinks(torch.logsumexp(masked, dim=-1), sinks)
     probs = torch.exp(masked - finite(lse).unsqueeze(-1))
@@ -81,8 +91,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dropout_p:
         raise ValueError(f"autopar::attention has no dropout (dropout_p={dropout_p}); set the "
                          f"model's attention dropout to 0")
-    out, *_ = _forward(query, key, value, attn_mask, is_causal, scale, softcap, sinks)
-    return out.to(query.dtype)
+    queries, keys = query.shape[-2], key.shape[-2]
+    return torch.cat([_forward(query[..., rows.start:rows.stop, :], key, value,
+                               visibility(rows, queries, keys, attn_mask, is_causal, query.device),
+                               scale, softcap, sinks)[0]
+                      for rows in tiles(query, key)], dim=-2).to(query.dtype)
 
 
 @attention.register_fake
@@ -96,21 +109,26 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
                        is_causal: bool, scale: float, softcap: float,
                        sinks: Optional[torch.Tensor]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d query, d key, d value, d sinks) of `attention` (d sinks: zeros [h] without sinks)."""
-    q, k, v = upcast(query), upcast(key), upcast(value)
-    _, lse, scores, probs = _forward(q, k, v, attn_mask, is_causal, scale, softcap, sinks)
-    grad_out = upcast(grad_out)
-    delta = (grad_out * upcast(out)).sum(-1)
-    grad_scores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    grad_scores = grad_scores * cap_gradient(scores, softcap)
-    grads = [torch.matmul(grad_scores, k) * scale, torch.matmul(grad_scores.transpose(-1, -2), q) * scale,
-             torch.matmul(probs.transpose(-1, -2), grad_out)]
-    if sinks is None:
-        sink_grad = query.new_zeros(query.shape[-3])
-    else:
-        sink_grad = -(torch.exp(upcast(sinks).view(-1, 1) - finite(lse)) * delta).sum((0, 2))
-    return (*(g.to(t.dtype) for g, t in zip(grads, (query, key, value))),
-            sink_grad.to(query.dtype if sinks is None else sinks.dtype))
+    """(d query, d key, d value, d sinks) of `attention` (d sinks: zeros [h] without sinks),
+    tile by tile of query rows as the forward."""
+    k, v = upcast(key), upcast(value)
+    grad_query, grad_key, grad_value = (torch.zeros_like(upcast(t)) for t in (query, key, value))
+    grad_sinks = torch.zeros(query.shape[-3], dtype=grad_key.dtype, device=query.device)
+    for rows in tiles(query, key):
+        q = upcast(query[..., rows.start:rows.stop, :])
+        seen = visibility(rows, query.shape[-2], key.shape[-2], attn_mask, is_causal, query.device)
+        _, lse, scores, probs = _forward(q, k, v, seen, scale, softcap, sinks)
+        grad = upcast(grad_out[..., rows.start:rows.stop, :])
+        delta = (grad * upcast(out[..., rows.start:rows.stop, :])).sum(-1)
+        grad_scores = probs * (torch.matmul(grad, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+        grad_scores = grad_scores * cap_gradient(scores, softcap)
+        grad_query[..., rows.start:rows.stop, :] = torch.matmul(grad_scores, k) * scale
+        grad_key += torch.matmul(grad_scores.transpose(-1, -2), q) * scale
+        grad_value += torch.matmul(probs.transpose(-1, -2), grad)
+        if sinks is not None:
+            grad_sinks -= (torch.exp(upcast(sinks).view(-1, 1) - finite(lse)) * delta).sum((0, 2))
+    return (*(g.to(t.dtype) for g, t in zip((grad_query, grad_key, grad_value), (query, key, value))),
+            grad_sinks.to(query.dtype if sinks is None else sinks.dtype))
 
 
 @attention_backward.register_fake
