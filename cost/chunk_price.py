@@ -393,7 +393,14 @@ def _kernels(node: NodeLayout, b: float, attention: str, dtype_bytes: int,
     """The node's forward and backward kernels, (family, flops, bytes, dtype or "" for the
     activations'), and the unfused attention scores it keeps."""
     if node.family == "attention" and node.attention:
-        forward, backward, kept = attention_kernels(node.attention, b, attention, dtype_bytes)
+        if node.attention.get("recomputes_scores"):
+            # autopar::attention (soft-capped scores, sinks): products and a softmax of a tile of
+            # query rows at a time, unfused, keeping none of them; its backward computes the
+            # forward's again
+            forward, backward, _ = attention_kernels(node.attention, b, "unfused", dtype_bytes)
+            backward, kept = forward + backward, 0.0
+        else:
+            forward, backward, kept = attention_kernels(node.attention, b, attention, dtype_bytes)
         return ([(*k, "") for k in forward], [(*k, "") for k in backward], kept)
     if node.family == "view" or (node.act_bytes == 0 and node.flops == 0):
         return [], [], 0.0

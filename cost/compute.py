@@ -62,8 +62,8 @@ BACKWARD = {"matmul": (2.0, 2.0), "attention": (2.5, 2.0), "norm": (2.0, 2.0),
 # Ops of libraries other than ATen that run kernels: the experts of a mixture-of-experts layer
 # as one grouped matmul, autopar's own (autopar/models/experts.py) and the one HuggingFace
 # transformers runs where torch._grouped_mm does not (rows sorted by expert, [E, K, N] weights);
-# attention with soft-capped scores or sinks (autopar/models/capped_attention.py), priced as the
-# fused attention kernels that compute them on GPUs (FlashAttention's softcap and sinks).
+# attention with soft-capped scores or sinks (autopar/models/capped_attention.py), which runs
+# unfused (cost/chunk_price.py prices its matmuls and softmax as such).
 _OWN_OPS = {"autopar.grouped_mm": "matmul", "transformers.grouped_mm_fallback": "matmul",
             "autopar.attention": "attention"}
 

@@ -484,4 +484,5 @@ def _attention_info(node: Node, by_name: dict, batch: int, split: int) -> dict:
     # grouped-query attention passes fewer key/value heads (enable_gqa)
     kv_heads = heads * _numel(key[:-2]) / _numel(query[:-2])
     return {"heads": heads, "kv_heads": kv_heads, "q_len": query[-2], "k_len": key[-2],
-            "head_dim": query[-1], "causal": causal, "dropout": float(dropout)}
+            "head_dim": query[-1], "causal": causal, "dropout": float(dropout),
+            "recomputes_scores": node.target.startswith("autopar.attention")}

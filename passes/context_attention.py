@@ -91,7 +91,22 @@ def _block(ring: "_Ring", step: int, chunk: int, causal: bool, window: int | Non
     queries = chunk_positions(ring.rank, ring.size, chunk, device).unsqueeze(1)
     keys = chunk_positions(source, ring.size, chunk, device).unsqueeze(0)
     mask = visible_keys(queries, keys, causal, window, None if keeps is None else keeps[source])
-    return slice(None), slice(None), mask if bool(mask.any()) else None
+    if keeps is None:       # told from the chunks' positions alone (fake tensors hold no values)
+        meet = _window_meets(ring.rank, source, ring.size, chunk, causal, window)
+    else:
+        meet = bool(mask.any())
+    return slice(None), slice(None), mask if meet else None
+
+
+def _window_meets(rank: int, source: int, cp: int, chunk: int, causal: bool, window: int) -> bool:
+    """Whether some query of `rank`'s chunks sees some key of `source`'s within `window`: the
+    keys a run of queries [a, b] sees are (a - window, b], causally."""
+    spans = [(c * chunk, (c + 1) * chunk - 1) for c in (rank, 2 * cp - 1 - rank)]
+    keys = [(c * chunk, (c + 1) * chunk - 1) for c in (source, 2 * cp - 1 - source)]
+    if not causal:
+        return True
+    return any(first <= last_query and last > first_query - window
+               for first_query, last_query in spans for first, last in keys)
 
 
 def _attend(query, key, value, mask, scale: float, kernel: bool, softcap: float = 0.0):

@@ -528,3 +528,25 @@ def test_positions_counted_over_a_split_sequence_gather_what_was_priced():
         [("cp", 2 * 2 * 4 * 2, 2 * 2 * 4 * 2)]        # 2 sequences x 2 fp32 totals x 2 micro-batches
     for entry in report.collectives:
         assert entry["predicted_sent_bytes"] == pytest.approx(entry["sent_bytes"], rel=0.05), entry
+
+
+@pytest.mark.slow
+def test_sliding_windows_and_sinks_split_over_the_sequence_send_what_was_priced():
+    """GPT-OSS (sinks, sliding-window layers: autopar::attention) under tp2 x cp2: the ring tells
+    which blocks a window reaches from the chunks' positions (fake tensors hold no values), and
+    every collective is the bytes the estimator priced."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
+
+    resolve(["gpt-oss"])
+    arch = ARCHITECTURES["gpt-oss"]
+    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
+    model = causal_sdpa(arch.build())
+    graph = capture(model, example_inputs=(ids,))
+    plan = plan_from_config(graph, "4:cpu", Config(tp=2, cp=2, global_batch=8, micro_batch=4))
+    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
+                          loss_fn=loss_fn, graph=graph)
+    report = rank_report(plan, runs[0], plan_collectives(graph, plan))
+    assert {entry["kind"] for entry in report.collectives if entry["axis"] == "cp"} >= {"send"}
+    _assert_sent_as_priced(report)
