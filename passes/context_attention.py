@@ -280,7 +280,8 @@ class RingAttention(torch.autograd.Function):
         # the output it returns (no fp32 copies of queries and output per layer in flight)
         # laid out [batch, tokens, heads, dim] as a flash kernel lays its output out, so that the
         # model's transpose and reshape to [batch, tokens, hidden] is a view, not a second copy
-        result = out.transpose(-3, -2).to(dtype, memory_format=torch.contiguous_format).transpose(-3, -2)
+        # (and a model that views it so, as the trace saw it do, can: AFMoE's `view`)
+        result = flash_layout(out.to(dtype))
         ctx.save_for_backward(given, key.to(block.dtype), value.to(block.dtype), result, lse, sinks)
         ctx.settings = (group, causal, scale, window, keeps, given_dtypes, softcap)
         return result
@@ -391,7 +392,14 @@ def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | 
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=causal, scale=scale)
     out = out.index_select(-2, torch.argsort(order))     # back to the order they arrived in
-    return _heads_to_sequence(out, group, size).to(dtype)
+    return flash_layout(_heads_to_sequence(out, group, size).to(dtype))
+
+
+def flash_layout(out: torch.Tensor) -> torch.Tensor:
+    """[b, h, t, d] laid out as [b, t, h, d], as the attention kernels return their output (and
+    the model was traced with): its transpose to [b, t, h, d] is contiguous. `.to(dtype,
+    memory_format=...)` is not enough: where the dtype is already right it returns the view."""
+    return out.transpose(-3, -2).contiguous().transpose(-3, -2)
 
 
 def _sequence_to_heads(tensor: torch.Tensor, group, size: int) -> torch.Tensor:

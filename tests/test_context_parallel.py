@@ -88,6 +88,8 @@ def attention_errors(world):
             out.backward(grad[:, :, mine])
             differences = [(out - reference[:, :, mine]).abs().max()]
             differences += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, whole)]
+            # laid out as a kernel's output, which a model may view as [b, t, h * d] (AFMoE)
+            differences.append(torch.tensor(0.0 if out.transpose(1, 2).is_contiguous() else 1.0))
             errors[(attend.__name__, causal, window, keep is not None)] = \
                 max(d.item() for d in differences)
     errors.update(capped_attention_errors(world, (q, k, v, grad), mine, padding))
