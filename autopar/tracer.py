@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import linecache
 import os
+import re
 import sysconfig
 import traceback
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         example_inputs = tuple(_meta_like(x) for x in example_inputs)
         example_kwargs = {name: _meta_like(x) for name, x in example_kwargs.items()}
     program = _export(model, example_inputs, example_kwargs)
+    _check_static_shapes(model, program)
     nodes, stacks = _nodes(program, _tied_parameters(model))
     constants = frozenset(spec.arg.name for spec in program.graph_signature.input_specs
                           if spec.kind is InputKind.CONSTANT_TENSOR)
@@ -127,6 +129,29 @@ def _capture_error(model: torch.nn.Module, err: Exception) -> CaptureError:
         f"{type(err).__name__}: {first_line}. Likely fix: make forward traceable by "
         f"torch.export (no data-dependent Python control flow, no calls outside torch on "
         f"tensors); see the chained error for details.")
+
+
+def _check_static_shapes(model: torch.nn.Module, program) -> None:
+    """Refuse a graph with an op whose output size depends on its input's values (nonzero, a
+    boolean mask's selection): the planner sizes every op before the run, naming the op."""
+    for fx_node in program.graph_module.graph.nodes:
+        values = fx_node.meta.get("val")
+        for value in values if isinstance(values, (tuple, list)) else (values,):
+            if isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape):
+                raise CaptureError(
+                    f"cannot capture {type(model).__name__}: {fx_node.target} ({fx_node.name}) "
+                    f"{_source_of(fx_node)}returns a tensor whose size depends on its input's "
+                    f"values ({list(value.shape)}), and autopar sizes every op before the run. "
+                    f"Likely fix: a fixed-size form (torch.where over every position, a top-k, "
+                    f"a capacity, rows sorted by expert with counts as data) instead of nonzero, "
+                    f"a boolean mask's selection or a split by counts the values decide.")
+
+
+def _source_of(fx_node: torch.fx.Node) -> str:
+    """"at FILE:LINE: `code` " of the innermost frame of the model's code that made the node."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', fx_node.meta.get("stack_trace") or "")
+    frames = [f for f in frames if not f[0].startswith(_TORCH_DIR) and f[0] != __file__]
+    return f"at {frames[-1][0]}:{frames[-1][1]}: `{frames[-1][2].strip()}` " if frames else ""
 
 
 # --- nodes ---------------------------------------------------------------------------------------

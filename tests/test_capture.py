@@ -220,6 +220,26 @@ def test_data_dependent_branch_raises_capture_error_naming_the_line():
     assert info.value.__cause__ is not None
 
 
+class Selecting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y[y > 0].sum()  # as many values as are positive
+
+
+def test_a_size_the_values_decide_raises_capture_error_naming_the_line():
+    """torch.export traces a boolean mask's selection to a tensor of unknown size; autopar
+    sizes every op before the run, so capture refuses it, naming the op and the line."""
+    with pytest.raises(CaptureError) as info:
+        capture(Selecting(), (torch.randn(2, 8),))
+    message = str(info.value)
+    assert "depends on its input's values" in message and "aten.index.Tensor" in message
+    assert "test_capture.py" in message and "return y[y > 0].sum()" in message
+
+
 def test_capture_rejects_a_non_module():
     with pytest.raises(CaptureError, match="needs a torch.nn.Module"):
         capture(lambda x: x, (torch.randn(2),))
