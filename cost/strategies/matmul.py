@@ -106,14 +106,17 @@ ATTENTION_OPS = ("aten.scaled_dot_product_attention.default",
 @rule(*ATTENTION_OPS)
 def attention(view: OpView) -> list[OpStrategy]:
     """q, k, v [batch, heads, seq, head_dim]: batch or heads sharded on all three (and on a mask
-    where it has that dim, on the sinks [heads] of autopar's attention where the heads are); the
-    sequence stays whole because a causal mask needs absolute positions."""
+    where it has that dim; autopar's attention with sinks [heads]: heads only, the sinks with
+    them); the sequence stays whole because a causal mask needs absolute positions."""
     found = []
-    for dim in (0, 1):
+    sinks = any(len(shape) == 1 for shape in view.input_shapes[3:])
+    # with sinks, the heads only: under a batch split their gradient is a partial sum, which
+    # DTensor's rule for the op (passes/dtensor_rules.py) does not give
+    for dim in (1,) if sinks else (0, 1):
         inputs = [Shard(dim)] * 3
         for shape in view.input_shapes[3:]:        # an attention mask broadcast to [b, h, s, s]
             if len(shape) == 1:                    # sinks: one logit per head
-                inputs.append(Shard(0) if dim == 1 else Replicate())
+                inputs.append(Shard(0))
                 continue
             offset = 4 - len(shape)
             inputs.append(Shard(dim - offset) if dim >= offset and shape[dim - offset] > 1
