@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.cost.collectives import Group
-from autopar.cost.context import context_parallel_time
+from autopar.cost.context import context_parallel_time, exchanged_kv
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
 from autopar.cost.layout import GraphLayout, NodeLayout
-from autopar.plans.vocabulary import DTYPE_BYTES, Recompute
+from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, group_elements, selective_region
@@ -144,9 +144,11 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
                 ep_group, node.exchange_bytes * b, top_k=layer.top_k, experts=layer.experts,
                 deduplicated=pricing.deduplicated_dispatch)
         if cp_group is not None and node.name in pricing.attention_bytes:
+            query, kv, output = pricing.attention_bytes[node.name]
+            if spec.cp_kind == ContextParallel.ALL_TO_ALL:
+                kv = exchanged_kv(kv, node.attention, spec.cp)
             ring_fwd, ring_bwd = context_parallel_time(spec.cp_kind, cp_group,
-                                                       pricing.attention_bytes[node.name], b,
-                                                       fwd, bwd)
+                                                       (query, kv, output), b, fwd, bwd)
             comm_fwd, comm_bwd = comm_fwd + ring_fwd, comm_bwd + ring_bwd
         prices[node.name] = (fwd, bwd, comm_fwd, comm_bwd, kept, exchange)
     return prices

@@ -196,15 +196,29 @@ def sequence_scans(graph: Graph) -> list:
     """The cumsums along the sequence (a dim after the batch as long as it): a rank computes its
     chunks' and adds the totals of the chunks before them (autopar.passes.context_scan)."""
     seq = graph_sequence(graph)
-    scans = []
+    scans, live = [], _live(graph)
     for node in graph.nodes:
-        if node.target != "aten.cumsum.default" or not node.inputs:
+        if node.target != "aten.cumsum.default" or not node.inputs or node.name not in live:
             continue
         shape = graph.node(node.inputs[0]).shape
         dim = node.args[1] % len(shape) if len(node.args) > 1 and isinstance(node.args[1], int) else None
         if dim and shape[dim] == seq:
             scans.append(node)
     return scans
+
+
+def _live(graph: Graph) -> set[str]:
+    """The nodes whose values reach the outputs or an op with an effect: the runtime splits those
+    (a count HuggingFace makes for packed sequences and never reads is left out)."""
+    by_name = {n.name: n for n in graph.nodes}
+    pending = [n.name for n in graph.nodes if n.role is Role.OUTPUT or n.effect]
+    live = set()
+    while pending:
+        name = pending.pop()
+        if name not in live:
+            live.add(name)
+            pending.extend(by_name[name].inputs)
+    return live
 
 
 def scan_bytes(graph: Graph) -> dict[str, float]:
@@ -231,17 +245,23 @@ def _foreign_mask(node) -> bool:
 
 
 def ulysses_error(layout: GraphLayout, cp: int) -> str | None:
-    """Why the all-to-all form cannot split this layout's heads over `cp` ranks (None if it can)."""
+    """Why the all-to-all form cannot split this layout's heads over `cp` ranks (None if it can):
+    the query heads must divide; key/value heads that do not go repeated (`exchanged_kv`)."""
     for node in layout.nodes:
         if node.family == "attention" and node.attention:
-            for kind in ("heads", "kv_heads"):
-                heads = node.attention.get(kind, node.attention["heads"])
-                if heads % cp:
-                    what = "key/value heads" if kind == "kv_heads" else "heads"
-                    return (f"all-to-all context parallelism splits heads over the cp ranks: "
-                            f"{heads:g} {what} per rank do not divide by cp={cp}: use "
-                            f"cp_kind='ring', or a cp that divides them")
+            heads = node.attention["heads"]
+            if heads % cp:
+                return (f"all-to-all context parallelism splits heads over the cp ranks: "
+                        f"{heads:g} heads per rank do not divide by cp={cp}: use "
+                        f"cp_kind='ring', or a cp that divides them")
     return None
+
+
+def exchanged_kv(kv: float, info: dict, cp: int) -> float:
+    """The key and value bytes the all-to-all swaps: repeated to the query heads where their
+    heads do not divide cp (autopar.passes.context_attention.ulysses_attention)."""
+    kv_heads = info.get("kv_heads", info["heads"])
+    return kv * info["heads"] / kv_heads if kv_heads % cp else kv
 
 
 def context_parallel_time(kind: str, group: Group, sizes: tuple[float, float, float],

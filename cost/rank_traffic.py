@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost.calibration import calibrated
-from autopar.cost.context import attention_bytes, scan_bytes
+from autopar.cost.context import attention_bytes, exchanged_kv, scan_bytes
 from autopar.cost.estimator import ACTIVATION_DTYPE, crossing_bytes, price_pipeline
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
@@ -111,6 +111,7 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
     if spec.cp < 2:
         return
     layout, owner = memo.layout(spec), memo.split(specs).owner
+    attention_of = {node.name: node.attention for node in layout.nodes if node.attention}
     for name, (query, kv, output) in attention_bytes(graph, layout).items():
         if owner[layout.index[name]] != c:
             continue
@@ -119,6 +120,7 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
             hops = (spec.cp - 1) * kv + spec.cp * (kv + kv * 4 / element)
             _add(found, "send", "cp", spec.cp, hops * per_step)
         else:
+            kv = exchanged_kv(kv, attention_of[name], spec.cp)
             swapped = (query + kv + output) * spec.cp * per_step
             _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)
     # running counts along the sequence: each rank's 2 chunk totals of every sequence of its

@@ -367,10 +367,14 @@ def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | 
                       window: int | None = None, keep: torch.Tensor | None = None,
                       softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim] (rank r's
-    chunks r-th), the sequence put in position order, causal attention over it, and back."""
+    chunks r-th), the sequence put in position order, causal attention over it, and back. Keys
+    and values with fewer heads than cp divides (multi-query, or grouped-query heads that
+    tensor parallelism split) go repeated to the queries' heads, as DeepSpeed-Ulysses does."""
     size = dist.get_world_size(group)
     chunk = query.shape[-2] // 2
     dtype = query.dtype
+    if key.shape[-3] % size:    # too few key/value heads to split: each query head's own copy
+        key, value = (_repeat_heads(t, query.shape[-3] // key.shape[-3]) for t in (key, value))
     query, key, value = (_sequence_to_heads(t.float(), group, size) for t in (query, key, value))
     arrived = torch.cat([chunk_positions(r, size, chunk, query.device) for r in range(size)])
     order = torch.argsort(arrived)          # where each position arrived

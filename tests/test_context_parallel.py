@@ -92,6 +92,18 @@ def attention_errors(world):
             differences.append(torch.tensor(0.0 if out.transpose(1, 2).is_contiguous() else 1.0))
             errors[(attend.__name__, causal, window, keep is not None)] = \
                 max(d.item() for d in differences)
+    # one key/value head (multi-query), fewer than the ranks: the all-to-all repeats it
+    for attend in (ring_attention, ulysses_attention):
+        whole = [t.clone().requires_grad_() for t in (q, k[:, :1], v[:, :1])]
+        reference = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True,
+                                                                      enable_gqa=True)
+        reference.backward(grad)
+        local = [t[:, :, mine].detach().clone().requires_grad_() for t in whole]
+        out = attend(*local, dist.group.WORLD, causal=True)
+        out.backward(grad[:, :, mine])
+        differences = [(out - reference[:, :, mine]).abs().max()]
+        differences += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, whole)]
+        errors[(attend.__name__, "one key/value head")] = max(d.item() for d in differences)
     errors.update(capped_attention_errors(world, (q, k, v, grad), mine, padding))
     return errors
 

@@ -106,11 +106,13 @@ def test_offloaded_states_must_fit_the_hosts_memory():
     assert small.host_memory_limit_bytes == 1e6 < small.host_memory_bytes and not small.fits
 
 
-def test_all_to_all_needs_cp_to_divide_the_key_value_heads():
+def test_all_to_all_needs_cp_to_divide_the_query_heads():
     """HuggingFace's grouped-query attention hands scaled_dot_product_attention fewer key/value
-    heads than query heads (enable_gqa): the all-to-all splits both, so 2 key/value heads go over
-    cp=2 and not over cp=4, which is refused with the way out, never run."""
+    heads than query heads (enable_gqa): the all-to-all splits the query heads, and key/value
+    heads that do not divide go repeated to them, priced so (4x the bytes at cp=4 than at cp=2,
+    where 2 divide); query heads that do not divide by cp are refused with the way out."""
     pytest.importorskip("transformers")
+    from autopar.cost.context import exchanged_kv
     from autopar.errors import AutoparError
     from autopar.models.hf_attention import causal_sdpa
     from autopar.models.hf_zoo import ARCHITECTURES
@@ -118,11 +120,15 @@ def test_all_to_all_needs_cp_to_divide_the_key_value_heads():
     arch = ARCHITECTURES["llama"]        # 4 query heads, 2 key/value heads
     ids, _ = arch.batch(8, torch.Generator().manual_seed(1))
     graph = autopar.capture(causal_sdpa(arch.build()), (ids,))
+    info = {"heads": 4, "kv_heads": 2}
+    assert (exchanged_kv(1.0, info, 2), exchanged_kv(1.0, info, 4)) == (1.0, 2.0)
     mesh = autopar.Mesh.parse("4:cpu")
     autopar.estimate(graph, mesh, autopar.Config(cp=2, dp=2, cp_kind="all-to-all", global_batch=8))
-    with pytest.raises(AutoparError, match="2 key/value heads per rank do not divide by cp=4: use "
+    autopar.estimate(graph, mesh, autopar.Config(cp=4, cp_kind="all-to-all", global_batch=8))
+    with pytest.raises(AutoparError, match="4 heads per rank do not divide by cp=8: use "
                                            "cp_kind='ring'"):
-        autopar.estimate(graph, mesh, autopar.Config(cp=4, cp_kind="all-to-all", global_batch=8))
+        autopar.estimate(graph, autopar.Mesh.parse("8:cpu"),
+                         autopar.Config(cp=8, cp_kind="all-to-all", global_batch=8))
 
 
 def test_sliding_windows_keep_their_mask_and_plan_a_split():

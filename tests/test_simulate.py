@@ -550,3 +550,27 @@ def test_sliding_windows_and_sinks_split_over_the_sequence_send_what_was_priced(
     report = rank_report(plan, runs[0], plan_collectives(graph, plan))
     assert {entry["kind"] for entry in report.collectives if entry["axis"] == "cp"} >= {"send"}
     _assert_sent_as_priced(report)
+
+
+@pytest.mark.slow
+def test_one_key_value_head_goes_repeated_through_the_all_to_all_as_priced():
+    """Gemma's one key/value head does not split over cp=2: the all-to-all sends it repeated to
+    the query heads, and the estimator prices those bytes (and no all-gather for the count of
+    tokens HuggingFace makes and never reads)."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
+
+    resolve(["gemma"])
+    arch = ARCHITECTURES["gemma"]
+    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
+    model = causal_sdpa(arch.build())
+    graph = capture(model, example_inputs=(ids,))
+    plan = plan_from_config(graph, "4:cpu", Config(dp=2, cp=2, cp_kind="all-to-all",
+                                                   global_batch=8, micro_batch=4))
+    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
+                          loss_fn=loss_fn, graph=graph)
+    report = rank_report(plan, runs[0], plan_collectives(graph, plan))
+    assert {(e["kind"], e["axis"]) for e in report.collectives} == {("all_to_all", "cp"),
+                                                                   ("all_reduce", "dp+cp")}
+    _assert_sent_as_priced(report)
