@@ -24,7 +24,9 @@ a one-GPU step against plain eager PyTorch.
    backward given the log-sum-exp of a whole attention over two blocks (as the ring's is).
 5. On rank 0, the experts' grouped matmul (one grouped GEMM on a GPU) against a loop of fp32
    matmuls, forward and gradients, in bf16.
-`--device cpu` runs 1, 2, 4 and 5 on gloo CPU ranks (times then say nothing about GPUs): it checks the
+6. On rank 0, autopar::attention (soft-capped scores and sinks) in fp32 on the device against
+   fp64 on the CPU, forward and gradients.
+`--device cpu` runs 1, 2, 4, 5 and 6 on gloo CPU ranks (times then say nothing about GPUs): it checks the
 script itself where no GPU is lent. Needs torch and autopar only.
 """
 
@@ -286,6 +288,28 @@ def check_grouped_experts(device: torch.device) -> None:
           f"{worst:.2e} of the largest value (forward, gradients): {verdict}")
 
 
+def check_capped_attention(device: torch.device) -> None:
+    """Check 6: autopar::attention (soft-capped scores, sinks: Gemma 2's and GPT-OSS's attention)
+    on the device in fp32 against the same op in fp64 on the CPU, forward and gradients (queries,
+    keys, values, sinks), causal, over 300 queries: tiles of query rows where the device cuts them."""
+    from autopar.models import capped_attention  # noqa: F401  (registers autopar::attention)
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2, 4, 300, 64)] * 3 + [(4,)]
+    given = [torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    grad = torch.randn(2, 4, 300, 64, generator=generator, dtype=torch.float64)
+    results = []
+    for where, dtype in ((device, torch.float32), (torch.device("cpu"), torch.float64)):
+        inputs = [t.to(where, dtype).requires_grad_() for t in given]
+        out = torch.ops.autopar.attention(*inputs[:3], None, 0.0, True, 0.125, 30.0, inputs[3])
+        out.backward(grad.to(where, dtype))
+        results.append([t.detach().cpu().double() for t in (out, *(x.grad for x in inputs))])
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*results))
+    verdict = "ok" if worst <= TOLERANCE else "DIFFERS"
+    print(f"autopar::attention on {device.type} (fp32, softcap and sinks) vs fp64 on the CPU: "
+          f"largest difference {worst:.2e} of the largest value (forward, gradients): {verdict}")
+
+
 def run(args) -> None:
     """Every check this world runs; the default process group is up."""
     import autopar
@@ -306,6 +330,7 @@ def run(args) -> None:
     if dist.get_rank() == 0:
         check_ring_blocks(device)
         check_grouped_experts(device)
+        check_capped_attention(device)
 
 
 def parse(argv=None) -> argparse.Namespace:
