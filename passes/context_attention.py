@@ -39,7 +39,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from autopar.models.capped_attention import cap_gradient, capped_scores, finite, with_sinks
+from autopar.models.capped_attention import (cap_gradient, capped_scores, finite, sink_gradient,
+                                             with_sinks)
 from autopar.models.hf_attention import visible_keys
 
 
@@ -189,9 +190,9 @@ def _attend_backward(grad_out, query, key, value, out, lse, mask, scale: float, 
 def _merge(out, lse, part, part_lse, rows: slice):
     """The running output and log-sum-exp with one more block's, on the rows that attended it."""
     merged = torch.logaddexp(lse[..., rows], part_lse)
-    finite = merged.masked_fill(merged == float("-inf"), 0.0)   # rows that have seen no key yet
-    mixed = out[..., rows, :] * torch.exp(lse[..., rows] - finite).unsqueeze(-1) \
-        + part * torch.exp(part_lse - finite).unsqueeze(-1)
+    seen = finite(merged)       # rows that have seen no key yet weigh 0
+    mixed = out[..., rows, :] * torch.exp(lse[..., rows] - seen).unsqueeze(-1) \
+        + part * torch.exp(part_lse - seen).unsqueeze(-1)
     if rows == slice(None):
         return mixed, merged
     start = rows.start
@@ -322,12 +323,10 @@ def _gathered(keep: torch.Tensor, group, size: int) -> list[torch.Tensor]:
 
 
 def _sink_gradient(sinks, grad_out, out, lse):
-    """d sinks ([heads]) of this rank's queries: -sum of each row's sink weight x rowsum(dO * O)."""
+    """d sinks ([heads]) of this rank's queries, or None without sinks."""
     if sinks is None:
         return None
-    delta = (grad_out * out).sum(-1)
-    weight = torch.exp(sinks.float().view(-1, 1) - finite(lse))
-    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
+    return sink_gradient(sinks, (grad_out * out).sum(-1), lse).to(sinks.dtype)
 
 
 def _accumulate_block(block, grads, grad_query, saved, rows, cols, mask, scale, heads, softcap):

@@ -505,24 +505,30 @@ def test_the_shards_a_simulated_rank_makes_are_fsdps_own(dim):
                     assert lazy[rank].data_ptr() == made[rank].data_ptr()
 
 
+def _simulated_hf(name: str, config: Config):
+    """Rank 0 of `config` on 4 CPU ranks for a HuggingFace zoo model under causal_sdpa, simulated,
+    beside what the estimator priced."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
+
+    resolve([name])
+    arch = ARCHITECTURES[name]
+    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
+    model = causal_sdpa(arch.build())
+    graph = capture(model, example_inputs=(ids,))
+    plan = plan_from_config(graph, "4:cpu", config)
+    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
+                          loss_fn=loss_fn, graph=graph)
+    return rank_report(plan, runs[0], plan_collectives(graph, plan))
+
+
 @pytest.mark.slow
 def test_positions_counted_over_a_split_sequence_gather_what_was_priced():
     """OPT counts its positions from the attention mask (a running sum along the sequence):
     under cp=2 each rank all-gathers its 2 chunk totals of every sequence, and the estimator
     prices those bytes with the ring's."""
-    pytest.importorskip("transformers")
-    from autopar.models.hf_attention import causal_sdpa
-    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
-
-    resolve(["opt"])
-    arch = ARCHITECTURES["opt"]
-    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
-    model = causal_sdpa(arch.build())
-    graph = capture(model, example_inputs=(ids,))
-    plan = plan_from_config(graph, "4:cpu", Config(dp=2, cp=2, global_batch=8, micro_batch=2))
-    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
-                          loss_fn=loss_fn, graph=graph)
-    report = rank_report(plan, runs[0], plan_collectives(graph, plan))
+    report = _simulated_hf("opt", Config(dp=2, cp=2, global_batch=8, micro_batch=2))
     gathered = [entry for entry in report.collectives if entry["kind"] == "all_gather"]
     assert [(g["axis"], g["sent_bytes"], g["predicted_sent_bytes"]) for g in gathered] == \
         [("cp", 2 * 2 * 4 * 2, 2 * 2 * 4 * 2)]        # 2 sequences x 2 fp32 totals x 2 micro-batches
@@ -535,19 +541,7 @@ def test_sliding_windows_and_sinks_split_over_the_sequence_send_what_was_priced(
     """GPT-OSS (sinks, sliding-window layers: autopar::attention) under tp2 x cp2: the ring tells
     which blocks a window reaches from the chunks' positions (fake tensors hold no values), and
     every collective is the bytes the estimator priced."""
-    pytest.importorskip("transformers")
-    from autopar.models.hf_attention import causal_sdpa
-    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
-
-    resolve(["gpt-oss"])
-    arch = ARCHITECTURES["gpt-oss"]
-    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
-    model = causal_sdpa(arch.build())
-    graph = capture(model, example_inputs=(ids,))
-    plan = plan_from_config(graph, "4:cpu", Config(tp=2, cp=2, global_batch=8, micro_batch=4))
-    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
-                          loss_fn=loss_fn, graph=graph)
-    report = rank_report(plan, runs[0], plan_collectives(graph, plan))
+    report = _simulated_hf("gpt-oss", Config(tp=2, cp=2, global_batch=8, micro_batch=4))
     assert {entry["kind"] for entry in report.collectives if entry["axis"] == "cp"} >= {"send"}
     _assert_sent_as_priced(report)
 
@@ -557,20 +551,8 @@ def test_one_key_value_head_goes_repeated_through_the_all_to_all_as_priced():
     """Gemma's one key/value head does not split over cp=2: the all-to-all sends it repeated to
     the query heads, and the estimator prices those bytes (and no all-gather for the count of
     tokens HuggingFace makes and never reads)."""
-    pytest.importorskip("transformers")
-    from autopar.models.hf_attention import causal_sdpa
-    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
-
-    resolve(["gemma"])
-    arch = ARCHITECTURES["gemma"]
-    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
-    model = causal_sdpa(arch.build())
-    graph = capture(model, example_inputs=(ids,))
-    plan = plan_from_config(graph, "4:cpu", Config(dp=2, cp=2, cp_kind="all-to-all",
-                                                   global_batch=8, micro_batch=4))
-    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
-                          loss_fn=loss_fn, graph=graph)
-    report = rank_report(plan, runs[0], plan_collectives(graph, plan))
+    report = _simulated_hf("gemma", Config(dp=2, cp=2, cp_kind="all-to-all", global_batch=8,
+                                           micro_batch=4))
     assert {(e["kind"], e["axis"]) for e in report.collectives} == {("all_to_all", "cp"),
                                                                    ("all_reduce", "dp+cp")}
     _assert_sent_as_priced(report)

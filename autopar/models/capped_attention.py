@@ -66,6 +66,12 @@ def upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
+def sink_gradient(sinks: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """d sinks ([h]) of the rows whose rowsum(dO * O) is `delta` and log-sum-exp (sinks joined)
+    `lse` ([b, h, q]): -sum of each row's sink weight x delta."""
+    return -(torch.exp(upcast(sinks).view(-1, 1) - finite(lse)) * delta).sum((0, 2))
+
+
 def finite(lse: torch.Tensor) -> torch.Tensor:
     """A row that sees no key has a log-sum-exp of -inf: its weights are 0, its output 0."""
     return lse.masked_fill(lse == NEG_INF, 0.0)
@@ -126,7 +132,7 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
         grad_key += torch.matmul(grad_scores.transpose(-1, -2), q) * scale
         grad_value += torch.matmul(probs.transpose(-1, -2), grad)
         if sinks is not None:
-            grad_sinks -= (torch.exp(upcast(sinks).view(-1, 1) - finite(lse)) * delta).sum((0, 2))
+            grad_sinks += sink_gradient(sinks, delta, lse)
     return (*(g.to(t.dtype) for g, t in zip((grad_query, grad_key, grad_value), (query, key, value))),
             grad_sinks.to(query.dtype if sinks is None else sinks.dtype))
 

@@ -93,11 +93,11 @@ def causal_sdpa(model: nn.Module) -> nn.Module:
                            f"attention implementation; causal_sdpa applies to those only")
     name = IMPLEMENTATION
     if getattr(model, "_supports_sdpa", True) is False:
-        if _why_not_sdpa(model) is not None:
+        reason = _why_not_sdpa(model)
+        if reason is not None:
             raise AutoparError(f"{type(model).__name__} does not run its attention as "
-                               f"scaled_dot_product_attention in transformers "
-                               f"({_why_not_sdpa(model)}), so autopar cannot split it over the "
-                               f"sequence; use cp=1")
+                               f"scaled_dot_product_attention in transformers ({reason}), so "
+                               f"autopar cannot split it over the sequence; use cp=1")
         name = CAPPED       # transformers checks that a model takes SDPA by the name's "sdpa"
     setter(name)
     if getattr(model.config, "_attn_implementation", None) != name:
