@@ -6,6 +6,12 @@ rows [M, K] sorted by expert) that share one routing: the third input, the rows'
 its dispatch gathered from); its members are the grouped matmuls and the ops between them (the
 activation of a SwiGLU expert), which run on the rows, not on the tokens. Its router is the
 matmul whose output a top-k choice reads.
+
+A batched expert layer (HuggingFace's Llama 4, GShard's einsum dispatch) runs each expert on rows
+of its own: batched matmuls `bmm(rows [E, n, K], weight [E, K, N])`, or einsums that compute the
+same per expert (`per_expert_rows`), whose E is the width of the router choice (top-k or max)
+before them, the layer's routing. Its rows per token are E (every
+expert sees every token) and the rows of the batch E x n.
 """
 
 from __future__ import annotations
@@ -30,22 +36,80 @@ def expert_layers(graph: Graph) -> list[ExpertLayer]:
     """Every mixture-of-experts layer of `graph`, in order (none for a dense model)."""
     by_name = {n.name: n for n in graph.nodes}
     routed: dict[str, list] = {}
+    choices: dict[int, str] = {}      # width -> the last router choice so far
     for node in graph.nodes:
+        width = _choice_width(node, by_name)
+        if width:
+            choices[width] = node.name
         read = _expert_weight(node, by_name)
         if read is not None:
             weight, parameter = read
             routing = next((i for i in node.inputs[1:] if i != weight), node.inputs[-1])
             routed.setdefault(routing, []).append((node, parameter))
+        parameter = _batched_weight(node, by_name)
+        if parameter is not None and by_name[parameter].shape[0] in choices:
+            routed.setdefault(choices[by_name[parameter].shape[0]], []).append((node, parameter))
     layers = []
     for found in routed.values():
         matmuls = [node.name for node, _ in found]
         weights = tuple(dict.fromkeys(weight for _, weight in found))
         experts = by_name[weights[0]].shape[0]
-        rows = by_name[matmuls[0]].shape[0]
+        first = by_name[matmuls[0]]
+        rows = _numel(first.shape[:-1])
+        tokens = first.shape[1] if len(first.shape) == 3 else _tokens(by_name, first)
         layers.append(ExpertLayer(matmuls=tuple(matmuls), members=_members(graph, matmuls),
                                   weights=weights, experts=experts, rows=rows,
-                                  top_k=rows / max(1, _tokens(by_name, by_name[matmuls[0]]))))
+                                  top_k=rows / max(1, tokens)))
     return layers
+
+
+_CHOICES = ("aten.topk.", "aten.max.dim", "aten.argmax.")
+
+
+def _choice_width(node, by_name) -> int:
+    """The number of scores a router choice (top-k, max, argmax over the last dim) picks among;
+    0 for other nodes."""
+    if node.role is not Role.ACTIVATION or not node.target.startswith(_CHOICES) or not node.inputs:
+        return 0
+    shape = by_name[node.inputs[0]].shape
+    return shape[-1] if shape else 0
+
+
+def _batched_weight(node, by_name) -> str | None:
+    """The parameter [E, K, N] of `bmm(rows [E, n, K], weight)`, a batched expert matmul; else
+    None."""
+    if node.role is not Role.ACTIVATION or len(node.inputs) != 2 or not (
+            node.target.startswith("aten.bmm") or node.target.startswith("aten.einsum")
+            and per_expert_rows(node.args[0])):
+        return None
+    rows, weight = (by_name[name] for name in node.inputs)
+    parameter = parameter_behind(weight.name, by_name)
+    if parameter is None or rows.role is not Role.ACTIVATION or parameter_behind(rows.name, by_name):
+        return None
+    shape = by_name[parameter].shape
+    return parameter if len(shape) == 3 and len(rows.shape) == 3 and rows.shape[0] == shape[0] \
+        else None
+
+
+def per_expert_rows(equation) -> bool:
+    """Whether a two-operand einsum computes `rows [e, n, ...]` with `weight [e, ...]` into
+    `[e, n, ...]`, each (expert, row) from that row and that expert's weight alone: the batched
+    matmul of experts ("ecd,edf->ecf", or with the weight transposed, "ecd,efd->ecf")."""
+    if not isinstance(equation, str) or "->" not in equation or "..." in equation:
+        return False
+    operands, out = equation.replace(" ", "").split("->")
+    parts = operands.split(",")
+    if len(parts) != 2 or min(len(parts[0]), len(parts[1]), len(out)) < 2:
+        return False
+    rows, weight = parts
+    return rows[0] == weight[0] == out[0] and rows[1] == out[1] and rows[1] not in weight
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 # Ops between a router's logits and its top-k choice: scores (softmax, sigmoid), casts, views.
@@ -122,26 +186,6 @@ def _tokens(by_name: dict, matmul) -> int:
         rows = by_name[rows.inputs[0]]
     source = by_name[rows.inputs[0]] if rows.inputs else rows
     return source.shape[0] if len(source.shape) == 2 else rows.shape[0]
-
-
-def experts_on_every_token(graph: Graph) -> list[str]:
-    """Parameters stacked over a router's experts ([E, in, out], E the width of a top-k in the
-    graph) that a batched matmul runs on every token: experts computed densely, each on all the
-    tokens weighted by the router's scores (HuggingFace's Llama 4 layout), which expert
-    parallelism cannot dispatch."""
-    by_name = {n.name: n for n in graph.nodes}
-    widths = {by_name[n.inputs[0]].shape[-1] for n in graph.nodes
-              if n.target.startswith("aten.topk") and n.inputs and by_name[n.inputs[0]].shape}
-    found = []
-    for node in graph.nodes:
-        if node.role is not Role.ACTIVATION or not node.target.startswith(("aten.bmm", "aten.matmul")):
-            continue
-        for name in node.inputs:
-            parameter = parameter_behind(name, by_name)
-            shape = by_name[parameter].shape if parameter is not None else ()
-            if len(shape) == 3 and shape[0] in widths and parameter not in found:
-                found.append(parameter)
-    return found
 
 
 def expert_parameters(layers: list[ExpertLayer]) -> set[str]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from autopar.cost.expert_layers import ExpertLayer, experts_on_every_token, parameter_behind
+from autopar.cost.expert_layers import ExpertLayer, parameter_behind
 from autopar.cost.layout import GraphLayout
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.errors import AutoparError
@@ -73,7 +73,7 @@ def with_expert_parallelism(layout: GraphLayout, layers: list[ExpertLayer], grap
             nodes[position[name]] = replace(node, expert=True)
         for name in layer.matmuls:
             node, weight = nodes[position[name]], _weight_of(by_name[name], by_name)
-            rows = by_name[name].shape[0] / layout.batch / (tp if ep > 1 else 1)
+            rows = _numel(by_name[name].shape[:-1]) / layout.batch / (tp if ep > 1 else 1)
             columns = node.gemm[1] if node.gemm else by_name[name].shape[-1]
             if ep > 1:
                 param_local[weight] = _numel(by_name[weight].shape) / ep
@@ -98,10 +98,19 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
     node = nodes[position[first.name]]
     nodes[position[first.name]] = replace(node, routing_counts=layer.experts)
     if tp > 1:      # the tensor-parallel shares joined, and the rows' gradients
+        # batched rows that tensor parallelism split over the experts are gathered whole first,
+        # and so are the gradients of an output that it splits so after the layer
+        rows_split = len(first.shape) == 3 and nodes[position[first.inputs[0]]].sharded
+        out_split = len(last.shape) == 3 and any(
+            nodes[position[user.name]].sharded for user in by_name.values() if last.name in user.inputs)
         node = nodes[position[last.name]]
-        nodes[position[last.name]] = replace(node, comm_forward=(("all_gather", combined * tp, True),))
+        nodes[position[last.name]] = replace(
+            node, comm_forward=(("all_gather", combined * tp, True),),
+            comm_backward=(("all_gather", combined * tp, True),) if out_split else ())
         node = nodes[position[first.name]]
-        nodes[position[first.name]] = replace(node, comm_backward=(("all_gather", dispatched * tp, True),))
+        nodes[position[first.name]] = replace(
+            node, comm_backward=(("all_gather", dispatched * tp, True),),
+            comm_forward=(("all_gather", dispatched * tp, True),) if rows_split else ())
 
 
 def _sample_bytes(node, layout: GraphLayout) -> float:
@@ -153,14 +162,6 @@ def _numel(shape) -> int:
 
 
 def _no_expert_layer(graph: Graph, ep: int) -> str:
-    """Why a model offers no experts to split: none, or experts that compute every token."""
-    fqn = {node.name: node.param_fqn or node.name for node in graph.parameters}
-    dense = [fqn.get(name, name) for name in experts_on_every_token(graph)]
-    if dense:
-        return (f"ep={ep}: the model's experts ({', '.join(dense[:2])}{', ...' if len(dense) > 2 else ''}) "
-                f"compute every token, weighted by the router's scores (a batched matmul over all "
-                f"the experts, as HuggingFace's Llama 4 does), not the tokens routed to them, so "
-                f"there are no routed tokens to dispatch; use ep=1 (tp, dp and ZeRO split these "
-                f"weights), or a model whose experts run on their routed tokens (a grouped matmul)")
-    return (f"ep={ep}: the model has no mixture-of-experts layer (no grouped matmul over an "
-            f"[experts, in, out] weight) to split; use ep=1")
+    return (f"ep={ep}: the model has no mixture-of-experts layer (expert weights [experts, in, "
+            f"out] read by a grouped or batched matmul, chosen among by a router's top-k) to "
+            f"split; use ep=1")

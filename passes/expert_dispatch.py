@@ -18,6 +18,12 @@ E/ep consecutive experts as the local slice of a `Shard(0)` DTensor, it:
 Every row reaches every expert it was routed to; nothing is dropped or padded, so the layer
 computes what one process computes, up to the order of floating-point sums inside a matmul.
 
+A batched layer (experts on rows [E, n, ...] of their own, passes/expert_batches.py) has no
+routing value: each rank sends slice e of dim 0 to the rank holding expert e with one all-to-all
+(the row counts n exchanged first, as the per-expert counts are), runs its experts on
+[E/ep, rows from every rank, ...] and sends the results back; tensor-parallel ranks sharing the
+rows each take 1/tp of dim 1.
+
 On fake tensors (`autopar simulate`) routing has no values to go by: with `balanced_routing`
 set, each rank sends every expert an equal share of its rows (the estimator's assumption), and
 the layer issues the collectives and allocates the tensors those counts make; otherwise a fake
@@ -109,13 +115,13 @@ class ExpertParallel(nn.Module):
     """A MoE layer's experts, dispatched to the ranks that hold them (module doc)."""
 
     def __init__(self, *, program: LocalProgram, experts: list[nn.Module], num_experts: int,
-                 route: RouteInput, output: torch.Tensor, where: str):
+                 route: RouteInput | None, output: torch.Tensor, where: str):
         super().__init__()
         self.program = program
         # the modules holding each expert weight, whole [E, ...] or this rank's slice of it
         self.experts = nn.ModuleList(experts)
         self.num_experts = num_experts
-        self.route = route
+        self.route = route                  # None: a batched layer (module doc)
         self.output_shape, self.output_dtype = tuple(output.shape[1:]), output.dtype
         self.where = where
         self.group: dist.ProcessGroup | None = None    # expert-parallel ranks; None: all experts here
@@ -138,20 +144,35 @@ class ExpertParallel(nn.Module):
         return f"num_experts={self.num_experts}, ep={self.ep}, where={self.where!r}"
 
     def forward(self, rows, route, *constants):
+        batched = self.route is None
         if rows.is_meta or (is_fake(rows) and not self.balanced_routing):   # shapes only
-            return rows.new_empty((rows.shape[0], *self.output_shape), dtype=self.output_dtype)
-        experts = self._row_experts(_whole(route), rows.shape[0])
+            leading = rows.shape[:2] if batched else rows.shape[:1]
+            return rows.new_empty((*leading, *self.output_shape[len(leading) - 1:]),
+                                  dtype=self.output_dtype)
         constants = [_whole(value) for value in constants]
+        if batched:
+            def run(share, _):
+                return self._exchange_batched(share, constants)
+        else:
+            def run(share, experts):
+                return self._dispatch(share, experts, constants)
+        experts = None if batched else self._row_experts(_whole(route), rows.shape[0])
         mesh = rows.device_mesh if isinstance(rows, DTensor) else self.token_mesh
         if mesh is None or mesh.size() == 1:
-            out = self._dispatch(_whole(rows), experts, constants)
+            out = run(_whole(rows), experts)
             return DTensor.from_local(out, mesh, [Replicate()], run_check=False) \
                 if isinstance(rows, DTensor) else out
-        share = _replicated(rows, mesh).redistribute(mesh, [Shard(0)]).to_local()
-        mine = _replicated(experts, mesh).redistribute(mesh, [Shard(0)]).to_local()
-        out = self._dispatch(share, mine, constants)
-        shape = (rows.shape[0], *out.shape[1:])
-        whole = DTensor.from_local(out, mesh, [Shard(0)], run_check=False, shape=shape,
+        dim = 1 if batched else 0      # the dim of the rows the tensor-parallel ranks share
+        rows = _replicated(rows, mesh)
+        if batched and rows.placements != (Replicate(),):
+            # split over the experts (as tensor parallelism without ep splits a batched matmul):
+            # gathered whole, then each rank takes its tokens
+            rows = rows.redistribute(mesh, [Replicate()])
+        share = rows.redistribute(mesh, [Shard(dim)]).to_local()
+        mine = None if batched else _replicated(experts, mesh).redistribute(mesh, [Shard(0)]).to_local()
+        out = run(share, mine)
+        shape = (*rows.shape[:dim + 1], *out.shape[dim + 1:])
+        whole = DTensor.from_local(out, mesh, [Shard(dim)], run_check=False, shape=shape,
                                    stride=_contiguous_strides(shape)).redistribute(mesh, [Replicate()])
         return whole if isinstance(rows, DTensor) else whole.to_local()
 
@@ -172,14 +193,15 @@ class ExpertParallel(nn.Module):
                 f"route every row, or train this model with ep=1")
         return experts
 
+    def _local_weights(self) -> list[torch.Tensor]:
+        return [_ScaleGradient.apply(_local(holder()), self.gradient_scale)
+                if self.gradient_scale != 1.0 else _local(holder()) for holder in self.experts]
+
     def _dispatch(self, rows: torch.Tensor, experts: torch.Tensor, constants: list) -> torch.Tensor:
         """Steps 2 to 4 of the module doc on this rank's rows."""
         ep, local = self.ep, self.num_experts // self.ep
-        weights = [_ScaleGradient.apply(_local(holder()), self.gradient_scale)
-                   if self.gradient_scale != 1.0 else _local(holder()) for holder in self.experts]
-        device = rows.device.type
-        if torch.is_autocast_enabled(device) and rows.is_floating_point():
-            rows = rows.to(torch.get_autocast_dtype(device))    # dispatched in 16 bits
+        weights = self._local_weights()
+        rows = _in_autocast_dtype(rows)
         order = torch.argsort(experts, stable=True)
         counts = torch.empty(self.num_experts, dtype=torch.long, device=experts.device) \
             if self.balanced_routing else torch.bincount(experts, minlength=self.num_experts)
@@ -202,6 +224,29 @@ class ExpertParallel(nn.Module):
         back = all_to_all_single_autograd(out[_inverse(regroup)].contiguous(), sent_rows,
                                           received_rows, self.group)
         return back[_inverse(order)]
+
+    def _exchange_batched(self, rows: torch.Tensor, constants: list) -> torch.Tensor:
+        """A batched layer's rows [E, n, ...] through the experts of the ranks that hold them."""
+        weights, rows = self._local_weights(), _in_autocast_dtype(rows)
+        if self.ep == 1:
+            return self.program.run(rows, weights, None, None, constants)
+        ep, local, count = self.ep, self.num_experts // self.ep, rows.shape[1]
+        counts = torch.full((self.num_experts,), count, dtype=torch.long, device=rows.device)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        # under fake tensors every rank is taken to hold as many rows as this one
+        sources = [count] * ep if self.balanced_routing else received[::local].tolist()
+        sent, got = [local * count] * ep, [local * source for source in sources]
+        flat = rows.reshape(self.num_experts * count, *rows.shape[2:]).contiguous()
+        arrived = all_to_all_single_autograd(flat, got, sent, self.group)
+        grouped = torch.cat([piece.view(local, source, *piece.shape[1:])
+                             for piece, source in zip(arrived.split(got), sources)], dim=1)
+        out = self.program.run(grouped, weights, None, None, constants)
+        back = torch.cat([piece.reshape(local * source, *piece.shape[2:])
+                          for piece, source in zip(out.split(sources, dim=1), sources)])
+        returned = all_to_all_single_autograd(back.contiguous(), sent, got, self.group)
+        # a copy, not a view: FSDP2 drops its pre-backward hook from a view that is changed in place
+        return returned.view(self.num_experts, count, *out.shape[2:]).clone()
 
     def _row_splits(self, counts: torch.Tensor, received: torch.Tensor,
                     rows: int) -> tuple[list[int], list[int]]:
@@ -228,6 +273,14 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale, None
+
+
+def _in_autocast_dtype(rows: torch.Tensor) -> torch.Tensor:
+    """Rows in the autocast dtype under autocast: dispatched in 16 bits."""
+    device = rows.device.type
+    if torch.is_autocast_enabled(device) and rows.is_floating_point():
+        return rows.to(torch.get_autocast_dtype(device))
+    return rows
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:

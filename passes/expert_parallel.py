@@ -160,17 +160,22 @@ def _extract(layer: ExpertLayer) -> LocalProgram:
 
 def _check_any_size(program: LocalProgram, layer: ExpertLayer) -> None:
     """Run the body on meta tensors for another number of rows and one expert: an op that fixed
-    the number of rows (a view to the traced count) cannot run on the rows a rank receives."""
+    the number of rows (a view to the traced count) cannot run on the rows a rank receives, nor
+    one that fixed the number of experts of a batched layer (its rows [1, n + 1, ...] then)."""
     rows = layer.rows.meta["val"]
     count = rows.shape[0] + 1
+    shape = (1, rows.shape[1] + 1, *rows.shape[2:]) if layer.batched else (count, *rows.shape[1:])
     weights = [torch.empty((1, *h.meta["val"].shape[1:]), dtype=h.meta["val"].dtype, device="meta")
                for h in layer.holders]
     constants = [torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
                  for value in (c.meta.get("val") for c in layer.constants)]
     try:
-        program.run(torch.empty((count, *rows.shape[1:]), dtype=rows.dtype, device="meta"), weights,
-                    torch.zeros(count, dtype=torch.long, device="meta"),
-                    torch.full((1,), count, dtype=torch.long, device="meta"), constants)
+        out = program.run(torch.empty(shape, dtype=rows.dtype, device="meta"), weights,
+                          torch.zeros(count, dtype=torch.long, device="meta"),
+                          torch.full((1,), count, dtype=torch.long, device="meta"), constants)
+        leading = 2 if layer.batched else 1
+        if tuple(out.shape[:leading]) != shape[:leading]:
+            raise ValueError(f"rows {list(shape)} gave {list(out.shape)}")
     except Exception as err:     # any failure means the same: the body is tied to its traced sizes
         first = str(err).splitlines()[0] if str(err) else ""
         raise ExpertStructureError(
@@ -179,14 +184,17 @@ def _check_any_size(program: LocalProgram, layer: ExpertLayer) -> None:
             f"do not fix the token count: train this model with ep=1") from err
 
 
-def _route_input(layer: ExpertLayer) -> RouteInput:
+def _route_input(layer: ExpertLayer) -> RouteInput | None:
     node = _route_node(layer)
-    return RouteInput(role=layer.routes[node], dtype=node.meta["val"].dtype)
+    return None if node is None else RouteInput(role=layer.routes[node], dtype=node.meta["val"].dtype)
 
 
-def _route_node(layer: ExpertLayer) -> fx.Node:
+def _route_node(layer: ExpertLayer) -> fx.Node | None:
     """The routing input that tells each row's expert: per-row ids where the body gathers by
-    them (they are aligned with the rows), else the grouped matmuls' offsets."""
+    them (they are aligned with the rows), else the grouped matmuls' offsets; None for a batched
+    layer (each expert's rows are its slice of dim 0)."""
+    if layer.batched:
+        return None
     ids = [node for node, role in layer.routes.items() if role == "ids"]
     return ids[0] if ids else next(iter(layer.routes))
 

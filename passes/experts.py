@@ -8,7 +8,9 @@ A MoE layer is recognized by what it computes, not by module or class names:
 - expert weights: parameters whose leading dim is the number of experts E (the width of the
   scores the router's topk reads), read by a grouped matmul (`torch._grouped_mm`, transformers'
   `grouped_mm_fallback`: rows sorted by expert, cumulative counts as offsets) or gathered row by
-  row by the routed expert ids (`weight[expert_ids]`, transformers' batched implementation);
+  row by the routed expert ids (`weight[expert_ids]`, transformers' batched implementation), or
+  *batched*: read by `bmm(rows [E, n, in], weight)`, each expert on rows of its own (HuggingFace's
+  Llama 4, GShard's einsum dispatch; expert_batches.py);
 - the experts' *body*: every op that computes on those weights' results, up to the value the
   layer combines (weights by routing scores, returns rows to token order, sums over top-k).
 
@@ -23,7 +25,9 @@ the layer's combine and stays in the graph. The body must end in exactly one val
 
 What the rewrite needs of a layer is recorded in its `ExpertLayer`: the rows, the ROUTE values
 the body reads (offsets or per-row ids), the constants, the body in graph order and its output.
-The router, its load-balancing loss and shared experts are not part of it.
+The router, its load-balancing loss and shared experts are not part of it. A batched layer has no
+ROUTE inputs: its rows are the [E, n, in] value its first batched matmul reads, and its body only
+the ops that keep each (expert, row) to itself (`keeps_expert_rows`); its output is [E, n, out].
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from torch import fx, nn
 
 from autopar.errors import AutoparError
+from autopar.passes.expert_batches import batched_rows, batched_source, batched_use, keeps_expert_rows
 
 CONST, PARAM, ROUTE, VALUE = "const", "param", "route", "value"
 # grouped matmuls over rows sorted by expert: (input, weight, offsets) by position
@@ -61,6 +66,7 @@ class ExpertLayer:
     out: fx.Node | None = None
     routes: dict[fx.Node, str] = field(default_factory=dict)  # ROUTE input -> "offsets" | "ids"
     constants: list[fx.Node] = field(default_factory=list)
+    batched: list[fx.Node] = field(default_factory=list)    # its batched matmuls, if that layout
 
     @property
     def where(self) -> str:
@@ -78,11 +84,16 @@ def find_expert_layers(gm: fx.GraphModule) -> list[ExpertLayer]:
         if use is None:
             continue
         weight, route = use
-        source = _routing_source(route, kinds)
+        source = _routing_source(route, kinds) if route is not None else \
+            batched_source(node, weight.meta["val"].shape[0], _is_expert_choice, _router_width)
+        if source is None:
+            continue    # a batched matmul over a parameter that no router chooses among
         layer = layers.get(source)
         if layer is None:
             layer = layers[source] = ExpertLayer(source=source, num_experts=_router_width(source),
                                                  holders=[])
+        if route is None:
+            layer.batched.append(node)
         for holder in _holders(weight, kinds, gm):
             if holder not in layer.holders:
                 layer.holders.append(holder)
@@ -109,7 +120,8 @@ def token_wise_nodes(gm: fx.GraphModule) -> set[str]:
     if not layers:
         return set()
     kinds = _kinds(gm)
-    found = {node.name for layer in layers for node in layer.body}
+    # a batched layer's body runs on [E, n] rows, not on a token's: its ops are judged one by one
+    found = {node.name for layer in layers if not layer.batched for node in layer.body}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -224,6 +236,10 @@ def _expert_use(node: fx.Node, kinds) -> tuple[fx.Node, fx.Node] | None:
         if isinstance(source, fx.Node) and kinds[source] == PARAM and isinstance(index, fx.Node) \
                 and kinds[index] == ROUTE:
             return source, index
+    else:
+        weight = batched_use(node, kinds, PARAM, VALUE)
+        if weight is not None:
+            return weight, None
     return None
 
 
@@ -317,13 +333,14 @@ def _check_weights(layer: ExpertLayer, gm: fx.GraphModule) -> None:
 
 def _grow_body(gm: fx.GraphModule, layer: ExpertLayer, kinds) -> None:
     """The experts' body, rows, routing inputs and constants (module doc)."""
-    seeds = [node for node in gm.graph.nodes if _is_seed(node, layer, kinds)]
+    seeds = layer.batched or [node for node in gm.graph.nodes if _is_seed(node, layer, kinds)]
     weights = _weight_nodes(layer, kinds)
-    layer.rows, chain = _rows(seeds, kinds)
+    layer.rows, chain = (batched_rows(seeds[0]), []) if layer.batched else _rows(seeds, kinds)
     body: set[fx.Node] = set(seeds) | set(chain)
     for node in gm.graph.nodes:
         if node not in body and str(node.target) != CHECK \
-                and any(i in body for i in node.all_input_nodes) and _joins(node, layer, body, kinds):
+                and any(i in body for i in node.all_input_nodes) and _joins(node, layer, body, kinds) \
+                and (not layer.batched or keeps_expert_rows(node, layer.rows.meta["val"])):
             body.add(node)
     layer.body = [n for n in gm.graph.nodes if n in body]
     layer.weights = [n for n in gm.graph.nodes if n in weights]
@@ -437,8 +454,10 @@ def _check_closed(layer: ExpertLayer, body: set, weights: set) -> None:
                     and value not in layer.constants:
                 layer.constants.append(value)
     rows, out = layer.rows.meta.get("val"), layer.out.meta.get("val")
+    leading = 2 if layer.batched else 1      # [E, n] pairs, or routed rows
     if not isinstance(rows, torch.Tensor) or not isinstance(out, torch.Tensor) \
-            or rows.dim() == 0 or out.dim() == 0 or rows.shape[0] != out.shape[0]:
+            or rows.dim() < 2 * leading - 1 or out.dim() < 2 * leading - 1 \
+            or rows.shape[:leading] != out.shape[:leading]:
         raise ExpertStructureError(
             f"the experts in {layer.where} take {layer.rows.name} and return {layer.out.name}, "
             f"which are not one row per routed token: expert parallelism cannot dispatch them; "

@@ -556,3 +556,17 @@ def test_one_key_value_head_goes_repeated_through_the_all_to_all_as_priced():
     assert {(e["kind"], e["axis"]) for e in report.collectives} == {("all_to_all", "cp"),
                                                                    ("all_reduce", "dp+cp")}
     _assert_sent_as_priced(report)
+
+
+@pytest.mark.slow
+def test_batched_experts_split_over_tensor_and_expert_ranks_send_what_was_priced():
+    """Llama 4's experts run on rows [E, tokens] that tensor parallelism splits over the
+    experts: under ep each tensor-parallel rank gathers them whole, dispatches its tokens' rows
+    (an all-to-all of slices of dim 0) and gathers the output back, as the estimator prices."""
+    report = _simulated_hf("llama4", Config(dp=2, tp=2, ep=2, global_batch=8, micro_batch=4))
+    sent = {(entry["kind"], entry["axis"]): entry for entry in report.collectives}
+    assert sent["all_to_all", "ep"]["sent_bytes"] == sent["all_to_all", "ep"]["predicted_sent_bytes"]
+    for entry in report.collectives:
+        assert entry["predicted_sent_bytes"] == pytest.approx(entry["sent_bytes"], rel=0.05), entry
+    assert 0.95 * report.predicted_memory_bytes <= report.peak_memory_bytes \
+        <= 1.03 * report.predicted_memory_bytes
