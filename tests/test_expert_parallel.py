@@ -468,7 +468,7 @@ def test_huggingface_moe_on_meta_loads_only_its_experts_and_trains_exactly(tmp_p
 
     from autopar.models.hf_zoo import ARCHITECTURES, resolve
 
-    names = ["mixtral", "deepseek-v3"]
+    names = ["mixtral", "deepseek-v3", "llama4"]
     classes = resolve(names)
     for name in names:
         state = ARCHITECTURES[name].build(classes[name]).state_dict()

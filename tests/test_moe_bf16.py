@@ -21,8 +21,10 @@ from autopar.passes.precision import follow_weight_dtypes
 pytest.importorskip("transformers")
 BATCH, STEPS = 8, 3
 DEFAULT = {("olmoe", "zero-3")}
-SLOW = {(name, form) for name in ("qwen3-moe", "gpt-oss", "deepseek-v3") for form in ("dp", "zero-3", "pp")}
+SLOW = {(name, form) for name in ("qwen3-moe", "gpt-oss", "deepseek-v3") for form in ("dp", "zero-3", "pp")} \
+    | {("llama4", "ep"), ("qwen3-moe", "ep")}
 FORMS = {"dp": Config(dp=2, global_batch=BATCH, micro_batch=4),
+         "ep": Config(dp=2, ep=2, global_batch=BATCH, micro_batch=4),
          "zero-3": Config(dp=2, zero=3, global_batch=BATCH, micro_batch=4),
          "pp": Config(pp=2, global_batch=BATCH, micro_batch=4)}
 
