@@ -229,3 +229,72 @@ def test_keys_beyond_the_tokens_are_refused_not_dropped():
         _attention(layer, query, keys, keys, None, s_aux=torch.zeros(2))
     layer.is_causal = False        # cross-attention: every key, as the model computes it
     assert _attention(layer, query, keys, keys, None)[0].shape == (1, 4, 2, 8)
+
+
+LONG = 256     # tokens: enough for activations to outweigh these models' weights
+
+
+def _long_model(name: str, model_class):
+    """A zoo architecture taking LONG tokens, with causal SDPA (which the ring splits)."""
+    from dataclasses import replace
+
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES
+
+    arch = ARCHITECTURES[name]
+    return causal_sdpa(replace(arch, config={**arch.config, "max_position_embeddings": LONG}).build(model_class))
+
+
+def _plan_that_splits_the_sequence(graph) -> Plan:
+    """The free plan under the largest memory limit (a fraction of the unconstrained plan's)
+    under which the planner picks cp > 1."""
+    need = plan_graph(graph, "4x1:cpu", global_batch=BATCH).predicted["memory_per_gpu_bytes"]
+    for fraction in (0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2):
+        try:
+            plan = plan_graph(graph, "4x1:cpu", global_batch=BATCH, memory_limit=int(need * fraction))
+        except autopar.AutoparError:
+            continue
+        if plan.cp > 1:
+            return plan
+    raise AssertionError("no memory limit down to 20% makes the planner split the sequence")
+
+
+def run_free_context_plans(names: list[str], classes: dict, plans: dict) -> dict:
+    from autopar.models.hf_zoo import loss_fn
+    from autopar.testing.conformance import adamw
+    from autopar.testing.equivalence import mismatches, train_single_process
+
+    generator = torch.Generator().manual_seed(1)
+    data = [(ids, torch.roll(ids, -1, 1))
+            for ids in (torch.randint(0, 64, (BATCH, LONG), generator=generator) for _ in range(3))]
+    found = {}
+    for name in names:
+        reference = train_single_process(_long_model(name, classes[name]), data, loss_fn, adamw)
+        cm = autopar.compile(_long_model(name, classes[name]), "4x1:cpu", loss_fn=loss_fn,
+                             optimizer=adamw, plan=Plan.from_dict(plans[name]),
+                             example_inputs=(data[0][0][:1],))
+        losses = [cm.step(*batch) for batch in data]
+        found[name] = mismatches(reference, losses, cm.full_state_dict())
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_huggingface_free_plans_that_split_the_sequence_train_like_one_process():
+    """GPT-OSS (sinks, sliding windows, experts) and Mistral at 256 tokens: under a tight memory
+    limit the planner splits the sequence (with pipelining, data parallelism or ZeRO as it
+    prices them), and what it picks trains like one process."""
+    pytest.importorskip("transformers")
+    import torch._dynamo  # noqa: F401  (before the ranks fork)
+
+    from autopar.models.hf_zoo import resolve
+
+    names = ["gpt-oss", "mistral"]
+    classes = resolve(names)
+    plans = {}
+    for name in names:
+        graph = autopar.capture(_long_model(name, classes[name]),
+                                example_inputs=(torch.zeros(1, LONG, dtype=torch.long),))
+        plans[name] = _plan_that_splits_the_sequence(graph).to_dict()
+    for rank in autopar.launch(run_free_context_plans, 4, names, classes, plans, timeout=900):
+        assert rank == {name: [] for name in names}, rank
