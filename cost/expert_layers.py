@@ -35,20 +35,18 @@ class ExpertLayer:
 def expert_layers(graph: Graph) -> list[ExpertLayer]:
     """Every mixture-of-experts layer of `graph`, in order (none for a dense model)."""
     by_name = {n.name: n for n in graph.nodes}
+    position = {n.name: k for k, n in enumerate(graph.nodes)}
     routed: dict[str, list] = {}
-    choices: dict[int, str] = {}      # width -> the last router choice so far
     for node in graph.nodes:
-        width = _choice_width(node, by_name)
-        if width:
-            choices[width] = node.name
         read = _expert_weight(node, by_name)
         if read is not None:
             weight, parameter = read
             routing = next((i for i in node.inputs[1:] if i != weight), node.inputs[-1])
             routed.setdefault(routing, []).append((node, parameter))
         parameter = _batched_weight(node, by_name)
-        if parameter is not None and by_name[parameter].shape[0] in choices:
-            routed.setdefault(choices[by_name[parameter].shape[0]], []).append((node, parameter))
+        router = parameter and _router_of(node.inputs[0], by_name[parameter].shape[0], by_name, position)
+        if router:
+            routed.setdefault(router, []).append((node, parameter))
     layers = []
     for found in routed.values():
         matmuls = [node.name for node, _ in found]
@@ -73,6 +71,22 @@ def _choice_width(node, by_name) -> int:
         return 0
     shape = by_name[node.inputs[0]].shape
     return shape[-1] if shape else 0
+
+
+def _router_of(rows: str, experts: int, by_name: dict, position: dict) -> str | None:
+    """The router choice over `experts` scores that `rows` derive from, the last in graph order
+    (an earlier layer's reach them too, through the residual stream); None if there is none."""
+    found, stack, seen = None, [rows], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if _choice_width(by_name[name], by_name) == experts \
+                and (found is None or position[name] > position[found]):
+            found = name
+        stack.extend(by_name[name].inputs)
+    return found
 
 
 def _batched_weight(node, by_name) -> str | None:
