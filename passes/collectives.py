@@ -14,11 +14,12 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 class Redistribute(nn.Module):
-    """Move a DTensor to the placements the plan gives its node."""
+    """Move a DTensor to the placements the plan gives its node. `weight`: the node is computed
+    from parameters alone (a transposed expert weight), which only matmuls read."""
 
-    def __init__(self, mesh: DeviceMesh, placements: tuple):
+    def __init__(self, mesh: DeviceMesh, placements: tuple, weight: bool = False):
         super().__init__()
-        self.mesh, self.placements = mesh, tuple(placements)
+        self.mesh, self.placements, self.weight = mesh, tuple(placements), weight
 
     def forward(self, value):
         if not isinstance(value, DTensor):   # a tensor made in the graph (arange, ...) is replicated
@@ -34,15 +35,17 @@ class Redistribute(nn.Module):
         # view the global allows fails on a gapped local. Only those are copied: a transposed
         # local (heads before tokens, as attention reads q, k and v) is dense and what every
         # kernel takes as it is, and copying it held a second copy of q, k, v and of attention's
-        # output for each layer's backward.
+        # output for each layer's backward. A weight's transposed shard goes to matmuls, which
+        # take any dense layout: a copy of it was made, and kept for the backward, per layer
+        # and micro-batch.
         local = moved.to_local()
-        if local.dim() == 0 or (local.stride(-1) == 1 and _dense(local)):
+        if local.dim() == 0 or (_dense(local) and (local.stride(-1) == 1 or self.weight)):
             return moved
         return DTensor.from_local(local.contiguous(), self.mesh, moved.placements, run_check=False,
                                   shape=moved.shape, stride=moved.stride())
 
     def extra_repr(self) -> str:
-        return f"placements={self.placements}"
+        return f"placements={self.placements}" + (", weight" if self.weight else "")
 
 
 def _dense(tensor: torch.Tensor) -> bool:

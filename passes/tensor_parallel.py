@@ -155,6 +155,7 @@ def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]]
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         written = {node for node in written_nodes(graph_module.graph)
                    if node.target is operator.getitem or _returns_alias(node)}
+        weights = _computed_from_parameters(graph_module)
         for node in list(graph_module.graph.nodes):
             texts = nodes.get(node.name)
             if node.op != "call_function" or texts is None or node in written \
@@ -164,11 +165,25 @@ def place_nodes(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[str]]
             if isinstance(placement, Partial):
                 continue
             name = f"place_{node.name}"
-            graph_module.add_submodule(name, Redistribute(mesh, (placement,)))
+            graph_module.add_submodule(name, Redistribute(mesh, (placement,), weight=node in weights))
             with graph_module.graph.inserting_after(node):
                 placed = graph_module.graph.call_module(name, (node,))
             node.replace_all_uses_with(placed, delete_user_cb=lambda user: user is not placed)
         graph_module.recompile()
+
+
+def _computed_from_parameters(graph_module: fx.GraphModule) -> set[fx.Node]:
+    """The nodes computed from parameters alone (views, transposes, casts of weights): a stage
+    reads its parameters with `call_module` nodes that take no input."""
+    found: set[fx.Node] = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "call_module" and not node.all_input_nodes:
+            if isinstance(getattr(graph_module.get_submodule(node.target), "value", None), nn.Parameter):
+                found.add(node)
+        elif node.op == "call_function" and node.all_input_nodes \
+                and all(value in found for value in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def share_redistributions(module: nn.Module, mesh: DeviceMesh, parameters: dict[str, list[str]],

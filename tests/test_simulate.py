@@ -122,6 +122,9 @@ def test_simulate_command_prints_json_and_refuses_bad_ranks(tmp_path, capsys):
     assert [r["rank"] for r in found["ranks"]] == [0]
     rank = found["ranks"][0]
     assert rank["peak_memory_bytes"] > 0 and rank["collective_bytes"] > 0
+    # the step's peak, as a GPU run measures it after resetting its peak; building's beside it
+    # (its starting state broadcast, its optimizer state made)
+    assert rank["build_peak_memory_bytes"] > 0
     assert {c["axis"] for c in rank["collectives"]} >= {"dp", "tp"}
     with pytest.raises(AutoparError, match="ranks are 0..3"):
         ranks_to_simulate(plan, "0,4")

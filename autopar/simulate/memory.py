@@ -102,6 +102,11 @@ class MemoryRecorder(TorchDispatchMode):
         self._sizes[token] = size
         self._add(size)
 
+    def reset_peak(self) -> int:
+        """Start a new peak at what is live now; returns the peak until now."""
+        before, self.peak = self.peak, self.live
+        return before
+
     def _add(self, size: int) -> None:
         self.live += size
         self.peak = max(self.peak, self.live)

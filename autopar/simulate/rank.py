@@ -49,8 +49,9 @@ class RankRun:
     """What one simulated step of one rank held and sent."""
     rank: int
     stages: list[int]
-    peak_memory_bytes: int
+    peak_memory_bytes: int                              # of the step, as a GPU run's reset peak
     collectives: list = field(default_factory=list)     # Collective records, in issue order
+    build_peak_memory_bytes: int = 0                    # while the runtime was built
     seconds: float = 0.0
 
 
@@ -83,12 +84,17 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
             _route_balanced(compiled)
             _agree_on_static_shapes(compiled.schedule)
             _hold_optimizer_state(compiled.optimizer)
+            # the step's own peak, as the collectives are the step's: building passes through
+            # transients the step never holds (the starting state broadcast in buckets of
+            # BROADCAST_BUCKET_BYTES), and a run on a GPU resets its peak before the step it measures
+            build_peak = memory.reset_peak()
             batch = [_rows(x, plan.global_batch) for x in (*example_inputs, targets)]
             with sent, (folding_repeats(compiled.schedule, sent) if fold else contextlib.nullcontext()):
                 compiled.step(*batch)
         layout = pipeline_layout(plan)
         return RankRun(rank=rank, stages=list(layout.own_stages(rank)), peak_memory_bytes=memory.peak,
-                       collectives=sent.collectives, seconds=time.monotonic() - started)
+                       collectives=sent.collectives, seconds=time.monotonic() - started,
+                       build_peak_memory_bytes=build_peak)
     finally:
         dist.destroy_process_group()
 

@@ -28,6 +28,7 @@ class RankReport:
     predicted_collective_bytes: int | None = None
     collectives: list[dict] = field(default_factory=list)  # by kind and group, in first-issue order
     seconds: float = 0.0
+    build_peak_memory_bytes: int = 0                      # while its runtime was built
 
     @property
     def memory_error(self) -> float | None:
@@ -42,7 +43,8 @@ class RankReport:
                 "predicted_memory_bytes": self.predicted_memory_bytes,
                 "collective_bytes": self.collective_bytes,
                 "predicted_collective_bytes": self.predicted_collective_bytes,
-                "collectives": self.collectives, "seconds": round(self.seconds, 1)}
+                "collectives": self.collectives, "seconds": round(self.seconds, 1),
+                "build_peak_memory_bytes": self.build_peak_memory_bytes}
 
 
 def rank_report(plan: Plan, run: RankRun, predicted_collectives: list | None = None) -> RankReport:
@@ -72,7 +74,8 @@ def rank_report(plan: Plan, run: RankRun, predicted_collectives: list | None = N
                       predicted_memory_bytes=None if predicted is None else int(predicted),
                       collective_bytes=sum(c.sent_bytes for c in run.collectives),
                       predicted_collective_bytes=predicted_sent,
-                      collectives=list(totals.values()), seconds=run.seconds)
+                      collectives=list(totals.values()), seconds=run.seconds,
+                      build_peak_memory_bytes=run.build_peak_memory_bytes)
 
 
 def ranks_to_simulate(plan: Plan, text: str) -> list[int]:
