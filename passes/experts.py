@@ -357,7 +357,7 @@ def _grow_body(gm: fx.GraphModule, layer: ExpertLayer, kinds) -> None:
 def _is_seed(node: fx.Node, layer: ExpertLayer, kinds) -> bool:
     """An expert op of this layer; records how it reads the routing (offsets or ids)."""
     use = _expert_use(node, kinds)
-    if use is None or _routing_source(use[1], kinds) is not layer.source:
+    if use is None or use[1] is None or _routing_source(use[1], kinds) is not layer.source:
         return False
     role = "offsets" if str(node.target) in GROUPED_MM else "ids"
     if layer.routes.setdefault(use[1], role) != role:

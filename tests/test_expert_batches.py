@@ -117,6 +117,22 @@ class ExpertsViewedToTheirCount(EveryExpertOnEveryToken):
         return self.head(x + out.view_as(x))
 
 
+class RoutedAfterBatched(EveryExpertOnEveryToken):
+    """A batched MoE layer, then one whose experts gather their weights by the routed ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.second_router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.routed = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) / HIDDEN ** 0.5)
+
+    def forward(self, ids):
+        logits = super().forward(ids)
+        tokens = self.embed(ids).flatten(0, 1)
+        top, chosen = self.second_router(tokens).softmax(-1).topk(1, dim=-1)
+        out = torch.bmm(tokens.unsqueeze(1), self.routed[chosen.view(-1)]).squeeze(1) * top
+        return logits + self.head(out).view_as(logits)
+
+
 MODELS = {"every token": EveryExpertOnEveryToken, "einsum dispatch": EinsumDispatch}
 
 
@@ -149,6 +165,17 @@ def test_batched_experts_are_found_alike_and_rewritten_exactly(name):
     expert_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if p.dim() == 3)
     assert plain.memory_breakdown["weights"] - split.memory_breakdown["weights"] == \
         pytest.approx(expert_bytes / 2)
+
+
+def test_batched_and_routed_layers_of_one_model_are_told_apart():
+    model = RoutedAfterBatched()
+    ids = batches()[0][0][:2]
+    program = export_for_pipeline(model, (ids,))
+    want = program(ids)
+    found = find_expert_layers(program)
+    assert [(len(layer.batched), layer.num_experts) for layer in found] == [(2, EXPERTS), (0, EXPERTS)]
+    rewrite_experts(program)
+    assert torch.equal(program(ids), want)
 
 
 def test_batched_experts_tied_to_their_count_are_refused_before_any_process_group():
