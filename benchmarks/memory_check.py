@@ -1,6 +1,7 @@
 """Predicted against measured memory per rank, for each parallel form and recompute level.
 
     python benchmarks/memory_check.py [--layers 4] [--hidden 128] [--seq 128] [--forms zero3,tp]
+                                      [--moe-arch llama4]
 
 On 4 CPU gloo ranks, a small GPT under each form (data parallelism, ZeRO-1/2/3, tensor x data,
 tensor, 2 pipeline stages x 2 replicas under 1F1B, GPipe, zero-bubble (ZeRO-1) and 1F1B with
@@ -8,7 +9,8 @@ ZeRO-3, context parallelism
 over 2 and 4 ranks, ZeRO-3 with offload: on a CPU its host memory is the rank's too, so the row
 compares the predicted device and host memory together; and a MoE model of the same size under
 expert parallelism: ep4, dp2 x ep2, ep2 with ZeRO-3, each with a line of the expert weights and
-optimizer state the rank holds against 1/ep of them) and recompute level
+optimizer state the rank holds against 1/ep of them; `--moe-arch` runs those on a HuggingFace
+MoE architecture of `autopar.models.hf_zoo` instead, at the zoo's sizes) and recompute level
 (none, selective, full): one AdamW step to create the optimizer state,
 then a second step whose peak tensor memory is measured: every tensor storage alive on the rank
 (parameters, gradients, optimizer state, activations, FSDP's gathered parameters, the batch).
@@ -104,22 +106,35 @@ def measure(spec: str, forms: list[str], args_tracker: str, moe_spec: str) -> li
             for row in measure_form(moe_spec if FORMS[name].ep > 1 else spec, name, args_tracker)]
 
 
+def _subject(spec: str):
+    """(a function building the model on a device, token ids, targets, loss function) of an
+    autopar spec, or of a HuggingFace zoo architecture named "hf:NAME"."""
+    generator = torch.Generator().manual_seed(0)
+    if spec.startswith("hf:"):
+        from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
+
+        name = spec.removeprefix("hf:")
+        arch, model_class = ARCHITECTURES[name], resolve([name])[name]
+        ids, targets = arch.batch(BATCH, generator)
+        return (lambda device: arch.build(model_class).to(device)), ids, targets, loss_fn
+    model, _ = build_model(spec, device="cpu")
+    ids = torch.randint(0, model.config.vocab, (BATCH, model.config.seq), generator=generator)
+    return (lambda device: build_model(spec, device=device)[0]), ids, torch.roll(ids, -1, dims=1), lm_loss
+
+
 def measure_form(spec: str, name: str, args_tracker: str) -> list[dict]:
     """measure() of one form at every recompute level."""
     from dataclasses import replace
 
-    model, _ = build_model(spec, device="cpu")
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab, (BATCH, model.config.seq), generator=generator)
-    targets = torch.roll(ids, -1, dims=1)
+    build, ids, targets, loss_fn = _subject(spec)
     rows = []
     for recompute in RECOMPUTE:
         config = replace(FORMS[name], recompute=recompute)
         if recompute_error(config.schedule, [recompute]):     # zero-bubble does not recompute
             continue
         example = (ids[:config.micro_batch],)
-        graph = autopar.capture(build_model(spec, device="meta")[0], example)
-        cm = autopar.compile(build_model(spec, device="cpu")[0], "4:cpu", loss_fn=lm_loss,
+        graph = autopar.capture(build("meta" if not spec.startswith("hf:") else "cpu"), example)
+        cm = autopar.compile(build("cpu"), "4:cpu", loss_fn=loss_fn,
                              optimizer=adamw, plan=config, example_inputs=example, graph=graph)
         cm.step(ids, targets)                  # creates the optimizer state
         measured, peak = peak_of_step(cm, ids, targets, args_tracker)
@@ -157,6 +172,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--experts", type=int, default=8, help="experts of the EP forms' MoE layers")
+    parser.add_argument("--moe-arch", default="",
+                        help="a HuggingFace MoE architecture of autopar.models.hf_zoo for the EP forms")
     parser.add_argument("--forms", default=",".join(FORMS))
     parser.add_argument("--detail", action="store_true", help="each side's breakdown")
     parser.add_argument("--tracker", choices=["live", "memtracker"], default="live",
@@ -167,7 +184,8 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown forms {unknown}; choose from {sorted(FORMS)}")
     spec = f"gpt:layers={args.layers},hidden={args.hidden},heads=4,seq={args.seq},vocab={args.vocab}"
-    moe_spec = (f"moe:layers={args.layers},hidden={args.hidden},heads=4,seq={args.seq},"
+    moe_spec = (f"hf:{args.moe_arch}" if args.moe_arch else
+                f"moe:layers={args.layers},hidden={args.hidden},heads=4,seq={args.seq},"
                 f"vocab={args.vocab},experts={args.experts},top_k=2,expert_ffn={2 * args.hidden}")
     ranks = autopar.launch(measure, 4, spec, forms, args.tracker, moe_spec, timeout=3600, pg_timeout=600)
     print(f"model {spec} (EP forms: {moe_spec}), global batch {BATCH}, fp32, AdamW; MiB per rank")
