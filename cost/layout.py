@@ -33,15 +33,21 @@ from autopar.cost.reshard import (cheapest_inputs, gradient_given, gradient_need
 # constant), so autograd saves nothing for them.
 _SAVES_NOTHING = {"add", "sub", "neg", "clone", "_to_copy", "to", "copy", "contiguous", "cat",
                   "stack", "type_as", "fill", "zero", "masked_fill", "where", "rsub", "constant_pad_nd",
-                  "pad", "repeat", "index", "slice_scatter", "select_scatter", "detach_", "tril", "triu"}
+                  "pad", "repeat", "index", "slice_scatter", "select_scatter", "detach", "tril", "triu"}
+# Elementwise ops whose backward reads their result, not their input (sigmoid_backward,
+# tanh_backward, threshold_backward of relu; exp, sqrt and rsqrt from their result).
+_SAVES_OUTPUT = {"sigmoid", "tanh", "relu", "exp", "sqrt", "rsqrt"}
 # Views that leave the tensor non-contiguous; a reshape after them copies.
 _STRIDING = {"transpose", "permute", "t", "expand", "expand_as", "numpy_T", "mT", "mH", "adjoint",
               "swapaxes", "swapdims", "movedim"}
 
 
 def op_name(target: str) -> str:
+    """The op's name, an in-place variant's as its out-of-place op's ("add_" -> "add"): autograd
+    keeps the same for both."""
     parts = target.split(".")
-    return parts[1] if target.startswith(("aten.", "autopar.")) and len(parts) > 1 else parts[-1]
+    name = parts[1] if target.startswith(("aten.", "autopar.")) and len(parts) > 1 else parts[-1]
+    return name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
 
 
 @dataclass(kw_only=True, slots=True)
@@ -448,7 +454,7 @@ def saves_for_backward(target: str) -> tuple[bool, bool]:
     family, name = op_family(target), op_name(target)
     if family in ("view", "reduction") or name in _SAVES_NOTHING or "dropout" in name:
         return False, False
-    if family == "softmax":
+    if family == "softmax" or family == "elementwise" and name in _SAVES_OUTPUT:
         return False, True
     return True, family == "attention"
 
@@ -465,6 +471,8 @@ def _saved(node: Node, name: str, family: str, acts: list[str], storage: dict) -
             return (f"{node.name}:mask",)
         if name in ("mul", "div") and len(acts) == 1:
             return ()                                   # scaled by a parameter-free constant
+        if name in _SAVES_OUTPUT:
+            return (storage[node.name],)
     if family == "softmax":
         return (storage[node.name],)
     if family == "attention":

@@ -245,8 +245,9 @@ def test_estimate_of_a_hand_made_graph_matches_hand_computed_times():
     optimizer = 2 * hidden * hidden * 84 / (A100.hbm_bandwidth * eff.memory["elementwise"])
     assert result.step_time_s == pytest.approx(compute + optimizer + eff.kernel_latency_s)
     assert result.memory_breakdown["weights"] == 2 * hidden * hidden * 2
-    # Kept for the backward: x (mm1), mm1's output (relu), relu's output (mm2), in bf16.
-    assert result.memory_breakdown["activations"] == 3 * batch * hidden * bf16
+    # Kept for the backward: x (mm1) and relu's output (relu's own backward reads its result,
+    # and mm2 its input), in bf16; nothing keeps mm1's output.
+    assert result.memory_breakdown["activations"] == 2 * batch * hidden * bf16
     assert result.model_tflops_per_gpu == pytest.approx(
         3 * graph.forward_flops / result.step_time_s / 1e12)
 
