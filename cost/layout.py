@@ -469,8 +469,8 @@ def _saved(node: Node, name: str, family: str, acts: list[str], storage: dict) -
             return ()
         if name in ("dropout", "native_dropout"):
             return (f"{node.name}:mask",)
-        if name in ("mul", "div") and len(acts) == 1:
-            return ()                                   # scaled by a parameter-free constant
+        if name in ("mul", "div") and len(node.inputs) == 1:
+            return ()                                   # scaled by a number
         if name in _SAVES_OUTPUT:
             return (storage[node.name],)
     if family == "softmax":

@@ -9,14 +9,16 @@ from autopar.cost.layout import infer_layout
 
 
 class GatedExperts(nn.Module):
-    """GPT-OSS's expert activation on a bias added in place, and a ReLU and tanh branch: ops
-    that save nothing (an in-place add), their result (sigmoid, relu, tanh) or their inputs."""
+    """GPT-OSS's expert activation on a bias added in place, a ReLU and tanh branch, and an RMS
+    norm: ops that save nothing (an in-place add), their result (sigmoid, relu, tanh, rsqrt),
+    their inputs, or the input a weight's gradient needs (the norm's weight)."""
 
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(16, 64, bias=False)
         self.bias = nn.Parameter(torch.randn(64))
         self.down = nn.Linear(32, 16)
+        self.norm = nn.Parameter(torch.randn(16))
 
     def forward(self, x):
         hidden = self.up(x)
@@ -25,7 +27,9 @@ class GatedExperts(nn.Module):
         gate = gate.clamp(max=7.0)
         glu = gate * torch.sigmoid(gate * 1.702)
         mixed = (linear.clamp(-7.0, 7.0) + 1) * glu
-        return self.down(torch.relu(mixed) + torch.tanh(mixed))
+        out = self.down(torch.relu(mixed) + torch.tanh(mixed))
+        # an RMS norm's weight keeps the normalized rows for its gradient
+        return self.norm * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
 def autograd_kept_bytes(model: nn.Module, x: torch.Tensor) -> int:
