@@ -271,8 +271,11 @@ class _LayoutBuilder:
             # table, no gradient) keeps cos and not q
             first, second = node.inputs
             acts = [i for i in acts if self.grad[second if i == first else first]]
+        # a buffer read as it is (a rotary table's slice) is model state, not an activation
+        state = (Role.PARAMETER, Role.BUFFER)
         layout.saved = tuple(self.read_as.get(key, key)
-                             for key in _saved(node, name, family, acts, self.storage))
+                             for key in _saved(node, name, family, acts, self.storage)
+                             if key not in self.by_name or self.by_name[key].role not in state)
         for key in layout.saved:
             if key.endswith(":mask"):     # one byte per element
                 self.storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, self.dtype)
