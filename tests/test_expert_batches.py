@@ -5,6 +5,9 @@ capacity] queues by a one-hot mask). Found by structure alike by the cost model 
 rewritten exactly, and under expert parallelism each rank holds E/ep experts, the rows go to
 them by all-to-all and back, and training equals one process."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported before the ranks fork: each would import it again)
@@ -22,27 +25,12 @@ from autopar.passes.program import export_for_pipeline
 from autopar.plans import Stage
 from autopar.testing.equivalence import mismatches, train_single_process
 
-from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.plans import Plan
 
-VOCAB, HIDDEN, EXPERTS, FFN, SEQ, BATCH = 64, 16, 4, 24, 8, 8
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_expert_parallel import BATCH, VOCAB, adamw, batches, expert_shards  # noqa: E402
 
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
-
-
-def batches(steps: int = 3):
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(steps)]
-
-
-def expert_shards(cm) -> list[tuple[int, int, int]]:
-    """(ep of the call, experts, experts of each weight this rank holds) per expert weight."""
-    return [(module.ep, module.num_experts, holder.value.to_local().shape[0])
-            for module in cm.stages.modules() if isinstance(module, ExpertParallel)
-            for holder in module.experts]
+HIDDEN, EXPERTS, FFN = 16, 4, 24
 
 
 class EveryExpertOnEveryToken(nn.Module):
@@ -61,13 +49,16 @@ class EveryExpertOnEveryToken(nn.Module):
     def forward(self, ids):
         x = self.embed(ids)
         tokens = x.flatten(0, 1)
+        gate, up = torch.bmm(self.routed_rows(tokens), self.gate_up).chunk(2, dim=-1)
+        out = torch.bmm(up * F.silu(gate), self.down).view(EXPERTS, *tokens.shape).sum(0)
+        return self.head(x + out.view_as(x))
+
+    def routed_rows(self, tokens):
+        """[E, tokens, hidden]: every token for every expert, times its score for that expert."""
         logits = self.router(tokens)
         top, chosen = logits.topk(1, dim=-1)
         scores = torch.full_like(logits, float("-inf")).scatter_(1, chosen, top).sigmoid()
-        routed = tokens.repeat(EXPERTS, 1) * scores.t().reshape(-1, 1)
-        gate, up = torch.bmm(routed.view(EXPERTS, -1, HIDDEN), self.gate_up).chunk(2, dim=-1)
-        out = torch.bmm(up * F.silu(gate), self.down).view(EXPERTS, *tokens.shape).sum(0)
-        return self.head(x + out.view_as(x))
+        return (tokens.repeat(EXPERTS, 1) * scores.t().reshape(-1, 1)).view(EXPERTS, -1, HIDDEN)
 
 
 class EinsumDispatch(nn.Module):
@@ -107,11 +98,7 @@ class ExpertsViewedToTheirCount(EveryExpertOnEveryToken):
     def forward(self, ids):
         x = self.embed(ids)
         tokens = x.flatten(0, 1)
-        logits = self.router(tokens)
-        top, chosen = logits.topk(1, dim=-1)
-        scores = torch.full_like(logits, float("-inf")).scatter_(1, chosen, top).sigmoid()
-        routed = (tokens.repeat(EXPERTS, 1) * scores.t().reshape(-1, 1)).view(EXPERTS, -1, HIDDEN)
-        hidden = torch.bmm(routed, self.gate_up).view(EXPERTS * tokens.shape[0], 2 * FFN)
+        hidden = torch.bmm(self.routed_rows(tokens), self.gate_up).view(EXPERTS * tokens.shape[0], 2 * FFN)
         gate, up = hidden.view(EXPERTS, -1, 2 * FFN).chunk(2, dim=-1)
         out = torch.bmm(up * F.silu(gate), self.down).view(EXPERTS, *tokens.shape).sum(0)
         return self.head(x + out.view_as(x))
