@@ -8,7 +8,10 @@ which runs a stage's modules once per micro-batch. FSDP2 allocates and frees its
 weights by resizing a storage in place, which no op shows: while the recorder is active, FSDP2's
 two functions that resize (`alloc_storage`, `free_storage`) report each resize to it as it
 happens (reading every storage again at every collective instead took a fifth of a large
-rank's simulation). The peak is that of allocations, as CUDA's
+rank's simulation). A functional collective's `wait_tensor` hands back the tensor it waited on
+in a run, but a new one under fake tensors: its output counts as the same storage as its input
+(else every tensor-parallel gather would count twice until the waited copy is freed). The peak
+is that of allocations, as CUDA's
 caching allocator reports `max_memory_allocated`: without fragmentation or the allocator's
 rounding (blocks of 512 bytes), and without the CUDA context or library workspaces. Only the
 simulation's own fake tensors count: the runtime's exports and shape probes run on fake tensors
@@ -42,6 +45,7 @@ class MemoryRecorder(TorchDispatchMode):
         self.peak = 0
         self._token: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # storage -> token
         self._sizes: dict[int, int] = {}                                          # token -> bytes
+        self._holders: dict[int, int] = {}      # token -> storages standing for it (wait_tensor's)
         self._next = 0
         self._patched: list = []
 
@@ -66,6 +70,9 @@ class MemoryRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            self._alias(out, args[0])
+            return out
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.track(tensor)
@@ -87,7 +94,20 @@ class MemoryRecorder(TorchDispatchMode):
         token, self._next = self._next, self._next + 1
         self._token[storage] = token
         self._sizes[token] = storage.nbytes()
+        self._holders[token] = 1
         self._add(self._sizes[token])
+        weakref.finalize(storage, self._free, token)
+
+    def _alias(self, out: torch.Tensor, waited: torch.Tensor) -> None:
+        """Count `out`'s storage as `waited`'s: the bytes stay live while either storage is."""
+        self.track(waited)
+        token = self._token.get(waited.untyped_storage())
+        storage = out.untyped_storage()
+        if token is None or storage in self._token:
+            self.track(out)
+            return
+        self._token[storage] = token
+        self._holders[token] += 1
         weakref.finalize(storage, self._free, token)
 
     def resized(self, tensor: torch.Tensor) -> None:
@@ -112,4 +132,7 @@ class MemoryRecorder(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
     def _free(self, token: int) -> None:
-        self.live -= self._sizes.pop(token, 0)
+        self._holders[token] -= 1
+        if not self._holders[token]:
+            del self._holders[token]
+            self.live -= self._sizes.pop(token, 0)
