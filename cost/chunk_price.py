@@ -16,6 +16,7 @@ from autopar.cost.context import context_parallel_time, exchanged_kv
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
+from autopar.cost.gradient_flow import backward_peak
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
@@ -164,7 +165,6 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     region_nodes: dict[str, set[int]] = {}
     block_saved: dict[tuple, set[str]] = {}    # block instance -> what its own nodes keep
     region_block: dict[str, tuple] = {}
-    widest = (0.0, 0)                   # the largest output the backward differentiates
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     rerun_until = _last_saving_nodes(layout, regions, nodes)
     for position, node in enumerate(nodes):
@@ -183,9 +183,6 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
             saved.update(node.saved)
         if in_block[i] is not None:
             block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
-        if node.requires_grad and node.family != "view":
-            widest = max(widest, (node.out_bytes + node.backward_bytes,
-                                  layout.seq_degree.get(layout.storage[node.name], 0)))
         if node.requires_grad and (node.param_bytes or node.family == "embedding"):
             degree = layout.seq_degree.get(layout.storage[node.name], 0)
             out.deferred_poly[degree] = out.deferred_poly.get(degree, 0.0) + node.out_bytes
@@ -207,9 +204,13 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     for degree, value in scores.items():
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = poly_at(out.saved_poly, 1)
-    # the widest op's backward holds the gradient it receives and the one it gives; the output
-    # it kept for the next op's backward (as large) is freed by then
-    out.flowing_poly = {widest[1]: widest[0]}
+    # the activations kept outside recomputed regions that its backward freed before its
+    # fullest moment are counted once, against the heaviest weight's gradient
+    # (`_heaviest_weight`); FSDP2 also holds a block's new weight gradients until the block's
+    # backward ends, which no part prices apart yet, so the sweep frees only what a recomputed
+    # region's rerun kept (priced whole, as `recomputed`)
+    out.flowing_poly = backward_peak(graph, layout, nodes, first_kept={},
+                                     regions=[regions[layout.index[node.name]] for node in nodes])
     out.weight_read, out.weight_freed_poly = _heaviest_weight(graph, layout, regions, nodes)
     out.group_read, out.group_freed_poly, out.group_alive_poly = _heaviest_block_gradients(
         graph, layout, in_block, regions, nodes)

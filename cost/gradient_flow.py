@@ -1,0 +1,182 @@
+"""What a chunk's backward holds besides the activations its forward kept: the gradients on their
+way through it, as autograd's engine holds them.
+
+A value's gradient exists from the backward of its last reader (the first to run) until the
+backward of its producer has used it. A value read twice (the residual stream, a norm's input
+read by its square and by its product) holds a pending gradient while the other reader's branch
+runs. An op's backward makes the gradients of its inputs, and some make more on the way (pow's
+`grad * 2 * x^1`, rsqrt's cube). Ops that only reshape, and add, hand their gradient on as it is
+(the same storage), so a gradient read by two values counts once; autograd adds a second
+gradient into a first in place when nothing else holds the first. Kept activations are freed as
+their keepers' backwards pass (`first_kept`), so the fullest moment is found by a sweep over the
+chunk's ops in backward order, not assumed at the widest op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.cost.layout import GraphLayout, NodeLayout, op_name
+from autopar.graph import Graph, Role
+
+# Tensors as large as the op's output that its backward makes beyond the gradients it gives, as
+# torch's derivative formulas compute them (counted on fake tensors): pow's x^(e-1) and its
+# product by e; rsqrt's result cubed and scaled; div's 1/b and a/b^2 terms.
+# Fused norms (layer_norm, rms_norm: the fused kernel a GPU runs) make only their gradients.
+_TEMPORARIES = {"pow": 2, "rsqrt": 2, "sqrt": 1, "div": 2, "square": 2, "abs": 1, "reciprocal": 1}
+# Ops whose backward hands the gradient it takes on as it is, or a view of it, to its inputs of
+# the output's size (add's second input, broadcast, gets a reduced copy).
+_PASSING = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
+            "alias", "detach", "unflatten", "flatten", "view_as", "getitem", "numpy_T", "mT",
+            "swapaxes", "swapdims", "movedim", "add", "clone", "contiguous", "cat", "type_as",
+            "to", "_to_copy", "lift_fresh_copy"}
+
+
+@dataclass(slots=True)
+class _Gradients:
+    """Gradient storages alive in the sweep: id -> (power of seq, bytes per sample), how many
+    values (or the op running) hold each, and the bytes of those held, by power of seq."""
+    sizes: dict[int, tuple[int, float]] = field(default_factory=dict)
+    holders: dict[int, int] = field(default_factory=dict)
+    of_value: dict[str, list[int]] = field(default_factory=dict)
+    live: dict[int, float] = field(default_factory=dict)
+
+    def make(self, degree: int, nbytes: float) -> int:
+        gradient = len(self.sizes)
+        self.sizes[gradient], self.holders[gradient] = (degree, nbytes), 1
+        self.live[degree] = self.live.get(degree, 0.0) + nbytes
+        return gradient
+
+    def release(self, gradient: int) -> None:
+        self.holders[gradient] -= 1
+        if not self.holders[gradient]:
+            degree, nbytes = self.sizes[gradient]
+            self.live[degree] -= nbytes
+
+    def give(self, value: str, gradient: int, *, slot: bool) -> None:
+        """Hand `gradient` (held by the op running) to `value`: as a further output's slot
+        (`slot`, a multi-output op's item), or added into the gradient `value` has: in place
+        where only `value` holds that one, else as a new sum."""
+        held = self.of_value.setdefault(value, [])
+        self.holders[gradient] += 1
+        if slot or not held:
+            held.append(gradient)
+            return
+        if len(held) == 1 and self.holders[held[0]] == 1 and held[0] != gradient:
+            self.release(gradient)          # added into the one it holds alone
+            return
+        total = self.make(*self.sizes[held[0]])
+        for old in [*held, gradient]:
+            self.release(old)
+        self.of_value[value] = [total]
+
+
+def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
+                  first_kept: dict[str, int], regions: list | None = None) -> dict[int, float]:
+    """{power of seq: bytes per sample} the chunk's backward holds at its fullest beyond the kept
+    activations: the gradients alive then and the running op's temporaries, less what the
+    backward freed before it: storages `first_kept` (storage -> position of its first keeper
+    outside recomputed regions) only by later ops, and within the recomputed region of the op
+    running (`regions`, by position), what the region's rerun kept for its later ops only."""
+    regions = regions or [None] * len(nodes)
+    by_name = {**{node.name: node for node in layout.nodes}, **{node.name: node for node in nodes}}
+    grads = _Gradients()
+    for name in _chunk_outputs(graph, by_name, {node.name for node in nodes}):
+        grads.of_value[name] = [grads.make(*_size(name, layout, by_name))]
+    freed_after = _freed_after(first_kept, nodes, regions)
+    released: dict = {}                  # region (None: outside) -> {power of seq: bytes freed}
+    best = ({}, float("-inf"))
+    for position in range(len(nodes) - 1, -1, -1):
+        node = nodes[position]
+        incoming = grads.of_value.pop(node.name, [])
+        if node.requires_grad and incoming:
+            made = _give_inputs(graph, layout, by_name, node, incoming, grads)
+            degree, nbytes = _size(node.name, layout, by_name)
+            extra = _temporaries(graph.nodes[layout.index[node.name]], node, graph, layout)
+            now = _plus(grads.live, {degree: extra * nbytes + node.backward_bytes})
+            for region in {None, regions[position]}:
+                now = _plus(now, {d: -v for d, v in released.get(region, {}).items()})
+            if sum(now.values()) > best[1]:
+                best = (now, sum(now.values()))
+            for gradient in made:
+                grads.release(gradient)
+        for gradient in incoming:
+            grads.release(gradient)
+        for region, key in freed_after.get(position, ()):
+            freed = released.setdefault(region, {})
+            degree = layout.seq_degree.get(key, 0)
+            freed[degree] = freed.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
+    return best[0]
+
+
+def _freed_after(first_kept: dict[str, int], nodes: list[NodeLayout], regions: list) -> dict:
+    """Position -> (region, storage) freed once that op's backward has run: kept outside
+    recomputed regions by it first, or within a region, kept there by it first."""
+    freed: dict[int, list] = {}
+    for key, position in first_kept.items():
+        freed.setdefault(position, []).append((None, key))
+    seen: set = set()
+    for position, node in enumerate(nodes):
+        for key in node.saved if regions[position] is not None else ():
+            if (regions[position], key) not in seen:
+                seen.add((regions[position], key))
+                freed.setdefault(position, []).append((regions[position], key))
+    return freed
+
+
+def _give_inputs(graph: Graph, layout: GraphLayout, by_name: dict, node: NodeLayout,
+                 incoming: list[int], grads: _Gradients) -> list[int]:
+    """Give each differentiable input of `node` its gradient: the one it takes where its backward
+    hands that on (`_PASSING`: a view, or an input of the output's shape), else a new one.
+    Returns the new ones, which the running op holds until it ends."""
+    graph_node = graph.nodes[layout.index[node.name]]
+    name = op_name(graph_node.target)
+    made = []
+    for value in graph_node.inputs:
+        source = by_name.get(value)
+        if source is None or not source.requires_grad or \
+                graph.nodes[layout.index[value]].role is not Role.ACTIVATION:
+            continue
+        elementwise = node.family != "view" and name != "cat"
+        passes = name in _PASSING and len(incoming) == 1 and \
+            (not elementwise or graph.nodes[layout.index[value]].shape == graph_node.shape)
+        gradient = incoming[0] if passes else grads.make(*_size(value, layout, by_name))
+        if not passes:
+            made.append(gradient)
+        grads.give(value, gradient, slot=name == "getitem")
+    return made
+
+
+def _temporaries(graph_node, node: NodeLayout, graph: Graph, layout: GraphLayout) -> int:
+    """Output-sized tensors `node`'s backward makes beyond its inputs' gradients: its derivative's
+    (`_TEMPORARIES`), and for an elementwise op with a weight broadcast over the rows (a norm's
+    scale, a bias), the product of the gradient with the other factor before its sum over them."""
+    broadcast = node.family == "elementwise" and any(
+        graph.nodes[layout.index[name]].role is Role.PARAMETER
+        and graph.nodes[layout.index[name]].shape != graph_node.shape for name in graph_node.inputs)
+    return _TEMPORARIES.get(op_name(graph_node.target), 0) + int(broadcast)
+
+
+def _chunk_outputs(graph: Graph, by_name: dict, in_chunk: set[str]) -> list[str]:
+    """Differentiable values of the chunk read outside it (by a later chunk or as the model's
+    outputs): their gradients arrive before its backward starts."""
+    outputs = []
+    for node in graph.nodes:
+        if node.name in in_chunk and node.role is not Role.OUTPUT:
+            continue
+        for value in node.inputs:
+            if value in in_chunk and value not in outputs and by_name[value].requires_grad:
+                outputs.append(value)
+    return outputs
+
+
+def _size(value: str, layout: GraphLayout, by_name: dict) -> tuple[int, float]:
+    """(power of seq, bytes per sample) of `value`'s gradient: as its own output is held."""
+    return layout.seq_degree.get(layout.storage.get(value, value), 0), by_name[value].out_bytes
+
+
+def _plus(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for degree, value in b.items():
+        out[degree] = out.get(degree, 0.0) + value
+    return out
