@@ -7,6 +7,7 @@ import torch
 import autopar
 from autopar.api import plan_graph
 from autopar.cli import main
+from autopar.errors import InfeasibleError
 from autopar.models import build_model
 from autopar.plans import Plan
 
@@ -21,13 +22,16 @@ def graph():
 
 
 def tight_plans(graph) -> tuple[Plan, Plan]:
-    """Plans under 50% and 20% of the memory the unconstrained plan (zero-bubble) needs on 4 CPU
-    ranks (under 40% tensor parallelism over 2 ranks with recompute is cheaper than cp=2)."""
+    """Plans under 50% of the memory the unconstrained plan (zero-bubble) needs on 4 CPU ranks
+    (under 40% tensor parallelism over 2 ranks with recompute is cheaper than cp=2), and under
+    the least memory any plan needs, as the planner's refusal of less reports it."""
     free = plan_graph(graph, "4:cpu", global_batch=BATCH)
     need = free.predicted["memory_per_gpu_bytes"]
     assert free.cp == 1 and not free.offload       # where memory is loose, neither is used
-    return tuple(plan_graph(graph, "4:cpu", global_batch=BATCH, memory_limit=int(need * fraction))
-                 for fraction in (0.5, 0.2))
+    with pytest.raises(InfeasibleError, match="offloaded") as refused:
+        plan_graph(graph, "4:cpu", global_batch=BATCH, memory_limit=1024)
+    return tuple(plan_graph(graph, "4:cpu", global_batch=BATCH, memory_limit=int(limit))
+                 for limit in (need * 0.5, refused.value.least_memory_bytes))
 
 
 def test_tight_memory_finds_context_parallelism_then_offload(graph):

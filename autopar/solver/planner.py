@@ -390,14 +390,16 @@ def infeasible(search: Search, memory_limit: float) -> InfeasibleError:
     if search.least_host is not None:
         return _host_too_small(search)
     shape = least.candidate.shape
-    return InfeasibleError(
+    error = InfeasibleError(
         f"no plan fits {format_bytes(memory_limit)} per device; the least memory found is "
         f"{format_bytes(least.memory_bytes)} (tp={shape.tp} pp={shape.pp} dp={shape.dp} "
-        f"{f'ep={shape.ep} ' if shape.ep > 1 else ''}"
+        f"{f'ep={shape.ep} ' if shape.ep > 1 else ''}{f'cp={shape.cp} ' if shape.cp > 1 else ''}"
         f"micro-batch {shape.micro_batch}, recompute {least.candidate.recompute[0]}, ZeRO "
-        f"{least.candidate.zero[0]}); use more devices, a larger memory limit or a smaller model"
+        f"{least.candidate.zero[0]}{', offloaded' if shape.offload else ''}); use more devices, a larger memory limit or a smaller model"
         + ("; the search stopped at its time limit, and a longer one may find a plan"
            if search.timed_out else ""))
+    error.least_memory_bytes = least.memory_bytes      # for callers that retry with it
+    return error
 
 
 def _host_too_small(search: Search) -> InfeasibleError:
