@@ -78,11 +78,22 @@ def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
     backward freed before it: storages `first_kept` (storage -> position of its first keeper
     outside recomputed regions) only by later ops, and within the recomputed region of the op
     running (`regions`, by position), what the region's rerun kept for its later ops only."""
+    facts, readers = _facts(graph, layout)
     regions = regions or [None] * len(nodes)
-    by_name = {**{node.name: node for node in layout.nodes}, **{node.name: node for node in nodes}}
+    key = (tuple(node.name for node in nodes), tuple(regions), tuple(sorted(first_kept.items())))
+    peaks = layout.gradient_facts["peaks"]
+    if key not in peaks:        # the same chunk recurs in many candidates (other batches, ZeRO)
+        peaks[key] = _sweep(layout, nodes, first_kept, regions, facts, readers)
+    return dict(peaks[key])
+
+
+def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, int], regions: list,
+           facts: dict, readers: dict) -> dict[int, float]:
     grads = _Gradients()
-    for name in _chunk_outputs(graph, by_name, {node.name for node in nodes}):
-        grads.of_value[name] = [grads.make(*_size(name, layout, by_name))]
+    in_chunk = {node.name for node in nodes}
+    for node in nodes:
+        if facts[node.name].differentiable and any(r not in in_chunk for r in readers.get(node.name, ())):
+            grads.of_value[node.name] = [grads.make(*facts[node.name].size)]
     freed_after = _freed_after(first_kept, nodes, regions)
     released: dict = {}                  # region (None: outside) -> {power of seq: bytes freed}
     best = ({}, float("-inf"))
@@ -90,14 +101,13 @@ def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
         node = nodes[position]
         incoming = grads.of_value.pop(node.name, [])
         if node.requires_grad and incoming:
-            made = _give_inputs(graph, layout, by_name, node, incoming, grads)
-            degree, nbytes = _size(node.name, layout, by_name)
-            extra = _temporaries(graph.nodes[layout.index[node.name]], node, graph, layout)
-            now = _plus(grads.live, {degree: extra * nbytes + node.backward_bytes})
-            for region in {None, regions[position]}:
-                now = _plus(now, {d: -v for d, v in released.get(region, {}).items()})
-            if sum(now.values()) > best[1]:
-                best = (now, sum(now.values()))
+            fact = facts[node.name]
+            made = _give_inputs(fact, facts, incoming, grads)
+            spaces = {None, regions[position]}
+            total = sum(grads.live.values()) + fact.extra - sum(
+                sum(released.get(region, {}).values()) for region in spaces)
+            if total > best[1]:
+                best = (_at(grads.live, fact, [released.get(region, {}) for region in spaces]), total)
             for gradient in made:
                 grads.release(gradient)
         for gradient in incoming:
@@ -107,6 +117,16 @@ def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
             degree = layout.seq_degree.get(key, 0)
             freed[degree] = freed.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
     return best[0]
+
+
+def _at(live: dict, fact: "_Facts", freed: list[dict]) -> dict[int, float]:
+    """The sweep's moment as {power of seq: bytes}: gradients alive, the op's extra, less freed."""
+    now = dict(live)
+    now[fact.size[0]] = now.get(fact.size[0], 0.0) + fact.extra
+    for part in freed:
+        for degree, value in part.items():
+            now[degree] = now.get(degree, 0.0) - value
+    return now
 
 
 def _freed_after(first_kept: dict[str, int], nodes: list[NodeLayout], regions: list) -> dict:
@@ -124,26 +144,66 @@ def _freed_after(first_kept: dict[str, int], nodes: list[NodeLayout], regions: l
     return freed
 
 
-def _give_inputs(graph: Graph, layout: GraphLayout, by_name: dict, node: NodeLayout,
-                 incoming: list[int], grads: _Gradients) -> list[int]:
-    """Give each differentiable input of `node` its gradient: the one it takes where its backward
-    hands that on (`_PASSING`: a view, or an input of the output's shape), else a new one.
-    Returns the new ones, which the running op holds until it ends."""
-    graph_node = graph.nodes[layout.index[node.name]]
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What the sweep reads of one node, the same in every chunk of a layout."""
+    differentiable: bool                # its output gets a gradient (an activation needing one)
+    size: tuple[int, float]             # its gradient's (power of seq, bytes per sample)
+    gives: tuple[tuple[str, bool], ...]     # (differentiable input, takes the gradient as it is)
+    slot: bool                          # a multi-output op's item: its gradient fills a slot
+    extra: float                        # bytes per sample its backward makes beyond those
+
+
+def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
+    """Node name -> `_Facts`, and value -> the nodes that read it (the model's output included),
+    made once per layout and kept in it: every chunk of every candidate plan on it sweeps them."""
+    if not layout.gradient_facts:
+        by_name = {node.name: node for node in layout.nodes}
+        facts, readers = {}, {}
+        for node in layout.nodes:
+            graph_node = graph.nodes[layout.index[node.name]]
+            for value in graph_node.inputs:
+                readers.setdefault(value, []).append(
+                    "" if graph_node.role is Role.OUTPUT else node.name)
+            facts[node.name] = _node_facts(graph, layout, by_name, node, graph_node)
+        for node in graph.nodes:
+            if node.role is Role.OUTPUT:
+                for value in node.inputs:
+                    readers.setdefault(value, []).append("")
+        layout.gradient_facts.update(facts=facts, readers=readers, peaks={})
+    return layout.gradient_facts["facts"], layout.gradient_facts["readers"]
+
+
+def _node_facts(graph: Graph, layout: GraphLayout, by_name: dict, node: NodeLayout,
+                graph_node) -> _Facts:
     name = op_name(graph_node.target)
-    made = []
+    elementwise = node.family != "view" and name != "cat"
+    gives = []
     for value in graph_node.inputs:
         source = by_name.get(value)
         if source is None or not source.requires_grad or \
                 graph.nodes[layout.index[value]].role is not Role.ACTIVATION:
             continue
-        elementwise = node.family != "view" and name != "cat"
-        passes = name in _PASSING and len(incoming) == 1 and \
+        passes = name in _PASSING and \
             (not elementwise or graph.nodes[layout.index[value]].shape == graph_node.shape)
-        gradient = incoming[0] if passes else grads.make(*_size(value, layout, by_name))
+        gives.append((value, passes))
+    size = (layout.seq_degree.get(layout.storage.get(node.name, node.name), 0), node.out_bytes)
+    extra = _temporaries(graph_node, node, graph, layout) * node.out_bytes + node.backward_bytes
+    return _Facts(differentiable=node.requires_grad and graph_node.role is Role.ACTIVATION,
+                  size=size, gives=tuple(gives), slot=name == "getitem", extra=extra)
+
+
+def _give_inputs(fact: _Facts, facts: dict, incoming: list[int], grads: _Gradients) -> list[int]:
+    """Give each differentiable input of a node its gradient: the one the node takes where its
+    backward hands that on (`_PASSING`: a view, or an input of the output's shape), else a new
+    one. Returns the new ones, which the running op holds until it ends."""
+    made = []
+    for value, passes in fact.gives:
+        passes = passes and len(incoming) == 1
+        gradient = incoming[0] if passes else grads.make(*facts[value].size)
         if not passes:
             made.append(gradient)
-        grads.give(value, gradient, slot=name == "getitem")
+        grads.give(value, gradient, slot=fact.slot)
     return made
 
 
@@ -155,28 +215,3 @@ def _temporaries(graph_node, node: NodeLayout, graph: Graph, layout: GraphLayout
         graph.nodes[layout.index[name]].role is Role.PARAMETER
         and graph.nodes[layout.index[name]].shape != graph_node.shape for name in graph_node.inputs)
     return _TEMPORARIES.get(op_name(graph_node.target), 0) + int(broadcast)
-
-
-def _chunk_outputs(graph: Graph, by_name: dict, in_chunk: set[str]) -> list[str]:
-    """Differentiable values of the chunk read outside it (by a later chunk or as the model's
-    outputs): their gradients arrive before its backward starts."""
-    outputs = []
-    for node in graph.nodes:
-        if node.name in in_chunk and node.role is not Role.OUTPUT:
-            continue
-        for value in node.inputs:
-            if value in in_chunk and value not in outputs and by_name[value].requires_grad:
-                outputs.append(value)
-    return outputs
-
-
-def _size(value: str, layout: GraphLayout, by_name: dict) -> tuple[int, float]:
-    """(power of seq, bytes per sample) of `value`'s gradient: as its own output is held."""
-    return layout.seq_degree.get(layout.storage.get(value, value), 0), by_name[value].out_bytes
-
-
-def _plus(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for degree, value in b.items():
-        out[degree] = out.get(degree, 0.0) + value
-    return out
