@@ -9,7 +9,7 @@ runs. An op's backward makes the gradients of its inputs, and some make more on 
 (the same storage), so a gradient read by two values counts once; autograd adds a second
 gradient into a first in place when nothing else holds the first. Kept activations are freed as
 their keepers' backwards pass (`first_kept`), so the fullest moment is found by a sweep over the
-chunk's ops in backward order, not assumed at the widest op.
+chunk's ops in backward order.
 """
 
 from __future__ import annotations

@@ -110,9 +110,10 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     `logits` elements (fp32) and, in a pipeline, the logits (its outputs, cached by torch's
     PipelineStage). Phases as in the module docstring. A backward's transients (`buffers`): the
     larger of the loss's kept copy and its gradients, and what a block's backward holds: a
-    recomputed region's activations (`recomputed`), the gradients flowing through its widest op
-    (`flowing`), the gradient of the weight it reads (`weight` elements, less what was freed;
-    `block_weights`: `_reduced_block`); in a pipeline both hold the logits too. `received`, `place`,
+    recomputed region's activations (`recomputed`), the gradients alive at its fullest moment
+    and that op's temporaries (`flowing`, cost/gradient_flow.py), the gradient of the weight it
+    reads (`weight` elements, less what was freed; `block_weights`: `_reduced_block`); in a
+    pipeline both hold the logits too. `received`, `place`,
     `deferred`, `padding`: receive buffers, a phase's part on the device, zero-bubble's kept
     gradients, ZeRO's padding (dense, experts: cost/padding.py)."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=place is not None, precision=precision)
