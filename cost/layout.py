@@ -116,7 +116,6 @@ class GraphLayout:
     seq_degree: dict[str, int] = field(default_factory=dict)   # storage owner -> power of the
                                        # sequence length in its size (memory.sequence_dims)
     dtype: str = "bfloat16"            # what floating activations and weights are computed in
-    # what cost.gradient_flow reads of each node, made once per layout (not copied by replace)
     gradient_facts: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 

@@ -110,12 +110,11 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     `logits` elements (fp32) and, in a pipeline, the logits (its outputs, cached by torch's
     PipelineStage). Phases as in the module docstring. A backward's transients (`buffers`): the
     larger of the loss's kept copy and its gradients, and what a block's backward holds: a
-    recomputed region's activations (`recomputed`), the gradients alive at its fullest moment
-    and that op's temporaries (`flowing`, cost/gradient_flow.py), the gradient of the weight it
-    reads (`weight` elements, less what was freed; `block_weights`: `_reduced_block`); in a
-    pipeline both hold the logits too. `received`, `place`,
-    `deferred`, `padding`: receive buffers, a phase's part on the device, zero-bubble's kept
-    gradients, ZeRO's padding (dense, experts: cost/padding.py)."""
+    recomputed region's activations (`recomputed`), the gradients alive at its fullest moment and
+    that op's temporaries (`flowing`: gradient_flow.py), the gradient of the weight it reads
+    (`weight`, less what was freed; `block_weights`: `_reduced_block`); pipelined, the logits too.
+    `received`, `place`, `deferred`, `padding`: receive buffers, a phase's part on the device,
+    zero-bubble's kept gradients, ZeRO's padding (dense, experts: cost/padding.py)."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=place is not None, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
