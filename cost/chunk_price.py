@@ -63,9 +63,7 @@ class Chunk:
     peak_polys: list = field(default_factory=list)
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
-    weight_read: float = 0.0        # elements of the largest weight an op reads, and what its
-    weight_freed_poly: dict = field(default_factory=dict)  # micro-batch's backward freed before
-                                                           # that weight's gradient is made
+    weight_read: float = 0.0        # elements of the largest weight an op reads
     # The same where FSDP2 reduces each block's gradients once the block's backward is done
     # (ZeRO-2/3): the 16-bit gradients alive at a weight's backward are its own and those of its
     # block's later weights, made before it (`_heaviest_block_gradients`)
@@ -204,14 +202,11 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     for degree, value in scores.items():
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = poly_at(out.saved_poly, 1)
-    # the activations kept outside recomputed regions that its backward freed before its
-    # fullest moment are counted once, against the heaviest weight's gradient
-    # (`_heaviest_weight`); FSDP2 also holds a block's new weight gradients until the block's
-    # backward ends, which no part prices apart yet, so the sweep frees only what a recomputed
-    # region's rerun kept (priced whole, as `recomputed`)
-    out.flowing_poly = backward_peak(graph, layout, nodes, first_kept={},
+    # what the backward frees before its fullest moment is freed there, once: the heaviest
+    # weight's gradient is added whole (estimator._heaviest_gradient)
+    out.flowing_poly = backward_peak(graph, layout, nodes, _first_keepers(layout, regions, nodes),
                                      regions=[regions[layout.index[node.name]] for node in nodes])
-    out.weight_read, out.weight_freed_poly = _heaviest_weight(graph, layout, regions, nodes)
+    out.weight_read = _heaviest_weight(graph, layout, nodes)
     out.group_read, out.group_freed_poly, out.group_alive_poly = _heaviest_block_gradients(
         graph, layout, in_block, regions, nodes)
     return out
@@ -231,16 +226,9 @@ def _last_saving_nodes(layout: GraphLayout, regions: list, nodes: list[NodeLayou
     return last
 
 
-def _heaviest_weight(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout]):
-    """The elements of the largest weight an op of the chunk reads (the last such op), and
-    what the ops after it keep for the backward: by that op's backward, the micro-batch's
-    backward has freed it (an embedding's gradient comes after all of them)."""
-    kept_at = _first_keepers(layout, regions, nodes)
-    heaviest = (0.0, -1)                # (weight elements read, position)
-    for read, _, position, _ in _weight_reads(graph, layout, nodes):
-        if read >= heaviest[0]:
-            heaviest = (read, position)
-    return heaviest[0], _poly([key for key, at in kept_at.items() if at > heaviest[1]], layout)
+def _heaviest_weight(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) -> float:
+    """The elements of the largest weight an op of the chunk reads (`_weight_reads`)."""
+    return max((read for read, _, _, _ in _weight_reads(graph, layout, nodes)), default=0.0)
 
 
 def _heaviest_block_gradients(graph: Graph, layout: GraphLayout, in_block: list, regions: list,

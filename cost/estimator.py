@@ -439,14 +439,14 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
 
 def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b, *, by_block: bool = False):
     """Elements of the weight gradient that adds most to a backward's peak: the largest weight of
-    a chunk, less the activations its micro-batch's backward has freed before reaching the op
-    that reads it (`Chunk.weight_freed_poly`; none where that op was not found). `by_block`:
-    with the gradients of its block's later weights, which FSDP2 reduces together when the block's
-    backward ends (`Chunk.group_read`)."""
+    a chunk, whole (what the backward freed before reaching its op is freed once, in the
+    gradient sweep: cost/gradient_flow.py). `by_block`: with the gradients of its block's later
+    weights, which FSDP2 reduces together when the block's backward ends (`Chunk.group_read`),
+    less the activations freed by then."""
     added = []
     for c in chunks:
         read, freed, alive = (c.group_read, c.group_freed_poly, c.group_alive_poly) if by_block \
-            else (c.weight_read, c.weight_freed_poly, {})
+            else (c.weight_read, {}, {})
         released = (poly_at(freed, seq_ratio) - poly_at(alive, seq_ratio)) * b if read >= c.largest else 0.0
         added.append(max(c.largest, read) * element - released)
     return _largest([0.0, *added]) / element
