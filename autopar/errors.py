@@ -12,6 +12,8 @@ class CaptureError(AutoparError):
 class InfeasibleError(AutoparError):
     """No plan fits the memory budget (the least memory that would, the largest contributors)."""
 
+    least_memory_bytes: float | None = None     # the least plan found needs this much, if any
+
 
 class MeshError(AutoparError):
     """A mesh or device spec is malformed, unknown, or does not match the world size."""

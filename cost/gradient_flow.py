@@ -80,7 +80,9 @@ def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
     running (`regions`, by position), what the region's rerun kept for its later ops only."""
     facts, readers = _facts(graph, layout)
     regions = regions or [None] * len(nodes)
-    key = (tuple(node.name for node in nodes), tuple(regions), tuple(sorted(first_kept.items())))
+    # first_kept follows from the nodes and regions (chunk_price._first_keepers): its size tells
+    # the two ways it is called apart
+    key = (tuple(node.name for node in nodes), tuple(regions), len(first_kept))
     peaks = layout.gradient_facts["peaks"]
     if key not in peaks:        # the same chunk recurs in many candidates (other batches, ZeRO)
         peaks[key] = _sweep(layout, nodes, first_kept, regions, facts, readers)
@@ -162,14 +164,10 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
         facts, readers = {}, {}
         for node in layout.nodes:
             graph_node = graph.nodes[layout.index[node.name]]
-            for value in graph_node.inputs:
-                readers.setdefault(value, []).append(
-                    "" if graph_node.role is Role.OUTPUT else node.name)
             facts[node.name] = _node_facts(graph, layout, by_name, node, graph_node)
-        for node in graph.nodes:
-            if node.role is Role.OUTPUT:
-                for value in node.inputs:
-                    readers.setdefault(value, []).append("")
+        for node in graph.nodes:            # the model's output reads from outside every chunk
+            for value in node.inputs:
+                readers.setdefault(value, []).append("" if node.role is Role.OUTPUT else node.name)
         layout.gradient_facts.update(facts=facts, readers=readers, peaks={})
     return layout.gradient_facts["facts"], layout.gradient_facts["readers"]
 
