@@ -13,13 +13,17 @@ in a run, but a new one under fake tensors: its output counts as the same storag
 (else every tensor-parallel gather would count twice until the waited copy is freed). The peak
 is that of allocations, as CUDA's
 caching allocator reports `max_memory_allocated`: without fragmentation or the allocator's
-rounding (blocks of 512 bytes), and without the CUDA context or library workspaces. Only the
+rounding (blocks of 512 bytes), and without the CUDA context or library workspaces. A simulated
+rank's tensors all live on the CPU, so an offloaded plan's host states are told apart by the
+rank's simulation (`on_host`, `allocating_on_host`) and counted in a host total of their own,
+with its own peak, as a GPU run's device and host memory are two. Only the
 simulation's own fake tensors count: the runtime's exports and shape probes run on fake tensors
 of their own modes, which allocate nothing in a real run either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -43,6 +47,10 @@ class MemoryRecorder(TorchDispatchMode):
         self.mode = mode        # the simulation's: tensors of other fake modes are fake in a run too
         self.live = 0
         self.peak = 0
+        self.host_live = 0      # offloaded states (module docstring)
+        self.host_peak = 0
+        self._host: set[int] = set()            # tokens of storages on the host
+        self._allocating_on_host = False
         self._token: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # storage -> token
         self._sizes: dict[int, int] = {}                                          # token -> bytes
         self._holders: dict[int, int] = {}      # token -> storages standing for it (wait_tensor's)
@@ -95,8 +103,33 @@ class MemoryRecorder(TorchDispatchMode):
         self._token[storage] = token
         self._sizes[token] = storage.nbytes()
         self._holders[token] = 1
-        self._add(self._sizes[token])
+        if self._allocating_on_host:
+            self._host.add(token)
+        self._add(token, self._sizes[token])
         weakref.finalize(storage, self._free, token)
+
+    def on_host(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage as the host's from now on: an offloaded state, or a device
+        buffer whose contents a GPU run copies to the host and then frees (FSDP2's reduced
+        gradients), which the simulation keeps as the host's copy."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        self.track(tensor)
+        token = self._token.get(tensor.untyped_storage())
+        if token is None or token in self._host:
+            return
+        self._add(token, -self._sizes[token])
+        self._host.add(token)
+        self._add(token, self._sizes[token])
+
+    @contextlib.contextmanager
+    def allocating_on_host(self):
+        """Count the storages made meanwhile as the host's (an offloaded optimizer's step)."""
+        self._allocating_on_host = True
+        try:
+            yield
+        finally:
+            self._allocating_on_host = False
 
     def _alias(self, out: torch.Tensor, waited: torch.Tensor) -> None:
         """Count `out`'s storage as `waited`'s: the bytes stay live while either storage is."""
@@ -117,22 +150,25 @@ class MemoryRecorder(TorchDispatchMode):
         if token is None:
             self.track(tensor)
             return
-        size = storage.nbytes()
-        self.live -= self._sizes[token]
-        self._sizes[token] = size
-        self._add(size)
+        self._add(token, storage.nbytes() - self._sizes[token])
+        self._sizes[token] = storage.nbytes()
 
     def reset_peak(self) -> int:
-        """Start a new peak at what is live now; returns the peak until now."""
-        before, self.peak = self.peak, self.live
+        """Start new peaks at what is live now; returns the device's peak until now."""
+        before, self.peak, self.host_peak = self.peak, self.live, self.host_live
         return before
 
-    def _add(self, size: int) -> None:
-        self.live += size
-        self.peak = max(self.peak, self.live)
+    def _add(self, token: int, size: int) -> None:
+        if token in self._host:
+            self.host_live += size
+            self.host_peak = max(self.host_peak, self.host_live)
+        else:
+            self.live += size
+            self.peak = max(self.peak, self.live)
 
     def _free(self, token: int) -> None:
         self._holders[token] -= 1
         if not self._holders[token]:
             del self._holders[token]
-            self.live -= self._sizes.pop(token, 0)
+            self._add(token, -self._sizes.pop(token, 0))
+            self._host.discard(token)

@@ -7,10 +7,10 @@ group answers every collective at once, and FakeTensorMode gives every tensor a 
 storage. What it measures does not depend on a device: the bytes the rank's tensors hold at
 their peak (memory.py) and every collective it issues (collectives.py).
 
-The tensors live on the CPU device (a CPU build of torch has no CUDA streams for FSDP2 to use),
-so an offloaded plan's host states count in the same total as its device's. FSDP2 on a CPU mesh
-would reduce-scatter by all-reduce (autopar.runtime.gloo_reduce); a simulated rank stands for a
-GPU's and keeps NCCL's reduce-scatter.
+The tensors live on the CPU device (a CPU build of torch has no CUDA streams for FSDP2 to use);
+an offloaded plan's host states are told apart and counted apart (`_offloaded_states_on_host`).
+FSDP2 on a CPU mesh would reduce-scatter by all-reduce (autopar.runtime.gloo_reduce); a
+simulated rank stands for a GPU's and keeps NCCL's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.stage import InferenceMode
@@ -50,6 +51,7 @@ class RankRun:
     rank: int
     stages: list[int]
     peak_memory_bytes: int                              # of the step, as a GPU run's reset peak
+    host_peak_memory_bytes: int = 0                     # the offloaded states' (memory.py)
     collectives: list = field(default_factory=list)     # Collective records, in issue order
     build_peak_memory_bytes: int = 0                    # while the runtime was built
     seconds: float = 0.0
@@ -83,7 +85,9 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
                                          graph=graph, device="cpu")
             _route_balanced(compiled)
             _agree_on_static_shapes(compiled.schedule)
-            _hold_optimizer_state(compiled.optimizer)
+            offloaded = _offloaded_states_on_host(compiled, memory)
+            with memory.allocating_on_host() if offloaded else contextlib.nullcontext():
+                _hold_optimizer_state(compiled.optimizer)
             # the step's own peak, as the collectives are the step's: building passes through
             # transients the step never holds (the starting state broadcast in buckets of
             # BROADCAST_BUCKET_BYTES), and a run on a GPU resets its peak before the step it measures
@@ -93,6 +97,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
                 compiled.step(*batch)
         layout = pipeline_layout(plan)
         return RankRun(rank=rank, stages=list(layout.own_stages(rank)), peak_memory_bytes=memory.peak,
+                       host_peak_memory_bytes=memory.host_peak,
                        collectives=sent.collectives, seconds=time.monotonic() - started,
                        build_peak_memory_bytes=build_peak)
     finally:
@@ -221,6 +226,31 @@ def _transfers_held_until_waited():
         return [_HeldWork(work, [op.tensor for op in p2p_ops]) for work in batch_p2p(p2p_ops, desc=desc)]
 
     return mock.patch.object(schedules, "_batch_p2p", holding)
+
+
+def _offloaded_states_on_host(compiled, memory: MemoryRecorder) -> bool:
+    """Count what FSDP2's CPUOffloadPolicy keeps on the host as the host's: each offloaded
+    parameter's shard, its gradient shard (the reduce-scatter's output, which a GPU run copies
+    down and frees: here the copy is the output itself, moved when FSDP2 hands it to the
+    parameter) and, when the optimizer steps only such parameters, what its step makes (Adam's
+    state and temporaries: the host steps). Whether anything is offloaded."""
+    offloaded = [param for program in compiled.programs for module in program.module.modules()
+                 if isinstance(module, FSDPModule)
+                 for group in module._get_fsdp_state()._fsdp_param_groups
+                 for param in group.fsdp_params if param.offload_to_cpu]
+    for param in offloaded:
+        memory.on_host(param._sharded_param_data)
+        param.sharded_param.register_post_accumulate_grad_hook(lambda shard: memory.on_host(shard.grad))
+    stepped = {id(p) for group in compiled.optimizer.param_groups for p in group["params"]}
+    if offloaded and stepped <= {id(param.sharded_param) for param in offloaded}:
+        step = compiled.optimizer.step
+
+        def step_on_host(*args, **kwargs):
+            with memory.allocating_on_host():
+                return step(*args, **kwargs)
+        compiled.optimizer.step = step_on_host
+        return True
+    return False
 
 
 def _hold_optimizer_state(optimizer) -> None:

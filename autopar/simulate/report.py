@@ -29,6 +29,8 @@ class RankReport:
     collectives: list[dict] = field(default_factory=list)  # by kind and group, in first-issue order
     seconds: float = 0.0
     build_peak_memory_bytes: int = 0                      # while its runtime was built
+    host_memory_bytes: int = 0                            # offloaded states' peak on the host
+    predicted_host_memory_bytes: int = 0
 
     @property
     def memory_error(self) -> float | None:
@@ -44,7 +46,9 @@ class RankReport:
                 "collective_bytes": self.collective_bytes,
                 "predicted_collective_bytes": self.predicted_collective_bytes,
                 "collectives": self.collectives, "seconds": round(self.seconds, 1),
-                "build_peak_memory_bytes": self.build_peak_memory_bytes}
+                "build_peak_memory_bytes": self.build_peak_memory_bytes,
+                "host_memory_bytes": self.host_memory_bytes,
+                "predicted_host_memory_bytes": self.predicted_host_memory_bytes}
 
 
 def rank_report(plan: Plan, run: RankRun, predicted_collectives: list | None = None) -> RankReport:
@@ -75,7 +79,9 @@ def rank_report(plan: Plan, run: RankRun, predicted_collectives: list | None = N
                       collective_bytes=sum(c.sent_bytes for c in run.collectives),
                       predicted_collective_bytes=predicted_sent,
                       collectives=list(totals.values()), seconds=run.seconds,
-                      build_peak_memory_bytes=run.build_peak_memory_bytes)
+                      build_peak_memory_bytes=run.build_peak_memory_bytes,
+                      host_memory_bytes=run.host_peak_memory_bytes,
+                      predicted_host_memory_bytes=int(plan.predicted.get("host_memory_bytes") or 0))
 
 
 def ranks_to_simulate(plan: Plan, text: str) -> list[int]:
