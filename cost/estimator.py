@@ -68,7 +68,7 @@ from autopar.cost.chunk_price import Chunk, partial_gradients_time, partial_redu
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
-from autopar.cost.offload import host_fits, host_memory_share, offloaded_memory
+from autopar.cost.offload import host_bytes, host_fits, host_memory_share
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
@@ -400,22 +400,17 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual,
                                        stage=stage)
     deferred = sum(poly_at(c.deferred_poly, seq_ratio) for c in chunks) / len(chunks) * b
-    recomputed = _largest([poly_at(p, seq_ratio) for c in chunks for p in c.peak_polys] or [0.0])
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     element = 4 if precision == Precision.FP32 else 2
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     group = max(c.group for c in chunks)
+    reduce_every = reduces_every_micro_batch(spec.zero, schedule)
 
-    def offloaded(parts: dict) -> tuple[dict, float]:
-        return offloaded_memory(parts, params=params, shards=spec.dp * spec.cp, zero=spec.zero,
-                                gathered=gathered, group=group, element=element)
-    # offloaded, every phase keeps less on the device: the fullest is found among what stays
-    parts = peak_bytes(params=params, gathered=gathered, group=group,
-                       place=(lambda phase: offloaded(phase)[0]) if spec.offload else None,
+    parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
                        weight=_heaviest_gradient(chunks, element, seq_ratio, b),
                        block_weights=_heaviest_gradient(chunks, element, seq_ratio, b, by_block=True),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
-                       reduce_every=reduces_every_micro_batch(spec.zero, schedule),
+                       reduce_every=reduce_every,
                        held=held, pipelined=pp > 1,   # both in (chunk, micro-batch) pairs
                        activations=held * per_chunk * b,
                        deferred=(max(pending - 1, 0) * deferred, pending * deferred),
@@ -425,7 +420,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
                                                       stage=pp - 1) - 1, 0),
                        logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
-                       recomputed=recomputed * b, flowing=flowing * b,
+                       flowing=flowing * b,
                        blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own
                        block_kept=_smallest([poly_at(c.block_kept_poly, seq_ratio) for c in chunks
                                              if c.blocks]) * b,
@@ -434,7 +429,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0)
-    return parts, offloaded(parts)[1] if spec.offload else 0.0
+    return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
 def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b, *, by_block: bool = False):

@@ -98,9 +98,10 @@ GATHERED_GROUPS = 2
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
-               recomputed, flowing, reduce_every: bool = False, blocks: int = 0, block_kept=0.0,
+               flowing, reduce_every: bool = False, blocks: int = 0, block_kept=0.0,
                expert_params: float = 0.0, expert_dp: int = 1, received=0.0, block_weights=None,
-               loss_held: int | None = None, place=None, deferred=(0.0, 0.0), padding=(0.0, 0.0)) -> dict:
+               loss_held: int | None = None, offload: bool = False, deferred=(0.0, 0.0),
+               padding=(0.0, 0.0)) -> dict:
     """Memory of one device at its peak, by part, summing to the peak (`_at_peak`). `params`
     elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer state and
     gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the elements ZeRO-3
@@ -109,30 +110,29 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     them that ran the last chunk (all `held` by default) also keeps the loss's copy of its
     `logits` elements (fp32) and, in a pipeline, the logits (its outputs, cached by torch's
     PipelineStage). Phases as in the module docstring. A backward's transients (`buffers`): the
-    larger of the loss's kept copy and its gradients, and what a block's backward holds: a
-    recomputed region's activations (`recomputed`), the gradients alive at its fullest moment and
-    that op's temporaries (`flowing`: gradient_flow.py), the gradient of the weight it reads
-    (`weight`, less what was freed; `block_weights`: `_reduced_block`); pipelined, the logits too.
-    `received`, `place`, `deferred`, `padding`: receive buffers, a phase's part on the device,
-    zero-bubble's kept gradients, ZeRO's padding (dense, experts: cost/padding.py)."""
-    wrapped = holds_weights_in_fsdp(replicas=dp, offload=place is not None, precision=precision)
+    larger of the loss's kept copy and its gradients, and a block backward's fullest moment
+    (`flowing`: gradient_flow.py, its rerun activations included) with the gradient of the weight
+    it reads (`weight`; `block_weights`: `_reduced_block`); pipelined, the logits too. `received`,
+    `deferred`, `padding`: receive buffers, zero-bubble's kept gradients, ZeRO's padding
+    (cost/padding.py). `offload`: optimizer states and step, fp32 gradient shards on the host."""
+    wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
     master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params + sum(padding))  # padded buffers
-    gradients, cached = params * GRADIENT_BYTES, element * logits if pipelined else 0.0   # stage output
+    gradients, cached = params * (element if offload else GRADIENT_BYTES), element * logits if pipelined else 0.0
     kept, losses = LOSS_KEPT_COPIES * 4 * logits + cached, held if loss_held is None else loss_held
     loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
-    block = recomputed + flowing + weight * element + cached
+    block = flowing + weight * element + cached
     dense, experts = params - expert_params + padding[0], expert_params + padding[1]   # as FSDP2 pads
     sharded = lambda per: dense * per / split + experts * per / expert_split
-    persistent = {"weights": weights, "optimizer": sharded(ADAM_STATE_BYTES + master),
+    persistent = {"weights": weights, "optimizer": 0.0 if offload else sharded(ADAM_STATE_BYTES + master),
                   **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
-    shards = sharded(GRADIENT_BYTES)
-    scattered = {earlier: _scattered(earlier, group=group, dp=dp, zero=zero, element=element,
-                                     blocks=blocks, block_kept=block_kept, micro_batches=micro_batches)
-                 for earlier in (False, True)}
+    shards = 0.0 if offload else sharded(GRADIENT_BYTES)
+    scattered = {earlier: _scattered(earlier, group=group, dp=dp, zero=zero, element=element, blocks=blocks,
+                                     block_kept=block_kept, micro_batches=micro_batches, shards_on_host=offload,
+                                     pipelined=pipelined) for earlier in (False, True)}
 
     def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
         held_now = {**zeros, "activations": activations_held}
@@ -145,7 +145,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         return [{**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
                  "buffers": loss},
                 {**held_now, "gradients": (shards if earlier else 0.0) + scattered[earlier],
-                 "buffers": _reduced_block(block, recomputed + weight * element, block_weights, element)}]
+                 "buffers": _reduced_block(block, flowing + weight * element, block_weights, element)}]
     later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
     phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
         *backward(first, micro_batches > held),     # the time between backwards (zero-bubble),
@@ -153,33 +153,33 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[-1], "buffers": 0.0},
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
-         "optimizer_step": sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
+         "optimizer_step": 0.0 if offload else sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
     ]
-    return _at_peak(persistent, phases, place)
+    return _at_peak(persistent, phases)
 
 
 def _reduced_block(block, one_weight, block_weights, element: int):
     """What a block's backward holds where FSDP2 reduces each block's gradients when its backward
-    ends (ZeRO-2/3) and `block_weights` is given: its 16-bit gradients are all made by then, and
-    the activations its recompute made freed, so the larger of the moment at its heaviest weight
-    (`one_weight` with the region) and the one at its block's heaviest gradients."""
+    ends (ZeRO-2/3) and `block_weights` is given: the larger of the sweep's fullest moment with
+    the heaviest weight's gradient (`one_weight`) and the one at its block's heaviest gradients
+    (with the rerun activations alive then and less those freed: `block_weights`)."""
     if block_weights is None:
         return block
     return block - one_weight + _max(one_weight, block_weights * element)
 
 
-def _scattered(earlier: bool, *, micro_batches: int, **sizes):
+def _scattered(earlier: bool, *, micro_batches: int, shards_on_host: bool, pipelined: bool, **sizes):
     """`scattered_bytes` of a backward after an earlier micro-batch's or not. ZeRO-2's runtime
     keeps the weights gathered until the step's last micro-batch: only a first backward that is
-    also the last frees them block by block."""
-    return scattered_bytes(**sizes, new_shards=not earlier, weights_freed=micro_batches == 1 or earlier)
+    also the last frees them block by block. Offloaded, new shards go to the host."""
+    return scattered_bytes(**sizes, new_shards=not (earlier or shards_on_host),
+                           weights_freed=micro_batches == 1 or earlier, held_before=pipelined and earlier)
 
 
-def _at_peak(persistent: dict, phases: list[dict], place=None) -> dict:
+def _at_peak(persistent: dict, phases: list[dict]) -> dict:
     """The parts at the fullest phase; with symbolic sizes, the first phase's and what the others
-    need beyond it (`later_phase`). `place` maps each phase's parts to what stays on the device
-    (offload moves model states to the host, so another phase may then be the fullest)."""
-    placed = [(place or dict)({**persistent, **phase}) for phase in phases]
+    need beyond it (`later_phase`)."""
+    placed = [{**persistent, **phase} for phase in phases]
     totals = [sum(parts.values()) for parts in placed]
     if all(isinstance(t, (int, float)) for t in totals):
         peak = max(range(len(phases)), key=lambda k: totals[k])
@@ -188,7 +188,7 @@ def _at_peak(persistent: dict, phases: list[dict], place=None) -> dict:
 
 
 def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: int, block_kept,
-                    new_shards: bool = True, weights_freed: bool = True):
+                    new_shards: bool = True, weights_freed: bool = True, held_before: bool = False):
     """What a micro-batch's backward holds at its peak beyond its activations and the shards of
     earlier micro-batches, once the runtime reduces each FSDP group's gradients as its backward
     ends (ZeRO-2/3, `reduces_every_micro_batch`).
@@ -203,13 +203,15 @@ def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: i
     the groups gathered at once). Each block
     adds the same, so the peak is at the second block or at the last: the second when the
     activations a block frees outweigh its shard (no recompute), the last when they do not (full
-    recompute of large blocks). At the first block only the head's smaller group was reduced:
-    left out."""
+    recompute of large blocks). At the first block a single stage has reduced nothing yet (its
+    root group, the head's and the embedding's, is reduced last); a pipeline stage after an
+    earlier micro-batch still holds that one's last reduce-scatter input (`held_before`)."""
+    held = group * GRADIENT_BYTES if held_before else 0.0
     if blocks < 2:
-        return 0.0
+        return held
     shard = group * GRADIENT_BYTES / dp if new_shards else 0.0
     per_block = shard - block_kept - (group * element if zero < 3 and weights_freed else 0.0)
-    return _max(0.0, group * GRADIENT_BYTES + _max(per_block, per_block * (blocks - 1)))
+    return _max(held, group * GRADIENT_BYTES + _max(per_block, per_block * (blocks - 1)))
 
 
 def _max(a, b):

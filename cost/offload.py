@@ -53,23 +53,13 @@ def offload_time(*, params: float, shard: float, zero: int, gathers: int, reduct
     return max(0.0, copies - compute_s), step
 
 
-def offloaded_memory(parts: dict, *, params: float, shards: int, zero: int, gathered: float,
-                     group: float, element: int) -> tuple[dict, float]:
-    """The device's memory parts (cost.memory.peak_bytes's, priced as without offload) once the
-    states live on the host, and the host's bytes for this device (module docstring)."""
-    device = dict(parts)
+def host_bytes(*, params: float, shards: int, zero: int) -> float:
+    """The bytes one device's offloaded states take on its host: ZeRO's shard of `params` with
+    its gradients and Adam's state, and the fp32 parameters (ZeRO-3) or master weights (ZeRO-1/2).
+    What stays on the device is `cost.memory.peak_bytes(offload=True)`'s."""
     shard = params / max(1, shards if zero >= 1 else 1)
-    device["optimizer"] = 0.0
-    device["optimizer_step"] = 0.0
-    if zero == 3:
-        device["weights"] = element * gathered
-        # one group's unsharded gradients being reduced while the next one's are computed
-        device["gradients"] = min(device["gradients"], 2 * group * GRADIENT_BYTES)
-        host = shard * (SHARD_BYTES + GRADIENT_BYTES + ADAM_STATE_BYTES)
-    else:
-        device["gradients"] = min(device["gradients"], params * element)
-        host = shard * (MASTER_COPY_BYTES + GRADIENT_BYTES + ADAM_STATE_BYTES)
-    return device, host
+    kept = SHARD_BYTES if zero == 3 else MASTER_COPY_BYTES
+    return shard * (kept + GRADIENT_BYTES + ADAM_STATE_BYTES)
 
 
 def host_memory_share(mesh: Mesh) -> float:

@@ -629,7 +629,7 @@ def test_zero_2_and_3_accumulate_only_their_gradient_shard_between_micro_batches
     parallelism and ZeRO-1 accumulate them whole until the last."""
     from autopar.cost.memory import peak_bytes
     sizes = dict(params=1e6, gathered=1e5, group=5e4, weight=1e4, dp=8, precision="bf16", micro_batches=4,
-                 held=1, activations=1e6, logits=0.0, recomputed=0.0, flowing=0.0)
+                 held=1, activations=1e6, logits=0.0, flowing=0.0)
 
     def gradients(zero, schedule="1f1b", pipelined=False):
         return peak_bytes(**sizes, zero=zero, pipelined=pipelined,
@@ -654,7 +654,7 @@ def test_a_first_micro_batch_holds_what_its_reduce_scatters_leave():
     group, dp, blocks = 1e5, 4, 6
     sizes = dict(params=1e6, gathered=2 * group, group=group, weight=1e4, dp=dp, precision="fp32",
                  micro_batches=1, held=1, pipelined=False, activations=1e7, logits=0.0,
-                 recomputed=0.0, flowing=0.0, reduce_every=True, blocks=blocks)
+                 flowing=0.0, reduce_every=True, blocks=blocks)
     small, large = 1e4, 1e6
     grown = 4 * group + (blocks - 1) * (4 * group / dp - small)
     assert peak_bytes(**sizes, zero=3, block_kept=small)["gradients"] == grown
@@ -673,6 +673,6 @@ def test_a_pipeline_stage_keeps_its_logits_through_the_backward():
     backward on the stage ends: a block's backward there holds them beside its own transients."""
     from autopar.cost.memory import peak_bytes
     sizes = dict(params=1e5, gathered=0.0, weight=1e3, zero=0, dp=1, precision="bf16", micro_batches=4,
-                 held=1, activations=1e6, logits=1e4, recomputed=1e7, flowing=0.0)
+                 held=1, activations=1e6, logits=1e4, flowing=1e7)
     alone, piped = peak_bytes(**sizes, pipelined=False), peak_bytes(**sizes, pipelined=True)
     assert piped["buffers"] - alone["buffers"] == 2 * 1e4
