@@ -9,7 +9,9 @@ runs. An op's backward makes the gradients of its inputs, and some make more on 
 (the same storage), so a gradient read by two values counts once; autograd adds a second
 gradient into a first in place when nothing else holds the first. Kept activations are freed as
 their keepers' backwards pass (`first_kept`), so the fullest moment is found by a sweep over the
-chunk's ops in backward order.
+chunk's ops in backward order. A recomputed region's forward runs again when the backward reaches
+it: what it keeps is alive from then, each storage until its first keeper's backward has run,
+so the sweep also finds where the rerun's activations and the gradients weigh most together.
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ class _Gradients:
 def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
                   first_kept: dict[str, int], regions: list | None = None) -> dict[int, float]:
     """{power of seq: bytes per sample} the chunk's backward holds at its fullest beyond the kept
-    activations: the gradients alive then and the running op's temporaries, less what the
-    backward freed before it: storages `first_kept` (storage -> position of its first keeper
-    outside recomputed regions) only by later ops, and within the recomputed region of the op
-    running (`regions`, by position), what the region's rerun kept for its later ops only."""
+    activations: the gradients alive then, the running op's temporaries and what the rerun of
+    its recomputed region (`regions`, by position) keeps, less what the backward freed before
+    it: storages `first_kept` (storage -> position of its first keeper outside recomputed
+    regions) only by later ops, and within the region, what the rerun kept for its later ops
+    only."""
     facts, readers = _facts(graph, layout)
     regions = regions or [None] * len(nodes)
     # first_kept follows from the nodes and regions (chunk_price._first_keepers): its size tells
@@ -96,7 +99,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
     for node in nodes:
         if facts[node.name].differentiable and any(r not in in_chunk for r in readers.get(node.name, ())):
             grads.of_value[node.name] = [grads.make(*facts[node.name].size)]
-    freed_after = _freed_after(first_kept, nodes, regions)
+    freed_after, rerun = _freed_after(first_kept, nodes, regions, layout)
     released: dict = {}                  # region (None: outside) -> {power of seq: bytes freed}
     best = ({}, float("-inf"))
     for position in range(len(nodes) - 1, -1, -1):
@@ -106,10 +109,11 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             fact = facts[node.name]
             made = _give_inputs(fact, facts, incoming, grads)
             spaces = {None, regions[position]}
-            total = sum(grads.live.values()) + fact.extra - sum(
+            kept = rerun.get(regions[position], {})
+            total = sum(grads.live.values()) + sum(kept.values()) + fact.extra - sum(
                 sum(released.get(region, {}).values()) for region in spaces)
             if total > best[1]:
-                best = (_at(grads.live, fact, [released.get(region, {}) for region in spaces]), total)
+                best = (_at(grads.live, kept, fact, [released.get(region, {}) for region in spaces]), total)
             for gradient in made:
                 grads.release(gradient)
         for gradient in incoming:
@@ -121,29 +125,36 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
     return best[0]
 
 
-def _at(live: dict, fact: "_Facts", freed: list[dict]) -> dict[int, float]:
-    """The sweep's moment as {power of seq: bytes}: gradients alive, the op's extra, less freed."""
+def _at(live: dict, kept: dict, fact: "_Facts", freed: list[dict]) -> dict[int, float]:
+    """The sweep's moment as {power of seq: bytes}: gradients alive, the rerun's keeps, the op's
+    extra, less freed."""
     now = dict(live)
     now[fact.size[0]] = now.get(fact.size[0], 0.0) + fact.extra
-    for part in freed:
+    for part, sign in ((kept, 1), *((part, -1) for part in freed)):
         for degree, value in part.items():
-            now[degree] = now.get(degree, 0.0) - value
+            now[degree] = now.get(degree, 0.0) + sign * value
     return now
 
 
-def _freed_after(first_kept: dict[str, int], nodes: list[NodeLayout], regions: list) -> dict:
+def _freed_after(first_kept: dict[str, int], nodes: list[NodeLayout], regions: list,
+                 layout: GraphLayout) -> tuple[dict, dict]:
     """Position -> (region, storage) freed once that op's backward has run: kept outside
-    recomputed regions by it first, or within a region, kept there by it first."""
+    recomputed regions by it first, or within a region, kept there by it first; and region ->
+    {power of seq: bytes} its rerun keeps."""
     freed: dict[int, list] = {}
     for key, position in first_kept.items():
         freed.setdefault(position, []).append((None, key))
     seen: set = set()
+    rerun: dict = {}
     for position, node in enumerate(nodes):
-        for key in node.saved if regions[position] is not None else ():
-            if (regions[position], key) not in seen:
-                seen.add((regions[position], key))
-                freed.setdefault(position, []).append((regions[position], key))
-    return freed
+        region = regions[position]
+        for key in node.saved if region is not None else ():
+            if (region, key) not in seen:
+                seen.add((region, key))
+                freed.setdefault(position, []).append((region, key))
+                kept, degree = rerun.setdefault(region, {}), layout.seq_degree.get(key, 0)
+                kept[degree] = kept.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
+    return freed, rerun
 
 
 @dataclass(frozen=True, slots=True)
