@@ -132,7 +132,7 @@ class ReducingStage(ReceivingStage):
         # as torch's stage sets FSDP up for a backward that is not the step's last, with the
         # gradient sync on: each group's post-backward reduce-scatters and accumulates its shard
         self.submod.set_is_last_backward(False)
-        self.submod.set_reshard_after_backward(False)
+        self.submod.set_reshard_after_backward(self.reshard_after_backward)
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                                bwd_kwargs["input_values"])
@@ -142,10 +142,17 @@ class ReducingStage(ReceivingStage):
 class ReshardingStage(ReducingStage):
     """A pipeline stage under ZeRO-3 that also frees FSDP's gathered weights after every
     micro-batch's backward, as ZeRO-3 means and as the estimator prices it (gathers every
-    micro-batch, two groups gathered at a time). torch's PipelineStage keeps them gathered from
-    the first backward to the last, which saves those gathers but holds the whole stage's
-    weights: ZeRO-2's memory. Not for zero-bubble schedules, whose weight backward runs after
-    the input backward on the weights it gathered."""
+    micro-batch, two groups gathered at a time): each group as its own backward ends, so that
+    a stage's backward does not end holding all its groups gathered. torch's PipelineStage
+    keeps them gathered from the first backward to the last, which saves those gathers but
+    holds the whole stage's weights: ZeRO-2's memory. Not for zero-bubble schedules, whose
+    weight backward runs after the input backward on the weights it gathered."""
+
+    reshard_after_backward = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _prefetch_in_reverse(self.submod)
 
     def backward_maybe_with_nosync(self, *args, **kwargs):
         result = super().backward_maybe_with_nosync(*args, **kwargs)
@@ -153,6 +160,21 @@ class ReshardingStage(ReducingStage):
             if isinstance(module, FSDPModule):
                 module.reshard()
         return result
+
+
+def _prefetch_in_reverse(root: nn.Module) -> None:
+    """Have each FSDP module's backward gather the module that ran before it in the forward.
+    FSDP2 otherwise picks the one before it in the order forwards ended, which in a pipeline
+    also holds the next micro-batch's forward (1F1B runs it before this one's backward): the
+    first layer's backward would gather the stage's last group again, for nothing, once its
+    groups are freed after their backwards."""
+    def ended(module: nn.Module):        # forwards end children first
+        for child in module.children():
+            yield from ended(child)
+        yield module
+    order = [m for m in ended(root) if isinstance(m, FSDPModule) and m is not root]
+    for before, module in zip([root, *order], order):
+        module.set_modules_to_backward_prefetch([before])
 
 
 class WeightBackwardStage(ReceivingStage):
