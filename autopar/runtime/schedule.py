@@ -126,6 +126,8 @@ class ReducingStage(ReceivingStage):
     for every backward and reduces once after the last, holding the stage's whole gradients
     meanwhile. Not for zero-bubble schedules, whose backward is split in two."""
 
+    reshard_after_backward = False      # ZeRO-2 keeps the weights gathered (ReshardingStage)
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type != "full" or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
