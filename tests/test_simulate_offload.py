@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from autopar.cost.config import Config
 from autopar.simulate.memory import MemoryRecorder
-from autopar.testing.simulated import simulated
+from autopar.testing.simulated import assert_holds_as_predicted, simulated
 
 SPEC = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,seq=256,vocab=2048"
 
@@ -63,3 +63,12 @@ def test_a_pipeline_stage_under_zero_3_frees_each_group_after_its_backward():
                                                   global_batch=8, micro_batch=1))
     assert report.peak_memory_bytes < 0.95 * 29.41 * 2**20
     assert report.peak_memory_bytes <= 1.03 * report.predicted_memory_bytes
+
+
+def test_a_pipeline_stage_under_zero_2_holds_what_was_predicted():
+    """pp2 x dp2, ZeRO-2: both stages' ranks run autopar's ReducingStage (gradients
+    reduce-scattered after every micro-batch, weights kept gathered), in the default tier."""
+    _, reports = simulated(SPEC, "4:cpu", Config(pp=2, dp=2, zero=2, global_batch=8, micro_batch=1),
+                           ranks=(0, 3))
+    for report in reports:
+        assert_holds_as_predicted(report)
