@@ -37,6 +37,7 @@ from autopar.errors import AutoparError
 from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.plans import Plan
 from autopar.runtime.build import build_runtime
+from autopar.runtime.fsdp_groups import fsdp_param_groups
 from autopar.runtime.rank_grid import pipeline_layout
 from autopar.simulate.collectives import CollectiveRecorder
 from autopar.simulate.folding import folding_repeats
@@ -236,7 +237,7 @@ def _offloaded_states_on_host(compiled, memory: MemoryRecorder) -> bool:
     state and temporaries: the host steps). Whether anything is offloaded."""
     offloaded = [param for program in compiled.programs for module in program.module.modules()
                  if isinstance(module, FSDPModule)
-                 for group in module._get_fsdp_state()._fsdp_param_groups
+                 for group in fsdp_param_groups(module)
                  for param in group.fsdp_params if param.offload_to_cpu]
     for param in offloaded:
         memory.on_host(param._sharded_param_data)
