@@ -16,7 +16,7 @@ from autopar.cost.context import context_parallel_time, exchanged_kv
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
-from autopar.cost.gradient_flow import backward_peak
+from autopar.cost.gradient_flow import backward_moments, backward_peak
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
@@ -63,19 +63,10 @@ class Chunk:
     peak_polys: list = field(default_factory=list)
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
+    moments: tuple = ()             # the same op by op, with FSDP2's reductions (cost/backward_moments.py)
     weight_read: float = 0.0        # elements of the largest weight an op reads
-    # The same where FSDP2 reduces each block's gradients once the block's backward is done
-    # (ZeRO-2/3): the 16-bit gradients alive at a weight's backward are its own and those of its
-    # block's later weights, made before it (`_heaviest_block_gradients`)
-    group_read: float = 0.0
-    group_freed_poly: dict = field(default_factory=dict)
-    group_alive_poly: dict = field(default_factory=dict)   # its recomputed region's, still kept
     sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
     received_poly: dict = field(default_factory=dict)  # what it receives: inputs, outputs' gradients
-    # What the backward of one block frees: the activations of the block instance that keeps the
-    # fewest (its own and those of its recomputed regions' inputs), and how many blocks it has.
-    block_kept_poly: dict = field(default_factory=dict)
-    blocks: int = 0
     # What a micro-batch keeps from its input backward to its weight backward when a zero-bubble
     # schedule splits them: the gradient of every op that reads a weight, which that weight's
     # gradient needs (torch's stage_backward_input keeps them for stage_backward_weight).
@@ -153,7 +144,7 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
     return prices
 
 
-def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list, nodes: list[NodeLayout],
+def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout],
                 prices: dict[str, tuple], b: int) -> Chunk:
     """Time, flops and kept activations of a chunk whose nodes are `nodes`, from their
     `node_prices` and `recomputed_regions`; its parameters and loss buffers are `chunk_states`'."""
@@ -161,8 +152,6 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     saved: set[str] = set()
     region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
     region_nodes: dict[str, set[int]] = {}
-    block_saved: dict[tuple, set[str]] = {}    # block instance -> what its own nodes keep
-    region_block: dict[str, tuple] = {}
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     rerun_until = _last_saving_nodes(layout, regions, nodes)
     for position, node in enumerate(nodes):
@@ -176,11 +165,8 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
             region_saved.setdefault(region, set()).update(node.saved)
             region_nodes.setdefault(region, set()).add(i)
             out.recomputed_ops += int(node.requires_grad)
-            region_block[region] = in_block[i]
         else:
             saved.update(node.saved)
-        if in_block[i] is not None:
-            block_saved.setdefault(in_block[i], set()).update(() if region else node.saved)
         if node.requires_grad and (node.param_bytes or node.family == "embedding"):
             degree = layout.seq_degree.get(layout.storage[node.name], 0)
             out.deferred_poly[degree] = out.deferred_poly.get(degree, 0.0) + node.out_bytes
@@ -191,24 +177,20 @@ def price_chunk(graph: Graph, layout: GraphLayout, in_block: list, regions: list
     for region, keys in region_saved.items():
         inputs = _region_inputs(graph, layout, region_nodes[region])
         saved.update(inputs)
-        block_saved[region_block[region]].update(inputs)
         out.peak_polys.append(_poly(keys, layout))
-    if block_saved:
-        out.block_kept_poly = min((_poly(keys, layout) for keys in block_saved.values()),
-                                  key=lambda poly: poly_at(poly, 1))
-    out.blocks = len(block_saved)
     out.peak_per_sample = max((poly_at(p, 1) for p in out.peak_polys), default=0.0)
     out.saved_poly = _poly(saved, layout)
     for degree, value in scores.items():
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = poly_at(out.saved_poly, 1)
     # what the backward frees before its fullest moment is freed there, once: the heaviest
-    # weight's gradient is added whole (estimator._heaviest_gradient)
-    out.flowing_poly = backward_peak(graph, layout, nodes, _first_keepers(layout, regions, nodes),
-                                     regions=[regions[layout.index[node.name]] for node in nodes])
+    # weight's gradient is added whole (estimator._heaviest_gradient); op by op with FSDP2's
+    # reductions in `moments`
+    first_kept = _first_keepers(layout, regions, nodes)
+    chunk_regions = [regions[layout.index[node.name]] for node in nodes]
+    out.flowing_poly = backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
+    out.moments = backward_moments(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.weight_read = _heaviest_weight(graph, layout, nodes)
-    out.group_read, out.group_freed_poly, out.group_alive_poly = _heaviest_block_gradients(
-        graph, layout, in_block, regions, nodes)
     return out
 
 
@@ -229,35 +211,6 @@ def _last_saving_nodes(layout: GraphLayout, regions: list, nodes: list[NodeLayou
 def _heaviest_weight(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) -> float:
     """The elements of the largest weight an op of the chunk reads (`_weight_reads`)."""
     return max((read for read, _, _, _ in _weight_reads(graph, layout, nodes)), default=0.0)
-
-
-def _heaviest_block_gradients(graph: Graph, layout: GraphLayout, in_block: list, regions: list,
-                              nodes: list[NodeLayout]):
-    """Where FSDP2 reduces each block's gradients once the block's backward is done (ZeRO-2/3),
-    a weight's backward holds the 16-bit gradients of its block's later weights, made before
-    its own, and what the recomputed forward kept for the ops before it. The op where the two
-    weigh most (per sample): its gradients' elements, what the ops after it kept outside
-    recomputed regions (freed by then) and what its region's earlier ops keep (still alive)."""
-    kept_at = _first_keepers(layout, regions, nodes)
-    seen: dict = {}                     # block -> the keys its recomputed regions keep, in order
-    before: dict[int, int] = {}         # position -> how many of its block's were kept before it
-    for position, node in enumerate(nodes):
-        i = layout.index[node.name]
-        kept = seen.setdefault(in_block[i], [])
-        before[position] = len(kept)
-        if regions[i]:
-            kept.extend(node.saved)
-    heaviest, later = (0.0, 0.0, -1, ()), {}    # (weight per sample, elements, position, alive)
-    for read, local, position, i in reversed(_weight_reads(graph, layout, nodes)):
-        block = in_block[i]
-        if block is not None:
-            read, later[block] = read + later.get(block, 0.0), later.get(block, 0.0) + local
-        alive = seen[block][:before[position]] if block is not None else []
-        weight = read * DTYPE_BYTES[layout.dtype] / layout.batch + poly_at(_poly(alive, layout), 1)
-        heaviest = max(heaviest, (weight, read, position, alive), key=lambda entry: entry[0])
-    _, read, position, alive = heaviest
-    return (read, _poly([key for key, at in kept_at.items() if at > position], layout),
-            _poly(alive, layout))
 
 
 def _first_keepers(layout: GraphLayout, regions: list, nodes: list[NodeLayout]) -> dict:

@@ -407,8 +407,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
 
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
-                       weight=_heaviest_gradient(chunks, element, seq_ratio, b),
-                       block_weights=_heaviest_gradient(chunks, element, seq_ratio, b, by_block=True),
+                       weight=_heaviest_gradient(chunks),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
                        reduce_every=reduce_every,
                        held=held, pipelined=pp > 1,   # both in (chunk, micro-batch) pairs
@@ -421,42 +420,43 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                                                       stage=pp - 1) - 1, 0),
                        logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
                        flowing=flowing * b,
-                       blocks=max(c.blocks for c in chunks),    # a chunk's backward reduces its own
-                       block_kept=_smallest([poly_at(c.block_kept_poly, seq_ratio) for c in chunks
-                                             if c.blocks]) * b,
                        expert_params=sum(c.expert_params for c in chunks),
                        padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
-                       if receive_buffers else 0.0)
+                       if receive_buffers else 0.0,
+                       moments=[_weighed(moment, seq_ratio, b, _padded(c)) for c in chunks
+                                for moment in c.moments] if reduce_every else ())
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
-def _heaviest_gradient(chunks: list[Chunk], element: int, seq_ratio, b, *, by_block: bool = False):
+def _weighed(moment, seq_ratio, b, padded: tuple) -> tuple:
+    """A backward's moment (cost/backward_moments.py) at this micro-batch and sequence length,
+    as cost.memory.peak_bytes weighs it; what FSDP2 gathers and reduces, padded (`_padded`)."""
+    net = (poly_at(dict(moment.flowing), seq_ratio) - poly_at(dict(moment.freed), seq_ratio)) * b
+    scattering = None if moment.scattering is None else moment.scattering * padded[0]
+    return (net, moment.grads, moment.gathered * padded[0], scattering,
+            moment.reduced[0] * padded[0], moment.reduced[1] * padded[1])
+
+
+def _padded(chunk: Chunk) -> tuple[float, float]:
+    """How much larger FSDP2's padded buffers are than a chunk's parameters (cost/padding.py):
+    its dense parameters', its experts'."""
+    dense = chunk.params - chunk.expert_params
+    return (1 + chunk.padding[0] / dense if dense else 1.0,
+            1 + chunk.padding[1] / chunk.expert_params if chunk.expert_params else 1.0)
+
+
+def _heaviest_gradient(chunks: list[Chunk]) -> float:
     """Elements of the weight gradient that adds most to a backward's peak: the largest weight of
     a chunk, whole (what the backward freed before reaching its op is freed once, in the
-    gradient sweep: cost/gradient_flow.py). `by_block`: with the gradients of its block's later
-    weights, which FSDP2 reduces together when the block's backward ends (`Chunk.group_read`),
-    less the activations freed by then."""
-    added = []
-    for c in chunks:
-        read, freed, alive = (c.group_read, c.group_freed_poly, c.group_alive_poly) if by_block \
-            else (c.weight_read, {}, {})
-        released = (poly_at(freed, seq_ratio) - poly_at(alive, seq_ratio)) * b if read >= c.largest else 0.0
-        added.append(max(c.largest, read) * element - released)
-    return _largest([0.0, *added]) / element
+    gradient sweep: cost/gradient_flow.py)."""
+    return max([0.0, *(max(c.largest, c.weight_read) for c in chunks)])
 
 
 def _largest(values: list):
     numbers = all(isinstance(v, (int, float)) for v in values)
     return max(values) if numbers else sympy.Max(*values)
-
-
-def _smallest(values: list):
-    if not values:
-        return 0.0
-    numbers = all(isinstance(v, (int, float)) for v in values)
-    return min(values) if numbers else sympy.Min(*values)
 
 
 def _summarize(model_flops_per_sample: float, mesh: Mesh, chunks: list[Chunk], devices: list, per_mb: list,

@@ -16,9 +16,11 @@ so the sweep also finds where the rerun's activations and the gradients weigh mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from autopar.cost.backward_moments import GroupReductions, Moment
 from autopar.cost.layout import GraphLayout, NodeLayout, op_name
+from autopar.cost.stages import parameter_groups
 from autopar.graph import Graph, Role
 
 # Tensors as large as the op's output that its backward makes beyond the gradients it gives, as
@@ -89,12 +91,22 @@ def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
     peaks = layout.gradient_facts["peaks"]
     if key not in peaks:        # the same chunk recurs in many candidates (other batches, ZeRO)
         peaks[key] = _sweep(layout, nodes, first_kept, regions, facts, readers)
-    return dict(peaks[key])
+    return dict(peaks[key][0])
+
+
+def backward_moments(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
+                     first_kept: dict[str, int], regions: list | None = None) -> tuple[Moment, ...]:
+    """The same sweep's moments with the weight gradients FSDP2 reduces group by group
+    (cost/backward_moments.py), for plans that reduce every micro-batch (ZeRO-2 and 3)."""
+    backward_peak(graph, layout, nodes, first_kept, regions)
+    regions = regions or [None] * len(nodes)
+    key = (tuple(node.name for node in nodes), tuple(regions), len(first_kept))
+    return layout.gradient_facts["peaks"][key][1]
 
 
 def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, int], regions: list,
-           facts: dict, readers: dict) -> dict[int, float]:
-    grads = _Gradients()
+           facts: dict, readers: dict) -> tuple[dict[int, float], tuple[Moment, ...]]:
+    grads, groups = _Gradients(), GroupReductions(nodes, facts, layout.param_local)
     in_chunk = {node.name for node in nodes}
     for node in nodes:
         if facts[node.name].differentiable and any(r not in in_chunk for r in readers.get(node.name, ())):
@@ -107,6 +119,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
         incoming = grads.of_value.pop(node.name, [])
         if node.requires_grad and incoming:
             fact = facts[node.name]
+            groups.enter(fact, grads.live, released.get(None, {}))
             made = _give_inputs(fact, facts, incoming, grads)
             spaces = {None, regions[position]}
             kept = rerun.get(regions[position], {})
@@ -114,6 +127,8 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
                 sum(released.get(region, {}).values()) for region in spaces)
             if total > best[1]:
                 best = (_at(grads.live, kept, fact, [released.get(region, {}) for region in spaces]), total)
+            inner = [released.get(regions[position], {})] if regions[position] is not None else []
+            groups.record(fact, _at(grads.live, kept, fact, inner), released.get(None, {}))
             for gradient in made:
                 grads.release(gradient)
         for gradient in incoming:
@@ -122,7 +137,8 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             freed = released.setdefault(region, {})
             degree = layout.seq_degree.get(key, 0)
             freed[degree] = freed.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
-    return best[0]
+        groups.after(position)
+    return best[0], groups.kept()
 
 
 def _at(live: dict, kept: dict, fact: "_Facts", freed: list[dict]) -> dict[int, float]:
@@ -165,6 +181,10 @@ class _Facts:
     gives: tuple[tuple[str, bool], ...]     # (differentiable input, takes the gradient as it is)
     slot: bool                          # a multi-output op's item: its gradient fills a slot
     extra: float                        # bytes per sample its backward makes beyond those
+    weights: tuple = ()                 # (parameter, its FSDP group) of each weight it reads
+    whole: float = 0.0                  # elements of the weights it reads whole (NodeLayout)
+    group: str | None = None            # the FSDP group whose backward it is part of
+    expert: bool = False                # an expert's op: its weights are the experts'
 
 
 def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
@@ -172,15 +192,41 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
     made once per layout and kept in it: every chunk of every candidate plan on it sweeps them."""
     if not layout.gradient_facts:
         by_name = {node.name: node for node in layout.nodes}
-        facts, readers = {}, {}
+        facts, readers, weights = {}, {}, _weights_read(graph)
         for node in layout.nodes:
             graph_node = graph.nodes[layout.index[node.name]]
-            facts[node.name] = _node_facts(graph, layout, by_name, node, graph_node)
+            facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node),
+                                       **weights.get(node.name, {}), expert=node.expert,
+                                       whole=node.weight_gathered)
         for node in graph.nodes:            # the model's output reads from outside every chunk
             for value in node.inputs:
                 readers.setdefault(value, []).append("" if node.role is Role.OUTPUT else node.name)
         layout.gradient_facts.update(facts=facts, readers=readers, peaks={})
     return layout.gradient_facts["facts"], layout.gradient_facts["readers"]
+
+
+def _weights_read(graph: Graph) -> dict[str, dict]:
+    """Node name -> the `_Facts` fields of the weights it reads (through views and casts of a
+    parameter, as cost/layout.py resolves them) and of the FSDP group it is part of: its block
+    instance's, else its first weight's (cost.stages.parameter_groups)."""
+    groups, weight_of, block = parameter_groups(graph), {}, {}
+    for kind in graph.blocks:
+        for instance in kind.instances:
+            block.update(dict.fromkeys(range(instance.start, instance.stop), instance.module_path))
+    out = {}
+    for i, node in enumerate(graph.nodes):
+        read = [weight_of.get(name, name) for name in node.inputs
+                if name in weight_of or name in groups]
+        if node.role is Role.PARAMETER or len(node.inputs) != 1 or not read:
+            pass
+        elif op_name(node.target) in _PASSING:        # w.t(), w.to(bf16): still the weight
+            weight_of[node.name] = read[0]
+            continue
+        weights = tuple((name, groups[name]) for name in dict.fromkeys(read))
+        group = block.get(i) or (weights[0][1] if weights else None)
+        if node.role is Role.ACTIVATION and (weights or group):
+            out[node.name] = dict(weights=weights, group=group)
+    return out
 
 
 def _node_facts(graph: Graph, layout: GraphLayout, by_name: dict, node: NodeLayout,

@@ -37,11 +37,13 @@ and in the phase at the peak, the larger of:
   optimizer step  the gathered weights freed; the reduced gradients (split over dp from ZeRO-1
               on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
 When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3 do)
-each backward is two phases, the loss's and its blocks'. After an earlier micro-batch the rank
-holds the shards of its gradients, and in a pipeline, at the loss's backward, the input of its
-last reduce-scatter, one FSDP `group` of fp32 gradients, which FSDP2 keeps until the next
-reduce-scatter starts (a single stage's loop ends each backward as a step's last, where FSDP2
-lets go of it); the blocks' backwards hold what `scattered_bytes` counts. The loss's
+each backward is the loss's phase and one phase at each op's backward that may be the fullest
+(cost/backward_moments.py: the weight gradients of the group that runs, the last reduce-scatter's
+input, the shards reduced so far, under ZeRO-3 the groups gathered then). After an earlier
+micro-batch the rank holds the shards of its gradients, and in a pipeline, until the first
+reduce-scatter, the input of the earlier one's last, one FSDP `group` of fp32 gradients, which
+FSDP2 keeps until the next reduce-scatter starts (a single stage's loop ends each backward as a
+step's last, where FSDP2 lets go of it). The loss's
 backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards
 (the runtime sets reshard_after_forward, so FSDP2 does not keep even the root's gathered), none
 is gathered again by then.
@@ -98,10 +100,9 @@ GATHERED_GROUPS = 2
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
-               flowing, reduce_every: bool = False, blocks: int = 0, block_kept=0.0,
-               expert_params: float = 0.0, expert_dp: int = 1, received=0.0, block_weights=None,
-               loss_held: int | None = None, offload: bool = False, deferred=(0.0, 0.0),
-               padding=(0.0, 0.0)) -> dict:
+               flowing, reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1,
+               received=0.0, loss_held: int | None = None, offload: bool = False,
+               deferred=(0.0, 0.0), padding=(0.0, 0.0), moments=()) -> dict:
     """Memory of one device at its peak, by part, summing to the peak (`_at_peak`). `params`
     elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer state and
     gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the elements ZeRO-3
@@ -112,9 +113,10 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     PipelineStage). Phases as in the module docstring. A backward's transients (`buffers`): the
     larger of the loss's kept copy and its gradients, and a block backward's fullest moment
     (`flowing`: gradient_flow.py, its rerun activations included) with the gradient of the weight
-    it reads (`weight`; `block_weights`: `_reduced_block`); pipelined, the logits too. `received`,
-    `deferred`, `padding`: receive buffers, zero-bubble's kept gradients, ZeRO's padding
-    (cost/padding.py). `offload`: optimizer states and step, fp32 gradient shards on the host."""
+    it reads (`weight`); pipelined, the logits too; where FSDP2 reduces every micro-batch
+    (`reduce_every`), each of the backward's `moments` (`_moment_phase`). `received`, `deferred`,
+    `padding`: receive buffers, zero-bubble's kept gradients, ZeRO's padding (cost/padding.py).
+    `offload`: optimizer states and step, fp32 gradient shards on the host."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -130,9 +132,6 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = 0.0 if offload else sharded(GRADIENT_BYTES)
-    scattered = {earlier: _scattered(earlier, group=group, dp=dp, zero=zero, element=element, blocks=blocks,
-                                     block_kept=block_kept, micro_batches=micro_batches, shards_on_host=offload,
-                                     pipelined=pipelined) for earlier in (False, True)}
 
     def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
         held_now = {**zeros, "activations": activations_held}
@@ -142,15 +141,18 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         # the loss's backward: an earlier micro-batch's shards, in a pipeline with its last
         # reduce-scatter's input (module docstring); under ZeRO-3 no group gathered
         loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
-        return [{**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
-                 "buffers": loss},
-                {**held_now, "gradients": (shards if earlier else 0.0) + scattered[earlier],
-                 "buffers": _reduced_block(block, flowing + weight * element, block_weights, element)}]
+        loss_phase = {**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
+                      "buffers": loss}
+        blocks = [_moment_phase(moment, held_now, earlier=earlier, shards=shards, weights=weights, zero=zero,
+                                element=element, split=(split, expert_split), cached=cached, offload=offload,
+                                held_before=group if pipelined and earlier else 0.0,
+                                micro_batches=micro_batches) for moment in moments]
+        return [loss_phase, *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
     later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
     phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
         *backward(first, micro_batches > held),     # the time between backwards (zero-bubble),
         *(backward(first, False) if reduce_every and micro_batches > held else ()),   # the second
-        {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[-1], "buffers": 0.0},
+        {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[0], "buffers": 0.0},
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
          "optimizer_step": 0.0 if offload else sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
@@ -158,22 +160,29 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     return _at_peak(persistent, phases)
 
 
-def _reduced_block(block, one_weight, block_weights, element: int):
-    """What a block's backward holds where FSDP2 reduces each block's gradients when its backward
-    ends (ZeRO-2/3) and `block_weights` is given: the larger of the sweep's fullest moment with
-    the heaviest weight's gradient (`one_weight`) and the one at its block's heaviest gradients
-    (with the rerun activations alive then and less those freed: `block_weights`)."""
-    if block_weights is None:
-        return block
-    return block - one_weight + _max(one_weight, block_weights * element)
-
-
-def _scattered(earlier: bool, *, micro_batches: int, shards_on_host: bool, pipelined: bool, **sizes):
-    """`scattered_bytes` of a backward after an earlier micro-batch's or not. ZeRO-2's runtime
-    keeps the weights gathered until the step's last micro-batch: only a first backward that is
-    also the last frees them block by block. Offloaded, new shards go to the host."""
-    return scattered_bytes(**sizes, new_shards=not (earlier or shards_on_host),
-                           weights_freed=micro_batches == 1 or earlier, held_before=pipelined and earlier)
+def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weights, zero: int,
+                  element: int, split: tuple, cached, held_before, offload: bool,
+                  micro_batches: int) -> dict:
+    """A block phase at one op's backward (cost/backward_moments.py), `moment` weighed:
+    (bytes of its flowing gradients less the activations freed, weight gradients' elements,
+    gathered elements, the last reduce-scatter's group or None, reduced dense and experts'
+    elements). Before this backward's first reduce-scatter a pipeline stage holds the earlier
+    micro-batch's last one (`held_before`); the reduced groups' new shards are fp32, 1/dp (or
+    1/expert dp) each, on the host when offloaded, and only in the step's first backward (later
+    ones add into them); ZeRO-3 holds what the moment gathers, ZeRO-2 frees a reduced group's
+    gathered weights where its runtime does: it keeps them gathered until the step's last
+    micro-batch, so only a first backward that is also the last frees them block by block."""
+    net, grads, gathered, scattering, dense, experts = moment
+    reduce_input = held_before if scattering is None else scattering
+    new_shards = not (earlier or offload)
+    new = GRADIENT_BYTES * (dense / split[0] + experts / split[1]) if new_shards else 0.0
+    if zero == 3:
+        weights = element * gathered
+    elif micro_batches == 1 or earlier:
+        weights = weights - element * (dense + experts)
+    return {**held_now, "weights": weights,
+            "gradients": (shards if earlier else 0.0) + GRADIENT_BYTES * reduce_input + new,
+            "buffers": net + element * grads + cached}
 
 
 def _at_peak(persistent: dict, phases: list[dict]) -> dict:
@@ -185,33 +194,6 @@ def _at_peak(persistent: dict, phases: list[dict]) -> dict:
         peak = max(range(len(phases)), key=lambda k: totals[k])
         return {**placed[peak], "later_phase": 0.0}
     return {**placed[0], "later_phase": sympy.Max(0, *(t - totals[0] for t in totals[1:]))}
-
-
-def scattered_bytes(*, group: float, dp: int, zero: int, element: int, blocks: int, block_kept,
-                    new_shards: bool = True, weights_freed: bool = True, held_before: bool = False):
-    """What a micro-batch's backward holds at its peak beyond its activations and the shards of
-    earlier micro-batches, once the runtime reduces each FSDP group's gradients as its backward
-    ends (ZeRO-2/3, `reduces_every_micro_batch`).
-
-    By the backward of its k-th block (k >= 2, counting from the last) the rank has reduced k - 1
-    block groups (`group` elements at most): it holds the input of the last reduce-scatter (one
-    group of fp32 gradients, kept by FSDP2 until the next one) and, in the first micro-batch's
-    backward (`new_shards`; later ones add into them), the k - 1 shards (1/dp each, fp32); it has
-    freed the activations those blocks kept (`block_kept` bytes, the fewest of a block) and, under
-    ZeRO-2, their gathered weights where the runtime frees them after the backward
-    (`weights_freed`: it keeps them gathered until a step's last micro-batch; ZeRO-3 counts only
-    the groups gathered at once). Each block
-    adds the same, so the peak is at the second block or at the last: the second when the
-    activations a block frees outweigh its shard (no recompute), the last when they do not (full
-    recompute of large blocks). At the first block a single stage has reduced nothing yet (its
-    root group, the head's and the embedding's, is reduced last); a pipeline stage after an
-    earlier micro-batch still holds that one's last reduce-scatter input (`held_before`)."""
-    held = group * GRADIENT_BYTES if held_before else 0.0
-    if blocks < 2:
-        return held
-    shard = group * GRADIENT_BYTES / dp if new_shards else 0.0
-    per_block = shard - block_kept - (group * element if zero < 3 and weights_freed else 0.0)
-    return _max(held, group * GRADIENT_BYTES + _max(per_block, per_block * (blocks - 1)))
 
 
 def _max(a, b):

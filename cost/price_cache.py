@@ -149,7 +149,7 @@ class PriceCache:
         key = ("chunk", split.node_sets[c], *spec.layout_key, spec.cp, spec.cp_kind,
                spec.recompute, micro_batch, attention)
         priced = self._get(key, lambda: price_chunk(
-            self.graph, self.layout(spec), self._blocks(), self._regions(spec.recompute),
+            self.graph, self.layout(spec), self._regions(spec.recompute),
             self._members(split, spec)[c], self._node_prices(spec, micro_batch, attention),
             micro_batch))
         return replace(priced)

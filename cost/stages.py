@@ -207,19 +207,29 @@ def group_elements(graph: Graph, owner: list[int], chunks: int,
                    elements: dict[str, float]) -> list[dict[str, float]]:
     """Per chunk, its FSDP groups (see `sharding_groups`; the stage's own group left out) with
     the parameter elements each holds, from `elements` (parameter node -> elements on a device)."""
+    groups: list[dict[str, float]] = [{} for _ in range(chunks)]
+    index = {node.name: i for i, node in enumerate(graph.nodes)}
+    for name, path in parameter_groups(graph).items():
+        mine = groups[owner[index[name]]]
+        mine[path] = mine.get(path, 0.0) + elements.get(name, 0.0)
+    return groups
+
+
+def parameter_groups(graph: Graph) -> dict[str, str]:
+    """Parameter node -> the module whose FSDP group holds it: its block instance, or its
+    outermost module that holds no block (`sharding_groups`)."""
     blocks = {inst.module_path for kind in graph.blocks for inst in kind.instances}
     ancestors = {".".join(path.split(".")[:depth]) for path in blocks
                  for depth in range(1, path.count(".") + 1)}
-    groups: list[dict[str, float]] = [{} for _ in range(chunks)]
-    for i, node in enumerate(graph.nodes):
+    groups = {}
+    for node in graph.nodes:
         if node.role is not Role.PARAMETER:
             continue
         parts = node.param_fqn.split(".")[:-1]
         for depth in range(1, len(parts) + 1):
             path = ".".join(parts[:depth])
             if path in blocks or path not in ancestors:
-                mine = groups[owner[i]]
-                mine[path] = mine.get(path, 0.0) + elements.get(node.name, 0.0)
+                groups[node.name] = path
                 break
     return groups
 

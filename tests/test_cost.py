@@ -645,29 +645,6 @@ def test_zero_2_and_3_accumulate_only_their_gradient_shard_between_micro_batches
     assert [reduces_every_micro_batch(z, "1f1b") for z in range(4)] == [False, False, True, True]
 
 
-def test_a_first_micro_batch_holds_what_its_reduce_scatters_leave():
-    """In the only micro-batch's backward under ZeRO-3, a block's backward holds the last
-    reduce-scatter's input (one group of fp32 gradients) and the shards reduced so far, less the
-    activations of the blocks already done: with small blocks' activations (full recompute) the
-    peak is at the last block, with large ones (no recompute) the shards never outgrow them."""
-    from autopar.cost.memory import peak_bytes, scattered_bytes
-    group, dp, blocks = 1e5, 4, 6
-    sizes = dict(params=1e6, gathered=2 * group, group=group, weight=1e4, dp=dp, precision="fp32",
-                 micro_batches=1, held=1, pipelined=False, activations=1e7, logits=0.0,
-                 flowing=0.0, reduce_every=True, blocks=blocks)
-    small, large = 1e4, 1e6
-    grown = 4 * group + (blocks - 1) * (4 * group / dp - small)
-    assert peak_bytes(**sizes, zero=3, block_kept=small)["gradients"] == grown
-    assert scattered_bytes(group=group, dp=dp, zero=3, element=4, blocks=blocks,
-                           block_kept=large) == 0.0
-    assert peak_bytes(**sizes, zero=3, block_kept=large)["gradients"] == 0.0
-    # ZeRO-2 frees each reduced group's gathered weights; a later micro-batch adds no shards
-    assert scattered_bytes(group=group, dp=dp, zero=2, element=4, blocks=blocks,
-                           block_kept=small) == 4 * group + 4 * group / dp - small - 4 * group
-    assert scattered_bytes(group=group, dp=dp, zero=3, element=4, blocks=blocks, block_kept=small,
-                           new_shards=False) == 4 * group - small
-
-
 def test_a_pipeline_stage_keeps_its_logits_through_the_backward():
     """torch's PipelineStage caches the last stage's output (the logits) until the micro-batch's
     backward on the stage ends: a block's backward there holds them beside its own transients."""

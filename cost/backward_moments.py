@@ -1,0 +1,193 @@
+"""What a chunk's backward holds op by op where FSDP2 reduces each group's gradients as the
+group's backward ends (ZeRO-2 and 3: `autopar.plans.zero.reduces_every_micro_batch`).
+
+Beside the gradients flowing through the ops (cost/gradient_flow.py), each op's backward makes
+the gradients of the weights it reads. They stay, whole, until their FSDP group's backward is
+done (its first op in forward order has run), when FSDP2 copies them into one fp32 reduce-scatter
+input, keeps that until the next group's reduce-scatter, and keeps the new shard. Under ZeRO-3
+the group that runs is gathered, and so is the next, which FSDP2 prefetches. So the fullest
+moment is not where the flowing gradients weigh most: it is found by weighing every op's moment
+with the plan's sizes (cost.memory.peak_bytes), which `Moment` keeps apart.
+
+The moments are kept few: of the ops between two reductions only those that are the fullest at
+some micro-batch size, and of identical moments in identical blocks (what differs is only what the
+blocks before freed and reduced, both growing block by block), the first and the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """One op's backward, in parts the plan weighs differently."""
+    flowing: tuple          # ((power of seq, bytes per sample), ...) alive beyond the kept
+                            # activations: gradients, temporaries, what a rerun keeps
+    freed: tuple            # ((power of seq, bytes per sample), ...) of the kept activations
+                            # that the backward has freed by then
+    grads: float            # elements of weight gradients not yet reduced (the op's included)
+    gathered: float         # elements ZeRO-3 holds gathered: the running group and the next
+    scattering: float | None    # elements of the group reduced last (its reduce-scatter input);
+                                # None before the first reduction of this backward
+    reduced: tuple          # elements of the groups reduced so far: (dense, experts)
+
+
+class GroupReductions:
+    """FSDP2's groups as a chunk's backward meets them: the weight gradients alive, the last
+    reduce-scatter's input and what has been reduced."""
+
+    def __init__(self, nodes: list, facts: dict, param_local: dict[str, float]):
+        self.totals: dict[str, list[float]] = {}       # group -> [dense, experts] elements
+        self.release: dict[int, list[str]] = {}        # position -> groups reduced after it
+        first: dict[str, int] = {}
+        order: list[str] = []                          # groups in the order the backward meets them
+        counted: set[str] = set()
+        for position in range(len(nodes) - 1, -1, -1):
+            fact = facts[nodes[position].name]
+            if fact.group is not None:
+                first[fact.group] = position
+                if fact.group not in order:
+                    order.append(fact.group)
+            for name, group in fact.weights:
+                if name not in counted:
+                    counted.add(name)
+                    self.totals.setdefault(group, [0.0, 0.0])[fact.expert] += param_local.get(name, 0.0)
+        for group, position in first.items():
+            self.release.setdefault(position, []).append(group)
+        self.next = dict(zip(order, order[1:]))
+        self.param_local = param_local
+        self.alive: dict[str, float] = {}
+        self.made: set[str] = set()
+        self.active: str | None = None
+        self.done: set[str] = set()
+        self.scattering: float | None = None
+        self.reduced = [0.0, 0.0]
+        self.moments: list[tuple] = []
+        self._run: tuple = ()       # the current run's parts and its fullest moments
+
+    def record(self, fact, flowing: dict, freed: dict) -> None:
+        """Add the op's `moment`. Of a run of ops that make no weight gradient (their parts
+        but the flowing bytes alike), only the fullest at each compared length can be fullest."""
+        moment = self.moment(fact, flowing, freed)
+        nets = tuple(_net(moment, ratio) for ratio in _COMPARED_AT)
+        if self._run and self._run[0] == moment[2:]:
+            self._run = (moment[2:], [best if best[0] >= net else (net, moment)
+                                      for best, net in zip(self._run[1], nets)])
+            return
+        self._end_run()
+        self._run = (moment[2:], [(net, moment) for net in nets])
+
+    def enter(self, fact, flowing: dict, freed: dict) -> None:
+        """Before the op's backward: where it is the first of a group the backward meets, FSDP2
+        copies the group's gathered buffer out into its parameters, both alive a moment (under
+        ZeRO-3), with the gradients that reached the group and the group before still waiting
+        for its reduce-scatter."""
+        if fact.group is None or fact.group == self.active or fact.group in self.done:
+            return
+        self.active = fact.group
+        self._end_run()
+        self.moments.append((dict(flowing), dict(freed), sum(self.alive.values()),
+                             2 * sum(self.totals.get(fact.group, ())), self.scattering, tuple(self.reduced)))
+
+    def _end_run(self) -> None:
+        if self._run:
+            self.moments.extend({id(m): m for _, m in self._run[1]}.values())
+        self._run = ()
+
+    def kept(self) -> tuple[Moment, ...]:
+        """The moments recorded, pruned."""
+        self._end_run()
+        return prune(self.moments)
+
+    def moment(self, fact, flowing: dict, freed: dict) -> tuple:
+        """The op's backward, a `Moment`'s fields (its polynomials as dicts, made into a Moment
+        only if `prune` keeps it): it makes its weights' gradients (and holds a weight it reads
+        whole with its whole gradient, `fact.whole`)."""
+        own = 0.0
+        for name, group in fact.weights:
+            if name not in self.made:
+                self.made.add(name)
+                size = self.param_local.get(name, 0.0)
+                self.alive[group] = self.alive.get(group, 0.0) + size
+                own = max(own, size)
+        self.active = fact.group or self.active
+        return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own),
+                self._gathered(), self.scattering, tuple(self.reduced))
+
+    def after(self, position: int) -> None:
+        """Groups whose backward ended with the op at `position`: reduced."""
+        for group in self.release.get(position, ()):
+            self.alive.pop(group, None)
+            self.done.add(group)
+            dense, experts = self.totals.get(group, (0.0, 0.0))
+            self.scattering = dense + experts
+            self.reduced = [self.reduced[0] + dense, self.reduced[1] + experts]
+
+    def _gathered(self) -> float:
+        if self.active is None:
+            return 0.0
+        following = sum(self.totals.get(self.next.get(self.active), ()))
+        return following + (0.0 if self.active in self.done else sum(self.totals.get(self.active, ())))
+
+
+def _items(poly: dict) -> tuple:
+    return tuple(sorted((degree, value) for degree, value in poly.items() if value))
+
+
+# Sequence lengths (over the captured one) at which the moments are compared: a moment whose
+# attention gradients grow as its square can outweigh the others only at long sequences.
+_COMPARED_AT = (1, 8)
+
+
+def prune(moments: list[tuple]) -> tuple[Moment, ...]:
+    """The moments some plan may find fullest (module docstring), of `GroupReductions.moment`s."""
+    epochs: dict = {}
+    for moment in moments:
+        epochs.setdefault(moment[3:], []).append(moment)
+    chosen = {id(moment): moment for same in epochs.values() for ratio in _COMPARED_AT
+              for moment in _envelope(same, ratio)}
+    kept = [Moment(flowing=_items(flowing), freed=_items(freed), grads=grads, gathered=gathered,
+                   scattering=scattering, reduced=reduced)
+            for flowing, freed, grads, gathered, scattering, reduced in chosen.values()]
+    shapes: dict = {}
+    for moment in kept:
+        shape = (_rounded(moment.flowing), round(moment.grads, 3), round(moment.gathered, 3),
+                 None if moment.scattering is None else round(moment.scattering, 3))
+        shapes.setdefault(shape, []).append(moment)
+    out = []
+    for same in shapes.values():
+        same.sort(key=lambda moment: sum(moment.reduced))
+        out += same[:1] + same[-1:] if len(same) > 1 else same
+    return tuple(out)
+
+
+def _envelope(moments: list[tuple], ratio: float) -> list[tuple]:
+    """The moments fullest at some micro-batch (and element size): a plan weighs a moment as
+    b x its net bytes per sample + element x its gradients' elements, so only the upper hull of
+    the points (net, gradients) counts, from the most gradients to the most bytes."""
+    if len(moments) < 2:
+        return moments
+    hull: list[tuple[float, float, tuple]] = []
+    for point in sorted(((_net(m, ratio), m[2], m) for m in moments), key=lambda p: p[:2]):
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], point) >= 0:
+            hull.pop()
+        hull.append(point)
+    top = max(range(len(hull)), key=lambda k: hull[k][1::-1])
+    return [moment for _, _, moment in hull[top:]]
+
+
+def _net(moment: tuple, ratio: float) -> float:
+    flowing, freed = moment[:2]
+    if ratio == 1:
+        return sum(flowing.values()) - sum(freed.values())
+    return (sum(value * ratio ** degree for degree, value in flowing.items())
+            - sum(value * ratio ** degree for degree, value in freed.items()))
+
+
+def _cross(o: tuple, a: tuple, b: tuple) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def _rounded(poly: tuple) -> tuple:
+    return tuple((degree, round(value, 3)) for degree, value in poly)

@@ -1,0 +1,71 @@
+"""A backward's moments where FSDP2 reduces group by group (ZeRO-2 and 3): the weight gradients
+of the group that runs, the last reduce-scatter's input, the shards reduced so far and the groups
+gathered, as cost.memory.peak_bytes weighs them."""
+
+from autopar.cost.chunk_price import _first_keepers
+from autopar.cost.gradient_flow import backward_moments
+from autopar.cost.layout import infer_layout
+from autopar.cost.memory import peak_bytes
+from autopar.cost.stages import parameter_groups
+from autopar.models import build_model
+from autopar.tracer import capture
+
+SPEC = "llama:layers=3,hidden=64,heads=4,kv_heads=2,ffn=128,seq=32,vocab=256"
+
+
+def _moments():
+    model, inputs = build_model(SPEC, device="meta")
+    graph = capture(model, example_inputs=inputs)
+    layout = infer_layout(graph, 1, compute_dtype="float32")
+    first_kept = _first_keepers(layout, [None] * len(graph.nodes), layout.nodes)
+    moments = backward_moments(graph, layout, layout.nodes, first_kept, [None] * len(layout.nodes))
+    sizes: dict[str, float] = {}
+    for name, group in parameter_groups(graph).items():
+        sizes[group] = sizes.get(group, 0.0) + layout.param_local[name]
+    return moments, sizes
+
+
+def test_gradients_wait_for_their_group_and_reduce_scatters_follow_the_backward():
+    """Within a group's backward the weight gradients never outgrow the group; after it, the
+    group is the reduce-scatter input FSDP2 holds and its elements are reduced; under ZeRO-3 the
+    running group and the next one the backward meets are gathered."""
+    moments, sizes = _moments()
+    blocks = sorted(size for group, size in sizes.items() if group.startswith("layers."))
+    assert len(set(blocks)) == 1 and len(blocks) == 3
+    block = blocks[0]
+    assert all(moment.grads <= max(sizes.values()) for moment in moments)
+    scattered = {moment.scattering for moment in moments}
+    assert None in scattered and block in scattered       # before any reduction, and after a block's
+    assert all(s is None or any(abs(s - size) < 1e-6 for size in sizes.values()) for s in scattered)
+    reduced = sorted(sum(moment.reduced) for moment in moments)
+    assert reduced[0] == 0.0 and reduced[-1] >= 2 * block
+    in_blocks = [m for m in moments if m.scattering == block]
+    assert in_blocks and all(m.gathered <= 2 * max(sizes.values()) for m in in_blocks)
+    assert any(abs(m.gathered - 2 * block) < 1e-6 for m in in_blocks)   # a middle block and the next
+
+
+def test_identical_blocks_keep_only_their_first_and_last_moments():
+    """Blocks after the first add the same moments, but for what was freed and reduced before
+    them, which grows block by block: a plan's fullest is at the first or the last."""
+    moments, _ = _moments()
+    shapes: dict = {}
+    for moment in moments:
+        shapes.setdefault((moment.flowing, moment.grads, moment.gathered, moment.scattering), []).append(moment)
+    assert max(len(same) for same in shapes.values()) <= 2
+
+
+def test_a_moment_holds_the_reduce_scatter_input_and_new_shards():
+    """Weighed: a first micro-batch's moment holds one group of fp32 gradients (the reduce-scatter
+    input), 1/dp of each group reduced so far, the gradients of its group, and under ZeRO-3 what
+    it gathers; ZeRO-2 has freed the reduced groups' gathered weights once it reshards them."""
+    group, dp, reduced, gathered, grads = 1e5, 4, 3e5, 2e5, 5e4
+    moment = (1e6, grads, gathered, group, reduced, 0.0)
+    sizes = dict(params=1e6, gathered=gathered, group=group, weight=1e4, dp=dp, precision="fp32",
+                 micro_batches=1, held=1, pipelined=False, activations=0.0, logits=0.0, flowing=0.0,
+                 reduce_every=True, moments=[moment])
+    three = peak_bytes(**sizes, zero=3)
+    assert three["gradients"] == 4 * group + 4 * reduced / dp
+    assert three["weights"] == 4 * gathered
+    assert three["buffers"] == 1e6 + 4 * grads
+    two = peak_bytes(**sizes, zero=2)
+    assert two["weights"] == 4 * (1e6 - reduced)
