@@ -60,6 +60,7 @@ class GroupReductions:
         self.alive: dict[str, float] = {}
         self.made: set[str] = set()
         self.active: str | None = None
+        self.entered: list[str] = []                   # groups the backward has reached
         self.done: set[str] = set()
         self.scattering: float | None = None
         self.reduced = [0.0, 0.0]
@@ -78,17 +79,24 @@ class GroupReductions:
         self._end_run()
         self._run = (moment[2:], [(net, moment) for net in nets])
 
-    def enter(self, fact, flowing: dict, freed: dict) -> None:
+    def enter(self, fact, flowing: dict, rerun: dict, freed: dict) -> None:
         """Before the op's backward: where it is the first of a group the backward meets, FSDP2
         copies the group's gathered buffer out into its parameters, both alive a moment (under
         ZeRO-3), with the gradients that reached the group and the group before still waiting
-        for its reduce-scatter."""
-        if fact.group is None or fact.group == self.active or fact.group in self.done:
+        for its reduce-scatter. A group inside another (an expert-parallel layer's experts) is
+        copied out as the recomputed forward reaches it: with what the rerun keeps."""
+        if fact.group is None or fact.group in self.entered or fact.group in self.done:
             return
-        self.active = fact.group
         self._end_run()
-        self.moments.append((dict(flowing), dict(freed), sum(self.alive.values()),
-                             2 * sum(self.totals.get(fact.group, ())), self.scattering, tuple(self.reduced)))
+        open_groups = self._open()
+        if open_groups:
+            flowing = {degree: flowing.get(degree, 0.0) + rerun.get(degree, 0.0)
+                       for degree in {*flowing, *rerun}}
+        gathered = open_groups + 2 * sum(self.totals.get(fact.group, ()))
+        self.active = fact.group
+        self.entered.append(fact.group)
+        self.moments.append((dict(flowing), dict(freed), sum(self.alive.values()), gathered,
+                             self.scattering, tuple(self.reduced)))
 
     def _end_run(self) -> None:
         if self._run:
@@ -115,20 +123,34 @@ class GroupReductions:
         return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own),
                 self._gathered(), self.scattering, tuple(self.reduced))
 
-    def after(self, position: int) -> None:
-        """Groups whose backward ended with the op at `position`: reduced."""
+    def after(self, position: int, flowing: dict, freed: dict) -> None:
+        """Groups whose backward ended with the op at `position`: reduced. FSDP2 frees the
+        group's gathered weights, copies its gradients into its reduce-scatter input (having let
+        go of the one before) and makes its shard while the gradients are still alive: a moment
+        of its own."""
         for group in self.release.get(position, ()):
+            self._end_run()
+            size = sum(self.totals.get(group, ()))
+            dense, experts = self.totals.get(group, (0.0, 0.0))
+            # resharded first: under ZeRO-3 only the prefetched group is gathered then
+            self.moments.append((dict(flowing), dict(freed), sum(self.alive.values()), self._gathered() - size,
+                                 size, (self.reduced[0] + dense, self.reduced[1] + experts)))
             self.alive.pop(group, None)
             self.done.add(group)
             dense, experts = self.totals.get(group, (0.0, 0.0))
             self.scattering = dense + experts
             self.reduced = [self.reduced[0] + dense, self.reduced[1] + experts]
 
+    def _open(self) -> float:
+        """Elements of the groups reached and not yet reduced: the running one, and where groups
+        nest (an expert-parallel layer's experts in their block), the one around it."""
+        return sum(sum(self.totals.get(group, ())) for group in self.entered if group not in self.done)
+
     def _gathered(self) -> float:
         if self.active is None:
             return 0.0
-        following = sum(self.totals.get(self.next.get(self.active), ()))
-        return following + (0.0 if self.active in self.done else sum(self.totals.get(self.active, ())))
+        following = self.next.get(self.active)
+        return self._open() + (sum(self.totals.get(following, ())) if following not in self.entered else 0.0)
 
 
 def _items(poly: dict) -> tuple:

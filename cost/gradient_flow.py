@@ -119,10 +119,10 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
         incoming = grads.of_value.pop(node.name, [])
         if node.requires_grad and incoming:
             fact = facts[node.name]
-            groups.enter(fact, grads.live, released.get(None, {}))
+            kept = rerun.get(regions[position], {})
+            groups.enter(fact, grads.live, kept, released.get(None, {}))
             made = _give_inputs(fact, facts, incoming, grads)
             spaces = {None, regions[position]}
-            kept = rerun.get(regions[position], {})
             total = sum(grads.live.values()) + sum(kept.values()) + fact.extra - sum(
                 sum(released.get(region, {}).values()) for region in spaces)
             if total > best[1]:
@@ -137,7 +137,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             freed = released.setdefault(region, {})
             degree = layout.seq_degree.get(key, 0)
             freed[degree] = freed.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
-        groups.after(position)
+        groups.after(position, grads.live, released.get(None, {}))
     return best[0], groups.kept()
 
 
@@ -195,9 +195,9 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
         facts, readers, weights = {}, {}, _weights_read(graph)
         for node in layout.nodes:
             graph_node = graph.nodes[layout.index[node.name]]
+            read = weights.get(node.name, {})
             facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node),
-                                       **weights.get(node.name, {}), expert=node.expert,
-                                       whole=node.weight_gathered)
+                                       **read, expert=node.expert, whole=node.weight_gathered)
         for node in graph.nodes:            # the model's output reads from outside every chunk
             for value in node.inputs:
                 readers.setdefault(value, []).append("" if node.role is Role.OUTPUT else node.name)
