@@ -74,3 +74,27 @@ def test_expert_degrees_are_those_the_runtime_runs():
     # context-parallel ranks count too (Megatron-Core folds the experts into dp x cp x tp)
     shapes = with_expert_degrees([Shape(tp=1, pp=1, dp=1, micro_batch=1, schedule="1f1b", cp=8)], 8, 8)
     assert [shape.ep for shape in shapes] == [1, 8]
+
+
+def test_a_single_moe_layer_runs_expert_parallel_as_planned():
+    """A model without repeated blocks is cut between modules (autopar.solver.units); a unit
+    boundary between a layer's router and its experts left the runtime, which splits experts
+    within one unit, running them replicated under a plan that said ep=2. The layer is now one
+    unit, and the rank sends on the ep and edp groups exactly what the plan priced."""
+    from autopar.api import plan_from_config
+    from autopar.cost.rank_traffic import plan_collectives
+    from autopar.models.gpt import lm_loss
+    from autopar.simulate import rank_report, simulate_ranks
+    spec = "moe:layers=1,hidden=64,heads=4,kv_heads=2,vocab=256,experts=2,top_k=2,expert_ffn=48,seq=32"
+    model, inputs = build_model(spec)
+    graph = capture(model, example_inputs=inputs)
+    plan = plan_from_config(graph, "2x4:a100-80g", Config(dp=8, ep=2, zero=1, global_batch=8,
+                                                         micro_batch=1))
+    assert "layers.0.ffn" in plan.stages[0].layers
+    [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
+                           loss_fn=lm_loss, graph=graph)
+    report = rank_report(plan, run, plan_collectives(graph, plan))
+    sent = {(entry["kind"], entry["axis"]): entry for entry in report.collectives}
+    assert sent[("all_to_all", "ep")]["sent_bytes"] > 0
+    for entry in report.collectives:
+        assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.compute import compute_time, op_family
+from autopar.cost.expert_layers import expert_layers
+from autopar.cost.layout import op_name
 from autopar.graph import Graph, Role
 
 # A unit weighs at most this share of the model where its modules allow: pipelines of up to
@@ -84,11 +86,11 @@ def module_units(graph: Graph) -> list[tuple[tuple[str, ...], int, int]]:
     flops = [node.flops for node in graph.nodes]
     total = sum(flops) or 1
     ranges[""] = (0, len(graph.nodes) - 1)
-    units = [""]
+    units, layers = [""], _expert_spans(graph)
     while True:
         weights = {path: sum(flops[ranges[path][0]:ranges[path][1] + 1]) for path in units}
         splittable = [path for path in units if weights[path] > MAX_UNIT_SHARE * total
-                      and _standalone(graph, ranges, _children(ranges, path))]
+                      and _standalone(graph, ranges, _children(ranges, path), layers)]
         if not splittable:
             break
         heaviest = max(splittable, key=weights.__getitem__)
@@ -122,9 +124,28 @@ def _children(ranges: dict[str, tuple[int, int]], parent: str) -> list[str]:
     return sorted(found, key=lambda path: ranges[path][0])
 
 
-def _standalone(graph: Graph, ranges: dict[str, tuple[int, int]], children: list[str]) -> bool:
-    """Whether each of `children` (two or more) runs as one range holding only its own ops."""
+def _expert_spans(graph: Graph) -> list[tuple[int, int]]:
+    """Node ranges from each mixture-of-experts layer's router (the top-k before its experts)
+    to its last expert op: the runtime rewrites a layer for expert parallelism within one unit
+    (autopar.passes.expert_parallel), so no unit boundary may fall inside one."""
+    position = {node.name: k for k, node in enumerate(graph.nodes)}
+    topks = [k for k, node in enumerate(graph.nodes) if op_name(node.target) == "topk"]
+    spans = []
+    for layer in expert_layers(graph):
+        members = [position[name] for name in layer.members if name in position]
+        first = min(members)
+        spans.append((max((k for k in topks if k < first), default=first), max(members)))
+    return spans
+
+
+def _standalone(graph: Graph, ranges: dict[str, tuple[int, int]], children: list[str],
+                expert_spans: list[tuple[int, int]] = ()) -> bool:
+    """Whether each of `children` (two or more) runs as one range holding only its own ops, and
+    no mixture-of-experts layer (`expert_spans`) has its router and its experts in two of them."""
     if len(children) < 2:
+        return False
+    owner = lambda k: next((path for path in children if ranges[path][0] <= k <= ranges[path][1]), None)
+    if any(owner(a) != owner(b) for a, b in expert_spans if owner(a) or owner(b)):
         return False
     for path in children:
         first, last = ranges[path]
