@@ -425,8 +425,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0,
-                       moments=[_weighed(moment, seq_ratio, b, _padded(c)) for c in chunks
-                                for moment in c.moments] if reduce_every else ())
+                       moments=[_weighed(moment, seq_ratio, b, padded) for c in chunks
+                                for padded in [_padded(c)] for moment in c.moments] if reduce_every else ())
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 

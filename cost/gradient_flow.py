@@ -85,9 +85,7 @@ def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
     only."""
     facts, readers = _facts(graph, layout)
     regions = regions or [None] * len(nodes)
-    # first_kept follows from the nodes and regions (chunk_price._first_keepers): its size tells
-    # the two ways it is called apart
-    key = (tuple(node.name for node in nodes), tuple(regions), len(first_kept))
+    key = _chunk_key(nodes, regions, first_kept)
     peaks = layout.gradient_facts["peaks"]
     if key not in peaks:        # the same chunk recurs in many candidates (other batches, ZeRO)
         peaks[key] = _sweep(layout, nodes, first_kept, regions, facts, readers)
@@ -99,9 +97,14 @@ def backward_moments(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
     """The same sweep's moments with the weight gradients FSDP2 reduces group by group
     (cost/backward_moments.py), for plans that reduce every micro-batch (ZeRO-2 and 3)."""
     backward_peak(graph, layout, nodes, first_kept, regions)
-    regions = regions or [None] * len(nodes)
-    key = (tuple(node.name for node in nodes), tuple(regions), len(first_kept))
+    key = _chunk_key(nodes, regions or [None] * len(nodes), first_kept)
     return layout.gradient_facts["peaks"][key][1]
+
+
+def _chunk_key(nodes: list[NodeLayout], regions: list, first_kept: dict) -> tuple:
+    # first_kept follows from the nodes and regions (chunk_price._first_keepers): its size tells
+    # the two ways it is called apart
+    return tuple(node.name for node in nodes), tuple(regions), len(first_kept)
 
 
 def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, int], regions: list,
