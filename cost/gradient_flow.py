@@ -195,11 +195,12 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
     made once per layout and kept in it: every chunk of every candidate plan on it sweeps them."""
     if not layout.gradient_facts:
         by_name = {node.name: node for node in layout.nodes}
-        facts, readers, weights = {}, {}, _weights_read(graph)
+        facts, readers = {}, {}
+        weights, views = _weights_read(graph)
         for node in layout.nodes:
             graph_node = graph.nodes[layout.index[node.name]]
             read = weights.get(node.name, {})
-            facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node),
+            facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node, views),
                                        **read, expert=node.expert, whole=node.weight_gathered)
         for node in graph.nodes:            # the model's output reads from outside every chunk
             for value in node.inputs:
@@ -208,14 +209,13 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
     return layout.gradient_facts["facts"], layout.gradient_facts["readers"]
 
 
-def _weights_read(graph: Graph) -> dict[str, dict]:
+def _weights_read(graph: Graph) -> tuple[dict[str, dict], set[str]]:
     """Node name -> the `_Facts` fields of the weights it reads (through views and casts of a
     parameter, as cost/layout.py resolves them) and of the FSDP group it is part of: its block
-    instance's, else its first weight's (cost.stages.parameter_groups)."""
-    groups, weight_of, block = parameter_groups(graph), {}, {}
-    for kind in graph.blocks:
-        for instance in kind.instances:
-            block.update(dict.fromkeys(range(instance.start, instance.stop), instance.module_path))
+    instance's, else its first weight's (cost.stages.parameter_groups); and the names of those
+    views and casts."""
+    groups, weight_of = parameter_groups(graph), {}
+    block = _running_groups(graph, set(groups.values()))
     out = {}
     for i, node in enumerate(graph.nodes):
         read = [weight_of.get(name, name) for name in node.inputs
@@ -229,17 +229,37 @@ def _weights_read(graph: Graph) -> dict[str, dict]:
         group = block.get(i) or (weights[0][1] if weights else None)
         if node.role is Role.ACTIVATION and (weights or group):
             out[node.name] = dict(weights=weights, group=group)
-    return out
+    return out, set(weight_of)
+
+
+def _running_groups(graph: Graph, groups: set[str]) -> dict[int, str]:
+    """Node index -> the FSDP group whose module runs it: its block instance, or in a model
+    without blocks the group whose module path prefixes the node's (its module unit)."""
+    running = {}
+    for kind in graph.blocks:
+        for instance in kind.instances:
+            running.update(dict.fromkeys(range(instance.start, instance.stop), instance.module_path))
+    if graph.blocks:
+        return running
+    for i, node in enumerate(graph.nodes):
+        parts = node.module_path.split(".") if node.module_path else []
+        path = next((".".join(parts[:depth]) for depth in range(1, len(parts) + 1)
+                     if ".".join(parts[:depth]) in groups), None)
+        if path is not None and node.role is Role.ACTIVATION:
+            running[i] = path
+    return running
 
 
 def _node_facts(graph: Graph, layout: GraphLayout, by_name: dict, node: NodeLayout,
-                graph_node) -> _Facts:
+                graph_node, weight_views: set[str]) -> _Facts:
     name = op_name(graph_node.target)
     elementwise = node.family != "view" and name != "cat"
     gives = []
     for value in graph_node.inputs:
         source = by_name.get(value)
-        if source is None or not source.requires_grad or \
+        # the gradient of a weight's view (w.t() read by a grouped GEMM) is the weight's own,
+        # counted with the weight gradients of its group
+        if source is None or not source.requires_grad or value in weight_views or \
                 graph.nodes[layout.index[value]].role is not Role.ACTIVATION:
             continue
         passes = name in _PASSING and \

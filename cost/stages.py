@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.config import Config
+from autopar.cost.units import module_units
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.plans.stage_flow import assign_units, live
@@ -87,7 +88,7 @@ def _ends_as_chunks(graph: Graph, paths: list, chunks: int, config: Config) -> l
     own where the blocks are one fewer than the chunks, and the head (those after the last) one
     too where they are two fewer: Megatron's `account_for_embedding_in_pipeline_split` and
     `account_for_loss_in_pipeline_split`, which run Qwen3-235B's 94 layers as 96 chunks. The
-    modules named are those of the planner's units (autopar.solver.units)."""
+    modules named are those of the planner's units (autopar.cost.units)."""
     instances = [i for kind in graph.blocks for i in kind.instances]
     blocks = {i.module_path for i in instances}
     before = graph.top_modules(0, min(i.start for i in instances), blocks) if instances else ()
@@ -216,11 +217,17 @@ def group_elements(graph: Graph, owner: list[int], chunks: int,
 
 
 def parameter_groups(graph: Graph) -> dict[str, str]:
-    """Parameter node -> the module whose FSDP group holds it: its block instance, or its
-    outermost module that holds no block (`sharding_groups`)."""
-    blocks = {inst.module_path for kind in graph.blocks for inst in kind.instances}
-    ancestors = {".".join(path.split(".")[:depth]) for path in blocks
-                 for depth in range(1, path.count(".") + 1)}
+    """Parameter node -> the module whose FSDP group holds it, as the runtime wraps a stage's
+    layers (autopar.runtime.data_parallel): its block instance, or its outermost module that holds
+    no block; in a model without repeated blocks, the planner's module unit it is under
+    (cost.units.module_units), since those are the layers a stage is split into."""
+    if graph.blocks:
+        layers = {inst.module_path for kind in graph.blocks for inst in kind.instances}
+        inside = {".".join(path.split(".")[:depth]) for path in layers
+                  for depth in range(1, path.count(".") + 1)}
+    else:
+        layers = {path for paths, _, _ in module_units(graph) for path in paths}
+        inside = set()
     groups = {}
     for node in graph.nodes:
         if node.role is not Role.PARAMETER:
@@ -228,7 +235,7 @@ def parameter_groups(graph: Graph) -> dict[str, str]:
         parts = node.param_fqn.split(".")[:-1]
         for depth in range(1, len(parts) + 1):
             path = ".".join(parts[:depth])
-            if path in blocks or path not in ancestors:
+            if path in layers or (graph.blocks and path not in inside):
                 groups[node.name] = path
                 break
     return groups

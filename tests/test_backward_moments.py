@@ -2,6 +2,9 @@
 of the group that runs, the last reduce-scatter's input, the shards reduced so far and the groups
 gathered, as cost.memory.peak_bytes weighs them."""
 
+import torch
+from torch import nn
+
 from autopar.cost.chunk_price import _first_keepers
 from autopar.cost.gradient_flow import backward_moments
 from autopar.cost.layout import infer_layout
@@ -69,3 +72,32 @@ def test_a_moment_holds_the_reduce_scatter_input_and_new_shards():
     assert three["buffers"] == 1e6 + 4 * grads
     two = peak_bytes(**sizes, zero=2)
     assert two["weights"] == 4 * (1e6 - reduced)
+
+
+class _TransposedLinear(nn.Module):
+    """A layer that reads its weight through a transpose, as a grouped GEMM reads its experts'
+    (w.transpose(-2, -1))."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width))
+
+    def forward(self, x):
+        return x @ self.weight.transpose(0, 1)
+
+
+def test_a_model_without_blocks_is_grouped_by_its_units_and_counts_each_weight_gradient_once():
+    """Without repeated blocks the runtime wraps each module unit of the stage as an FSDP group
+    (cost.units.module_units), so each layer is a group of its own, not the whole model one. The
+    gradient an op gives a view of a weight is the weight's gradient, already counted with its
+    group's: no moment holds it a second time as a flowing gradient."""
+    model = nn.Sequential(nn.Sequential(_TransposedLinear(), nn.ReLU(), _TransposedLinear()))
+    graph = capture(model, example_inputs=(torch.randn(8, 64),))
+    assert set(parameter_groups(graph).values()) == {"0.0", "0.2"}
+    layout = infer_layout(graph, 1, compute_dtype="float32")
+    regions = [None] * len(graph.nodes)
+    first_kept = _first_keepers(layout, regions, layout.nodes)
+    moments = backward_moments(graph, layout, layout.nodes, first_kept, regions)
+    assert max(moment.grads for moment in moments) == 64 * 64        # one layer's, at a time
+    row = 4 * 64                # a sample's activation gradient; at most two flow at once
+    assert all(sum(part for _, part in moment.flowing) <= 2 * row for moment in moments)

@@ -28,7 +28,7 @@ from autopar.api import plan_graph
 from autopar.cost.config import Config
 from autopar.testing.equivalence import mismatches, train_single_process
 from autopar.plans.stage_flow import constants, dead
-from autopar.solver.units import pipeline_units
+from autopar.cost.units import pipeline_units
 
 transformers = pytest.importorskip("transformers")
 # Resolved before the ranks fork: transformers imports a model's module on first use.

@@ -77,7 +77,7 @@ def test_expert_degrees_are_those_the_runtime_runs():
 
 
 def test_a_single_moe_layer_runs_expert_parallel_as_planned():
-    """A model without repeated blocks is cut between modules (autopar.solver.units); a unit
+    """A model without repeated blocks is cut between modules (autopar.cost.units); a unit
     boundary between a layer's router and its experts left the runtime, which splits experts
     within one unit, running them replicated under a plan that said ep=2. The layer is now one
     unit, and the rank sends on the ep and edp groups exactly what the plan priced."""

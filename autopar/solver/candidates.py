@@ -1,6 +1,6 @@
 """What the inter-op search proposes: units, device layouts (`Shape`), cuts, candidates.
 
-The model is a sequence of units (autopar.solver.units): the embedding (every node before the first
+The model is a sequence of units (autopar.cost.units): the embedding (every node before the first
 repeated block), each block instance, and the head (every node after the last block); a model
 without repeated blocks, its modules (`module_shapes`). A candidate cuts that sequence
 into pp * v contiguous chunks (v chunks per pipeline rank when interleaved) on a device layout,
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.plans.schedules import runs, schedule_error
 from autopar.plans.vocabulary import Recompute, Schedule
-from autopar.solver.units import Unit, pipeline_units, unit_weights  # noqa: F401 (the planner's API)
+from autopar.cost.units import Unit, pipeline_units, unit_weights  # noqa: F401 (the planner's API)
 
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)   # cheapest time first
 GRID_VIRTUAL = (2, 3, 4, 6, 8)

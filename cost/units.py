@@ -9,6 +9,10 @@ units. Children can when each runs as one contiguous range of the graph's ops (a
 two places, such as one ReLU used after every convolution of a ResNet block, cannot): the
 pipeline runs units in order. The ops of the parent itself (a residual add between two children)
 run with the child before them.
+
+The runtime splits a stage into these units and wraps each as an FSDP group
+(autopar.runtime.data_parallel), so the cost model reads its FSDP groups from them too
+(cost.stages.parameter_groups).
 """
 
 from __future__ import annotations
