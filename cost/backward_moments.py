@@ -31,6 +31,8 @@ class Moment:
     scattering: float | None    # elements of the group reduced last (its reduce-scatter input);
                                 # None before the first reduction of this backward
     reduced: tuple          # elements of the groups reduced so far: (dense, experts)
+    copying: float = 0.0    # experts' elements a group's copy-out moment copies (`enter`)
+    releasing: tuple = (0.0, 0.0)   # (dense, experts) elements of the group being reduced (`after`)
 
 
 class GroupReductions:
@@ -56,6 +58,7 @@ class GroupReductions:
         for group, position in first.items():
             self.release.setdefault(position, []).append(group)
         self.next = dict(zip(order, order[1:]))
+        self.first = first                             # group -> position of its first op
         self.param_local = param_local
         self.alive: dict[str, float] = {}
         self.made: set[str] = set()
@@ -79,24 +82,29 @@ class GroupReductions:
         self._end_run()
         self._run = (moment[2:], [(net, moment) for net in nets])
 
-    def enter(self, fact, flowing: dict, rerun: dict, freed: dict) -> None:
+    def enter(self, fact, flowing: dict, rerun_before: dict[int, dict], freed: dict) -> None:
         """Before the op's backward: where it is the first of a group the backward meets, FSDP2
         copies the group's gathered buffer out into its parameters, both alive a moment (under
         ZeRO-3), with the gradients that reached the group and the group before still waiting
         for its reduce-scatter. A group inside another (an expert-parallel layer's experts) is
-        copied out as the recomputed forward reaches it: with what the rerun keeps."""
+        copied out as the recomputed forward reaches it, with what the rerun keeps before it
+        (`rerun_before`: position -> {power of seq: bytes}). Its experts' elements are recorded
+        apart: FSDP2 copies those it shards on a later dim out through a temporary as large
+        (cost.estimator's `_weighed`)."""
         if fact.group is None or fact.group in self.entered or fact.group in self.done:
             return
         self._end_run()
         open_groups = self._open()
         if open_groups:
+            rerun = rerun_before.get(self.first[fact.group], {})
             flowing = {degree: flowing.get(degree, 0.0) + rerun.get(degree, 0.0)
                        for degree in {*flowing, *rerun}}
         gathered = open_groups + 2 * sum(self.totals.get(fact.group, ()))
         self.active = fact.group
         self.entered.append(fact.group)
         self.moments.append((dict(flowing), dict(freed), sum(self.alive.values()), gathered,
-                             self.scattering, tuple(self.reduced)))
+                             self.scattering, tuple(self.reduced), self.totals.get(fact.group, (0.0, 0.0))[1],
+                             (0.0, 0.0)))
 
     def _end_run(self) -> None:
         if self._run:
@@ -121,7 +129,7 @@ class GroupReductions:
                 own = max(own, size)
         self.active = fact.group or self.active
         return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own),
-                self._gathered(), self.scattering, tuple(self.reduced))
+                self._gathered(), self.scattering, tuple(self.reduced), 0.0, (0.0, 0.0))
 
     def after(self, position: int, flowing: dict, freed: dict) -> None:
         """Groups whose backward ended with the op at `position`: reduced. FSDP2 frees the
@@ -134,7 +142,8 @@ class GroupReductions:
             dense, experts = self.totals.get(group, (0.0, 0.0))
             # resharded first: under ZeRO-3 only the prefetched group is gathered then
             self.moments.append((dict(flowing), dict(freed), sum(self.alive.values()), self._gathered() - size,
-                                 size, (self.reduced[0] + dense, self.reduced[1] + experts)))
+                                 size, (self.reduced[0] + dense, self.reduced[1] + experts), 0.0,
+                                 (dense, experts)))
             self.alive.pop(group, None)
             self.done.add(group)
             dense, experts = self.totals.get(group, (0.0, 0.0))
@@ -170,12 +179,12 @@ def prune(moments: list[tuple]) -> tuple[Moment, ...]:
     chosen = {id(moment): moment for same in epochs.values() for ratio in _COMPARED_AT
               for moment in _envelope(same, ratio)}
     kept = [Moment(flowing=_items(flowing), freed=_items(freed), grads=grads, gathered=gathered,
-                   scattering=scattering, reduced=reduced)
-            for flowing, freed, grads, gathered, scattering, reduced in chosen.values()]
+                   scattering=scattering, reduced=reduced, copying=copying, releasing=releasing)
+            for flowing, freed, grads, gathered, scattering, reduced, copying, releasing in chosen.values()]
     shapes: dict = {}
     for moment in kept:
         shape = (_rounded(moment.flowing), round(moment.grads, 3), round(moment.gathered, 3),
-                 None if moment.scattering is None else round(moment.scattering, 3))
+                 None if moment.scattering is None else round(moment.scattering, 3), moment.copying)
         shapes.setdefault(shape, []).append(moment)
     out = []
     for same in shapes.values():

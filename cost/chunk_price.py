@@ -50,6 +50,7 @@ class Chunk:
     params: float = 0.0             # elements on this device
     expert_params: float = 0.0      # of which experts' (cost/experts.py), sharded over their own group
     padding: tuple = (0.0, 0.0)     # elements FSDP2 pads ZeRO's shards with: dense, experts (cost/padding.py)
+    experts_by_rows: float = 0.0    # share of its experts FSDP2 shards on a later dim (price_cache)
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
     group: float = 0.0              # elements of its largest FSDP group
     largest: float = 0.0            # elements of its largest parameter tensor

@@ -323,6 +323,7 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
         chunks[c].loss_per_sample = poly_at(loss[c], 1)
         chunks[c].expert_params = memo.expert_params(split, s)[c]
         chunks[c].padding = memo.shard_padding(split, s)[c] if s.zero else (0.0, 0.0)
+        chunks[c].experts_by_rows = memo.experts_by_rows(split, s)[c] if s.zero else 0.0
     crossing = memo.crossing(split, stages, crossing_bytes)
     add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, samples)
     for c, poly in enumerate(crossing):
@@ -425,18 +426,20 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0,
-                       moments=[_weighed(moment, seq_ratio, b, padded) for c in chunks
+                       moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows) for c in chunks
                                 for padded in [_padded(c)] for moment in c.moments] if reduce_every else ())
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
-def _weighed(moment, seq_ratio, b, padded: tuple) -> tuple:
+def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float) -> tuple:
     """A backward's moment (cost/backward_moments.py) at this micro-batch and sequence length,
-    as cost.memory.peak_bytes weighs it; what FSDP2 gathers and reduces, padded (`_padded`)."""
+    as cost.memory.peak_bytes weighs it; what FSDP2 gathers and reduces, padded (`_padded`), and
+    the temporary it copies experts sharded on a later dim out through (`by_rows` of them)."""
     net = (poly_at(dict(moment.flowing), seq_ratio) - poly_at(dict(moment.freed), seq_ratio)) * b
     scattering = None if moment.scattering is None else moment.scattering * padded[0]
-    return (net, moment.grads, moment.gathered * padded[0], scattering,
-            moment.reduced[0] * padded[0], moment.reduced[1] * padded[1])
+    gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows
+    return (net, moment.grads, gathered, scattering, moment.reduced[0] * padded[0],
+            moment.reduced[1] * padded[1], tuple(part * pad for part, pad in zip(moment.releasing, padded)))
 
 
 def _padded(chunk: Chunk) -> tuple[float, float]:

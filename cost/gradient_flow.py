@@ -114,7 +114,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
     for node in nodes:
         if facts[node.name].differentiable and any(r not in in_chunk for r in readers.get(node.name, ())):
             grads.of_value[node.name] = [grads.make(*facts[node.name].size)]
-    freed_after, rerun = _freed_after(first_kept, nodes, regions, layout)
+    freed_after, rerun, rerun_before = _freed_after(first_kept, nodes, regions, layout)
     released: dict = {}                  # region (None: outside) -> {power of seq: bytes freed}
     best = ({}, float("-inf"))
     for position in range(len(nodes) - 1, -1, -1):
@@ -123,7 +123,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
         if node.requires_grad and incoming:
             fact = facts[node.name]
             kept = rerun.get(regions[position], {})
-            groups.enter(fact, grads.live, kept, released.get(None, {}))
+            groups.enter(fact, grads.live, rerun_before, released.get(None, {}))
             made = _give_inputs(fact, facts, incoming, grads)
             spaces = {None, regions[position]}
             total = sum(grads.live.values()) + sum(kept.values()) + fact.extra - sum(
@@ -156,24 +156,28 @@ def _at(live: dict, kept: dict, fact: "_Facts", freed: list[dict]) -> dict[int, 
 
 
 def _freed_after(first_kept: dict[str, int], nodes: list[NodeLayout], regions: list,
-                 layout: GraphLayout) -> tuple[dict, dict]:
+                 layout: GraphLayout) -> tuple[dict, dict, dict]:
     """Position -> (region, storage) freed once that op's backward has run: kept outside
-    recomputed regions by it first, or within a region, kept there by it first; and region ->
-    {power of seq: bytes} its rerun keeps."""
+    recomputed regions by it first, or within a region, kept there by it first; region ->
+    {power of seq: bytes} its rerun keeps; and position in a region -> what the rerun keeps
+    before it reaches that op."""
     freed: dict[int, list] = {}
     for key, position in first_kept.items():
         freed.setdefault(position, []).append((None, key))
     seen: set = set()
     rerun: dict = {}
+    before: dict[int, dict] = {}
     for position, node in enumerate(nodes):
         region = regions[position]
+        if region is not None:
+            before[position] = dict(rerun.get(region, {}))
         for key in node.saved if region is not None else ():
             if (region, key) not in seen:
                 seen.add((region, key))
                 freed.setdefault(position, []).append((region, key))
                 kept, degree = rerun.setdefault(region, {}), layout.seq_degree.get(key, 0)
                 kept[degree] = kept.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
-    return freed, rerun
+    return freed, rerun, before
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,9 +201,15 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
         by_name = {node.name: node for node in layout.nodes}
         facts, readers = {}, {}
         weights, views = _weights_read(graph)
+        # under expert parallelism (its all-to-alls) each layer's experts are an FSDP group of
+        # their own, inside their block's (autopar.runtime.data_parallel.expert_data_parallel)
+        own_group = any(node.exchange_bytes for node in layout.nodes)
         for node in layout.nodes:
             graph_node = graph.nodes[layout.index[node.name]]
             read = weights.get(node.name, {})
+            if own_group and node.expert and read:
+                read = dict(weights=tuple((name, f"{group} experts") for name, group in read["weights"]),
+                            group=f"{read['group']} experts")
             facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node, views),
                                        **read, expert=node.expert, whole=node.weight_gathered)
         for node in graph.nodes:            # the model's output reads from outside every chunk

@@ -166,16 +166,18 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
     """A block phase at one op's backward (cost/backward_moments.py), `moment` weighed:
     (bytes of its flowing gradients less the activations freed, weight gradients' elements,
     gathered elements, the last reduce-scatter's group or None, reduced dense and experts'
-    elements). Before this backward's first reduce-scatter a pipeline stage holds the earlier
-    micro-batch's last one (`held_before`); the reduced groups' new shards are fp32, 1/dp (or
-    1/expert dp) each, on the host when offloaded, and only in the step's first backward (later
-    ones add into them); ZeRO-3 holds what the moment gathers, ZeRO-2 frees a reduced group's
-    gathered weights where its runtime does: it keeps them gathered until the step's last
-    micro-batch, so only a first backward that is also the last frees them block by block."""
-    net, grads, gathered, scattering, dense, experts = moment
+    elements, and those of the group it reduces, if any). Before this backward's first
+    reduce-scatter a pipeline stage holds the earlier micro-batch's last one (`held_before`); the
+    reduced groups' new shards are fp32, 1/dp (or 1/expert dp) each, on the host when offloaded,
+    and only in the step's first backward: a later one adds the group's reduce-scatter output
+    into its shard, the two alive a moment. ZeRO-3 holds what the moment gathers; ZeRO-2 frees a
+    reduced group's gathered weights where its runtime does: it keeps them gathered until the
+    step's last micro-batch, so only a first backward that is also the last frees them block by
+    block."""
+    net, grads, gathered, scattering, dense, experts, releasing = moment
     reduce_input = held_before if scattering is None else scattering
-    new_shards = not (earlier or offload)
-    new = GRADIENT_BYTES * (dense / split[0] + experts / split[1]) if new_shards else 0.0
+    shard = lambda elements: GRADIENT_BYTES * (elements[0] / split[0] + elements[1] / split[1])
+    new = 0.0 if offload else shard(releasing) if earlier else shard((dense, experts))
     if zero == 3:
         weights = element * gathered
     elif micro_batches == 1 or earlier:

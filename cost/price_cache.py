@@ -120,6 +120,28 @@ class PriceCache:
                     for plain, expert in names]
         return self._get(("shard_padding", split.key, *spec.layout_key, spec.dp, spec.cp), make)
 
+    def experts_by_rows(self, split: Split, spec: StageSpec) -> list[float]:
+        """Per chunk, the share of its experts' elements that FSDP2 shards on a dim after the
+        first (autopar.runtime.data_parallel: split experts whose ranks' count does not divide
+        among their group, grouped weights whose first dim does not divide among dp x cp).
+        FSDP2 copies such a parameter's gather out through a temporary as large (its chunk-cat),
+        a third copy at the copy-out moment."""
+        def make():
+            layout, owner = self.layout(spec), split.owner
+            shapes = {node.name: node.shape for node in self.graph.nodes}
+            ranks, edp = spec.dp * spec.cp, expert_data_parallel(spec)
+            split_experts = any(layer.experts // spec.ep % edp for layer in self.expert_layers())
+            later = [0.0] * len(split.node_sets), [0.0] * len(split.node_sets)
+            for name in expert_parameters(self.expert_layers()):
+                if name not in layout.param_local:
+                    continue
+                shape, chunk = shapes[name], owner[layout.index[name]]
+                later[0][chunk] += layout.param_local[name]
+                if split_experts if spec.ep > 1 else spec.tp == 1 and _later_dim(shape, ranks):
+                    later[1][chunk] += layout.param_local[name]
+            return [by_rows / total if total else 0.0 for total, by_rows in zip(*later)]
+        return self._get(("experts_by_rows", split.key, *spec.layout_key, spec.dp, spec.cp), make)
+
     def model_flops_per_sample(self) -> float:
         """A training step's model FLOPs per sample: 3x the forward (backward = 2x)."""
         return self._get(("model_flops",),
@@ -207,3 +229,10 @@ class PriceCache:
 def _hashable(layer):
     """A module path, or a (start, stop) node range given as a list or tuple."""
     return layer if isinstance(layer, str) else tuple(layer)
+
+
+def _later_dim(shape, ranks: int) -> bool:
+    """Whether FSDP2 shards a plain weight of `shape` over `ranks` on a dim after the first: a
+    grouped weight ([experts, in, out]) whose first dim does not divide among them and a later
+    one does (autopar.runtime.data_parallel._even_shards)."""
+    return len(shape) >= 3 and shape[0] % ranks != 0 and any(size % ranks == 0 for size in shape[1:])

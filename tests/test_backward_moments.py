@@ -60,9 +60,10 @@ def test_identical_blocks_keep_only_their_first_and_last_moments():
 def test_a_moment_holds_the_reduce_scatter_input_and_new_shards():
     """Weighed: a first micro-batch's moment holds one group of fp32 gradients (the reduce-scatter
     input), 1/dp of each group reduced so far, the gradients of its group, and under ZeRO-3 what
-    it gathers; ZeRO-2 has freed the reduced groups' gathered weights once it reshards them."""
+    it gathers; ZeRO-2 has freed the reduced groups' gathered weights once it reshards them. A
+    later micro-batch's holds every shard and the new output of the group it reduces."""
     group, dp, reduced, gathered, grads = 1e5, 4, 3e5, 2e5, 5e4
-    moment = (1e6, grads, gathered, group, reduced, 0.0)
+    moment = (1e6, grads, gathered, group, reduced, 0.0, (group, 0.0))
     sizes = dict(params=1e6, gathered=gathered, group=group, weight=1e4, dp=dp, precision="fp32",
                  micro_batches=1, held=1, pipelined=False, activations=0.0, logits=0.0, flowing=0.0,
                  reduce_every=True, moments=[moment])
@@ -72,6 +73,9 @@ def test_a_moment_holds_the_reduce_scatter_input_and_new_shards():
     assert three["buffers"] == 1e6 + 4 * grads
     two = peak_bytes(**sizes, zero=2)
     assert two["weights"] == 4 * (1e6 - reduced)
+    # a later micro-batch's backward adds each group's reduce-scatter output into its shard
+    later = peak_bytes(**{**sizes, "micro_batches": 2}, zero=3)
+    assert later["gradients"] == 4 * 1e6 / dp + 4 * group + 4 * group / dp
 
 
 class _TransposedLinear(nn.Module):

@@ -156,8 +156,9 @@ def test_a_mixture_of_experts_rank_sends_and_holds_what_the_plan_predicts(recomp
         if entry["axis"] in ("ep", "edp"):     # the dispatches' row counts included
             assert entry["predicted_sent_bytes"] == entry["sent_bytes"], entry
         assert entry["predicted_sent_bytes"] == pytest.approx(entry["sent_bytes"], rel=0.05), entry
-    # never under-predicted by more than 3% (12% over here: a tiny model's fixed buffers)
-    assert report.peak_memory_bytes <= 1.03 * report.predicted_memory_bytes
+    # each layer's experts are an FSDP group inside their block's, copied out through a
+    # temporary (their rows are split: 1 expert a rank over 4 edp ranks)
+    assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
 @pytest.mark.parametrize("zero,recompute", [(2, "none"), (3, "none"),
