@@ -219,10 +219,17 @@ class ExpertParallel(nn.Module):
                 torch.arange(local, device=counts.device).repeat(ep), received)
         regroup = torch.argsort(arrived_experts, stable=True)
         local_counts = received.view(ep, local).sum(0)
-        out = self.program.run(arrived[regroup], weights, arrived_experts[regroup],
+        # each step's rows (tokens x top_k of them, the layer's largest tensors) are let go as
+        # soon as the next step has made its own: only those the experts save stay alive
+        grouped = arrived[regroup]
+        del arrived
+        out = self.program.run(grouped, weights, arrived_experts[regroup],
                                torch.cumsum(local_counts, 0), constants)
-        back = all_to_all_single_autograd(out[_inverse(regroup)].contiguous(), sent_rows,
-                                          received_rows, self.group)
+        del grouped
+        returning = out[_inverse(regroup)].contiguous()
+        del out
+        back = all_to_all_single_autograd(returning, sent_rows, received_rows, self.group)
+        del returning
         return back[_inverse(order)]
 
     def _exchange_batched(self, rows: torch.Tensor, constants: list) -> torch.Tensor:
