@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from autopar.cost.backward_moments import GroupReductions, Moment
 from autopar.cost.layout import GraphLayout, NodeLayout, op_name
 from autopar.cost.stages import parameter_groups
+from autopar.cost.units import module_units
 from autopar.graph import Graph, Role
 
 # Tensors as large as the op's output that its backward makes beyond the gradients it gives, as
@@ -244,19 +245,17 @@ def _weights_read(graph: Graph) -> tuple[dict[str, dict], set[str]]:
 
 def _running_groups(graph: Graph, groups: set[str]) -> dict[int, str]:
     """Node index -> the FSDP group whose module runs it: its block instance, or in a model
-    without blocks the group whose module path prefixes the node's (its module unit)."""
+    without blocks its module unit's (cost.units.module_units: a parent module's own ops, such
+    as attention between two projections, run in the unit before them)."""
     running = {}
     for kind in graph.blocks:
         for instance in kind.instances:
             running.update(dict.fromkeys(range(instance.start, instance.stop), instance.module_path))
     if graph.blocks:
         return running
-    for i, node in enumerate(graph.nodes):
-        parts = node.module_path.split(".") if node.module_path else []
-        path = next((".".join(parts[:depth]) for depth in range(1, len(parts) + 1)
-                     if ".".join(parts[:depth]) in groups), None)
-        if path is not None and node.role is Role.ACTIVATION:
-            running[i] = path
+    for paths, first, stop in module_units(graph):
+        if len(paths) == 1 and paths[0] in groups:
+            running.update(dict.fromkeys(range(first, stop), paths[0]))
     return running
 
 
