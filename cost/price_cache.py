@@ -112,11 +112,9 @@ class PriceCache:
             names = [[[], []] for _ in split.node_sets]
             for name in layout.param_local:
                 names[owner[layout.index[name]]][name in experts].append(name)
-            edp = expert_data_parallel(spec)
-            local = [layer.experts // spec.ep for layer in self.expert_layers()]
-            rows = 0 if all(n % edp == 0 for n in local) else 1    # runtime.data_parallel's rule
+            rows = 1 if self._experts_split_by_rows(spec) else 0
             return [(padding_elements(self.graph, layout, plain, spec.dp * spec.cp, split_by),
-                     padding_elements(self.graph, layout, expert, edp, dim=rows))
+                     padding_elements(self.graph, layout, expert, expert_data_parallel(spec), dim=rows))
                     for plain, expert in names]
         return self._get(("shard_padding", split.key, *spec.layout_key, spec.dp, spec.cp), make)
 
@@ -129,8 +127,7 @@ class PriceCache:
         def make():
             layout, owner = self.layout(spec), split.owner
             shapes = {node.name: node.shape for node in self.graph.nodes}
-            ranks, edp = spec.dp * spec.cp, expert_data_parallel(spec)
-            split_experts = any(layer.experts // spec.ep % edp for layer in self.expert_layers())
+            ranks, split_experts = spec.dp * spec.cp, self._experts_split_by_rows(spec)
             later = [0.0] * len(split.node_sets), [0.0] * len(split.node_sets)
             for name in expert_parameters(self.expert_layers()):
                 if name not in layout.param_local:
@@ -141,6 +138,13 @@ class PriceCache:
                     later[1][chunk] += layout.param_local[name]
             return [by_rows / total if total else 0.0 for total, by_rows in zip(*later)]
         return self._get(("experts_by_rows", split.key, *spec.layout_key, spec.dp, spec.cp), make)
+
+    def _experts_split_by_rows(self, spec: StageSpec) -> bool:
+        """Whether the runtime shards split experts on each expert's rows (dim 1), not on the
+        experts: where a rank's experts do not divide among their own data-parallel ranks
+        (autopar.runtime.data_parallel._expert_shards)."""
+        edp = expert_data_parallel(spec)
+        return any(layer.experts // spec.ep % edp for layer in self.expert_layers())
 
     def model_flops_per_sample(self) -> float:
         """A training step's model FLOPs per sample: 3x the forward (backward = 2x)."""
