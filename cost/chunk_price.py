@@ -320,9 +320,10 @@ def chunk_states(graph: Graph, layout: GraphLayout, owner: list[int], chunks: in
     for name, count in layout.param_local.items():
         chunk = owner[layout.index[name]]
         largest[chunk] = max(largest[chunk], count)
+    held = {name: count for name, count in layout.param_local.items() if name not in unread_ties}
     gathered = [(sum(sorted(groups.values())[-GATHERED_GROUPS:]), largest[c],
                  max(groups.values(), default=0.0))
-                for c, groups in enumerate(group_elements(graph, owner, chunks, layout.param_local))]
+                for c, groups in enumerate(group_elements(graph, owner, chunks, held, readers))]
     return params, _output_elements(graph, layout, owner, chunks), tensors, gathered
 
 

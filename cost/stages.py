@@ -204,15 +204,17 @@ def sharding_groups(graph: Graph, owner: list[int], chunks: int) -> list[int]:
     return [len(groups) + 1 for groups in group_elements(graph, owner, chunks, {})]
 
 
-def group_elements(graph: Graph, owner: list[int], chunks: int,
-                   elements: dict[str, float]) -> list[dict[str, float]]:
+def group_elements(graph: Graph, owner: list[int], chunks: int, elements: dict[str, float],
+                   readers: dict[str, set[int]] | None = None) -> list[dict[str, float]]:
     """Per chunk, its FSDP groups (see `sharding_groups`; the stage's own group left out) with
-    the parameter elements each holds, from `elements` (parameter node -> elements on a device)."""
+    the parameter elements each holds, from `elements` (parameter node -> elements on a device),
+    in every chunk that reads it (`readers`, where given: each stage its own copy of a tied
+    weight), else in its own."""
     groups: list[dict[str, float]] = [{} for _ in range(chunks)]
     index = {node.name: i for i, node in enumerate(graph.nodes)}
     for name, path in parameter_groups(graph).items():
-        mine = groups[owner[index[name]]]
-        mine[path] = mine.get(path, 0.0) + elements.get(name, 0.0)
+        for chunk in (readers or {}).get(name) or {owner[index[name]]}:
+            groups[chunk][path] = groups[chunk].get(path, 0.0) + elements.get(name, 0.0)
     return groups
 
 
@@ -238,7 +240,22 @@ def parameter_groups(graph: Graph) -> dict[str, str]:
             if path in layers or (graph.blocks and path not in inside):
                 groups[node.name] = path
                 break
-    return groups
+    return _tied_together(graph, groups)
+
+
+def _tied_together(graph: Graph, groups: dict[str, str]) -> dict[str, str]:
+    """FSDP2 gives a parameter to one group, so the runtime leaves the layers that share one (an
+    LM head tied to its embedding) in the stage's own group: one group of both layers' weights,
+    gathered from the first of them the backward meets to the end of the stage's backward."""
+    by_fqn = {node.param_fqn: node.name for node in graph.parameters}
+    merged: dict[str, str] = {}
+    for node in graph.parameters:
+        first = by_fqn.get(node.tied_to)
+        if first in groups and node.name in groups and groups[first] != groups[node.name]:
+            paths = {merged.get(groups[first], groups[first]), merged.get(groups[node.name], groups[node.name])}
+            name = " + ".join(sorted({part for path in paths for part in path.split(" + ")}))
+            merged.update({part: name for part in name.split(" + ")})
+    return {param: merged.get(path, path) for param, path in groups.items()}
 
 
 # Selective recompute reruns each block's attention: the block's child module named so.

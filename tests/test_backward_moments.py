@@ -105,3 +105,31 @@ def test_a_model_without_blocks_is_grouped_by_its_units_and_counts_each_weight_g
     assert max(moment.grads for moment in moments) == 64 * 64        # one layer's, at a time
     row = 4 * 64                # a sample's activation gradient; at most two flow at once
     assert all(sum(part for _, part in moment.flowing) <= 2 * row for moment in moments)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.embed(ids))))
+
+
+def test_layers_that_share_a_weight_are_one_group_gathered_and_unreduced_to_the_backward_end():
+    """FSDP2 gives a parameter to one group, so the runtime leaves an embedding and the head tied
+    to it in the stage's own group: gathered from the head's backward, the first it meets, and
+    reduced only after the embedding's, the last. Between them (the middle layer's backward) the
+    rank holds the tied weight gathered and its gradient unreduced."""
+    graph = capture(_TiedLM(), example_inputs=(torch.randint(0, 32, (4, 8)),))
+    groups = parameter_groups(graph)
+    assert len({groups[node.name] for node in graph.parameters if "mid" not in node.param_fqn}) == 1
+    layout = infer_layout(graph, 1, compute_dtype="float32")
+    regions = [None] * len(graph.nodes)
+    moments = backward_moments(graph, layout, layout.nodes, _first_keepers(layout, regions, layout.nodes),
+                               regions)
+    tied, mid = 32 * 16, 16 * 16 + 16
+    assert any(moment.grads == tied + mid and moment.gathered >= tied + mid for moment in moments)
