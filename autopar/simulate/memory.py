@@ -56,6 +56,7 @@ class MemoryRecorder(TorchDispatchMode):
         self._holders: dict[int, int] = {}      # token -> storages standing for it (wait_tensor's)
         self._next = 0
         self._patched: list = []
+        self._pending: tuple | None = None      # a gradients' sum (`_summing`): (peak, its terms)
 
     def __enter__(self):
         for module, name in _RESIZERS:
@@ -77,9 +78,13 @@ class MemoryRecorder(TorchDispatchMode):
         return resized
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._settle()
         out = func(*args, **(kwargs or {}))
         if func is torch.ops._c10d_functional.wait_tensor.default:
             self._alias(out, args[0])
+            return out
+        if func is torch.ops.aten.add.Tensor and _sums_gradients(args, kwargs, out):
+            self._summing(out, args)
             return out
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
@@ -155,20 +160,59 @@ class MemoryRecorder(TorchDispatchMode):
 
     def reset_peak(self) -> int:
         """Start new peaks at what is live now; returns the device's peak until now."""
+        self._settle()
         before, self.peak, self.host_peak = self.peak, self.live, self.host_live
         return before
+
+    def peak_now(self) -> int:
+        """The device's peak so far."""
+        self._settle()
+        return self.peak
+
+    def _summing(self, out: torch.Tensor, summed: tuple) -> None:
+        """Count autograd's sum of two gradients of one value as a run makes it. Under any
+        dispatch mode (fake tensors are one) the engine adds them into a new tensor, but in a run
+        it adds one into the other in place where nothing else holds it, which is so exactly
+        when that one is freed as soon as the sum is made: until the next op or allocation the
+        sum's bytes do not count toward the peak, and if one of the two is freed first they
+        never do."""
+        peak = self.peak
+        self.track(out)
+        pending, self.peak = self.peak, peak
+        tokens = {self._token.get(t.untyped_storage()) for t in summed}
+        self._pending = (pending, tokens - {None})
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            self.peak = max(self.peak, self._pending[0])
+            self._pending = None
 
     def _add(self, token: int, size: int) -> None:
         if token in self._host:
             self.host_live += size
             self.host_peak = max(self.host_peak, self.host_live)
         else:
+            if size > 0:
+                self._settle()
             self.live += size
             self.peak = max(self.peak, self.live)
 
     def _free(self, token: int) -> None:
+        if self._pending is not None and token in self._pending[1]:
+            self._pending = None        # summed in place in a run
         self._holders[token] -= 1
         if not self._holders[token]:
             del self._holders[token]
             self._add(token, -self._sizes.pop(token, 0))
             self._host.discard(token)
+
+
+def _sums_gradients(args: tuple, kwargs: dict | None, out) -> bool:
+    """Whether an add is autograd's engine summing two gradients of one value: run in a backward
+    with grad mode off (a recomputed forward runs with it on), of two plain tensors of the sum's
+    shape and type."""
+    if kwargs or len(args) != 2 or torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+        return False
+    return all(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.shape == out.shape
+               and t.dtype == out.dtype
+               for t in (*args, out))

@@ -97,7 +97,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
             with sent, (folding_repeats(compiled.schedule, sent) if fold else contextlib.nullcontext()):
                 compiled.step(*batch)
         layout = pipeline_layout(plan)
-        return RankRun(rank=rank, stages=list(layout.own_stages(rank)), peak_memory_bytes=memory.peak,
+        return RankRun(rank=rank, stages=list(layout.own_stages(rank)), peak_memory_bytes=memory.peak_now(),
                        host_peak_memory_bytes=memory.host_peak,
                        collectives=sent.collectives, seconds=time.monotonic() - started,
                        build_peak_memory_bytes=build_peak)
