@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost.backward_moments import GroupReductions, Moment
 from autopar.cost.layout import GraphLayout, NodeLayout, op_name
-from autopar.cost.stages import parameter_groups
+from autopar.cost.stages import TIED_SEPARATOR, parameter_groups
 from autopar.cost.units import module_units
 from autopar.graph import Graph, Role
 
@@ -246,16 +246,17 @@ def _weights_read(graph: Graph) -> tuple[dict[str, dict], set[str]]:
 def _running_groups(graph: Graph, groups: set[str]) -> dict[int, str]:
     """Node index -> the FSDP group whose module runs it: its block instance, or in a model
     without blocks its module unit's (cost.units.module_units: a parent module's own ops, such
-    as attention between two projections, run in the unit before them)."""
+    as attention between two projections, or a head's logit capping, run in the unit before
+    them), which may hold it with another unit (cost.stages.parameter_groups: tied weights)."""
     running = {}
     for kind in graph.blocks:
         for instance in kind.instances:
             running.update(dict.fromkeys(range(instance.start, instance.stop), instance.module_path))
-    if graph.blocks:
-        return running
+    holder = {path: group for group in groups for path in group.split(TIED_SEPARATOR)}
     for paths, first, stop in module_units(graph):
-        if len(paths) == 1 and paths[0] in groups:
-            running.update(dict.fromkeys(range(first, stop), paths[0]))
+        if len(paths) == 1 and paths[0] in holder:
+            for index in range(first, stop):
+                running.setdefault(index, holder[paths[0]])
     return running
 
 

@@ -243,6 +243,10 @@ def parameter_groups(graph: Graph) -> dict[str, str]:
     return _tied_together(graph, groups)
 
 
+# joins the module paths of the layers that share a weight into their group's name
+TIED_SEPARATOR = " + "
+
+
 def _tied_together(graph: Graph, groups: dict[str, str]) -> dict[str, str]:
     """FSDP2 gives a parameter to one group, so the runtime leaves the layers that share one (an
     LM head tied to its embedding) in the stage's own group: one group of both layers' weights,
@@ -253,8 +257,8 @@ def _tied_together(graph: Graph, groups: dict[str, str]) -> dict[str, str]:
         first = by_fqn.get(node.tied_to)
         if first in groups and node.name in groups and groups[first] != groups[node.name]:
             paths = {merged.get(groups[first], groups[first]), merged.get(groups[node.name], groups[node.name])}
-            name = " + ".join(sorted({part for path in paths for part in path.split(" + ")}))
-            merged.update({part: name for part in name.split(" + ")})
+            name = TIED_SEPARATOR.join(sorted({part for path in paths for part in path.split(TIED_SEPARATOR)}))
+            merged.update({part: name for part in name.split(TIED_SEPARATOR)})
     return {param: merged.get(path, path) for param, path in groups.items()}
 
 
