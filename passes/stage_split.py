@@ -27,6 +27,7 @@ reads, under their model names.
 
 from __future__ import annotations
 
+import heapq
 import operator
 
 import torch
@@ -75,6 +76,7 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
 
     by_unit = split_module(module, module, lambda node: unit_of_node[node.name],
                            keep_original_node_name=True)
+    _call_units_in_model_order(by_unit)
     for unit in by_unit.children():
         if isinstance(unit, fx.GraphModule):
             _no_writes_to_inputs(unit)
@@ -261,6 +263,38 @@ def _no_writes_to_inputs(unit: fx.GraphModule) -> None:
                 user.replace_input_with(written, copy)
     graph.lint()
     unit.recompile()
+
+
+def _call_units_in_model_order(split: fx.GraphModule) -> None:
+    """Call the units in the model's order (their numbers) wherever the data flow allows.
+    `split_module` calls them in a depth-first order of its own: a layer whose attention and MLP
+    read the same norm (Falcon, GPT-J) ran its MLP first, so the MLP's wide activations were
+    alive through the attention, and FSDP2, which prefetches each group's backward by the order
+    the forwards ended, gathered another group than the one the planner priced. The values
+    computed are the same in either order."""
+    graph = split.graph
+    body = [node for node in graph.nodes if node.op not in ("placeholder", "output")]
+    position = {node: index for index, node in enumerate(body)}
+
+    def unit(node: fx.Node) -> int:       # a unit's call, or what reads one (its outputs' getitem)
+        if node.op == "call_module":
+            return int(node.target.rpartition("_")[2])
+        return max((unit(source) for source in node.all_input_nodes if source in position), default=-1)
+
+    waiting = {node: sum(source in position for source in node.all_input_nodes) for node in body}
+    ready = [(unit(node), position[node], node) for node in body if not waiting[node]]
+    heapq.heapify(ready)
+    output = next(node for node in graph.nodes if node.op == "output")
+    while ready:
+        *_, node = heapq.heappop(ready)
+        output.prepend(node)
+        for user in node.users:
+            if user in waiting:
+                waiting[user] -= 1
+                if not waiting[user]:
+                    heapq.heappush(ready, (unit(user), position[user], user))
+    graph.lint()
+    split.recompile()
 
 
 def _check_order(module: fx.GraphModule, unit_of_node: dict[str, int], unit_stage: list[int]):

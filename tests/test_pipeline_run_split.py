@@ -188,3 +188,29 @@ def test_stage_examples_run_on_the_ranks_device():
             ref.value = nn.Parameter(torch.empty_like(ref.value, device="cuda"), requires_grad=False)
     examples = interface_examples(stages, [ids], device=torch.device("cuda"))
     assert [tuple(x.shape) for x in examples[-1][1]] == [(2, 16, 64)]
+
+
+class SideBySide(nn.Module):
+    """A layer whose two branches read the same norm, as Falcon's and GPT-J's attention and MLP
+    do; the second branch's first layer reads nothing of the first branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.attn = nn.Linear(8, 8)
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h) + self.down(torch.relu(self.up(h)))
+
+
+def test_a_stage_calls_its_layers_in_the_models_order_where_branches_run_side_by_side():
+    """The planner prices, and FSDP2 prefetches by, the model's order of layers; torch's
+    split_module would call the second branch first."""
+    model, x = SideBySide(), torch.randn(2, 4, 8)
+    [program] = split_stages(export_for_pipeline(model, (x,)), [["norm", "attn", "up", "down"]])
+    called = [node.target for node in program.module.graph.nodes if node.op == "call_module"]
+    assert called == sorted(called, key=lambda name: int(name.rpartition("_")[2])) and len(called) == 4
+    torch.testing.assert_close(run_stages([program], x), model(x), rtol=0, atol=0)
