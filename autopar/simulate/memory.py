@@ -179,7 +179,9 @@ class MemoryRecorder(TorchDispatchMode):
         peak = self.peak
         self.track(out)
         pending, self.peak = self.peak, peak
-        tokens = {self._token.get(t.untyped_storage()) for t in summed}
+        # a term broadcast from fewer elements (an expanded view) cannot take the sum in place
+        tokens = {self._token.get(t.untyped_storage()) for t in summed
+                  if t.untyped_storage().nbytes() == out.untyped_storage().nbytes()}
         self._pending = (pending, tokens - {None})
 
     def _settle(self) -> None:
