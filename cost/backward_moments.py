@@ -120,15 +120,17 @@ class GroupReductions:
         """The op's backward, a `Moment`'s fields (its polynomials as dicts, made into a Moment
         only if `prune` keeps it): it makes its weights' gradients (and holds a weight it reads
         whole with its whole gradient, `fact.whole`)."""
-        own = 0.0
+        own = again = 0.0
         for name, group in fact.weights:
+            size = self.param_local.get(name, 0.0)
             if name not in self.made:
                 self.made.add(name)
-                size = self.param_local.get(name, 0.0)
                 self.alive[group] = self.alive.get(group, 0.0) + size
                 own = max(own, size)
+            elif group not in self.done:    # a second reader's gradient, beside the first's
+                again = max(again, size)    # until autograd adds it in
         self.active = fact.group or self.active
-        return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own),
+        return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own) + again,
                 self._gathered(), self.scattering, tuple(self.reduced), 0.0, (0.0, 0.0))
 
     def after(self, position: int, flowing: dict, freed: dict) -> None:

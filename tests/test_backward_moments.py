@@ -123,7 +123,8 @@ def test_layers_that_share_a_weight_are_one_group_gathered_and_unreduced_to_the_
     """FSDP2 gives a parameter to one group, so the runtime leaves an embedding and the head tied
     to it in the stage's own group: gathered from the head's backward, the first it meets, and
     reduced only after the embedding's, the last. Between them (the middle layer's backward) the
-    rank holds the tied weight gathered and its gradient unreduced."""
+    rank holds the tied weight gathered and its gradient unreduced; at the embedding's, the
+    embedding's own gradient of it too, until autograd adds it into the head's."""
     graph = capture(_TiedLM(), example_inputs=(torch.randint(0, 32, (4, 8)),))
     groups = parameter_groups(graph)
     assert len({groups[node.name] for node in graph.parameters if "mid" not in node.param_fqn}) == 1
@@ -133,3 +134,4 @@ def test_layers_that_share_a_weight_are_one_group_gathered_and_unreduced_to_the_
                                regions)
     tied, mid = 32 * 16, 16 * 16 + 16
     assert any(moment.grads == tied + mid and moment.gathered >= tied + mid for moment in moments)
+    assert max(moment.grads for moment in moments) == 2 * tied
