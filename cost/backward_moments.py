@@ -164,6 +164,13 @@ class GroupReductions:
         return self._open() + (sum(self.totals.get(following, ())) if following not in self.entered else 0.0)
 
 
+def last_scattered(moments: tuple[Moment, ...]) -> float | None:
+    """Elements of the group a backward reduce-scatters last, of its (pruned) `moments`: FSDP2
+    keeps that reduce-scatter's input until the next backward's first; None where none reduces."""
+    reducing = [moment for moment in moments if moment.scattering is not None]
+    return max(reducing, key=lambda moment: sum(moment.reduced)).scattering if reducing else None
+
+
 def _items(poly: dict) -> tuple:
     return tuple(sorted((degree, value) for degree, value in poly.items() if value))
 

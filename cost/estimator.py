@@ -55,6 +55,7 @@ import sympy
 
 from autopar.errors import AutoparError
 from autopar.graph import Graph
+from autopar.cost.backward_moments import last_scattered
 from autopar.cost.calibration import calibrated
 from autopar.cost.compute import Efficiencies, compute_time
 from autopar.cost.config import Config
@@ -404,7 +405,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     element = 4 if precision == Precision.FP32 else 2
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
-    group = max(c.group for c in chunks)
+    group = max(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
+                for c in chunks)    # what the earlier backward's last reduce-scatter held
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
 
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,

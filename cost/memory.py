@@ -41,7 +41,7 @@ each backward is the loss's phase and one phase at each op's backward that may b
 (cost/backward_moments.py: the weight gradients of the group that runs, the last reduce-scatter's
 input, the shards reduced so far, under ZeRO-3 the groups gathered then). After an earlier
 micro-batch the rank holds the shards of its gradients, and in a pipeline, until the first
-reduce-scatter, the input of the earlier one's last, one FSDP `group` of fp32 gradients, which
+reduce-scatter, the input of the earlier one's last, the `group` it reduced last in fp32, which
 FSDP2 keeps until the next reduce-scatter starts (a single stage's loop ends each backward as a
 step's last, where FSDP2 lets go of it). The loss's
 backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards
@@ -146,7 +146,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         blocks = [_moment_phase(moment, held_now, earlier=earlier, shards=shards, weights=weights, zero=zero,
                                 element=element, split=(split, expert_split), cached=cached, offload=offload,
                                 held_before=group if pipelined and earlier else 0.0,
-                                micro_batches=micro_batches) for moment in moments]
+                                frees_gathered=_frees_gathered(pipelined, micro_batches, earlier))
+                   for moment in moments]
         return [loss_phase, *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
     later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
     phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
@@ -162,7 +163,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
 
 def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weights, zero: int,
                   element: int, split: tuple, cached, held_before, offload: bool,
-                  micro_batches: int) -> dict:
+                  frees_gathered: bool) -> dict:
     """A block phase at one op's backward (cost/backward_moments.py), `moment` weighed:
     (bytes of its flowing gradients less the activations freed, weight gradients' elements,
     gathered elements, the last reduce-scatter's group or None, reduced dense and experts'
@@ -171,20 +172,27 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
     reduced groups' new shards are fp32, 1/dp (or 1/expert dp) each, on the host when offloaded,
     and only in the step's first backward: a later one adds the group's reduce-scatter output
     into its shard, the two alive a moment. ZeRO-3 holds what the moment gathers; ZeRO-2 frees a
-    reduced group's gathered weights where its runtime does: it keeps them gathered until the
-    step's last micro-batch, so only a first backward that is also the last frees them block by
-    block."""
+    reduced group's gathered weights only where its runtime does (`_frees_gathered`)."""
     net, grads, gathered, scattering, dense, experts, releasing = moment
     reduce_input = held_before if scattering is None else scattering
     shard = lambda elements: GRADIENT_BYTES * (elements[0] / split[0] + elements[1] / split[1])
     new = 0.0 if offload else shard(releasing) if earlier else shard((dense, experts))
     if zero == 3:
         weights = element * gathered
-    elif micro_batches == 1 or earlier:
+    elif frees_gathered:
         weights = weights - element * (dense + experts)
     return {**held_now, "weights": weights,
             "gradients": (shards if earlier else 0.0) + GRADIENT_BYTES * reduce_input + new,
             "buffers": net + element * grads + cached}
+
+
+def _frees_gathered(pipelined: bool, micro_batches: int, earlier: bool) -> bool:
+    """Whether ZeRO-2 frees each group's gathered weights after its backward in this one. Outside
+    a pipeline the runtime does so in the step's last micro-batch only (GradientAccumulation):
+    the one backward of a one-micro-batch step, or the later of two; from three micro-batches on
+    a middle one holds the earlier shards with the weights still gathered, which is fuller than
+    the last. A pipeline stage keeps them gathered through every backward (ReducingStage)."""
+    return not pipelined and (micro_batches == 1 or (earlier and micro_batches == 2))
 
 
 def _at_peak(persistent: dict, phases: list[dict]) -> dict:
