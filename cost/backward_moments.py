@@ -119,16 +119,19 @@ class GroupReductions:
     def moment(self, fact, flowing: dict, freed: dict) -> tuple:
         """The op's backward, a `Moment`'s fields (its polynomials as dicts, made into a Moment
         only if `prune` keeps it): it makes its weights' gradients (and holds a weight it reads
-        whole with its whole gradient, `fact.whole`)."""
+        whole with its whole gradient, `fact.whole`). A gradient made whole of a split weight
+        (`fact.whole_gradient`) is the weight's until FSDP2 reduces it, the local rows a view of it;
+        made by a second reader, it is alive beside the first's while autograd sums the two."""
         own = again = 0.0
         for name, group in fact.weights:
             size = self.param_local.get(name, 0.0)
             if name not in self.made:
                 self.made.add(name)
-                self.alive[group] = self.alive.get(group, 0.0) + size
-                own = max(own, size)
+                held = max(size, fact.whole_gradient)
+                self.alive[group] = self.alive.get(group, 0.0) + held
+                own = max(own, held)
             elif group not in self.done:    # a second reader's gradient, beside the first's
-                again = max(again, size)    # until autograd adds it in
+                again = max(again, size + fact.whole_gradient)    # until autograd adds it in
         self.active = fact.group or self.active
         return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own) + again,
                 self._gathered(), self.scattering, tuple(self.reduced), 0.0, (0.0, 0.0))

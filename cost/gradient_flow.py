@@ -191,6 +191,7 @@ class _Facts:
     extra: float                        # bytes per sample its backward makes beyond those
     weights: tuple = ()                 # (parameter, its FSDP group) of each weight it reads
     whole: float = 0.0                  # elements of the weights it reads whole (NodeLayout)
+    whole_gradient: float = 0.0         # elements of a split weight's gradient it makes whole
     group: str | None = None            # the FSDP group whose backward it is part of
     expert: bool = False                # an expert's op: its weights are the experts'
 
@@ -212,7 +213,8 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
                 read = dict(weights=tuple((name, f"{group} experts") for name, group in read["weights"]),
                             group=f"{read['group']} experts")
             facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node, views),
-                                       **read, expert=node.expert, whole=node.weight_gathered)
+                                       **read, expert=node.expert, whole=node.weight_gathered,
+                                       whole_gradient=node.gradient_whole)
         for node in graph.nodes:            # the model's output reads from outside every chunk
             for value in node.inputs:
                 readers.setdefault(value, []).append("" if node.role is Role.OUTPUT else node.name)

@@ -83,6 +83,8 @@ class NodeLayout:
     weight_gathered: float = 0.0   # elements of the tensor-parallel-split weights it reads whole:
                                    # gathered for its forward and again for its backward, which
                                    # also makes their whole gradient (an op run replicated)
+    gradient_whole: float = 0.0    # elements of a vocabulary-split table whose gradient a lookup's
+                                   # backward makes whole: DTensor has no rule for it split
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -316,6 +318,8 @@ class _LayoutBuilder:
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
             if moves and not per_sample and inputs[k] == "R":
                 layout.weight_gathered += _numel(self.by_name[self.weight_of.get(name, name)].shape)
+            if not per_sample and inputs[k] == "S(0)" and layout.family == "embedding":
+                layout.gradient_whole += _numel(self.by_name[self.weight_of.get(name, name)].shape)
             if not (self.grad[name] and node_differentiable(self.by_name[name])):
                 continue
             given = gradient_given((out,), [(p,) for p in inputs], k)

@@ -34,6 +34,7 @@ from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import partial_reductions, poly_at, tensor_parallel_kind
 from autopar.cost.forms import expert_data_parallel
+from autopar.cost.traffic import tied_gradient_bytes
 from autopar.graph import Graph
 from autopar.plans.vocabulary import ContextParallel, Precision
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
@@ -64,6 +65,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
             _context_parallel(found, graph, memo, specs, c, pipe, element)
             _expert_parallel(found, pipe.chunks[c], specs[c], pipe, world)
         _pipeline(found, crossing, specs, chunks, pipe)
+        _tied(found, memo.readers(memo.split(specs)), memo.layout(spec), spec, chunks, pipe.devices)
         # experts not split over ep ranks are replicated as the rest: dp x cp reduce them too
         experts = sum(pipe.chunks[c].expert_params for c in chunks) if spec.ep > 1 else 0.0
         # ZeRO's shards as FSDP2 pads them (cost/padding.py)
@@ -157,6 +159,16 @@ def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> N
         _add(found, "send", "pp", len(pipe.devices), (out + back) * per_step)
         if spec.tp > 1 and not spec.sequence_parallel:
             _add(found, "all_gather", "tp", spec.tp, (out + back) * spec.tp * per_step)
+
+
+def _tied(found: dict, readers: dict, layout, spec, chunks: list, devices: list) -> None:
+    """Megatron's embedding group (autopar/runtime/tied.py): a weight that chunks on several
+    pipeline ranks read has a copy on each, whose fp32 gradient they sum once a step in the
+    copy's layout: its tensor-parallel part, and its ZeRO shard where the stage shards it."""
+    for name, reading in readers.items():
+        holders = [d for d, held in enumerate(devices) if reading & set(held)]
+        if len(holders) > 1 and reading & set(chunks):
+            _add(found, "all_reduce", "pp", len(holders), tied_gradient_bytes(name, layout, spec))
 
 
 def _data_parallel(found: dict, params: float, spec, schedule: str, m: int, element: int,

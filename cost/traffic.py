@@ -92,9 +92,16 @@ def tied_exposed(readers: dict[str, set[int]], layout: GraphLayout, spec: StageS
             continue
         nodes = {rank // mesh.gpus_per_node for rank in ranks}
         link = mesh.device.intra_node if len(nodes) == 1 else mesh.device.inter_node
-        grads = layout.param_local.get(name, 0.0) * BYTES_PER_PARAM["gradients"]
-        seconds += Group((Level(len(ranks), link),)).all_reduce(grads)
+        seconds += Group((Level(len(ranks), link),)).all_reduce(tied_gradient_bytes(name, layout, spec))
     return seconds
+
+
+def tied_gradient_bytes(name: str, layout: GraphLayout, spec: StageSpec) -> float:
+    """Bytes of a tied weight's gradient that a copy's rank sums over the embedding group: the
+    copy's tensor-parallel part, split over the dp x cp ranks where ZeRO shards it (its
+    parameter's layout: autopar/runtime/tied.py)."""
+    shards = spec.dp * spec.cp if spec.zero else 1
+    return layout.param_local.get(name, 0.0) / shards * BYTES_PER_PARAM["gradients"]
 
 
 def loss_sync(mesh: Mesh, eff: Efficiencies) -> float:

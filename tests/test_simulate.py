@@ -8,7 +8,6 @@ backward; every group has the size of its axis."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 
@@ -26,7 +25,7 @@ from autopar.plans.placements import parse_placement
 from autopar.simulate import rank_report, ranks_to_simulate, simulate_ranks
 from autopar.testing.simulated import (assert_holds_as_predicted as _assert_holds_as_predicted,
                                        assert_sent_as_priced as _assert_sent_as_priced,
-                                       simulated as _simulated)
+                                       simulated as _simulated, simulated_hf)
 from autopar.tracer import capture
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,seq=64,vocab=256"
@@ -510,30 +509,12 @@ def test_the_shards_a_simulated_rank_makes_are_fsdps_own(dim):
                     assert lazy[rank].data_ptr() == made[rank].data_ptr()
 
 
-def _simulated_hf(name: str, config: Config, **overrides):
-    """Rank 0 of `config` on 4 CPU ranks for a HuggingFace zoo model under causal_sdpa (its
-    config changed by `overrides`), simulated, beside what the estimator priced."""
-    pytest.importorskip("transformers")
-    from autopar.models.hf_attention import causal_sdpa
-    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
-
-    resolve([name])
-    arch = dataclasses.replace(ARCHITECTURES[name], config={**ARCHITECTURES[name].config, **overrides})
-    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
-    model = causal_sdpa(arch.build())
-    graph = capture(model, example_inputs=(ids,))
-    plan = plan_from_config(graph, "4:cpu", config)
-    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
-                          loss_fn=loss_fn, graph=graph)
-    return rank_report(plan, runs[0], plan_collectives(graph, plan))
-
-
 @pytest.mark.slow
 def test_positions_counted_over_a_split_sequence_gather_what_was_priced():
     """OPT counts its positions from the attention mask (a running sum along the sequence):
     under cp=2 each rank all-gathers its 2 chunk totals of every sequence, and the estimator
     prices those bytes with the ring's."""
-    report = _simulated_hf("opt", Config(dp=2, cp=2, global_batch=8, micro_batch=2))
+    report = simulated_hf("opt", Config(dp=2, cp=2, global_batch=8, micro_batch=2))
     gathered = [entry for entry in report.collectives if entry["kind"] == "all_gather"]
     assert [(g["axis"], g["sent_bytes"], g["predicted_sent_bytes"]) for g in gathered] == \
         [("cp", 2 * 2 * 4 * 2, 2 * 2 * 4 * 2)]        # 2 sequences x 2 fp32 totals x 2 micro-batches
@@ -546,7 +527,7 @@ def test_sliding_windows_and_sinks_split_over_the_sequence_send_what_was_priced(
     """GPT-OSS (sinks, sliding-window layers: autopar::attention) under tp2 x cp2: the ring tells
     which blocks a window reaches from the chunks' positions (fake tensors hold no values), and
     every collective is the bytes the estimator priced."""
-    report = _simulated_hf("gpt-oss", Config(tp=2, cp=2, global_batch=8, micro_batch=4))
+    report = simulated_hf("gpt-oss", Config(tp=2, cp=2, global_batch=8, micro_batch=4))
     assert {entry["kind"] for entry in report.collectives if entry["axis"] == "cp"} >= {"send"}
     _assert_sent_as_priced(report)
 
@@ -556,7 +537,7 @@ def test_one_key_value_head_goes_repeated_through_the_all_to_all_as_priced():
     """Gemma's one key/value head does not split over cp=2: the all-to-all sends it repeated to
     the query heads, and the estimator prices those bytes (and no all-gather for the count of
     tokens HuggingFace makes and never reads)."""
-    report = _simulated_hf("gemma", Config(dp=2, cp=2, cp_kind="all-to-all", global_batch=8,
+    report = simulated_hf("gemma", Config(dp=2, cp=2, cp_kind="all-to-all", global_batch=8,
                                            micro_batch=4))
     assert {(e["kind"], e["axis"]) for e in report.collectives} == {("all_to_all", "cp"),
                                                                    ("all_reduce", "dp+cp")}
@@ -568,7 +549,7 @@ def test_batched_experts_split_over_tensor_and_expert_ranks_send_what_was_priced
     """Llama 4's experts run on rows [E, tokens] that tensor parallelism splits over the
     experts: under ep each tensor-parallel rank gathers them whole, dispatches its tokens' rows
     (an all-to-all of slices of dim 0) and gathers the output back, as the estimator prices."""
-    report = _simulated_hf("llama4", Config(dp=2, tp=2, ep=2, global_batch=8, micro_batch=4))
+    report = simulated_hf("llama4", Config(dp=2, tp=2, ep=2, global_batch=8, micro_batch=4))
     sent = {(entry["kind"], entry["axis"]): entry for entry in report.collectives}
     assert sent["all_to_all", "ep"]["sent_bytes"] == sent["all_to_all", "ep"]["predicted_sent_bytes"]
     for entry in report.collectives:
@@ -589,6 +570,6 @@ def test_a_mixture_of_experts_without_repeated_blocks_holds_what_was_priced(conf
     from autopar.models import hf_zoo
 
     monkeypatch.setattr(hf_zoo, "SEQ", 128)
-    report = _simulated_hf("mixtral", config, num_hidden_layers=1, hidden_size=256, intermediate_size=512,
+    report = simulated_hf("mixtral", config, num_hidden_layers=1, hidden_size=256, intermediate_size=512,
                            vocab_size=2048)
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)

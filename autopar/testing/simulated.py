@@ -4,6 +4,10 @@ was predicted within the band of a cluster plan (-5%..+3%: never under-predicted
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 from autopar.api import plan_from_config
 from autopar.cost.config import Config
 from autopar.cost.rank_traffic import plan_collectives
@@ -34,3 +38,24 @@ def assert_sent_as_priced(report) -> None:
 def assert_holds_as_predicted(report) -> None:
     low, high = MEMORY_BAND
     assert low <= report.memory_error <= high, (report.peak_memory_bytes, report.predicted_memory_bytes)
+
+
+def simulated_hf(name: str, config: Config, **overrides):
+    """Rank 0 of `config` on 4 CPU ranks for a HuggingFace zoo model under causal_sdpa (its
+    config changed by `overrides`), simulated, beside what the estimator priced. Needs
+    transformers (the test extra): skipped without it."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
+
+    resolve([name])
+    arch = dataclasses.replace(ARCHITECTURES[name], config={**ARCHITECTURES[name].config, **overrides})
+    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
+    model = causal_sdpa(arch.build())
+    graph = capture(model, example_inputs=(ids,))
+    plan = plan_from_config(graph, "4:cpu", config)
+    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
+                          loss_fn=loss_fn, graph=graph)
+    return rank_report(plan, runs[0], plan_collectives(graph, plan))
