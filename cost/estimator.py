@@ -408,7 +408,6 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     group = max(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
                 for c in chunks)    # what the earlier backward's last reduce-scatter held
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
-
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
                        weight=_heaviest_gradient(chunks),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,

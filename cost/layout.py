@@ -1,7 +1,5 @@
 """What each node of a captured graph costs one device on a tensor-parallel axis of given
-placements.
-
-Placements (`TensorPlacements`: each node's output and each parameter's storage on the
+placements. Placements (`TensorPlacements`: each node's output and each parameter's storage on the
 tensor-parallel axis) come from a producer: the sharding ILP's (autopar's plans, forced or free)
 or Megatron-LM's layout (autopar.cost.megatron, for published runs). Each op runs the strategy of
 its rule that writes its planned output and reads its producers with the least traffic (the
@@ -9,11 +7,9 @@ choice the ILP made: with every output fixed, an op's inputs are a local choice)
 when any of its tensors is sharded, and the collectives come from the placement changes along its
 input edges (`autopar.cost.reshard`, the ILP's own facts). A gradient that several consumers give
 in one placement is summed before it is redistributed, once, as autograd accumulates it. Without a
-tensor-parallel axis (tp = 1) every op runs whole.
-
-Per node this module also answers what autograd keeps for the backward (`saved`), with views
-resolved to the tensor that owns the storage, so that activation memory is the sum of distinct
-saved tensors.
+tensor-parallel axis (tp = 1) every op runs whole. Per node this module also answers what autograd
+keeps for the backward (`saved`), with views resolved to the tensor that owns the storage, so
+that activation memory is the sum of distinct saved tensors.
 """
 
 from __future__ import annotations
@@ -83,8 +79,7 @@ class NodeLayout:
     weight_gathered: float = 0.0   # elements of the tensor-parallel-split weights it reads whole:
                                    # gathered for its forward and again for its backward, which
                                    # also makes their whole gradient (an op run replicated)
-    gradient_whole: float = 0.0    # elements of a vocabulary-split table whose gradient a lookup's
-                                   # backward makes whole: DTensor has no rule for it split
+    gradient_whole: float = 0.0    # of a vocabulary-split table, whose whole gradient a lookup makes
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
