@@ -146,8 +146,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         blocks = [_moment_phase(moment, held_now, earlier=earlier, shards=shards, weights=weights, zero=zero,
                                 element=element, split=(split, expert_split), cached=cached, offload=offload,
                                 held_before=group if pipelined and earlier else 0.0,
-                                frees_gathered=_frees_gathered(pipelined, micro_batches, earlier))
-                   for moment in moments]
+                                frees_gathered=_frees_gathered(pipelined, micro_batches, earlier)) for moment in moments]
         return [loss_phase, *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
     later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
     phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
