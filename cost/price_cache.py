@@ -25,7 +25,7 @@ from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_
 from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
-from autopar.plans.stage_flow import live
+from autopar.plans.stage_flow import constants, live
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -158,9 +158,11 @@ class PriceCache:
         key = tuple(tuple(_hashable(layer) for layer in s.layers) for s in stages)
         return self._get(("split", key), lambda: self._make_split(key, stages))
 
+    def _flow(self) -> list:
+        return self._get(("flow",), lambda: live(self.graph.flow_nodes()))
+
     def _make_split(self, key: tuple, stages: list[StageSpec]) -> Split:
-        flow = self._get(("flow",), lambda: live(self.graph.flow_nodes()))
-        owner = chunk_of_nodes(self.graph, stages, flow)
+        owner = chunk_of_nodes(self.graph, stages, self._flow())
         members: list[list[int]] = [[] for _ in stages]
         for i, c in enumerate(owner):
             members[c].append(i)
@@ -226,8 +228,9 @@ class PriceCache:
         """Bytes per sample crossing each chunk boundary, {power of the sequence length: bytes},
         by `bytes_of` (the estimator's)."""
         degrees = tuple(s.layout_key for s in stages)
+        made_anywhere = self._get(("constants",), lambda: frozenset(constants(self._flow())))
         return self._get(("crossing", split.key, degrees), lambda: bytes_of(
-            self.graph, self.layouts(stages), split.owner, stages))
+            self.graph, self.layouts(stages), split.owner, stages, made_anywhere))
 
 
 def _hashable(layer):

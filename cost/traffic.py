@@ -27,19 +27,22 @@ def parameter_readers(reads: list[tuple[str, int]], owner: list[int]) -> dict[st
     return readers
 
 
-def crossing_bytes(graph: Graph, layouts: dict, owner: list[int],
-                   stages: list[StageSpec]) -> list[dict]:
+def crossing_bytes(graph: Graph, layouts: dict, owner: list[int], stages: list[StageSpec],
+                   constants: frozenset = frozenset()) -> list[dict]:
     """Activation bytes per sample that one rank sends from chunk c to chunk c + 1, as {power of
     the sequence length: bytes}. A tensor used several chunks later is relayed through every
     boundary between. A floating value crosses as each tensor-parallel rank's 1/tp chunk
     (autopar.passes.stage_boundaries): the rank's share where the stage splits it already (a
-    sequence-parallel stream), a 1/tp slice of it where the stage holds it whole."""
+    sequence-parallel stream), a 1/tp slice of it where the stage holds it whole. `constants`
+    (autopar.plans.stage_flow's: rotary tables, a position `arange`) cross no boundary: the
+    runtime's split makes them again in every layer that reads them."""
     layout = layouts[stages[0].layout_key]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
         for name in node.inputs:
             j = layout.index[name]
-            if owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION:
+            if 0 <= owner[j] < owner[i] and graph.nodes[j].role is Role.ACTIVATION \
+                    and name not in constants:
                 sent.update((layout.storage[name], c) for c in range(owner[j], owner[i]))
     crossing: list[dict] = [{} for _ in stages]
     for tensor, c in sent:

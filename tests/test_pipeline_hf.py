@@ -156,3 +156,17 @@ def test_estimator_counts_a_tied_weight_once_in_one_stage():
                            autopar.Config(dp=1, micro_batch=2, global_batch=4))
     elements = sum(math.prod(n.shape) for n in graph.parameters if n.tied_to is None)
     assert one.memory_breakdown["weights"] == 4 * elements      # fp32 weights: a CPU mesh trains in fp32
+
+
+@pytest.mark.parametrize("name", ["llama", "phi"])
+def test_rotary_tables_are_made_again_in_each_stage_and_priced_as_unsent(name):
+    """The split copies what is computed from constants alone (rotary tables) into every layer
+    that reads it; only the hidden states cross. Priced as crossing too, the first stage's sends
+    were 1.5x (Llama) and 1.25x (Phi) what it sends."""
+    from autopar.testing.simulated import assert_sent_as_priced, simulated_hf
+
+    report = simulated_hf(name, autopar.Config(dp=2, pp=2, zero=2, global_batch=8, micro_batch=1),
+                          num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=4096,
+                          max_position_embeddings=128)
+    assert any(entry["kind"] == "send" for entry in report.collectives)
+    assert_sent_as_priced(report)
