@@ -132,11 +132,13 @@ def _zero_levels(shape: Shape, levels: tuple[int, ...]) -> tuple[int, ...]:
 
 def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[Priced]:
     """Price the uniform Megatron configurations, keeping for each shape and ZeRO level the fastest
-    recompute that fits. Memory only grows with less recompute, a lower ZeRO level and a larger
-    micro-batch, and time only grows with more recompute, so: when the same layout fitted without
-    recompute at its previous micro-batch or ZeRO level, "none" is priced first and ends the
-    ladder if it fits; otherwise "full" first, and when it does not fit nothing less saving is
-    priced; a layout whose every ZeRO level fails skips its larger micro-batches."""
+    recompute that fits. Memory only grows with less recompute and a larger micro-batch, and time
+    only grows with more recompute, so: when the same layout fitted without recompute at its
+    previous micro-batch or ZeRO level, "none" is priced first and ends the ladder if it fits;
+    otherwise "full" first, and when it does not fit nothing less saving is priced; a layout
+    whose every ZeRO level fails skips its larger micro-batches. Every ZeRO level is tried: a
+    lower one can need less (ZeRO-2 reduce-scatters each micro-batch, holding a group's fp32
+    input and new shard beside the gathered weights, where ZeRO-1 accumulates)."""
     results = []
     too_big: set[tuple] = set()      # layouts whose smaller micro-batch already failed to fit
     needed: dict[tuple, bool] = {}   # layout -> whether its last micro-batch needed recompute
@@ -159,7 +161,7 @@ def grid_phase(search: Search, shapes: list[Shape], zero_levels=(0, 1)) -> list[
             priced, fastest = ladder
             results.extend(priced)
             if fastest is None:
-                break
+                continue
             fitted = True
             needed[layout] = fastest.candidate.recompute[0] != Recompute.NONE
         if not fitted and not refused:
