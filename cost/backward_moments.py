@@ -58,6 +58,8 @@ class GroupReductions:
         for group, position in first.items():
             self.release.setdefault(position, []).append(group)
         self.next = dict(zip(order, order[1:]))
+        # the group the forward gathers last: FSDP2 keeps that all-gather's output to the forward's end
+        self.first_met = sum(self.totals.get(order[0], ())) if order else 0.0
         self.first = first                             # group -> position of its first op
         self.param_local = param_local
         self.alive: dict[str, float] = {}

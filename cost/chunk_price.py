@@ -16,7 +16,7 @@ from autopar.cost.context import context_parallel_time, exchanged_kv
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
-from autopar.cost.gradient_flow import backward_moments, backward_peak
+from autopar.cost.gradient_flow import backward_moments, backward_peak, last_gathered
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
@@ -65,6 +65,7 @@ class Chunk:
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
     moments: tuple = ()             # the same op by op, with FSDP2's reductions (cost/backward_moments.py)
+    last_gathered: float = 0.0      # elements of the FSDP group its forward gathers last
     weight_read: float = 0.0        # elements of the largest weight an op reads
     sent_poly: dict = field(default_factory=dict)      # activations it sends to the next chunk
     received_poly: dict = field(default_factory=dict)  # what it receives: inputs, outputs' gradients
@@ -191,6 +192,7 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
     chunk_regions = [regions[layout.index[node.name]] for node in nodes]
     out.flowing_poly = backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.moments = backward_moments(graph, layout, nodes, first_kept, regions=chunk_regions)
+    out.last_gathered = last_gathered(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.weight_read = _heaviest_weight(graph, layout, nodes)
     return out
 

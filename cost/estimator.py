@@ -383,24 +383,21 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                    virtual: int, stage: int, seq_ratio=1, precision: str = Precision.BF16,
                    receive_buffers: bool = True) -> tuple[dict, float]:
     """A pipeline rank's peak (cost.memory.peak_bytes), and what it keeps on its host when its
-    stage offloads (cost/offload.py). Under ZeRO-3 a zero-bubble schedule
-    keeps the weights gathered from forward to backward (its weight backward runs after the
-    input backward, on the same gathered weights), so the rank holds them all, not
-    GATHERED_GROUPS at a time; other schedules free them after each use (the runtime's
-    `fully_shard(reshard_after_forward=True)` and `autopar.runtime.schedule.ReshardingStage`).
-    ZeRO shards over the cp x dp ranks, experts' states over their own group (cost/forms.py).
-    `receive_buffers`: the rank holds, for every micro-batch, as many bytes as its inputs and
-    its outputs' gradients (`cost.overlap.holds_every_transfer`)."""
+    stage offloads (cost/offload.py). Under ZeRO-3 a zero-bubble schedule keeps the weights
+    gathered from forward to backward (its weight backward runs after the input backward, on
+    the same gathered weights), so the rank holds them all, not GATHERED_GROUPS at a time;
+    other schedules free them after each use (`fully_shard(reshard_after_forward=True)`,
+    `autopar.runtime.schedule.ReshardingStage`). ZeRO shards over the cp x dp ranks, experts'
+    states over their own group (cost/forms.py). `receive_buffers`: the rank holds, for every
+    micro-batch, its inputs' and outputs' gradients' bytes (`cost.overlap.holds_every_transfer`)."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
-    # a stage also keeps what it sent for each micro-batch: torch's PipelineStage caches its
-    # outputs for their backward
+    # a stage also keeps what it sent for each micro-batch (torch's PipelineStage caches it)
     per_chunk = sum(poly_at(c.saved_poly, seq_ratio) + poly_at(c.sent_poly, seq_ratio)
                     for c in chunks) / len(chunks)
     # a zero-bubble rank's micro-batches between their input and weight backwards also keep the
     # gradients their weights' backward needs (cost.memory.pending_weight_backwards)
-    pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual,
-                                       stage=stage)
+    pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     deferred = sum(poly_at(c.deferred_poly, seq_ratio) for c in chunks) / len(chunks) * b
     flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     element = 4 if precision == Precision.FP32 else 2
@@ -408,11 +405,11 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     group = max(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
                 for c in chunks)    # what the earlier backward's last reduce-scatter held
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
+    logits = sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
                        weight=_heaviest_gradient(chunks),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
-                       reduce_every=reduce_every,
-                       held=held, pipelined=pp > 1,   # both in (chunk, micro-batch) pairs
+                       reduce_every=reduce_every, held=held, pipelined=pp > 1,   # (chunk, micro-batch) pairs
                        activations=held * per_chunk * b,
                        deferred=(max(pending - 1, 0) * deferred, pending * deferred),
                        # the last chunk's micro-batches among them, each keeping its loss's copy
@@ -420,15 +417,18 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1)
                        - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
                                                       stage=pp - 1) - 1, 0),
-                       logits=sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b,
-                       flowing=flowing * b,
+                       logits=logits, flowing=flowing * b,
                        expert_params=sum(c.expert_params for c in chunks),
                        padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0,
                        moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows) for c in chunks
-                                for padded in [_padded(c)] for moment in c.moments] if reduce_every else ())
+                                for padded in [_padded(c)] for moment in c.moments] if reduce_every else (),
+                       forwards=[(2 * max(c.group * _padded(c)[0] for c in chunks), b * max(
+                                      poly_at(p, seq_ratio) for c in chunks for p in [{}, *c.peak_polys])),
+                                 (chunks[-1].last_gathered * _padded(chunks[-1])[0],
+                                  element * logits * (2 + 1 / spec.tp if spec.tp > 1 else 1))])
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 

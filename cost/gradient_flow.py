@@ -97,9 +97,20 @@ def backward_moments(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
                      first_kept: dict[str, int], regions: list | None = None) -> tuple[Moment, ...]:
     """The same sweep's moments with the weight gradients FSDP2 reduces group by group
     (cost/backward_moments.py), for plans that reduce every micro-batch (ZeRO-2 and 3)."""
+    return _swept(graph, layout, nodes, first_kept, regions)[1]
+
+
+def last_gathered(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
+                  first_kept: dict[str, int], regions: list | None = None) -> float:
+    """Elements of the FSDP group the chunk's forward gathers last, the first its backward meets
+    (the same sweep's)."""
+    return _swept(graph, layout, nodes, first_kept, regions)[2]
+
+
+def _swept(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, int],
+           regions: list | None) -> tuple:
     backward_peak(graph, layout, nodes, first_kept, regions)
-    key = _chunk_key(nodes, regions or [None] * len(nodes), first_kept)
-    return layout.gradient_facts["peaks"][key][1]
+    return layout.gradient_facts["peaks"][_chunk_key(nodes, regions or [None] * len(nodes), first_kept)]
 
 
 def _chunk_key(nodes: list[NodeLayout], regions: list, first_kept: dict) -> tuple:
@@ -109,7 +120,7 @@ def _chunk_key(nodes: list[NodeLayout], regions: list, first_kept: dict) -> tupl
 
 
 def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, int], regions: list,
-           facts: dict, readers: dict) -> tuple[dict[int, float], tuple[Moment, ...]]:
+           facts: dict, readers: dict) -> tuple[dict[int, float], tuple[Moment, ...], float]:
     grads, groups = _Gradients(), GroupReductions(nodes, facts, layout.param_local)
     in_chunk = {node.name for node in nodes}
     for node in nodes:
@@ -142,7 +153,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             degree = layout.seq_degree.get(key, 0)
             freed[degree] = freed.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
         groups.after(position, grads.live, released.get(None, {}))
-    return best[0], groups.kept()
+    return best[0], groups.kept(), groups.first_met
 
 
 def _at(live: dict, kept: dict, fact: "_Facts", freed: list[dict]) -> dict[int, float]:

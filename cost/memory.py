@@ -46,7 +46,12 @@ FSDP2 keeps until the next reduce-scatter starts (a single stage's loop ends eac
 step's last, where FSDP2 lets go of it). The loss's
 backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards
 (the runtime sets reshard_after_forward, so FSDP2 does not keep even the root's gathered), none
-is gathered again by then.
+is gathered again by then. A later micro-batch's forward holds what the loss's backward does
+but the loss, and under ZeRO-3 (`forwards`) a group's gathered weights with its all-gather's
+output (FSDP2 keeps that output to overlap the next copy-out, until the root's post-forward);
+at the forward's end the last group's output while the outputs leave the stage: a
+tensor-parallel stage's 1/tp of them, gathered whole and copied dense
+(autopar.passes.tensor_parallel), a single rank's as they are.
 """
 
 from __future__ import annotations
@@ -102,21 +107,20 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
                flowing, reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1,
                received=0.0, loss_held: int | None = None, offload: bool = False,
-               deferred=(0.0, 0.0), padding=(0.0, 0.0), moments=()) -> dict:
+               deferred=(0.0, 0.0), padding=(0.0, 0.0), moments=(), forwards=()) -> dict:
     """Memory of one device at its peak, by part, summing to the peak (`_at_peak`). `params`
-    elements of its stage(s) (of them, `expert_params` experts' weights, whose optimizer state and
-    gradient shards ZeRO splits over their own `expert_dp` ranks), `gathered` the elements ZeRO-3
-    holds gathered at once, `activations` the bytes the schedule keeps for the backward: `held`
-    micro-batches of the `micro_batches` of a step; on the last stage each of the `loss_held` of
-    them that ran the last chunk (all `held` by default) also keeps the loss's copy of its
-    `logits` elements (fp32) and, in a pipeline, the logits (its outputs, cached by torch's
+    elements of its stage(s) (`expert_params` of them experts', whose optimizer state and gradient
+    shards ZeRO splits over their `expert_dp` ranks), `gathered` those ZeRO-3 holds gathered at
+    once, `activations` the bytes kept for the backward: `held` micro-batches of `micro_batches`;
+    on the last stage each of the `loss_held` that ran the last chunk (default all) also keeps the
+    loss's fp32 copy of its `logits` elements and, in a pipeline, the logits (cached by torch's
     PipelineStage). Phases as in the module docstring. A backward's transients (`buffers`): the
-    larger of the loss's kept copy and its gradients, and a block backward's fullest moment
-    (`flowing`: gradient_flow.py, its rerun activations included) with the gradient of the weight
-    it reads (`weight`); pipelined, the logits too; where FSDP2 reduces every micro-batch
-    (`reduce_every`), each of the backward's `moments` (`_moment_phase`). `received`, `deferred`,
+    loss's kept copy and its gradients, or a block backward's fullest moment (`flowing`, rerun
+    activations included) with the gradient of the weight it reads (`weight`); pipelined, the
+    logits too; where FSDP2 reduces every micro-batch (`reduce_every`), each of the `moments`
+    (`_moment_phase`) and under ZeRO-3 the `forwards`' moments. `received`, `deferred`,
     `padding`: receive buffers, zero-bubble's kept gradients, ZeRO's padding (cost/padding.py).
-    `offload`: optimizer states and step, fp32 gradient shards on the host."""
+    `offload`: optimizer states, step, fp32 shards on the host."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -138,16 +142,17 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         if not (reduce_every and wrapped):
             return [{**held_now, "gradients": gradients if earlier else 0.0,
                      "buffers": _max(loss, block)}]
-        # the loss's backward: an earlier micro-batch's shards, in a pipeline with its last
-        # reduce-scatter's input (module docstring); under ZeRO-3 no group gathered
+        # the loss's backward (no group gathered under ZeRO-3) and the forward's end: module docstring
         loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
         loss_phase = {**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
                       "buffers": loss}
+        ends = [{**loss_phase, "weights": element * held, "buffers": out} for held, out in forwards]
         blocks = [_moment_phase(moment, held_now, earlier=earlier, shards=shards, weights=weights, zero=zero,
                                 element=element, split=(split, expert_split), cached=cached, offload=offload,
                                 held_before=group if pipelined and earlier else 0.0,
                                 frees_gathered=_frees_gathered(pipelined, micro_batches, earlier)) for moment in moments]
-        return [loss_phase, *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
+        return [loss_phase, *(ends if zero == 3 else []),
+                *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
     later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
     phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
         *backward(first, micro_batches > held),     # the time between backwards (zero-bubble),
