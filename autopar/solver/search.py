@@ -193,8 +193,8 @@ def _recompute_ladder(search: Search, shape: Shape, cuts: tuple, zero: int, try_
 
 def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Priced]:
     """Shapes outside the grid: balanced cuts, every ZeRO level where there is data parallelism
-    (the most sharding first: when it does not fit, less does not either), and for each the
-    fastest recompute that fits."""
+    (the most sharding first; a lower one can need less: `grid_phase`), and for each the fastest
+    recompute that fits."""
     results = []
     for shape in shapes:
         if search.out_of_time():
@@ -211,7 +211,7 @@ def uneven_phase(search: Search, shapes: list[Shape], weights_for) -> list[Price
             priced, fastest = ladder
             results.extend(priced)
             if fastest is None:
-                break
+                continue
             needs_recompute = fastest.candidate.recompute[0] != Recompute.NONE
     return results
 
