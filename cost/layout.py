@@ -5,11 +5,10 @@ or Megatron-LM's layout (autopar.cost.megatron, for published runs). Each op run
 its rule that writes its planned output and reads its producers with the least traffic (the
 choice the ILP made: with every output fixed, an op's inputs are a local choice), its work split
 when any of its tensors is sharded, and the collectives come from the placement changes along its
-input edges (`autopar.cost.reshard`, the ILP's own facts). A gradient that several consumers give
-in one placement is summed before it is redistributed, once, as autograd accumulates it. Without a
-tensor-parallel axis (tp = 1) every op runs whole. Per node this module also answers what autograd
-keeps for the backward (`saved`), with views resolved to the tensor that owns the storage, so
-that activation memory is the sum of distinct saved tensors.
+input edges (`autopar.cost.reshard`, the ILP's own facts); a value's gradient is redistributed once
+for all its readers, as autograd sums it first. Without a tensor-parallel axis every op runs whole.
+Per node this module also answers what autograd keeps for the backward (`saved`), with views
+resolved to the tensor that owns the storage: activation memory is the sum of distinct ones.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.cost.reshard import (cheapest_inputs, gradient_given, gradient_need,
-                                  reshard_steps, work_split)
+                                  reshard_steps, work_split, written_as_computed)
 
 # Elementwise ops whose backward needs none of their inputs (gradients pass through or scale by a
 # constant), so autograd saves nothing for them.
@@ -291,8 +290,9 @@ class _LayoutBuilder:
         """The plan's placements for one node: the strategy of its rule that writes its planned
         output and reads its producers with the least traffic; the collectives of the placement
         changes on its input edges; True when its work is split."""
-        out = self.placements.nodes.get(node.name, "R")
         sources = [self.place[name] for name in node.inputs]
+        out = written_as_computed(self.placements.nodes.get(node.name, "R"), sources,
+                                  self._strategies(node))
         options = [ins for written, ins in self._strategies(node) if written == out]
         # an output no rule writes (an op without a rule, planned replicated) is computed whole;
         # R -> S and R -> P are local, so it is then placed as planned for free
@@ -320,7 +320,8 @@ class _LayoutBuilder:
             given = gradient_given((out,), [(p,) for p in inputs], k)
             need = gradient_need((sources[k],))
             moves = reshard_steps(given, need, [self.tp]) or []
-            if not (moves and self._first((self.storage[name], given, need, "gradient"))):
+            piece = name if self.by_name[name].dtype else node.name     # a tuple's: per piece
+            if not (moves and self._first((piece, given, need, "gradient"))):
                 continue
             if per_sample:
                 backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]

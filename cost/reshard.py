@@ -100,3 +100,16 @@ def _read_traffic(output: str, sources: list[str], inputs: tuple[str, ...], nbyt
             moved += sum(nbytes[k] / divisor * (2 if kind == ALL_REDUCE else 1)
                          for kind, _, divisor in steps)
     return (moved, -work_split((output,), [(p,) for p in inputs], [size]))
+
+
+def written_as_computed(planned: str, sources: list[str],
+                        strategies: list[tuple[str, tuple[str, ...]]]) -> str:
+    """Where an op's value is placed as it runs. The runtime moves no value to a partial sum
+    (`passes.tensor_parallel.place_nodes` leaves P to DTensor), so an op the plan places P
+    writes what DTensor computes from its inputs as they arrive, when a strategy reads them so
+    (a cast of a replicated value stays replicated); else the plan's P, DTensor reading its
+    inputs as the plan does."""
+    if planned != "P":
+        return planned
+    as_they_arrive = [written for written, inputs in strategies if list(inputs) == list(sources)]
+    return planned if not as_they_arrive or planned in as_they_arrive else as_they_arrive[0]

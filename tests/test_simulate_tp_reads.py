@@ -1,0 +1,25 @@
+"""What a tensor-parallel stage sends is what its plan was priced with, on a model whose plan
+reads values in other placements than it writes them (GPT-2's fused q, k, v split in three)."""
+
+import pytest
+
+from autopar.cost.config import Config
+from autopar.testing.simulated import assert_sent_as_priced, simulated_hf
+
+
+@pytest.mark.parametrize("layers", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_tensor_parallel_collectives_are_priced_as_the_runtime_issues_them(layers, monkeypatch):
+    """Three causes, each found by this case:
+    - the runtime places no value as a partial sum: an op the plan places P whose inputs arrive
+      whole (the cast of a settled lookup) stays whole, and its reader reduces nothing; priced,
+      it was one all-reduce more per micro-batch (+9% of the all-reduce bytes);
+    - a gradient is moved where the runtime places each value, not once per storage: q and v
+      split from one fused projection each gather their own gradient;
+    - so is each piece of a tuple (a split's outputs), not once per tuple (4.5% of the gathers
+      unpriced)."""
+    from autopar.models import hf_zoo
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    report = simulated_hf("gpt2", Config(dp=2, tp=2, zero=3, global_batch=2, micro_batch=1),
+                          n_layer=layers, n_embd=256, n_inner=512, n_positions=128, vocab_size=8192)
+    assert_sent_as_priced(report)
