@@ -39,7 +39,11 @@ class GroupReductions:
     """FSDP2's groups as a chunk's backward meets them: the weight gradients alive, the last
     reduce-scatter's input and what has been reduced."""
 
-    def __init__(self, nodes: list, facts: dict, param_local: dict[str, float]):
+    def __init__(self, nodes: list, facts: dict, param_local: dict[str, float],
+                 summed_apart: bool = False):
+        # autograd sums a second reader's gradient into the first's in place, but out of place
+        # for DTensors (`summed_apart`): the two and their sum are alive at once
+        self.second_reader = 2.0 if summed_apart else 1.0
         self.totals: dict[str, list[float]] = {}       # group -> [dense, experts] elements
         self.release: dict[int, list[str]] = {}        # position -> groups reduced after it
         first: dict[str, int] = {}
@@ -121,19 +125,16 @@ class GroupReductions:
     def moment(self, fact, flowing: dict, freed: dict) -> tuple:
         """The op's backward, a `Moment`'s fields (its polynomials as dicts, made into a Moment
         only if `prune` keeps it): it makes its weights' gradients (and holds a weight it reads
-        whole with its whole gradient, `fact.whole`). A gradient made whole of a split weight
-        (`fact.whole_gradient`) is the weight's until FSDP2 reduces it, the local rows a view of it;
-        made by a second reader, it is alive beside the first's while autograd sums the two."""
+        whole with its whole gradient, `fact.whole`)."""
         own = again = 0.0
         for name, group in fact.weights:
             size = self.param_local.get(name, 0.0)
             if name not in self.made:
                 self.made.add(name)
-                held = max(size, fact.whole_gradient)
-                self.alive[group] = self.alive.get(group, 0.0) + held
-                own = max(own, held)
+                self.alive[group] = self.alive.get(group, 0.0) + size
+                own = max(own, size)
             elif group not in self.done:    # a second reader's gradient, beside the first's
-                again = max(again, size + fact.whole_gradient)    # until autograd adds it in
+                again = max(again, self.second_reader * size)   # until autograd adds it in
         self.active = fact.group or self.active
         return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own) + again,
                 self._gathered(), self.scattering, tuple(self.reduced), 0.0, (0.0, 0.0))

@@ -121,7 +121,8 @@ def _chunk_key(nodes: list[NodeLayout], regions: list, first_kept: dict) -> tupl
 
 def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, int], regions: list,
            facts: dict, readers: dict) -> tuple[dict[int, float], tuple[Moment, ...], float]:
-    grads, groups = _Gradients(), GroupReductions(nodes, facts, layout.param_local)
+    grads, groups = _Gradients(), GroupReductions(nodes, facts, layout.param_local,
+                                                   layout.distributed)
     in_chunk = {node.name for node in nodes}
     for node in nodes:
         if facts[node.name].differentiable and any(r not in in_chunk for r in readers.get(node.name, ())):
@@ -202,7 +203,6 @@ class _Facts:
     extra: float                        # bytes per sample its backward makes beyond those
     weights: tuple = ()                 # (parameter, its FSDP group) of each weight it reads
     whole: float = 0.0                  # elements of the weights it reads whole (NodeLayout)
-    whole_gradient: float = 0.0         # elements of a split weight's gradient it makes whole
     group: str | None = None            # the FSDP group whose backward it is part of
     expert: bool = False                # an expert's op: its weights are the experts'
 
@@ -224,8 +224,7 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
                 read = dict(weights=tuple((name, f"{group} experts") for name, group in read["weights"]),
                             group=f"{read['group']} experts")
             facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node, views),
-                                       **read, expert=node.expert, whole=node.weight_gathered,
-                                       whole_gradient=node.gradient_whole)
+                                       **read, expert=node.expert, whole=node.weight_gathered)
         for node in graph.nodes:            # the model's output reads from outside every chunk
             for value in node.inputs:
                 readers.setdefault(value, []).append("" if node.role is Role.OUTPUT else node.name)

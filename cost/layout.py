@@ -78,7 +78,6 @@ class NodeLayout:
     weight_gathered: float = 0.0   # elements of the tensor-parallel-split weights it reads whole:
                                    # gathered for its forward and again for its backward, which
                                    # also makes their whole gradient (an op run replicated)
-    gradient_whole: float = 0.0    # of a vocabulary-split table, whose whole gradient a lookup makes
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -112,6 +111,7 @@ class GraphLayout:
     seq_degree: dict[str, int] = field(default_factory=dict)   # storage owner -> power of the
                                        # sequence length in its size (memory.sequence_dims)
     dtype: str = "bfloat16"            # what floating activations and weights are computed in
+    distributed: bool = False          # its values are DTensors (tp > 1), which autograd sums out of place
     gradient_facts: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
@@ -196,7 +196,7 @@ class _LayoutBuilder:
         return GraphLayout(nodes=layouts, index={n.name: i for i, n in enumerate(self.graph.nodes)},
                            storage=self.storage, storage_bytes=self.storage_bytes,
                            param_local=self.param_local, batch=self.batch,
-                           seq_degree=self.seq_degree, dtype=self.dtype)
+                           seq_degree=self.seq_degree, dtype=self.dtype, distributed=self.tp > 1)
 
     def full_bytes(self, node: Node) -> float:
         return whole_bytes(node, self.batch, self.dtype)
@@ -313,8 +313,6 @@ class _LayoutBuilder:
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
             if moves and not per_sample and inputs[k] == "R":
                 layout.weight_gathered += _numel(self.by_name[self.weight_of.get(name, name)].shape)
-            if not per_sample and inputs[k] == "S(0)" and layout.family == "embedding":
-                layout.gradient_whole += _numel(self.by_name[self.weight_of.get(name, name)].shape)
             if not (self.grad[name] and node_differentiable(self.by_name[name])):
                 continue
             given = gradient_given((out,), [(p,) for p in inputs], k)

@@ -8,8 +8,8 @@ rewrites bridge the two, each for one thing DTensor does differently:
 - `match_layouts`: a collective returns a contiguous local tensor whatever the global strides, so a
   view the global strides allow can fail on the local tensor;
 - `place_attention`: DTensor reshards positional arguments but not an attention's mask keyword;
-- `settle_lookups`: a vocabulary-split embedding lookup is a masked partial sum, which may be
-  reduced only once.
+- `settle_lookups`: a lookup in a vocabulary-split table reads its rank's rows, a partial sum
+  reduced once, and makes the gradient of those rows alone.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _MaskPartial
 
 from autopar.cost.strategies import parse_placement
+from autopar.passes.vocabulary_lookup import split_lookups
 
 
 def drop_metadata_checks(module: nn.Module) -> None:
@@ -197,9 +197,9 @@ def place_attention(module: nn.Module, mesh: DeviceMesh, nodes: dict[str, list[s
 class SettledLookup(nn.Module):
     """An embedding lookup's output reduced to replicated when its table is split on the vocabulary.
 
-    DTensor returns such a lookup as a masked partial sum whose mask (which rows of the local
-    table the ids hit) may be applied only once: a consumer whose op decomposes (rms_norm into
-    pow, mean and mul) or a second consumer reduces it again and fails. Reducing it once, here,
+    Such a lookup is a partial sum (`vocabulary_lookup`; DTensor's own is a masked partial sum
+    whose mask may be applied only once: a consumer whose op decomposes, rms_norm into pow, mean
+    and mul, or a second consumer reduced it again and failed). Reducing it once, here,
     is the all-reduce the plan prices for the partial sum, done before any consumer. Its gradient
     is made replicated before it flows back: DTensor cannot turn a partial-sum gradient into the
     masked kind the lookup's backward was recorded with."""
@@ -209,7 +209,7 @@ class SettledLookup(nn.Module):
         self.mesh = mesh
 
     def forward(self, value):
-        if isinstance(value, DTensor) and any(isinstance(p, _MaskPartial) for p in value.placements):
+        if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
             value = value.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
             if value.requires_grad:
                 value.register_hook(self._replicated)
@@ -222,10 +222,12 @@ class SettledLookup(nn.Module):
 
 
 def settle_lookups(module: nn.Module, mesh: DeviceMesh) -> None:
-    """After every embedding lookup, a SettledLookup."""
+    """Every embedding lookup looks up its rank's own rows (`vocabulary_lookup`), and after it a
+    SettledLookup."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         lookups = [node for node in graph_module.graph.nodes
                    if node.op == "call_function" and node.target is torch.ops.aten.embedding.default]
         if not lookups:
             continue
         _apply_after(graph_module, lookups, "settled_lookup", SettledLookup(mesh))
+        split_lookups(graph_module, lookups)

@@ -23,3 +23,17 @@ def test_tensor_parallel_collectives_are_priced_as_the_runtime_issues_them(layer
     report = simulated_hf("gpt2", Config(dp=2, tp=2, zero=3, global_batch=2, micro_batch=1),
                           n_layer=layers, n_embd=256, n_inner=512, n_positions=128, vocab_size=8192)
     assert_sent_as_priced(report)
+
+
+def test_a_vocabulary_split_table_keeps_the_gradient_of_its_own_rows(monkeypatch):
+    """DTensor's lookup made the whole table's gradient, replicated, and the parameter kept it
+    as its gradient (outside FSDP2, which would have taken its rows): the embedding stage of a
+    tp2 x pp2 plan held 23% more than priced."""
+    from autopar.models import hf_zoo
+    from autopar.testing.simulated import assert_holds_as_predicted
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    report = simulated_hf("gpt2", Config(tp=2, pp=2, global_batch=4, micro_batch=1),
+                          n_layer=2, n_embd=256, n_inner=512, n_positions=128, vocab_size=8192)
+    assert_holds_as_predicted(report)
+    assert_sent_as_priced(report)
