@@ -300,6 +300,7 @@ class _Pipeline:
     devices: list[list[int]]        # pipeline rank -> its chunks
     micro_batches: int
     samples: float = 1.0            # sequences of a micro-batch on one rank: micro_batch / cp
+    one_tensor_steps: bool = False  # Adam steps one tensor at a time: torch's foreach runs on GPUs
 
 
 def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_batch: int,
@@ -332,20 +333,19 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
     for c, poly in enumerate(received_bytes(crossing, stages)):
         chunks[c].received_poly = poly
     devices = [[c for c in range(len(stages)) if c % pp == d] for d in range(pp)]
-    return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples)
+    return _Pipeline(chunks=chunks, devices=devices, micro_batches=m, samples=samples,
+                     one_tensor_steps=mesh.device.name == "cpu")
 
 
-def pipeline_memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str,
-            virtual: int, seq_ratio=1, precision: str = Precision.BF16,
-            receive_buffers: bool = False) -> tuple[list[dict], list]:
+def pipeline_memory(pipe: _Pipeline, stages: list[StageSpec], samples, schedule: str, virtual: int,
+                    seq_ratio=1, precision: str = Precision.BF16, receive_buffers: bool = False) -> tuple:
     """Memory breakdown of each pipeline rank and the bytes it keeps on its host (offload);
-    `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the
-    captured one) may be sympy expressions; `receive_buffers`: the rank holds every
-    micro-batch's transfers (`cost.overlap.holds_every_transfer`)."""
+    `samples` (a micro-batch's sequences over cp) and `seq_ratio` (sequence length over the captured
+    one) may be sympy expressions; `receive_buffers`: the rank holds every micro-batch's transfers."""
     parts = [_device_memory([pipe.chunks[c] for c in cs], stages[cs[0]], samples, schedule,
                             pp=len(pipe.devices), m=pipe.micro_batches, virtual=virtual, stage=d,
-                            seq_ratio=seq_ratio, precision=precision,
-                            receive_buffers=receive_buffers)
+                            seq_ratio=seq_ratio, precision=precision, receive_buffers=receive_buffers,
+                            one_tensor_steps=pipe.one_tensor_steps)
              for d, cs in enumerate(pipe.devices)]
     return [device for device, _ in parts], [host for _, host in parts]
 
@@ -381,7 +381,7 @@ def _chunk_time(chunk: Chunk) -> float:
 
 def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp: int, m: int,
                    virtual: int, stage: int, seq_ratio=1, precision: str = Precision.BF16,
-                   receive_buffers: bool = True) -> tuple[dict, float]:
+                   receive_buffers: bool = True, one_tensor_steps: bool = False) -> tuple[dict, float]:
     """A pipeline rank's peak (cost.memory.peak_bytes), and what it keeps on its host when its
     stage offloads (cost/offload.py). Under ZeRO-3 a zero-bubble schedule keeps the weights
     gathered from forward to backward (its weight backward runs after the input backward, on
@@ -418,7 +418,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
                                                       stage=pp - 1) - 1, 0),
                        logits=logits, flowing=flowing * b,
-                       expert_params=sum(c.expert_params for c in chunks),
+                       expert_params=sum(c.expert_params for c in chunks), one_tensor=max(
+                           c.largest for c in chunks) if one_tensor_steps else 0.0,
                        padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)

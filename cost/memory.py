@@ -93,7 +93,10 @@ def model_state_bytes(params: float, *, zero: int, dp: int,
 
 # torch's AdamW (foreach) takes the square root of the second moment into a new fp32 tensor per
 # parameter before dividing: one fp32 element per parameter element alive during the step.
+# Without foreach kernels (a CPU) it steps one tensor at a time, and its square root and the
+# quotient are both alive: two fp32 temporaries of the largest tensor.
 OPTIMIZER_STEP_TEMPORARY_BYTES = 4
+ONE_TENSOR_STEP_TEMPORARIES = 2
 # Cross-entropy on fp32 logits keeps its log-softmax output for the backward (a copy of the
 # logits per micro-batch whose backward has not run), and its backward adds the gradient it
 # receives and the one it gives.
@@ -106,7 +109,7 @@ GATHERED_GROUPS = 2
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
                flowing, reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1,
-               received=0.0, loss_held: int | None = None, offload: bool = False,
+               received=0.0, loss_held: int | None = None, offload: bool = False, one_tensor: float = 0.0,
                deferred=(0.0, 0.0), padding=(0.0, 0.0), moments=(), forwards=()) -> dict:
     """Memory of one device at its peak, by part, summing to the peak (`_at_peak`). `params`
     elements of its stage(s) (`expert_params` of them experts', whose optimizer state and gradient
@@ -120,7 +123,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     logits too; where FSDP2 reduces every micro-batch (`reduce_every`), each of the `moments`
     (`_moment_phase`) and under ZeRO-3 the `forwards`' moments. `received`, `deferred`,
     `padding`: receive buffers, zero-bubble's kept gradients, ZeRO's padding (cost/padding.py).
-    `offload`: optimizer states, step, fp32 shards on the host."""
+    `offload`: optimizer states, step, fp32 shards on the host. `one_tensor`: `_step_temporaries`."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -160,9 +163,18 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[0], "buffers": 0.0},
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
-         "optimizer_step": 0.0 if offload else sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)},
+         "optimizer_step": 0.0 if offload else _step_temporaries(sharded, one_tensor / split)},
     ]
     return _at_peak(persistent, phases)
+
+
+def _step_temporaries(sharded, one_tensor: float) -> float:
+    """Bytes Adam's step makes: for every parameter at once (foreach; `sharded` gives the rank's
+    bytes at so many per element), or where it steps one tensor at a time, for the rank's shard of
+    the largest (`one_tensor` elements)."""
+    if one_tensor:
+        return ONE_TENSOR_STEP_TEMPORARIES * OPTIMIZER_STEP_TEMPORARY_BYTES * one_tensor
+    return sharded(OPTIMIZER_STEP_TEMPORARY_BYTES)
 
 
 def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weights, zero: int,

@@ -82,7 +82,7 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
               _transfers_held_until_waited()):
             with _only_the_rank_s_shards_made():
                 compiled = build_runtime(model, plan, example_inputs=example_inputs,
-                                         loss_fn=loss_fn, optimizer=optimizer or _adamw,
+                                         loss_fn=loss_fn, optimizer=optimizer or _adamw(plan),
                                          graph=graph, device="cpu")
             _route_balanced(compiled)
             _agree_on_static_shapes(compiled.schedule)
@@ -266,8 +266,11 @@ def _hold_optimizer_state(optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-4)
+def _adamw(plan: Plan):
+    """AdamW as it steps on the plan's devices: every tensor at once on GPUs (torch's foreach
+    kernels), one at a time on CPUs, which torch picks by the device of the tensors, here CPU."""
+    foreach = Mesh.from_dict(plan.mesh).device.name != "cpu"
+    return lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
