@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autopar.cost.backward_moments import GroupReductions, Moment
-from autopar.cost.layout import GraphLayout, NodeLayout, op_name
+from autopar.cost.layout import TAKES_NO_GRADIENT, GraphLayout, NodeLayout, op_name
 from autopar.cost.stages import TIED_SEPARATOR, parameter_groups
 from autopar.cost.units import module_units
 from autopar.graph import Graph, Role
@@ -277,12 +277,13 @@ def _node_facts(graph: Graph, layout: GraphLayout, by_name: dict, node: NodeLayo
     name = op_name(graph_node.target)
     elementwise = node.family != "view" and name != "cat"
     gives = []
-    for value in graph_node.inputs:
+    for k, value in enumerate(graph_node.inputs):
         source = by_name.get(value)
         # the gradient of a weight's view (w.t() read by a grouped GEMM) is the weight's own,
         # counted with the weight gradients of its group
         if source is None or not source.requires_grad or value in weight_views or \
-                graph.nodes[layout.index[value]].role is not Role.ACTIVATION:
+                graph.nodes[layout.index[value]].role is not Role.ACTIVATION or \
+                k in TAKES_NO_GRADIENT.get(name, ()):
             continue
         passes = name in _PASSING and \
             (not elementwise or graph.nodes[layout.index[value]].shape == graph_node.shape)

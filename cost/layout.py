@@ -29,6 +29,8 @@ from autopar.cost.reshard import (cheapest_inputs, gradient_given, gradient_need
 _SAVES_NOTHING = {"add", "sub", "neg", "clone", "_to_copy", "to", "copy", "contiguous", "cat",
                   "stack", "type_as", "fill", "zero", "masked_fill", "where", "rsub", "constant_pad_nd",
                   "pad", "repeat", "index", "slice_scatter", "select_scatter", "detach", "tril", "triu"}
+# Inputs (by position) that an op reads for their dtype or shape alone: they get no gradient.
+TAKES_NO_GRADIENT = {"type_as": (1,), "expand_as": (1,), "view_as": (1,), "reshape_as": (1,)}
 # Elementwise ops whose backward reads their result, not their input (sigmoid_backward,
 # tanh_backward, threshold_backward of relu; exp, sqrt and rsqrt from their result).
 _SAVES_OUTPUT = {"sigmoid", "tanh", "relu", "exp", "sqrt", "rsqrt"}
@@ -313,7 +315,8 @@ class _LayoutBuilder:
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
             if moves and not per_sample and inputs[k] == "R":
                 layout.weight_gathered += _numel(self.by_name[self.weight_of.get(name, name)].shape)
-            if not (self.grad[name] and node_differentiable(self.by_name[name])):
+            if not (self.grad[name] and node_differentiable(self.by_name[name])) \
+                    or k in TAKES_NO_GRADIENT.get(op_name(node.target), ()):
                 continue
             given = gradient_given((out,), [(p,) for p in inputs], k)
             need = gradient_need((sources[k],))
@@ -348,8 +351,7 @@ class _LayoutBuilder:
             self.seq_degree[key] = self.seq_degree.get(self.storage[name], 0)
 
     def _output(self, node: Node) -> NodeLayout:
-        """The graph's outputs leave the program replicated (the loss reads whole logits): under
-        a plan's placements that is a redistribution like any other."""
+        """The graph's outputs leave the program replicated (the loss reads whole logits)."""
         layout = NodeLayout(name=node.name, family="view", sharded=False, flops=0.0, act_bytes=0.0,
                             requires_grad=any(self.grad[name] for name in node.inputs),
                             param_bytes=0.0, out_bytes=0.0)
