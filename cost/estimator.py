@@ -327,7 +327,7 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
         chunks[c].padding = memo.shard_padding(split, s)[c] if s.zero else (0.0, 0.0)
         chunks[c].experts_by_rows = memo.experts_by_rows(split, s)[c] if s.zero else 0.0
     crossing = memo.crossing(split, stages, crossing_bytes)
-    add_sends([poly_at(poly, 1) for poly in crossing], stages, chunks, mesh, samples)
+    add_sends(memo, split, stages, chunks, mesh, samples)
     for c, poly in enumerate(crossing):
         chunks[c].sent_poly = poly
     for c, poly in enumerate(received_bytes(crossing, stages)):

@@ -224,13 +224,14 @@ class PriceCache:
             return members
         return self._get(("members", split.key, *spec.layout_key), make)
 
-    def crossing(self, split: Split, stages: list[StageSpec], bytes_of) -> list[dict]:
+    def crossing(self, split: Split, stages: list[StageSpec], bytes_of,
+                 held_whole: bool = False) -> list[dict]:
         """Bytes per sample crossing each chunk boundary, {power of the sequence length: bytes},
-        by `bytes_of` (the estimator's)."""
+        by `bytes_of` (the estimator's; `held_whole`: of the values a stage holds whole)."""
         degrees = tuple(s.layout_key for s in stages)
         made_anywhere = self._get(("constants",), lambda: frozenset(constants(self._flow())))
-        return self._get(("crossing", split.key, degrees), lambda: bytes_of(
-            self.graph, self.layouts(stages), split.owner, stages, made_anywhere))
+        return self._get(("crossing", split.key, degrees, held_whole), lambda: bytes_of(
+            self.graph, self.layouts(stages), split.owner, stages, made_anywhere, held_whole))
 
 
 def _hashable(layer):

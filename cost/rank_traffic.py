@@ -52,7 +52,9 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
     pipe = price_pipeline(graph, mesh, specs, global_batch=plan.global_batch,
                           micro_batch=plan.micro_batch_size, virtual=plan.virtual, efficiencies=eff,
                           attention="flash", memo=memo)
-    crossing = [poly_at(p, 1) for p in memo.crossing(memo.split(specs), specs, crossing_bytes)]
+    crossing, gathered = ([poly_at(p, 1) for p in memo.crossing(memo.split(specs), specs, crossing_bytes,
+                                                                 held_whole=whole)]
+                          for whole in (False, True))
     element = 4 if plan.precision == Precision.FP32 else 2
     world = {"pp": len(pipe.devices), "dp": specs[0].dp, "cp": specs[0].cp, "tp": specs[0].tp}
     ranks = []
@@ -64,7 +66,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
                 spec, plan.schedule, plan.precision, pipe.micro_batches))
             _context_parallel(found, graph, memo, specs, c, pipe, element)
             _expert_parallel(found, pipe.chunks[c], specs[c], pipe, world)
-        _pipeline(found, crossing, specs, chunks, pipe)
+        _pipeline(found, crossing, gathered, specs, chunks, pipe)
         _tied(found, memo.readers(memo.split(specs)), memo.layout(spec), spec, chunks, pipe.devices)
         # experts not split over ep ranks are replicated as the rest: dp x cp reduce them too
         experts = sum(pipe.chunks[c].expert_params for c in chunks) if spec.ep > 1 else 0.0
@@ -146,19 +148,18 @@ def _expert_parallel(found: dict, chunk, spec, pipe, world: dict) -> None:
                                                   + chunk.counts_moved) * spec.ep * pipe.micro_batches)
 
 
-def _pipeline(found: dict, crossing: list, specs: list, chunks: list, pipe) -> None:
+def _pipeline(found: dict, crossing: list, gathered: list, specs: list, chunks: list, pipe) -> None:
     """Each chunk sends its outputs forward and its inputs' gradients back, each
-    tensor-parallel rank its chunk; where the stage holds the values whole, it gathers the
-    chunks of its inputs and of its outputs' gradients (cost/traffic.py, `add_sends`)."""
+    tensor-parallel rank its chunk; of the values the stage holds whole (`gathered`), it gathers
+    the chunks of its inputs and of its outputs' gradients (cost/traffic.py, `add_sends`)."""
     last = len(specs) - 1
+    per_step = pipe.samples * pipe.micro_batches
     for c in chunks:
-        spec = specs[c]
-        out = crossing[c] if c < last else 0.0
-        back = crossing[c - 1] if c > 0 else 0.0
-        per_step = pipe.samples * pipe.micro_batches
+        out, back = (crossing[c] if c < last else 0.0), (crossing[c - 1] if c > 0 else 0.0)
         _add(found, "send", "pp", len(pipe.devices), (out + back) * per_step)
-        if spec.tp > 1 and not spec.sequence_parallel:
-            _add(found, "all_gather", "tp", spec.tp, (out + back) * spec.tp * per_step)
+        whole = (gathered[c] if c < last else 0.0) + (gathered[c - 1] if c > 0 else 0.0)
+        if whole:
+            _add(found, "all_gather", "tp", specs[c].tp, whole * specs[c].tp * per_step)
 
 
 def _tied(found: dict, readers: dict, layout, spec, chunks: list, devices: list) -> None:

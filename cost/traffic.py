@@ -4,6 +4,7 @@ weight tied across pipeline ranks, and the step's closing all-reduce of the loss
 
 from __future__ import annotations
 
+from autopar.cost.chunk_price import poly_at
 from autopar.cost.collectives import Group, Level, send_recv_time
 from autopar.cost.compute import Efficiencies
 from autopar.cost.layout import GraphLayout, whole_bytes
@@ -28,14 +29,15 @@ def parameter_readers(reads: list[tuple[str, int]], owner: list[int]) -> dict[st
 
 
 def crossing_bytes(graph: Graph, layouts: dict, owner: list[int], stages: list[StageSpec],
-                   constants: frozenset = frozenset()) -> list[dict]:
+                   constants: frozenset = frozenset(), held_whole: bool = False) -> list[dict]:
     """Activation bytes per sample that one rank sends from chunk c to chunk c + 1, as {power of
     the sequence length: bytes}. A tensor used several chunks later is relayed through every
     boundary between. A floating value crosses as each tensor-parallel rank's 1/tp chunk
     (autopar.passes.stage_boundaries): the rank's share where the stage splits it already (a
     sequence-parallel stream), a 1/tp slice of it where the stage holds it whole. `constants`
     (autopar.plans.stage_flow's: rotary tables, a position `arange`) cross no boundary: the
-    runtime's split makes them again in every layer that reads them."""
+    runtime's split makes them again in every layer that reads them. `held_whole`: only the
+    floating values the stage holds whole, which a tensor-parallel stage gathers (`add_sends`)."""
     layout = layouts[stages[0].layout_key]
     sent: set[tuple[str, int]] = set()     # (tensor, boundary): each tensor crosses once
     for i, node in enumerate(graph.nodes):
@@ -51,30 +53,38 @@ def crossing_bytes(graph: Graph, layouts: dict, owner: list[int], stages: list[S
         degree = mine.seq_degree.get(tensor, 0)
         local = mine.storage_bytes.get(tensor, 0.0)
         node = graph.nodes[layout.index[tensor]]
-        if spec.tp > 1 and node.dtype.startswith(("float", "bfloat")):
-            local = min(local, whole_bytes(node, mine.batch, mine.dtype) / spec.tp)
+        floating = spec.tp > 1 and node.dtype.startswith(("float", "bfloat"))
+        if floating:
+            chunk = whole_bytes(node, mine.batch, mine.dtype) / spec.tp
+            if held_whole and local <= chunk * (1 + 1e-9):      # split already: sent as it is
+                continue
+            local = min(local, chunk)
+        elif held_whole:
+            continue
         crossing[c][degree] = crossing[c].get(degree, 0.0) + local
     return crossing
 
 
-def add_sends(crossing: list[float], stages: list[StageSpec], chunks: list, mesh: Mesh,
-              b: int) -> None:
+def add_sends(memo, split, stages: list[StageSpec], chunks: list, mesh: Mesh, b: int) -> None:
     """Activations crossing chunk boundaries forward, and their gradients backward, each
-    tensor-parallel rank its chunk (`crossing_bytes`), as Megatron-LM and autopar send them: a
-    value the stage splits on the sequence needs nothing more; a whole one is gathered over the
-    tensor-parallel ranks after it arrives (its gradient by the sender). On a GPU the transfers
+    tensor-parallel rank its chunk (`crossing_bytes`, by `memo`, a PriceCache), as Megatron-LM
+    and autopar send them: a value the stage splits is sent as it is held (on the dim it is split
+    on, autopar.passes.stage_boundaries); a whole one is gathered over the tensor-parallel ranks
+    after it arrives (its gradient by the sender). On a GPU the transfers
     run beside the compute and the sender's side stands for the pair; where the cores that
     compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver waits in
     its blocking receive as long as the sender sends."""
     both_ends = not mesh.device.overlaps_communication
+    crossing, gathered = ([poly_at(poly, 1) for poly in memo.crossing(split, stages, crossing_bytes,
+                                                                       held_whole=whole)]
+                          for whole in (False, True))
     for c in range(len(stages) - 1):
         spec = stages[c]
         per_rank = spec.tp * spec.dp
         link = mesh.device.inter_node if per_rank >= mesh.gpus_per_node else mesh.device.intra_node
-        nbytes = crossing[c] * b           # one tensor-parallel rank's chunk
-        one_way = send_recv_time(nbytes, link)
-        if spec.tp > 1 and not spec.sequence_parallel:
-            one_way += Group.strided(mesh, spec.tp, 1).all_gather(nbytes * spec.tp)
+        one_way = send_recv_time(crossing[c] * b, link)      # one tensor-parallel rank's chunk
+        if gathered[c]:
+            one_way += Group.strided(mesh, spec.tp, 1).all_gather(gathered[c] * b * spec.tp)
         chunks[c].send_s += 2 * one_way
         if both_ends:
             chunks[c + 1].send_s += 2 * one_way

@@ -44,6 +44,7 @@ class StageProgram:
     keywords: tuple[str, ...] = ()
     # the captured graph's name of each value the stage takes, in order (Plan.nodes's keys)
     input_values: tuple[str, ...] = ()
+    output_values: tuple[str, ...] = ()     # those it sends: the next stage's inputs, in order
     # the stage's layers that recompute may wrap (the repeated blocks, as Megatron's recompute
     # does): submodule name ("submod_3") -> the layer's module path ("layers.1")
     blocks: dict[str, str] = field(default_factory=dict)

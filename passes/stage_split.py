@@ -100,6 +100,8 @@ def split_stages(module: fx.GraphModule, stage_layers: list[list[str]],
                                      param_names=parameter_names(stage_module), out_spec=out_spec,
                                      relayed=relayed, keywords=keywords, blocks=stage_blocks,
                                      input_values=_input_values(stage_module, by_unit)))
+    for program, following in zip(programs, programs[1:]):
+        program.output_values = following.input_values
     tied = tied_stages(programs)
     examples = interface_examples([program.module for program in programs], inputs, boundary_dtype,
                                   device)

@@ -49,3 +49,19 @@ def test_an_input_read_for_its_dtype_alone_gets_no_gradient_to_gather(monkeypatc
                           num_hidden_layers=1, hidden_size=256, intermediate_size=512, vocab_size=8192,
                           max_position_embeddings=128)
     assert_sent_as_priced(report)
+
+
+def test_a_value_split_on_the_hidden_dim_crosses_stages_as_it_is_held(monkeypatch):
+    """Phi's plan splits the residual stream on the hidden dim at the stage boundary: sent as
+    sequence chunks, it took an all-to-all (over gloo, an all-gather) on each side in each
+    direction, which the estimator did not price; now each rank sends the chunk it holds."""
+    from autopar.models import hf_zoo
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    report = simulated_hf("phi", Config(tp=2, pp=2, global_batch=4, micro_batch=1),
+                          num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=8192,
+                          max_position_embeddings=128)
+    gathers = [entry for entry in report.collectives if (entry["kind"], entry["axis"]) == ("all_gather", "tp")]
+    # the layers' own: 12 gathers of a 128 x 256 fp32 value over 2 ranks, none at the boundary
+    assert gathers and gathers[0]["sent_bytes"] == 12 * 128 * 256 * 4 // 2
+    assert_sent_as_priced(report)
