@@ -292,10 +292,9 @@ class _LayoutBuilder:
         """The plan's placements for one node: the strategy of its rule that writes its planned
         output and reads its producers with the least traffic; the collectives of the placement
         changes on its input edges; True when its work is split."""
-        sources = [self.place[name] for name in node.inputs]
-        out = written_as_computed(self.placements.nodes.get(node.name, "R"), sources,
-                                  self._strategies(node))
-        options = [ins for written, ins in self._strategies(node) if written == out]
+        sources, strategies = [self.place[name] for name in node.inputs], self._strategies(node)
+        out = written_as_computed(self.placements.nodes.get(node.name, "R"), sources, strategies)
+        options = [ins for written, ins in strategies if written == out]
         # an output no rule writes (an op without a rule, planned replicated) is computed whole;
         # R -> S and R -> P are local, so it is then placed as planned for free
         inputs = cheapest_inputs(out, sources, options, [self.by_name[name].bytes for name in node.inputs],

@@ -29,12 +29,12 @@ import math
 
 from autopar.cost.calibration import calibrated
 from autopar.cost.context import attention_bytes, exchanged_kv, scan_bytes
-from autopar.cost.estimator import ACTIVATION_DTYPE, crossing_bytes, price_pipeline
+from autopar.cost.estimator import ACTIVATION_DTYPE, price_pipeline
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import partial_reductions, poly_at, tensor_parallel_kind
+from autopar.cost.chunk_price import partial_reductions, tensor_parallel_kind
 from autopar.cost.forms import expert_data_parallel
-from autopar.cost.traffic import tied_gradient_bytes
+from autopar.cost.traffic import captured_crossings, tied_gradient_bytes
 from autopar.graph import Graph
 from autopar.plans.vocabulary import ContextParallel, Precision
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
@@ -52,9 +52,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
     pipe = price_pipeline(graph, mesh, specs, global_batch=plan.global_batch,
                           micro_batch=plan.micro_batch_size, virtual=plan.virtual, efficiencies=eff,
                           attention="flash", memo=memo)
-    crossing, gathered = ([poly_at(p, 1) for p in memo.crossing(memo.split(specs), specs, crossing_bytes,
-                                                                 held_whole=whole)]
-                          for whole in (False, True))
+    crossing, gathered = captured_crossings(memo, memo.split(specs), specs)
     element = 4 if plan.precision == Precision.FP32 else 2
     world = {"pp": len(pipe.devices), "dp": specs[0].dp, "cp": specs[0].cp, "tp": specs[0].tp}
     ranks = []

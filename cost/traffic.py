@@ -75,9 +75,7 @@ def add_sends(memo, split, stages: list[StageSpec], chunks: list, mesh: Mesh, b:
     compute also move the data (gloo on CPUs), a transfer holds both ends: the receiver waits in
     its blocking receive as long as the sender sends."""
     both_ends = not mesh.device.overlaps_communication
-    crossing, gathered = ([poly_at(poly, 1) for poly in memo.crossing(split, stages, crossing_bytes,
-                                                                       held_whole=whole)]
-                          for whole in (False, True))
+    crossing, gathered = captured_crossings(memo, split, stages)
     for c in range(len(stages) - 1):
         spec = stages[c]
         per_rank = spec.tp * spec.dp
@@ -88,6 +86,13 @@ def add_sends(memo, split, stages: list[StageSpec], chunks: list, mesh: Mesh, b:
         chunks[c].send_s += 2 * one_way
         if both_ends:
             chunks[c + 1].send_s += 2 * one_way
+
+
+def captured_crossings(memo, split, stages: list[StageSpec]) -> tuple[list[float], list[float]]:
+    """Bytes per sample each chunk sends on at the captured sequence length (`crossing_bytes`, by
+    `memo`, a PriceCache), and of those the values it holds whole, which it gathers."""
+    return tuple([poly_at(poly, 1) for poly in memo.crossing(split, stages, crossing_bytes, held_whole=whole)]
+                 for whole in (False, True))
 
 
 def tied_exposed(readers: dict[str, set[int]], layout: GraphLayout, spec: StageSpec, mesh: Mesh,

@@ -87,10 +87,16 @@ class _FusedRMSNorm(torch.autograd.Function):
         return grads[0], None, grads[1] if weight is not None else None, None
 
 
+def for_gpus(plan: Plan) -> bool:
+    """Whether the plan's devices are GPUs: the simulation itself runs on CPU tensors, so where a
+    GPU runs otherwise (kernels, collectives, the optimizer's step) it is told to."""
+    return Mesh.from_dict(plan.mesh).device.name != "cpu"
+
+
 @contextlib.contextmanager
 def kernels_as_the_device_runs(plan: Plan):
     """A GPU plan's ops by the kernels a GPU would choose where the CPU's differ."""
-    if Mesh.from_dict(plan.mesh).device.name == "cpu":
+    if not for_gpus(plan):
         yield
         return
     with _GpuKernels():

@@ -32,7 +32,6 @@ from torch.distributed.pipelining.stage import InferenceMode
 from torch.distributed.tensor import placement_types
 from torch.distributed._functional_collectives import _group_or_group_name, _resolve_group
 
-from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError
 from autopar.passes.expert_dispatch import ExpertParallel
 from autopar.plans import Plan
@@ -42,7 +41,7 @@ from autopar.runtime.rank_grid import pipeline_layout
 from autopar.simulate.collectives import CollectiveRecorder
 from autopar.simulate.folding import folding_repeats
 from autopar.simulate.groups import axis_namer
-from autopar.simulate.kernels import kernels_as_the_device_runs
+from autopar.simulate.kernels import for_gpus, kernels_as_the_device_runs
 from autopar.simulate.memory import MemoryRecorder
 
 
@@ -159,7 +158,7 @@ def _all_to_all_as_the_device_does(plan: Plan):
     all-gather and a chunk (gloo has no all-to-all), where the GPUs the plan is for run one
     all-to-all, sending 1/n of the gather's bytes. A simulated rank of a GPU plan issues the
     all-to-all (the fake process group takes it), so its record is the device's."""
-    if Mesh.from_dict(plan.mesh).device.name == "cpu":
+    if not for_gpus(plan):
         yield
         return
 
@@ -269,8 +268,7 @@ def _hold_optimizer_state(optimizer) -> None:
 def _adamw(plan: Plan):
     """AdamW as it steps on the plan's devices: every tensor at once on GPUs (torch's foreach
     kernels), one at a time on CPUs, which torch picks by the device of the tensors, here CPU."""
-    foreach = Mesh.from_dict(plan.mesh).device.name != "cpu"
-    return lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    return lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=for_gpus(plan))
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
