@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
+
 from autopar.cost.collectives import Group
 from autopar.cost.context import context_parallel_time, exchanged_kv
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
-from autopar.cost.gradient_flow import backward_moments, backward_peak, last_gathered
+from autopar.cost.gradient_flow import (backward_moments, backward_peak, last_gathered, paired_backward_peaks,
+                                         split_backward_peak)
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
@@ -64,6 +67,8 @@ class Chunk:
     peak_polys: list = field(default_factory=list)
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
+    split_flowing_poly: dict = field(default_factory=dict)     # its input backward's (zero-bubble)
+    paired_polys: tuple = ()        # ((poly, weight elements), ...): each with the gradients it makes
     moments: tuple = ()             # the same op by op, with FSDP2's reductions (cost/backward_moments.py)
     last_gathered: float = 0.0      # elements of the FSDP group its forward gathers last
     weight_read: float = 0.0        # elements of the largest weight an op reads
@@ -191,6 +196,8 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
     first_kept = _first_keepers(layout, regions, nodes)
     chunk_regions = [regions[layout.index[node.name]] for node in nodes]
     out.flowing_poly = backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
+    out.split_flowing_poly = split_backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
+    out.paired_polys = paired_backward_peaks(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.moments = backward_moments(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.last_gathered = last_gathered(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.weight_read = _heaviest_weight(graph, layout, nodes)
@@ -415,6 +422,30 @@ def _poly(keys, layout: GraphLayout) -> dict[int, float]:
         degree = layout.seq_degree.get(key, 0)
         poly[degree] = poly.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
     return poly
+
+
+def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, fsdp: bool) -> tuple:
+    """A block backward's bytes beside the kept activations, for `b` samples a micro-batch: the
+    fullest moment's flowing gradients (an input backward's, where the schedule splits it), and
+    unsplit, the fullest moment with the weight gradients alive in it (`element` bytes each; None
+    if none is known), which makes the heaviest late: its op's own (`paired_polys`: autograd
+    adds each into the accumulated one), or where FSDP2 holds the weights (`fsdp`), those its
+    group made so far (`moments`: FSDP2 adds them in as the group's backward ends)."""
+    if split:
+        return _largest([poly_at(c.split_flowing_poly, seq_ratio) for c in chunks]) * b, None
+    if fsdp:
+        paired = [(poly_at(dict(m.flowing), seq_ratio) - poly_at(dict(m.freed), seq_ratio)) * b
+                  + m.grads * element for c in chunks for m in c.moments]
+    else:
+        paired = [poly_at(dict(poly), seq_ratio) * b + elements * element
+                  for c in chunks for poly, elements in c.paired_polys]
+    return (_largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks]) * b,
+            _largest(paired) if paired else None)
+
+
+def _largest(values: list):
+    numbers = all(isinstance(v, (int, float)) for v in values)
+    return max(values) if numbers else sympy.Max(*values)
 
 
 def poly_at(poly: dict, ratio):

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import sympy
 
 from autopar.errors import AutoparError
 from autopar.graph import Graph
@@ -65,7 +64,7 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, holds_every_transfer, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import Chunk, partial_gradients_time, partial_reductions, poly_at
+from autopar.cost.chunk_price import Chunk, block_transients, partial_gradients_time, partial_reductions, poly_at
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
@@ -73,7 +72,7 @@ from autopar.cost.offload import host_bytes, host_fits, host_memory_share
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
-from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
+from autopar.plans.zero import holds_weights_in_fsdp, keeps_weights_gathered, reduces_every_micro_batch
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
@@ -399,8 +398,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     # gradients their weights' backward needs (cost.memory.pending_weight_backwards)
     pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     deferred = sum(poly_at(c.deferred_poly, seq_ratio) for c in chunks) / len(chunks) * b
-    flowing = _largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks])
     element = 4 if precision == Precision.FP32 else 2
+    flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=holds_weights_in_fsdp(
+        replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision))
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     group = max(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
                 for c in chunks)    # what the earlier backward's last reduce-scatter held
@@ -411,13 +411,13 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
                        reduce_every=reduce_every, held=held, pipelined=pp > 1,   # (chunk, micro-batch) pairs
                        activations=held * per_chunk * b,
-                       deferred=(max(pending - 1, 0) * deferred, pending * deferred),
+                       deferred=(max(pending - 1, 0) * deferred, pending * deferred), split_backward=pending > 0,
                        # the last chunk's micro-batches among them, each keeping its loss's copy
                        # until its input backward, after which torch detaches the loss
                        loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1)
                        - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
                                                       stage=pp - 1) - 1, 0),
-                       logits=logits, flowing=flowing * b,
+                       logits=logits, flowing=flowing, paired=paired,
                        expert_params=sum(c.expert_params for c in chunks), one_tensor=max(
                            c.largest for c in chunks) if one_tensor_steps else 0.0,
                        padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
@@ -457,11 +457,6 @@ def _heaviest_gradient(chunks: list[Chunk]) -> float:
     a chunk, whole (what the backward freed before reaching its op is freed once, in the
     gradient sweep: cost/gradient_flow.py)."""
     return max([0.0, *(max(c.largest, c.weight_read) for c in chunks)])
-
-
-def _largest(values: list):
-    numbers = all(isinstance(v, (int, float)) for v in values)
-    return max(values) if numbers else sympy.Max(*values)
 
 
 def _summarize(model_flops_per_sample: float, mesh: Mesh, chunks: list[Chunk], devices: list, per_mb: list,

@@ -29,6 +29,9 @@ from autopar.graph import Graph, Role
 # product by e; rsqrt's result cubed and scaled; div's 1/b and a/b^2 terms.
 # Fused norms (layer_norm, rms_norm: the fused kernel a GPU runs) make only their gradients.
 _TEMPORARIES = {"pow": 2, "rsqrt": 2, "sqrt": 1, "div": 2, "square": 2, "abs": 1, "reciprocal": 1}
+# Of these, ops whose temporaries differentiate one input alone, by position: div's are the
+# divisor's (a/b^2); dividing by a constant (a scale, a buffer) makes none.
+_TEMPORARIES_FOR_INPUT = {"div": 1}
 # Ops whose backward hands the gradient it takes on as it is, or a view of it, to its inputs of
 # the output's size (add's second input, broadcast, gets a reduced copy).
 _PASSING = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -93,6 +96,24 @@ def backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
     return dict(peaks[key][0])
 
 
+def split_backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
+                        first_kept: dict[str, int], regions: list | None = None) -> dict[int, float]:
+    """`backward_peak` of an input backward split from the weight backward (zero-bubble): the
+    gradient reaching each op that reads a weight stays, for that weight's backward."""
+    backward_peak(graph, layout, nodes, first_kept, regions)
+    return dict(layout.gradient_facts["peaks"][_chunk_key(nodes, regions or [None] * len(nodes),
+                                                          first_kept)][3])
+
+
+def paired_backward_peaks(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
+                          first_kept: dict[str, int], regions: list | None = None) -> tuple:
+    """The chunk's backward moments each with the weight gradients its op makes: ((({power of
+    seq: bytes per sample}), weight elements), ...), those that may be the fullest (`_Paired`).
+    The heaviest weight's gradient is made late, where the backward has freed most it held."""
+    backward_peak(graph, layout, nodes, first_kept, regions)
+    return layout.gradient_facts["peaks"][_chunk_key(nodes, regions or [None] * len(nodes), first_kept)][4]
+
+
 def backward_moments(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
                      first_kept: dict[str, int], regions: list | None = None) -> tuple[Moment, ...]:
     """The same sweep's moments with the weight gradients FSDP2 reduces group by group
@@ -120,7 +141,7 @@ def _chunk_key(nodes: list[NodeLayout], regions: list, first_kept: dict) -> tupl
 
 
 def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, int], regions: list,
-           facts: dict, readers: dict) -> tuple[dict[int, float], tuple[Moment, ...], float]:
+           facts: dict, readers: dict) -> tuple[dict[int, float], tuple[Moment, ...], float, dict, tuple]:
     grads, groups = _Gradients(), GroupReductions(nodes, facts, layout.param_local,
                                                    layout.distributed)
     in_chunk = {node.name for node in nodes}
@@ -129,7 +150,9 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             grads.of_value[node.name] = [grads.make(*facts[node.name].size)]
     freed_after, rerun, rerun_before = _freed_after(first_kept, nodes, regions, layout)
     released: dict = {}                  # region (None: outside) -> {power of seq: bytes freed}
-    best = ({}, float("-inf"))
+    retained: dict = {}                  # split: weight readers' gradients, {power of seq: bytes}
+    best = split_best = ({}, float("-inf"))
+    paired, region_entry = _Paired(), {}
     for position in range(len(nodes) - 1, -1, -1):
         node = nodes[position]
         incoming = grads.of_value.pop(node.name, [])
@@ -141,20 +164,59 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             spaces = {None, regions[position]}
             total = sum(grads.live.values()) + sum(kept.values()) + fact.extra - sum(
                 sum(released.get(region, {}).values()) for region in spaces)
+            at = _at(grads.live, kept, fact, [released.get(region, {}) for region in spaces])
             if total > best[1]:
-                best = (_at(grads.live, kept, fact, [released.get(region, {}) for region in spaces]), total)
+                best = (at, total)
+            paired.add(at, total, _made_elements(fact, layout.param_local))
+            if regions[position] is not None:
+                # the rerun gathers a weight read whole as the region is entered, all it keeps alive
+                entry = region_entry.setdefault(regions[position], (at, total))
+                paired.add(*entry, 2 * fact.whole)
+            # split, the input backward keeps its graph: nothing saved is freed before the weights'
+            split_total = sum(grads.live.values()) + sum(kept.values()) + fact.extra + sum(retained.values())
+            if split_total > split_best[1]:
+                unfreed = _at(grads.live, kept, fact, [])
+                split_best = ({d: unfreed.get(d, 0.0) + retained.get(d, 0.0) for d in {*unfreed, *retained}},
+                              split_total)
             inner = [released.get(regions[position], {})] if regions[position] is not None else []
             groups.record(fact, _at(grads.live, kept, fact, inner), released.get(None, {}))
             for gradient in made:
                 grads.release(gradient)
         for gradient in incoming:
             grads.release(gradient)
+        if incoming and node.requires_grad and facts[node.name].weights:
+            degree, nbytes = facts[node.name].size
+            retained[degree] = retained.get(degree, 0.0) + nbytes
         for region, key in freed_after.get(position, ()):
             freed = released.setdefault(region, {})
             degree = layout.seq_degree.get(key, 0)
             freed[degree] = freed.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
         groups.after(position, grads.live, released.get(None, {}))
-    return best[0], groups.kept(), groups.first_met
+    return best[0], groups.kept(), groups.first_met, split_best[0], paired.kept()
+
+
+def _made_elements(fact: "_Facts", param_local: dict[str, float]) -> float:
+    """Elements of the weight gradients an op's backward makes: its weights' (a weight it reads
+    whole is held whole beside its whole gradient, as `GroupReductions.moment` counts it)."""
+    own = sum(param_local.get(name, 0.0) for name, _ in fact.weights)
+    return max(own, 2 * fact.whole)
+
+
+class _Paired:
+    """Each op's moment with the weight gradients it makes, as (bytes per sample by power of seq,
+    their total, weight elements): of those, only the ones no other exceeds in both."""
+
+    def __init__(self):
+        self.found: list[tuple] = []
+
+    def add(self, at: dict, total: float, elements: float) -> None:
+        if any(t >= total and e >= elements for _, t, e in self.found):
+            return
+        self.found = [(a, t, e) for a, t, e in self.found if not (total >= t and elements >= e)]
+        self.found.append((dict(at), total, elements))
+
+    def kept(self) -> tuple:
+        return tuple((tuple(at.items()), elements) for at, _, elements in self.found)
 
 
 def _at(live: dict, kept: dict, fact: "_Facts", freed: list[dict]) -> dict[int, float]:
@@ -289,7 +351,8 @@ def _node_facts(graph: Graph, layout: GraphLayout, by_name: dict, node: NodeLayo
             (not elementwise or graph.nodes[layout.index[value]].shape == graph_node.shape)
         gives.append((value, passes))
     size = (layout.seq_degree.get(layout.storage.get(node.name, node.name), 0), node.out_bytes)
-    extra = _temporaries(graph_node, node, graph, layout) * node.out_bytes + node.backward_bytes
+    extra = _temporaries(graph_node, node, graph, layout, {value for value, _ in gives}) * node.out_bytes \
+        + node.backward_bytes
     return _Facts(differentiable=node.requires_grad and graph_node.role is Role.ACTIVATION,
                   size=size, gives=tuple(gives), slot=name == "getitem", extra=extra)
 
@@ -308,11 +371,17 @@ def _give_inputs(fact: _Facts, facts: dict, incoming: list[int], grads: _Gradien
     return made
 
 
-def _temporaries(graph_node, node: NodeLayout, graph: Graph, layout: GraphLayout) -> int:
+def _temporaries(graph_node, node: NodeLayout, graph: Graph, layout: GraphLayout,
+                 given: set[str]) -> int:
     """Output-sized tensors `node`'s backward makes beyond its inputs' gradients: its derivative's
-    (`_TEMPORARIES`), and for an elementwise op with a weight broadcast over the rows (a norm's
-    scale, a bias), the product of the gradient with the other factor before its sum over them."""
+    (`_TEMPORARIES`, where the input they differentiate gets a gradient: `given`), and for an
+    elementwise op with a weight broadcast over the rows (a norm's scale, a bias), the product
+    of the gradient with the other factor before its sum over them."""
     broadcast = node.family == "elementwise" and any(
         graph.nodes[layout.index[name]].role is Role.PARAMETER
         and graph.nodes[layout.index[name]].shape != graph_node.shape for name in graph_node.inputs)
-    return _TEMPORARIES.get(op_name(graph_node.target), 0) + int(broadcast)
+    name = op_name(graph_node.target)
+    position = _TEMPORARIES_FOR_INPUT.get(name)
+    differentiated = position is None or (len(graph_node.inputs) > position
+                                          and graph_node.inputs[position] in given)
+    return _TEMPORARIES.get(name, 0) * differentiated + int(broadcast)

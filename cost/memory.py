@@ -36,6 +36,10 @@ and in the phase at the peak, the larger of:
               micro-batch reduces them)
   optimizer step  the gathered weights freed; the reduced gradients (split over dp from ZeRO-1
               on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
+Where the backward is split (zero-bubble, `split_backward`), an input backward makes no weight
+gradient but keeps its graph (torch's stage_backward_input retains it for the weight backward),
+the loss's kept copy with it; a weight backward, between input backwards, makes the gradients of
+one weight at a time (stage_backward_weight, a parameter group per call) beside those accumulated.
 When the runtime reduces the gradients after every micro-batch (`reduce_every`, as ZeRO-2/3 do)
 each backward is the loss's phase and one phase at each op's backward that may be the fullest
 (cost/backward_moments.py: the weight gradients of the group that runs, the last reduce-scatter's
@@ -107,32 +111,31 @@ GATHERED_GROUPS = 2
 
 
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
-               precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits,
-               flowing, reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1,
-               received=0.0, loss_held: int | None = None, offload: bool = False, one_tensor: float = 0.0,
-               deferred=(0.0, 0.0), padding=(0.0, 0.0), moments=(), forwards=()) -> dict:
-    """Memory of one device at its peak, by part, summing to the peak (`_at_peak`). `params`
-    elements of its stage(s) (`expert_params` of them experts', whose optimizer state and gradient
-    shards ZeRO splits over their `expert_dp` ranks), `gathered` those ZeRO-3 holds gathered at
-    once, `activations` the bytes kept for the backward: `held` micro-batches of `micro_batches`;
-    on the last stage each of the `loss_held` that ran the last chunk (default all) also keeps the
-    loss's fp32 copy of its `logits` elements and, in a pipeline, the logits (cached by torch's
-    PipelineStage). Phases as in the module docstring. A backward's transients (`buffers`): the
-    loss's kept copy and its gradients, or a block backward's fullest moment (`flowing`, rerun
-    activations included) with the gradient of the weight it reads (`weight`); pipelined, the
-    logits too; where FSDP2 reduces every micro-batch (`reduce_every`), each of the `moments`
-    (`_moment_phase`) and under ZeRO-3 the `forwards`' moments. `received`, `deferred`,
-    `padding`: receive buffers, zero-bubble's kept gradients, ZeRO's padding (cost/padding.py).
-    `offload`: optimizer states, step, fp32 shards on the host. `one_tensor`: `_step_temporaries`."""
+               precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits, flowing,
+               reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
+               loss_held: int | None = None, offload: bool = False, one_tensor: float = 0.0,
+               deferred=(0.0, 0.0), split_backward=False, paired=None, padding=(0.0, 0.0), moments=(), forwards=()
+               ) -> dict:
+    """Memory of one device at its peak, by part (`_at_peak`), phases as in the module docstring.
+    `params` elements of its stage(s) (`expert_params` of them experts', whose optimizer state and
+    gradient shards ZeRO splits over their `expert_dp` ranks), `gathered` those ZeRO-3 holds
+    gathered at once, `activations` the bytes kept for the backward: `held` micro-batches of
+    `micro_batches`; on the last stage each of the `loss_held` that ran the last chunk also keeps
+    the loss's fp32 copy of its `logits` elements and, in a pipeline, the logits (cached by
+    PipelineStage). A backward's transients (`buffers`): the loss's copy and gradients, or a block
+    backward's fullest moment (`flowing`, rerun activations included) with the gradient of the
+    weight it reads (`weight`; `paired`: `_transients`); under `reduce_every`, the `moments`
+    (`_moment_phase`), under ZeRO-3 the `forwards`'. `received`, `deferred`, `split_backward`,
+    `padding`, `offload`, `one_tensor`: receive buffers, zero-bubble's kept gradients and split
+    backward (module docstring), ZeRO's padding, states on the host, `_step_temporaries`."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
     master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0
     weights = element * (gathered if wrapped and zero == 3 else params + sum(padding))  # padded buffers
-    gradients, cached = params * (element if offload else GRADIENT_BYTES), element * logits if pipelined else 0.0
-    kept, losses = LOSS_KEPT_COPIES * 4 * logits + cached, held if loss_held is None else loss_held
-    loss = kept + LOSS_BACKWARD_COPIES * 4 * logits
-    block = flowing + weight * element + cached
+    gradients, losses = params * (element if offload else GRADIENT_BYTES), held if loss_held is None else loss_held
+    cached, kept, loss, block, between, block_later = _transients(
+        flowing, weight * element, element * logits if pipelined else 0.0, 4 * logits, split_backward, paired)
     dense, experts = params - expert_params + padding[0], expert_params + padding[1]   # as FSDP2 pads
     sharded = lambda per: dense * per / split + experts * per / expert_split
     persistent = {"weights": weights, "optimizer": 0.0 if offload else sharded(ADAM_STATE_BYTES + master),
@@ -144,7 +147,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         held_now = {**zeros, "activations": activations_held}
         if not (reduce_every and wrapped):
             return [{**held_now, "gradients": gradients if earlier else 0.0,
-                     "buffers": _max(loss, block)}]
+                     "buffers": _max(loss, block_later if earlier else block)}]
         # the loss's backward (no group gathered under ZeRO-3) and the forward's end: module docstring
         loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
         loss_phase = {**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
@@ -160,12 +163,27 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
         *backward(first, micro_batches > held),     # the time between backwards (zero-bubble),
         *(backward(first, False) if reduce_every and micro_batches > held else ()),   # the second
-        {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[0], "buffers": 0.0},
+        {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[0],
+         "buffers": between},
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
         {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
          "optimizer_step": 0.0 if offload else _step_temporaries(sharded, one_tensor / split)},
     ]
     return _at_peak(persistent, phases)
+
+
+def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: bool, paired) -> tuple:
+    """A backward's transient bytes: (the logits a pipeline stage caches, the loss's kept copy
+    with them, the loss's backward, a block's backward, a weight backward's, a block's backward
+    after an earlier one). Split, the input backward makes no weight gradient but keeps the
+    loss's copy (module docstring). After an earlier backward the weight gradient an op makes
+    is a transient beside the accumulated ones: with `paired`, the fullest moment with its own."""
+    kept = LOSS_KEPT_COPIES * loss_copy + cached
+    loss = kept + LOSS_BACKWARD_COPIES * loss_copy
+    if split_backward:
+        return cached, kept, loss, flowing + kept, weight_gradient, flowing + kept
+    block = flowing + weight_gradient + cached
+    return cached, kept, loss, block, 0.0, block if paired is None else paired + cached
 
 
 def _step_temporaries(sharded, one_tensor: float) -> float:

@@ -40,22 +40,24 @@ def assert_holds_as_predicted(report) -> None:
     assert low <= report.memory_error <= high, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
-def simulated_hf(name: str, config: Config, **overrides):
-    """Rank 0 of `config` on 4 CPU ranks for a HuggingFace zoo model under causal_sdpa (its
-    config changed by `overrides`), simulated, beside what the estimator priced. Needs
-    transformers (the test extra): skipped without it."""
+def simulated_hf(name, config: Config, *, rank: int = 0, **overrides):
+    """`rank` of `config` on 4 CPU ranks for a HuggingFace model under causal_sdpa, simulated,
+    beside what the estimator priced: a zoo model by name, or an `Architecture` of any other
+    (its config changed by `overrides`). Needs transformers (the test extra): skipped without it."""
     import pytest
 
     pytest.importorskip("transformers")
     from autopar.models.hf_attention import causal_sdpa
     from autopar.models.hf_zoo import ARCHITECTURES, loss_fn, resolve
 
-    resolve([name])
-    arch = dataclasses.replace(ARCHITECTURES[name], config={**ARCHITECTURES[name].config, **overrides})
+    if isinstance(name, str):
+        resolve([name])
+        name = ARCHITECTURES[name]
+    arch = dataclasses.replace(name, config={**name.config, **overrides})
     ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
     model = causal_sdpa(arch.build())
     graph = capture(model, example_inputs=(ids,))
     plan = plan_from_config(graph, "4:cpu", config)
-    runs = simulate_ranks(model, plan, [0], example_inputs=(ids,), targets=targets,
+    runs = simulate_ranks(model, plan, [rank], example_inputs=(ids,), targets=targets,
                           loss_fn=loss_fn, graph=graph)
     return rank_report(plan, runs[0], plan_collectives(graph, plan))
