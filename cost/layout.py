@@ -20,6 +20,7 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
+from autopar.cost.storage import copies, is_noop, storage_of
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.cost.reshard import (cheapest_inputs, gradient_given, gradient_need,
                                   reshard_steps, work_split, written_as_computed)
@@ -34,9 +35,6 @@ TAKES_NO_GRADIENT = {"type_as": (1,), "expand_as": (1,), "view_as": (1,), "resha
 # Elementwise ops whose backward reads their result, not their input (sigmoid_backward,
 # tanh_backward, threshold_backward of relu; exp, sqrt and rsqrt from their result).
 _SAVES_OUTPUT = {"sigmoid", "tanh", "relu", "exp", "sqrt", "rsqrt"}
-# Views that leave the tensor non-contiguous; a reshape after them copies.
-_STRIDING = {"transpose", "permute", "t", "expand", "expand_as", "numpy_T", "mT", "mH", "adjoint",
-              "swapaxes", "swapdims", "movedim"}
 
 
 def op_name(target: str) -> str:
@@ -242,13 +240,13 @@ class _LayoutBuilder:
             columns = node.shape[-1] / (self.tp if layout.sharded else 1)
             layout.gemm = (_numel(node.shape[:-1]) / self.batch, columns)
         self.sharded[node.name] = layout.sharded
-        _storage_of(node, name, family, self.storage, self.contiguous)
+        storage_of(node, name, family, self.storage, self.contiguous)
         degree = sum(self.seq_dims[node.name])
         if self.storage[node.name] == node.name:
             self.storage_bytes[node.name] = self.local_bytes(node)
             self.seq_degree[node.name] = degree
         layout.out_bytes = self.local_bytes(node)
-        if family != "view" and not _is_noop(node, name):
+        if family != "view" and not is_noop(node, name):
             layout.act_bytes = layout.out_bytes + sum(self.local_bytes(by_name[i]) for i in acts)
             if family != "embedding":     # a lookup reads only the rows it returns
                 layout.param_bytes = sum(self.param_local[p] * DTYPE_BYTES[self.dtype] for p in params)
@@ -293,6 +291,8 @@ class _LayoutBuilder:
         output and reads its producers with the least traffic; the collectives of the placement
         changes on its input edges; True when its work is split."""
         sources, strategies = [self.place[name] for name in node.inputs], self._strategies(node)
+        if node.inputs and copies(op_name(node.target), self.contiguous[node.inputs[0]]):
+            strategies = [(out, ins) for out, ins in strategies if out != "P"]     # DTensor reduces first
         out = written_as_computed(self.placements.nodes.get(node.name, "R"), sources, strategies)
         options = [ins for written, ins in strategies if written == out]
         # an output no rule writes (an op without a rule, planned replicated) is computed whole;
@@ -308,7 +308,8 @@ class _LayoutBuilder:
             moves = reshard_steps((sources[k],), (inputs[k],), [self.tp]) or []
             if moves and per_sample:
                 self._read_redistributed(name, inputs[k])
-            if moves and self._first((self.storage[name], sources[k], inputs[k])):
+            moved = name if per_sample else self.storage[name]      # share_redistributions' key
+            if moves and self._first((moved, sources[k], inputs[k])):
                 forward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
                 if not per_sample:    # a gathered weight is freed, and gathered again for the backward
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
@@ -416,39 +417,6 @@ def _numel(shape) -> int:
     return count
 
 
-def _is_noop(node: Node, name: str) -> bool:
-    """Dropout with p=0 or in eval returns its input untouched."""
-    if name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout"):
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return p == 0 or not train
-    return False
-
-
-# Flash attention kernels (CUDA's and CPU's) write their output as [batch, seq, heads, dim] and
-# return it as [batch, heads, seq, dim]: the transpose that merges the heads back is contiguous,
-# so the reshape after it is a view, not a copy.
-_HEADS_TRANSPOSED = "heads transposed"
-
-
-def _storage_of(node: Node, name: str, family: str, storage: dict, contiguous: dict) -> None:
-    """Which node owns `node`'s storage, and whether that view of it is contiguous (True,
-    False, or `_HEADS_TRANSPOSED`: contiguous once heads and sequence are swapped back)."""
-    source = node.inputs[0] if node.inputs else None
-    if source is not None and (family == "view" or _is_noop(node, name)):
-        copies = name in ("reshape", "flatten", "unflatten") and contiguous[source] is not True
-        if not copies:
-            storage[node.name] = storage[source]
-            layout = contiguous[source]
-            if name == "transpose" and layout == _HEADS_TRANSPOSED:
-                contiguous[node.name] = sorted(node.args[1:3]) in ([1, 2], [-3, -2])
-            else:
-                contiguous[node.name] = layout is True and name not in _STRIDING
-            return
-    storage[node.name] = node.name
-    contiguous[node.name] = _HEADS_TRANSPOSED if family == "attention" else True
-
-
 def saves_for_backward(target: str) -> tuple[bool, bool]:
     """(keeps its activation inputs, keeps its output) for the backward, by op: the rule `_saved`
     applies to each node, for callers that price an op without its node (the sharding ILP).
@@ -465,7 +433,7 @@ def saves_for_backward(target: str) -> tuple[bool, bool]:
 def _saved(node: Node, name: str, family: str, acts: list[str], storage: dict) -> tuple[str, ...]:
     """Storage owners that autograd keeps for this node's backward (activations only: parameters
     are counted as model state)."""
-    if family in ("view", "reduction") or _is_noop(node, name):
+    if family in ("view", "reduction") or is_noop(node, name):
         return ()
     if family == "elementwise":
         if name in _SAVES_NOTHING:

@@ -108,8 +108,10 @@ def written_as_computed(planned: str, sources: list[str],
     (`passes.tensor_parallel.place_nodes` leaves P to DTensor), so an op the plan places P
     writes what DTensor computes from its inputs as they arrive, when a strategy reads them so
     (a cast of a replicated value stays replicated); else the plan's P, DTensor reading its
-    inputs as the plan does."""
+    inputs as the plan does, or whole where no strategy writes P."""
     if planned != "P":
         return planned
+    if strategies and all(written != "P" for written, _ in strategies):
+        return "R"          # no rule writes a partial sum (a copy of one): reduced first
     as_they_arrive = [written for written, inputs in strategies if list(inputs) == list(sources)]
     return planned if not as_they_arrive or planned in as_they_arrive else as_they_arrive[0]

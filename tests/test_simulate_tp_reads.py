@@ -65,3 +65,33 @@ def test_a_value_split_on_the_hidden_dim_crosses_stages_as_it_is_held(monkeypatc
     # the layers' own: 12 gathers of a 128 x 256 fp32 value over 2 ranks, none at the boundary
     assert gathers and gathers[0]["sent_bytes"] == 12 * 128 * 256 * 4 // 2
     assert_sent_as_priced(report)
+
+
+def test_each_value_read_split_from_a_fused_projection_is_moved_once(monkeypatch):
+    """Phi-3's fused q, k, v and gate-up projections are sliced into values the plan reads in
+    another placement: the runtime moves each slice (one Redistribute per value), the layout
+    moved one per storage, half the reduce-scatter bytes (HF Phi-3, outside the zoo)."""
+    from autopar.models import hf_zoo
+    from autopar.models.hf_zoo import Architecture
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    phi3 = Architecture(name="phi3", model_class="Phi3ForCausalLM", config_class="Phi3Config",
+                        kind="held out", config=dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                                                     num_key_value_heads=2, intermediate_size=512,
+                                                     max_position_embeddings=128, vocab_size=8192))
+    assert_sent_as_priced(simulated_hf(phi3, Config(tp=2, pp=2, global_batch=4, micro_batch=1)))
+
+
+def test_a_copy_of_a_partial_sum_is_reduced_first(monkeypatch):
+    """With fewer key/value heads than tensor-parallel ranks the plan leaves v a partial sum up to
+    its repeat; the reshape after the repeat copies, and DTensor's copy of a partial sum reduces
+    it (an all-reduce inside the op, which the simulation now records too). Priced as a
+    reduce-scatter at the attention, the rank's reduce-scatters were 2x what it sent."""
+    from autopar.models import hf_zoo
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    report = simulated_hf("mistral", Config(tp=4, global_batch=2, micro_batch=1), rank=1,
+                          num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=8192,
+                          num_key_value_heads=2, max_position_embeddings=128)
+    assert any(entry["kind"] == "all_reduce" for entry in report.collectives)
+    assert_sent_as_priced(report)

@@ -8,7 +8,8 @@ each rank contributes and the bytes this rank sends under the ring algorithms NC
 all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n of the whole,
 all-to-all (n-1)/n of its input, a send all of it, a receive nothing. A collective over a group
 of one rank (FSDP2's reduction of a stage it wraps for one replica) moves nothing and is not
-recorded.
+recorded. DTensor also redistributes inside an op's own dispatch, where no dispatch mode runs (a
+copy of a partial sum reduces it first): `implicit_redistributions` records those too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -95,6 +97,23 @@ class CollectiveRecorder(TorchDispatchMode):
         if func.namespace in NAMESPACES and func._opname in _OPS:
             self._record(func._opname, args)
         return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def implicit_redistributions(self):
+        """While active, the collectives of DTensor's redistributions inside an op's dispatch are
+        recorded too: torch runs an op's dispatch with the modes popped, so the recorder is
+        pushed again for the redistribution of the op's inputs alone."""
+        original = OpDispatcher.redistribute_local_args
+
+        def recorded(*args, **kwargs):
+            with self:
+                return original(*args, **kwargs)
+
+        OpDispatcher.redistribute_local_args = staticmethod(recorded)
+        try:
+            yield
+        finally:
+            OpDispatcher.redistribute_local_args = staticmethod(original)
 
     def _record(self, name: str, args: tuple) -> None:
         kind, position = _OPS[name]

@@ -93,7 +93,8 @@ def simulate_rank(model: nn.Module, plan: Plan, rank: int, *, example_inputs: tu
             # BROADCAST_BUCKET_BYTES), and a run on a GPU resets its peak before the step it measures
             build_peak = memory.reset_peak()
             batch = [_rows(x, plan.global_batch) for x in (*example_inputs, targets)]
-            with sent, (folding_repeats(compiled.schedule, sent) if fold else contextlib.nullcontext()):
+            with sent, sent.implicit_redistributions(), \
+                    (folding_repeats(compiled.schedule, sent) if fold else contextlib.nullcontext()):
                 compiled.step(*batch)
         layout = pipeline_layout(plan)
         return RankRun(rank=rank, stages=list(layout.own_stages(rank)), peak_memory_bytes=memory.peak_now(),
