@@ -56,19 +56,20 @@ class Architecture:
         torch.manual_seed(0)
         return model_class(config).eval()
 
-    def batch(self, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
-        """(*inputs, targets) for one step: token ids and next-token (or masked-token) targets.
+    def batch(self, batch: int, generator: torch.Generator, seq: int | None = None) -> tuple[torch.Tensor, ...]:
+        """(*inputs, targets) for one step: token ids and next-token (or masked-token) targets,
+        sequences of `seq` (default SEQ).
         An encoder-decoder takes (input_ids, attention_mask, decoder_input_ids), its forward's
         positional order."""
         if self.images:
             pixels = torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=generator)
             return pixels, torch.randint(0, CLASSES, (batch,), generator=generator)
-        ids = torch.randint(3, VOCAB, (batch, SEQ), generator=generator)
-        targets = torch.randint(3, VOCAB, (batch, SEQ), generator=generator)
+        ids = torch.randint(3, VOCAB, (batch, seq or SEQ), generator=generator)
+        targets = torch.randint(3, VOCAB, (batch, seq or SEQ), generator=generator)
         if not self.encoder_decoder:
             return ids, targets
-        decoder_ids = torch.randint(3, VOCAB, (batch, SEQ), generator=generator)
-        return ids, torch.ones(batch, SEQ, dtype=torch.long), decoder_ids, targets
+        decoder_ids = torch.randint(3, VOCAB, (batch, seq or SEQ), generator=generator)
+        return ids, torch.ones(batch, seq or SEQ, dtype=torch.long), decoder_ids, targets
 
 
 def loss_fn(outputs, targets: torch.Tensor) -> torch.Tensor:

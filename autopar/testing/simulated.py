@@ -40,10 +40,11 @@ def assert_holds_as_predicted(report) -> None:
     assert low <= report.memory_error <= high, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
-def simulated_hf(name, config: Config, *, rank: int = 0, **overrides):
+def simulated_hf(name, config: Config, *, rank: int = 0, seq: int | None = None, **overrides):
     """`rank` of `config` on 4 CPU ranks for a HuggingFace model under causal_sdpa, simulated,
     beside what the estimator priced: a zoo model by name, or an `Architecture` of any other
-    (its config changed by `overrides`). Needs transformers (the test extra): skipped without it."""
+    (its config changed by `overrides`), on sequences of `seq` (default the zoo's). Needs
+    transformers (the test extra): skipped without it."""
     import pytest
 
     pytest.importorskip("transformers")
@@ -54,7 +55,7 @@ def simulated_hf(name, config: Config, *, rank: int = 0, **overrides):
         resolve([name])
         name = ARCHITECTURES[name]
     arch = dataclasses.replace(name, config={**name.config, **overrides})
-    ids, targets = arch.batch(1, torch.Generator().manual_seed(1))
+    ids, targets = arch.batch(1, torch.Generator().manual_seed(1), seq)
     model = causal_sdpa(arch.build())
     graph = capture(model, example_inputs=(ids,))
     plan = plan_from_config(graph, "4:cpu", config)
