@@ -100,9 +100,7 @@ def split_backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayou
                         first_kept: dict[str, int], regions: list | None = None) -> dict[int, float]:
     """`backward_peak` of an input backward split from the weight backward (zero-bubble): the
     gradient reaching each op that reads a weight stays, for that weight's backward."""
-    backward_peak(graph, layout, nodes, first_kept, regions)
-    return dict(layout.gradient_facts["peaks"][_chunk_key(nodes, regions or [None] * len(nodes),
-                                                          first_kept)][3])
+    return dict(_swept(graph, layout, nodes, first_kept, regions)[3])
 
 
 def paired_backward_peaks(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
@@ -110,8 +108,7 @@ def paired_backward_peaks(graph: Graph, layout: GraphLayout, nodes: list[NodeLay
     """The chunk's backward moments each with the weight gradients its op makes: ((({power of
     seq: bytes per sample}), weight elements), ...), those that may be the fullest (`_Paired`).
     The heaviest weight's gradient is made late, where the backward has freed most it held."""
-    backward_peak(graph, layout, nodes, first_kept, regions)
-    return layout.gradient_facts["peaks"][_chunk_key(nodes, regions or [None] * len(nodes), first_kept)][4]
+    return _swept(graph, layout, nodes, first_kept, regions)[4]
 
 
 def backward_moments(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
@@ -169,9 +166,9 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
                 best = (at, total)
             paired.add(at, total, _made_elements(fact, layout.param_local))
             if regions[position] is not None:
-                # the rerun gathers a weight read whole as the region is entered, all it keeps alive
                 entry = region_entry.setdefault(regions[position], (at, total))
-                paired.add(*entry, 2 * fact.whole)
+                if fact.whole:      # gathered by the rerun as it enters the region, all it keeps alive
+                    paired.add(*entry, 2 * fact.whole)
             # split, the input backward keeps its graph: nothing saved is freed before the weights'
             split_total = sum(grads.live.values()) + sum(kept.values()) + fact.extra + sum(retained.values())
             if split_total > split_best[1]:
