@@ -402,8 +402,10 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=holds_weights_in_fsdp(
         replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision))
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
-    group = max(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
-                for c in chunks)    # what the earlier backward's last reduce-scatter held
+    # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
+    # root of its own, keeping its last reduce-scatter input until the step's last backward
+    group = sum(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
+                for c in chunks)
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
     logits = sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,

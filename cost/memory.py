@@ -47,7 +47,8 @@ input, the shards reduced so far, under ZeRO-3 the groups gathered then). After 
 micro-batch the rank holds the shards of its gradients, and in a pipeline, until the first
 reduce-scatter, the input of the earlier one's last, the `group` it reduced last in fp32, which
 FSDP2 keeps until the next reduce-scatter starts (a single stage's loop ends each backward as a
-step's last, where FSDP2 lets go of it). The loss's
+step's last, where FSDP2 lets go of it); each of an interleaved rank's chunks is a root of its
+own and keeps its own last (`group` is their sum). The loss's
 backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards
 (the runtime sets reshard_after_forward, so FSDP2 does not keep even the root's gathered), none
 is gathered again by then. A later micro-batch's forward holds what the loss's backward does
