@@ -1,11 +1,14 @@
 """Predicted against published figures of training runs.
 
     python benchmarks/published_runs.py [--reference DIR] [--calibration FILE] [--json [OUT]]
+    python benchmarks/published_runs.py --runs FILE [--json [OUT]]
     python benchmarks/published_runs.py --csv FILE [--kind moe|cp|offload] [--json]
 
 Without --csv: every row of both older reference tables (SC'21 Table 1, published_runs.csv),
 predicted against published seconds per step, with the median and worst |error| and how many
-predictions are optimistic. With --csv: any CSV with the columns of
+predictions are optimistic; `--runs FILE` prices the rows of another CSV with the columns of
+published_runs.csv instead (benchmarks/zero3_at_scale.csv: SC'21 Table 2's ZeRO-3 runs on
+384-2240 A100s, where one micro-batch a GPU leaves the gathers nothing to hide behind). With --csv: any CSV with the columns of
 shared/reference/published_runs_moe_cp_offload.csv (mixture-of-experts, context-parallel and
 offload runs; autopar/cost/published.py reads them), each row's own figure (model TFLOP/s by the
 source's count, tokens/s, step time, MFU, memory) predicted against the published one; a row
@@ -44,6 +47,8 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, default=None)
     parser.add_argument("--csv", type=Path, default=None,
                         help="published runs with the columns of published_runs_moe_cp_offload.csv")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="price these rows (the columns of published_runs.csv) instead of both tables")
     parser.add_argument("--kind", choices=KINDS, default=None, help="only the --csv rows of this kind")
     parser.add_argument("--json", nargs="?", const="-", default=None,
                         help="print one JSON object (or, without --csv, write the rows to OUT)")
@@ -52,8 +57,9 @@ def main() -> None:
         sys.exit(csv_main(args))
     if args.kind is not None:
         parser.error("--kind selects rows of a --csv file")
-    runs = (sc21_runs(args.reference / "megatron_sc21_table1.csv")
-            + published_runs(args.reference / "published_runs.csv"))
+    runs = published_runs(args.runs) if args.runs else (
+        sc21_runs(args.reference / "megatron_sc21_table1.csv")
+        + published_runs(args.reference / "published_runs.csv"))
     graphs, rows = {}, []
     for run in runs:
         if run.spec not in graphs:

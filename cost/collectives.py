@@ -2,10 +2,12 @@
 
 Every function takes `nbytes`, the size of the FULL (unsharded) tensor, and returns seconds. A
 group is a set of levels, inner (fast, inside a node) to outer (across nodes), each with a size
-and the link between its members. A group on one level runs a ring (or a tree for all-reduce);
-a group on several levels runs hierarchically, as NCCL does: reduce-scatter inside the node,
-all-reduce of one shard per device across nodes (every device drives its own NIC, so the
-cross-node rings run side by side), all-gather inside the node.
+and the link between its members. A group on one level runs a ring (or a tree for all-reduce).
+On several levels, a ring runs as NCCL runs it, one ring through every device
+(`Group._ring_over_every_device`; an all-reduce is its reduce-scatter then its all-gather); a
+tree all-reduce runs hierarchically: reduce-scatter inside the node, a tree across nodes of one
+shard per device (every device drives its own NIC, so the cross-node trees run side by side),
+all-gather inside the node.
 
 Ring on n devices with link bandwidth bw (effective, NCCL bus bandwidth) and latency alpha:
     all-reduce      2(n-1) alpha + 2(n-1)/n * nbytes / bw
@@ -86,26 +88,40 @@ class Group:
         first, rest = self.levels[0], Group(self.levels[1:])
         if not rest.levels:
             return _flat_all_reduce(nbytes, first, algorithm)
-        # Reduce-scatter inside, all-reduce of one shard across, all-gather inside.
+        # A ring is one ring through every device, as its two halves run; a tree runs across
+        # the nodes only: reduce-scatter inside, all-reduce of one shard across, all-gather inside.
+        ring = self.reduce_scatter(nbytes) + self.all_gather(nbytes)
+        if algorithm == "ring":
+            return ring
         inner = Group((first,))
-        return (inner.reduce_scatter(nbytes) + rest.all_reduce(nbytes / first.size, algorithm)
+        tree = (inner.reduce_scatter(nbytes) + rest.all_reduce(nbytes / first.size, "tree")
                 + inner.all_gather(nbytes))
+        return tree if algorithm == "tree" else min(ring, tree)
 
     def all_gather(self, nbytes: float) -> float:
-        """Outer levels first gather the node's share (nbytes / inner size), then the inner level."""
-        return self._gather_like(nbytes, "all_gather")
+        return self._ring_over_every_device(nbytes, "all_gather")
 
     def reduce_scatter(self, nbytes: float) -> float:
-        return self._gather_like(nbytes, "reduce_scatter")
+        return self._ring_over_every_device(nbytes, "reduce_scatter")
 
-    def _gather_like(self, nbytes: float, kind: str) -> float:
-        total, remaining = 0.0, nbytes
+    def _ring_over_every_device(self, nbytes: float, kind: str) -> float:
+        """NCCL runs all-gather and reduce-scatter as one ring through every device of the group,
+        however many nodes it spans (it has no tree or hierarchy for them). Each piece travels
+        all n-1 hops, so the latency is every hop's: (size-1) x (devices beyond it) hops cross
+        each level. The hops run side by side, so the bandwidth is the slowest level's, a level
+        crossed by as many rings at once as there are devices inside it (each drives its own
+        link: a node's NICs carry a ring each). A ZeRO-3 gather of a small tensor over 1536 GPUs
+        thus waits on 1535 hops, not on the 191 between nodes."""
+        devices = self.size
+        if devices == 1:
+            return 0.0
+        latency, seconds_per_byte, inside = 0.0, 0.0, 1
         for level in self.levels:
-            n = level.size
-            latency, bandwidth = level.link.alpha_beta(kind, n)
-            total += (n - 1) * latency + (n - 1) / n * remaining / bandwidth
-            remaining /= n
-        return total
+            step, bandwidth = level.link.alpha_beta(kind, level.size)
+            latency += (level.size - 1) * (devices // (inside * level.size)) * step
+            seconds_per_byte = max(seconds_per_byte, 1.0 / (bandwidth * inside))
+            inside *= level.size
+        return latency + (devices - 1) / devices * nbytes * seconds_per_byte
 
     def all_to_all(self, nbytes: float) -> float:
         """Each device holds nbytes/N and keeps 1/N of it; the rest leaves over the level that first

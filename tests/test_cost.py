@@ -50,16 +50,39 @@ def test_ring_all_reduce_matches_the_alpha_beta_formula():
     assert tree == pytest.approx(2 * 3 * 5e-6 + 2 * nbytes / NVLINK_BW)
 
 
-def test_hierarchical_all_reduce_is_reduce_scatter_inside_all_reduce_across_all_gather_inside():
+def test_all_reduce_over_nodes_is_a_ring_through_every_device_or_a_tree_across_nodes():
     mesh = Mesh.parse("4x8:a100-80g")
     nbytes = 8e9
+    group = Group.of_axes(mesh, ["node", "gpu"])
+    assert all_reduce_time(nbytes, mesh, ["node", "gpu"]) == pytest.approx(
+        group.reduce_scatter(nbytes) + group.all_gather(nbytes))
     inside = 7 / 8 * nbytes / NVLINK_BW + 7 * 5e-6
-    across = 2 * 3 / 4 * (nbytes / 8) / IB_BW + 2 * 3 * 10e-6
-    assert all_reduce_time(nbytes, mesh, ["node", "gpu"]) == pytest.approx(2 * inside + across)
+    across = 2 * (nbytes / 8) / IB_BW + 2 * 2 * 10e-6
+    assert group.all_reduce(nbytes, "tree") == pytest.approx(2 * inside + across)
+    assert group.all_reduce(nbytes, "auto") == min(group.all_reduce(nbytes, "tree"),
+                                                   group.all_reduce(nbytes))
     # A group strided over nodes only (one GPU per node) runs a ring on InfiniBand.
     assert Group.strided(mesh, 4, 8).all_reduce(nbytes) == pytest.approx(
         all_reduce_time(nbytes, mesh, ["node"]))
     assert Group.strided(mesh, 16, 2).levels[0].size == 4
+
+
+def test_all_gather_over_nodes_is_one_ring_through_every_device():
+    """NCCL's all-gather over 4 nodes of 8 is one ring of 32: 28 NVLink hops and 3 InfiniBand
+    hops of latency, and the bandwidth of the slower level, whose 8 NICs a node carry a ring
+    each. A hierarchy (gather across, then inside) would pay 3 + 7 hops and both levels'
+    bandwidths in turn."""
+    mesh = Mesh.parse("4x8:a100-80g")
+    nbytes = 8e9
+    ring = 4 * 7 * 5e-6 + 3 * 10e-6 + 31 / 32 * nbytes * max(1 / NVLINK_BW, 1 / (8 * IB_BW))
+    assert all_gather_time(nbytes, mesh, ["node", "gpu"]) == pytest.approx(ring)
+    assert reduce_scatter_time(nbytes, mesh, ["node", "gpu"]) == pytest.approx(ring)
+    # two GPUs of each node in the group (every fourth): two NICs a node carry its rings
+    assert Group.strided(mesh, 8, 4).all_gather(nbytes) == pytest.approx(
+        4 * 1 * 5e-6 + 3 * 10e-6 + 7 / 8 * nbytes / (2 * IB_BW))
+    # small tensors over many devices: every hop's latency, not only those between nodes
+    large = Mesh.parse("192x8:a100-80g")
+    assert Group.strided(large, 1536, 1).all_gather(1e3) > 1535 * 5e-6
 
 
 def test_more_parallelism_over_the_slow_axis_costs_more():

@@ -95,10 +95,9 @@ def test_zero_3_on_many_nodes_is_slower_than_without_communication(tiny_gpt):
     fsdp = megatron_estimate(tiny_gpt, mesh, config, runtime="torch")
     deepspeed = megatron_estimate(tiny_gpt, mesh, config, runtime="deepspeed-2021")
     assert 0 < fsdp.comm_breakdown["data"] < deepspeed.comm_breakdown["data"]
-    # autopar's runtime is FSDP2, one group per layer, reducing gradients in fp32: more than
-    # torch's FSDP in the plan's 16 bits, less than DeepSpeed's per-tensor gathers
+    # autopar's runtime is FSDP2, one group per layer: less than DeepSpeed's per-tensor gathers
     autopar_data = megatron_estimate(tiny_gpt, mesh, config).comm_breakdown["data"]
-    assert fsdp.comm_breakdown["data"] < autopar_data < deepspeed.comm_breakdown["data"]
+    assert 0 < autopar_data < deepspeed.comm_breakdown["data"]
     with pytest.raises(AutoparError, match="runtime 'nccl' is unknown"):
         megatron_estimate(tiny_gpt, mesh, config, runtime="nccl")
 
