@@ -72,8 +72,7 @@ from autopar.cost.offload import host_bytes, host_fits, host_memory_share
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
-from autopar.plans.zero import (gathered_ahead, holds_weights_in_fsdp, keeps_weights_gathered,
-                                reduces_every_micro_batch)
+from autopar.plans.zero import holds_weights_in_fsdp, keeps_weights_gathered, reduces_every_micro_batch
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
@@ -402,8 +401,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     element = 4 if precision == Precision.FP32 else 2
     flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=holds_weights_in_fsdp(
         replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision))
-    ahead = gathered_ahead([c.params for c in chunks], spec.zero, virtual)
-    gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks) + ahead
+    gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
     # root of its own, keeping its last reduce-scatter input until the step's last backward
     group = sum(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
@@ -428,23 +426,22 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0,
-                       moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows, ahead) for c in chunks
+                       moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows) for c in chunks
                                 for padded in [_padded(c)] for moment in c.moments] if reduce_every else (),
-                       forwards=[(2 * max(c.group * _padded(c)[0] for c in chunks) + ahead, b * max(
+                       forwards=[(2 * max(c.group * _padded(c)[0] for c in chunks), b * max(
                                       poly_at(p, seq_ratio) for c in chunks for p in [{}, *c.peak_polys])),
                                  (chunks[-1].last_gathered * _padded(chunks[-1])[0],
                                   element * logits * (2 + 1 / spec.tp if spec.tp > 1 else 1))])
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
-def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float, ahead: float) -> tuple:
+def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float) -> tuple:
     """A backward's moment (cost/backward_moments.py) at this micro-batch and sequence length,
     as cost.memory.peak_bytes weighs it; what FSDP2 gathers and reduces, padded (`_padded`), and
-    the temporary it copies experts sharded on a later dim out through (`by_rows` of them), with
-    the chunks gathered `ahead` (autopar.plans.zero.gathered_ahead)."""
+    the temporary it copies experts sharded on a later dim out through (`by_rows` of them)."""
     net = (poly_at(dict(moment.flowing), seq_ratio) - poly_at(dict(moment.freed), seq_ratio)) * b
     scattering = None if moment.scattering is None else moment.scattering * padded[0]
-    gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows + ahead
+    gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows
     return (net, moment.grads, gathered, scattering, moment.reduced[0] * padded[0],
             moment.reduced[1] * padded[1], tuple(part * pad for part, pad in zip(moment.releasing, padded)))
 

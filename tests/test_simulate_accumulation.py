@@ -39,15 +39,3 @@ def test_each_chunk_of_an_interleaved_rank_keeps_its_own_last_reduction():
                             Config(dp=2, pp=2, zero=2, schedule="interleaved-1f1b", virtual=4,
                                    global_batch=16, micro_batch=2))
     assert_holds_as_predicted(report)
-
-
-@pytest.mark.slow
-def test_zero_3_chunks_gathered_ahead_of_their_turn():
-    """torch's schedule runtime gathers up to three of a rank's chunks ahead of their turn, each
-    whole. With four chunks it evicts and gathers again, so two whole chunks wait beside the
-    running one's groups: priced as the running groups alone, the first rank held 7.5% more."""
-    _, [report] = simulated("llama:layers=16,hidden=256,heads=8,kv_heads=4,ffn=512,seq=128,vocab=2048",
-                            "1x4:h100-80g", Config(dp=2, pp=2, zero=3, recompute="full",
-                                                   schedule="interleaved-1f1b", virtual=4,
-                                                   global_batch=16, micro_batch=1))
-    assert_holds_as_predicted(report)

@@ -37,22 +37,6 @@ def keeps_weights_gathered(zero: int, schedule: str) -> bool:
     return zero < 3 or schedule == Schedule.ZERO_BUBBLE
 
 
-# torch's schedule runtime keeps at most this many of a rank's chunks unsharded at once
-# (torch.distributed.pipelining.schedules._add_unshard_reshard, max_active_stages)
-ACTIVE_CHUNKS = 3
-
-
-def gathered_ahead(chunk_params: list[float], zero: int, virtual: int) -> float:
-    """Elements ZeRO-3 holds gathered for a rank's chunks that wait their turn: torch's schedule
-    runtime gathers a chunk whole (every FSDP group in it) ahead of its forward or backward and
-    keeps up to ACTIVE_CHUNKS unsharded; with more chunks than that it evicts and gathers again,
-    so two whole chunks wait beside the running one's groups. With fewer, none is evicted: each
-    is gathered once, and FSDP2 reshards its groups as they run."""
-    if zero < 3 or virtual <= ACTIVE_CHUNKS:
-        return 0.0
-    return sum(sorted(chunk_params, reverse=True)[:ACTIVE_CHUNKS - 1])
-
-
 def holds_weights_in_fsdp(*, replicas: int, offload: bool, precision: str) -> bool:
     """Whether FSDP2 wraps a stage of `replicas` (its dp x cp ranks of the same weights): over
     several replicas, offloaded, or in 16 bits (module docstring)."""
