@@ -404,8 +404,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
     # root of its own, keeping its last reduce-scatter input until the step's last backward
-    group = sum(c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0]
-                for c in chunks)
+    lasts = [c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0] for c in chunks]
+    group = sum(lasts)
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
     logits = sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
@@ -426,8 +426,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0,
-                       moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows) for c in chunks
-                                for padded in [_padded(c)] for moment in c.moments] if reduce_every else (),
+                       moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows, group - own)
+                                for c, own in zip(chunks, lasts) for padded in [_padded(c)]
+                                for moment in c.moments] if reduce_every else (),
                        forwards=[(2 * max(c.group * _padded(c)[0] for c in chunks), b * max(
                                       poly_at(p, seq_ratio) for c in chunks for p in [{}, *c.peak_polys])),
                                  (chunks[-1].last_gathered * _padded(chunks[-1])[0],
@@ -435,12 +436,14 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
-def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float) -> tuple:
+def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float, others: float) -> tuple:
     """A backward's moment (cost/backward_moments.py) at this micro-batch and sequence length,
     as cost.memory.peak_bytes weighs it; what FSDP2 gathers and reduces, padded (`_padded`), and
-    the temporary it copies experts sharded on a later dim out through (`by_rows` of them)."""
+    the temporary it copies experts sharded on a later dim out through (`by_rows` of them). Once
+    the chunk has reduced a group, the reduce-scatter inputs alive are its own and the `others`
+    the rank's other chunks keep."""
     net = (poly_at(dict(moment.flowing), seq_ratio) - poly_at(dict(moment.freed), seq_ratio)) * b
-    scattering = None if moment.scattering is None else moment.scattering * padded[0]
+    scattering = None if moment.scattering is None else moment.scattering * padded[0] + others
     gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows
     return (net, moment.grads, gathered, scattering, moment.reduced[0] * padded[0],
             moment.reduced[1] * padded[1], tuple(part * pad for part, pad in zip(moment.releasing, padded)))

@@ -30,6 +30,7 @@ def test_a_pipeline_stage_holds_its_weights_and_the_last_reduction_it_made(rank)
     assert_holds_as_predicted(report)
 
 
+@pytest.mark.slow
 def test_each_chunk_of_an_interleaved_rank_keeps_its_own_last_reduction():
     """Each of an interleaved rank's chunks is an FSDP2 root of its own and keeps the input of
     the reduce-scatter it made last until the step's last backward: four chunks, four such

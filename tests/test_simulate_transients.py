@@ -60,3 +60,15 @@ def test_the_heaviest_weight_gradient_is_made_where_the_backward_has_freed_most(
     report = simulated_hf(_hf("Qwen3ForCausalLM", "Qwen3Config"),
                           Config(dp=2, pp=2, zero=1, recompute="full", global_batch=8, micro_batch=1))
     assert_holds_as_predicted(report)
+
+
+def test_reduce_scatter_inputs_the_other_chunks_keep_stay_through_a_chunks_reductions():
+    """An interleaved rank's other chunks keep their last reduce-scatter inputs while this chunk
+    reduces its own groups: priced as this chunk's alone once it had reduced one, Qwen3's first
+    chunk (its embedding's gradient reduced last) held 4.1% more than predicted."""
+    arch = Architecture(name="Qwen3ForCausalLM", model_class="Qwen3ForCausalLM",
+                        config_class="Qwen3Config", kind="held out",
+                        config={**SMALL, "num_hidden_layers": 8})
+    report = simulated_hf(arch, Config(dp=2, pp=2, zero=2, schedule="interleaved-1f1b", virtual=4,
+                                       global_batch=8, micro_batch=1))
+    assert_holds_as_predicted(report)
