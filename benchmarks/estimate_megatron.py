@@ -18,6 +18,7 @@ from autopar.commands.estimate import capture_training_step
 from autopar.cost.compute import Efficiencies
 from autopar.cost.estimator import estimate
 from autopar.cost.reference import sc21_runs
+from autopar.errors import AutoparError
 
 DEFAULT_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron_sc21_table1.csv"
 
@@ -32,7 +33,11 @@ def main() -> None:
     for column in ("model", "gpus", "tp", "pp", "v", "B", "b", "published", "predicted", "error",
                    "flash attn", "MFU", "bubble", "memory GiB", "capture s"):
         table.add_column(column, justify="right")
-    for run in sc21_runs(args.csv):
+    try:
+        runs = sc21_runs(args.csv)
+    except (AutoparError, OSError) as err:
+        raise SystemExit(f"error: {err}") from None
+    for run in runs:
         start = time.perf_counter()
         graph = capture_training_step(run.spec)
         seconds = time.perf_counter() - start

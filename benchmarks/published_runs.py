@@ -57,9 +57,12 @@ def main() -> None:
         sys.exit(csv_main(args))
     if args.kind is not None:
         parser.error("--kind selects rows of a --csv file")
-    runs = published_runs(args.runs) if args.runs else (
-        sc21_runs(args.reference / "megatron_sc21_table1.csv")
-        + published_runs(args.reference / "published_runs.csv"))
+    try:
+        runs = published_runs(args.runs) if args.runs else (
+            sc21_runs(args.reference / "megatron_sc21_table1.csv")
+            + published_runs(args.reference / "published_runs.csv"))
+    except (AutoparError, OSError) as err:
+        sys.exit(f"error: {err}")
     graphs, rows = {}, []
     for run in runs:
         if run.spec not in graphs:

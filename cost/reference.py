@@ -43,6 +43,7 @@ from autopar.cost.config import Config
 from autopar.cost.layout import TensorPlacements
 from autopar.cost.megatron import megatron_placements
 from autopar.cost.mesh import Mesh
+from autopar.errors import AutoparError
 from autopar.plans.vocabulary import Recompute, Schedule
 
 SC21_DROPOUT = 0.1
@@ -78,9 +79,26 @@ def sc21_step_flops(*, batch: int, seq: int, layers: int, hidden: int, vocab: in
         1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+SC21_COLUMNS = ("params_b", "layers", "hidden", "heads", "seq", "vocab", "tp", "pp",
+                "virtual_chunks", "gpus", "global_batch", "micro_batch", "recompute",
+                "published_tflops_per_gpu")
+PUBLISHED_COLUMNS = ("source", "spec", "mesh", "tp", "pp", "virtual", "global_batch", "micro_batch",
+                     "recompute", "zero", "sequence_parallel", "attention", "published_step_s")
+
+
 def sc21_runs(path: str | Path) -> list[ReferenceRun]:
+    return [_sc21_run(row) for row in _rows(path, SC21_COLUMNS, "megatron_sc21_table1.csv")]
+
+
+def _rows(path: str | Path, columns: tuple[str, ...], like: str) -> list[dict]:
+    """The rows of a CSV that has every one of `columns`, or an error naming the missing ones."""
     with open(path, newline="") as handle:
-        return [_sc21_run(row) for row in csv.DictReader(handle)]
+        reader = csv.DictReader(handle)
+        missing = [name for name in columns if name not in (reader.fieldnames or ())]
+        if missing:
+            raise AutoparError(f"{path} lacks the column(s) {', '.join(missing)}; give a CSV with "
+                               f"the columns of shared/reference/{like}: {', '.join(columns)}")
+        return list(reader)
 
 
 def _sc21_run(row: dict) -> ReferenceRun:
@@ -102,8 +120,7 @@ def _sc21_run(row: dict) -> ReferenceRun:
 
 
 def published_runs(path: str | Path) -> list[ReferenceRun]:
-    with open(path, newline="") as handle:
-        return [_published_run(row) for row in csv.DictReader(handle)]
+    return [_published_run(row) for row in _rows(path, PUBLISHED_COLUMNS, "published_runs.csv")]
 
 
 def _runtime(source: str, zero: int) -> str:

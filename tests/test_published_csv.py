@@ -57,3 +57,21 @@ def test_every_row_is_priced_or_fails_with_its_reason(tmp_path):
     assert context["config"]["cp"] == 2 and offload["config"]["offload"]
     assert summary["rows"][3]["mesh"] == "2x8:h800-80g"
     assert set(summary) >= {"estimated", "failed", "median_abs_err", "worst_abs_err", "rows"}
+
+
+def test_reference_tables_of_other_columns_are_refused_naming_the_missing_ones(tmp_path):
+    import pytest
+
+    from autopar.cost.reference import published_runs, sc21_runs
+    from autopar.errors import AutoparError
+
+    other = tmp_path / "other.csv"
+    other.write_text("source,spec,mesh,tp\nx,gpt-tiny,4:cpu,1\n")
+    with pytest.raises(AutoparError, match=r"lacks the column\(s\) pp, virtual.*published_runs.csv"):
+        published_runs(other)
+    with pytest.raises(AutoparError, match=r"lacks the column\(s\) params_b, layers.*sc21_table1.csv"):
+        sc21_runs(other)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.py"
+    run = subprocess.run([sys.executable, str(script), "--runs", str(other)], capture_output=True,
+                         text=True)
+    assert run.returncode == 1 and run.stderr.startswith("error: ") and "Traceback" not in run.stderr
