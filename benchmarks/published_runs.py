@@ -8,9 +8,9 @@ Without --csv: every row of both older reference tables (SC'21 Table 1, publishe
 predicted against published seconds per step, with the median and worst |error| and how many
 predictions are optimistic; `--runs FILE` prices the rows of another CSV with the columns of
 published_runs.csv instead (benchmarks/zero3_at_scale.csv: SC'21 Table 2's ZeRO-3 runs on
-384-2240 A100s, where one micro-batch a GPU leaves the gathers nothing to hide behind). With --csv: any CSV with the columns of
-shared/reference/published_runs_moe_cp_offload.csv (mixture-of-experts, context-parallel and
-offload runs; autopar/cost/published.py reads them), each row's own figure (model TFLOP/s by the
+384-2240 A100s, where one micro-batch a GPU leaves the gathers nothing to hide behind). With
+--csv: any CSV with the columns of shared/reference/published_runs_moe_cp_offload.csv
+(mixture-of-experts, context-parallel and offload runs; autopar/cost/published.py reads them), each row's own figure (model TFLOP/s by the
 source's count, tokens/s, step time, MFU, memory) predicted against the published one; a row
 that cannot be modeled is counted as failed, with the reason. `--json` prints one JSON object
 (with --csv: {"estimated", "failed", "median_abs_err", "worst_abs_err", "rows"}; errors are
