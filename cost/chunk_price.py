@@ -453,3 +453,9 @@ def poly_at(poly: dict, ratio):
     return sum(value * ratio ** degree for degree, value in sorted(poly.items()))
 
 
+def padded_ratios(chunk: Chunk) -> tuple[float, float]:
+    """How much larger FSDP2's padded buffers are than a chunk's parameters (cost/padding.py):
+    its dense parameters', its experts'."""
+    dense = chunk.params - chunk.expert_params
+    return (1 + chunk.padding[0] / dense if dense else 1.0,
+            1 + chunk.padding[1] / chunk.expert_params if chunk.expert_params else 1.0)

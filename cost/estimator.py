@@ -64,8 +64,10 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, holds_every_transfer, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import Chunk, block_transients, partial_gradients_time, partial_reductions, poly_at
+from autopar.cost.chunk_price import (Chunk, block_transients, padded_ratios, partial_gradients_time,
+                                     partial_reductions, poly_at)
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
+from autopar.cost.gathered_ahead import at_fullest
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
 from autopar.cost.offload import host_bytes, host_fits, host_memory_share
@@ -401,11 +403,15 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     element = 4 if precision == Precision.FP32 else 2
     flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=holds_weights_in_fsdp(
         replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision))
-    gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(c.gathered for c in chunks)
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
     # root of its own, keeping its last reduce-scatter input until the step's last backward
-    lasts = [c.group if (last := last_scattered(c.moments)) is None else last * _padded(c)[0] for c in chunks]
+    lasts = [c.group if (last := last_scattered(c.moments)) is None else last * padded_ratios(c)[0] for c in chunks]
     group = sum(lasts)
+    # under ZeRO-3 the interleaved runtime also gathers chunks whole ahead (cost/gathered_ahead.py)
+    meets, ends = at_fullest(chunks, lasts, zero=spec.zero, schedule=schedule, pp=pp, micro_batches=m,
+                             virtual=virtual, stage=stage, b=b, seq_ratio=seq_ratio)
+    gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(
+        c.gathered + max(extra for _, extra, _ in met) for c, met in zip(chunks, meets))
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
     logits = sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
@@ -426,35 +432,26 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        expert_dp=expert_data_parallel(spec),
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0,
-                       moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows, group - own)
-                                for c, own in zip(chunks, lasts) for padded in [_padded(c)]
-                                for moment in c.moments] if reduce_every else (),
-                       forwards=[(2 * max(c.group * _padded(c)[0] for c in chunks), b * max(
-                                      poly_at(p, seq_ratio) for c in chunks for p in [{}, *c.peak_polys])),
-                                 (chunks[-1].last_gathered * _padded(chunks[-1])[0],
-                                  element * logits * (2 + 1 / spec.tp if spec.tp > 1 else 1))])
+                       moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows, *met)
+                                for c, situations in zip(chunks, meets) for padded in [padded_ratios(c)]
+                                for met in situations for moment in c.moments] if reduce_every else (),
+                       forwards=[*ends, (chunks[-1].last_gathered * padded_ratios(chunks[-1])[0],
+                                         element * logits * (2 + 1 / spec.tp if spec.tp > 1 else 1), None)])
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
-def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float, others: float) -> tuple:
+def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float, others: float, ahead: float, backed) -> tuple:
     """A backward's moment (cost/backward_moments.py) at this micro-batch and sequence length,
-    as cost.memory.peak_bytes weighs it; what FSDP2 gathers and reduces, padded (`_padded`), and
+    as cost.memory.peak_bytes weighs it; what FSDP2 gathers and reduces, padded (`padded_ratios`), and
     the temporary it copies experts sharded on a later dim out through (`by_rows` of them). Once
     the chunk has reduced a group, the reduce-scatter inputs alive are its own and the `others`
-    the rank's other chunks keep."""
+    the rank's other chunks keep; with the chunks gathered whole `ahead` and the gradients the
+    chunks `backed` hold where the rank's order is walked (cost/gathered_ahead.py)."""
     net = (poly_at(dict(moment.flowing), seq_ratio) - poly_at(dict(moment.freed), seq_ratio)) * b
     scattering = None if moment.scattering is None else moment.scattering * padded[0] + others
-    gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows
+    gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows + ahead
     return (net, moment.grads, gathered, scattering, moment.reduced[0] * padded[0],
-            moment.reduced[1] * padded[1], tuple(part * pad for part, pad in zip(moment.releasing, padded)))
-
-
-def _padded(chunk: Chunk) -> tuple[float, float]:
-    """How much larger FSDP2's padded buffers are than a chunk's parameters (cost/padding.py):
-    its dense parameters', its experts'."""
-    dense = chunk.params - chunk.expert_params
-    return (1 + chunk.padding[0] / dense if dense else 1.0,
-            1 + chunk.padding[1] / chunk.expert_params if chunk.expert_params else 1.0)
+            moment.reduced[1] * padded[1], tuple(part * pad for part, pad in zip(moment.releasing, padded)), backed)
 
 
 def _heaviest_gradient(chunks: list[Chunk]) -> float:

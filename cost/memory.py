@@ -153,7 +153,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
         loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
         loss_phase = {**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
                       "buffers": loss}
-        ends = [{**loss_phase, "weights": element * held, "buffers": out} for held, out in forwards]
+        ends = [_forward_end(loss_phase, element * held, out, backed, shards) for held, out, backed in forwards]
         blocks = [_moment_phase(moment, held_now, earlier=earlier, shards=shards, weights=weights, zero=zero,
                                 element=element, split=(split, expert_split), cached=cached, offload=offload,
                                 held_before=group if pipelined and earlier else 0.0,
@@ -208,7 +208,9 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
     and only in the step's first backward: a later one adds the group's reduce-scatter output
     into its shard, the two alive a moment. ZeRO-3 holds what the moment gathers; ZeRO-2 frees a
     reduced group's gathered weights only where its runtime does (`_frees_gathered`)."""
-    net, grads, gathered, scattering, dense, experts, releasing = moment
+    net, grads, gathered, scattering, dense, experts, releasing, backed = moment
+    if backed is not None:      # a moment of the rank's walked order (cost/gathered_ahead.py)
+        shards, earlier, held_before = shards * backed.share, backed.running, backed.lasts
     reduce_input = held_before if scattering is None else scattering
     shard = lambda elements: GRADIENT_BYTES * (elements[0] / split[0] + elements[1] / split[1])
     new = 0.0 if offload else shard(releasing) if earlier else shard((dense, experts))
@@ -217,8 +219,17 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
     elif frees_gathered:
         weights = weights - element * (dense + experts)
     return {**held_now, "weights": weights,
-            "gradients": (shards if earlier else 0.0) + GRADIENT_BYTES * reduce_input + new,
+            "gradients": (shards if earlier or backed is not None else 0.0) + GRADIENT_BYTES * reduce_input + new,
             "buffers": net + element * grads + cached}
+
+
+def _forward_end(loss_phase: dict, weights, out, backed, shards) -> dict:
+    """A forward's end under ZeRO-3 (module docstring): the `weights` it gathered, its transient
+    `out`; at a moment of a rank's walked order (`backed`, cost/gathered_ahead.py) the gradients
+    of the backwards run before it, their chunks' share of the `shards` and their reduce-scatter
+    inputs, rather than the loss phase's."""
+    gradients = {} if backed is None else {"gradients": shards * backed.share + backed.lasts * GRADIENT_BYTES}
+    return {**loss_phase, "weights": weights, "buffers": out, **gradients}
 
 
 def _frees_gathered(pipelined: bool, micro_batches: int, earlier: bool) -> bool:

@@ -63,7 +63,7 @@ def test_a_moment_holds_the_reduce_scatter_input_and_new_shards():
     it gathers; ZeRO-2 has freed the reduced groups' gathered weights once it reshards them. A
     later micro-batch's holds every shard and the new output of the group it reduces."""
     group, dp, reduced, gathered, grads = 1e5, 4, 3e5, 2e5, 5e4
-    moment = (1e6, grads, gathered, group, reduced, 0.0, (group, 0.0))
+    moment = (1e6, grads, gathered, group, reduced, 0.0, (group, 0.0), None)
     sizes = dict(params=1e6, gathered=gathered, group=group, weight=1e4, dp=dp, precision="fp32",
                  micro_batches=1, held=1, pipelined=False, activations=0.0, logits=0.0, flowing=0.0,
                  reduce_every=True, moments=[moment])

@@ -220,6 +220,39 @@ def test_pending_weight_backwards_are_what_torchs_zero_bubble_order_defers():
     assert pending_weight_backwards("1f1b", pp=4, micro_batches=8, stage=3) == 0
 
 
+
+
+def test_one_ranks_interleaved_order_is_the_one_torchs_schedule_builds():
+    from autopar.cost.gathered_ahead import _order
+    from autopar.timeline import schedule_actions
+    for pp, virtual, m in [(2, 4, 8), (4, 2, 10), (4, 5, 8), (3, 6, 9), (8, 8, 64), (4, 1, 3)]:
+        every = schedule_actions("interleaved-1f1b", pp, m, virtual)
+        for rank in range(pp):
+            assert _order(pp, m, virtual, rank) == [(a.kind, a.stage // pp) for a in every[rank]], (pp, virtual, m)
+
+def test_chunks_gathered_whole_are_those_torchs_interleaved_runtime_gathers_ahead():
+    """Under ZeRO-3 torch's schedule runtime gathers a chunk whole when it enters the next three
+    chunks a rank computes and frees it when it leaves (its UNSHARD and RESHARD actions); a
+    chunk's own compute frees it group by group. The walk of cost/gathered_ahead.py sees the
+    same chunks whole at every compute action."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from autopar.cost.gathered_ahead import moments
+    from autopar.timeline import _StandInStage
+    for pp, virtual, m in [(2, 4, 8), (2, 3, 4), (4, 2, 8), (4, 5, 8), (3, 6, 9), (2, 8, 16), (4, 1, 4)]:
+        stages = [_StandInStage(chunk * pp, pp * virtual, pp, 0) for chunk in range(virtual)]
+        order = torch_schedules.ScheduleInterleaved1F1B(stages, m).pipeline_order
+        for rank in range(pp):
+            whole, seen = set(), []
+            for action in torch_schedules._add_unshard_reshard(order[rank]):
+                kind, chunk = action.computation_type.value, action.stage_index // pp
+                if kind in ("UNSHARD", "RESHARD"):
+                    (whole.add if kind == "UNSHARD" else whole.discard)(chunk)
+                    continue
+                seen.append((chunk, chunk in whole, tuple(sorted(whole - {chunk}))))
+                whole.discard(chunk)
+            walked = [(mo.running, mo.whole, mo.waiting) for _, mo in moments(pp, m, virtual, rank)]
+            assert walked == seen, (pp, virtual, m, rank)
+
 def _mlp_graph(batch=4, hidden=1024):
     """x [batch, hidden] -> mm(w1) -> relu -> mm(w2): a hand-made graph."""
     f32 = 4
