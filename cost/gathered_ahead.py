@@ -45,6 +45,7 @@ class Moment:
         return sum(params[w] for w in self.waiting) + own
 
     def gradients(self, params: list[float], lasts: list[float]) -> "Backed":
+        """What the chunks `backed` hold, from their elements (`params`, `lasts`, per chunk)."""
         return Backed(sum(params[c] for c in self.backed) / sum(params), self.running in self.backed,
                       sum(lasts[c] for c in self.backed))
 
@@ -85,8 +86,9 @@ def backward_situations(moments: tuple[Moment, ...], *, params: list[float], gat
                         lasts: list[float]) -> list[list[tuple]]:
     """For each of a rank's chunks, what its backward meets at each of the fullest `moments` it
     runs at: (the other chunks' last reduce-scatter inputs held, elements gathered beyond its
-    usual groups, `Backed`). A chunk that runs at none is priced as before the walk: every
-    other chunk's input held, nothing gathered ahead, the gradients of an earlier backward."""
+    usual groups, `Backed`). A chunk that runs at none is priced as on a rank whose order is not
+    walked: every other chunk's input held, nothing gathered ahead, an earlier backward's
+    gradients (`Backed` None)."""
     situations = [[] for _ in params]
     for moment in moments:
         if moment.kind == "B":
@@ -99,11 +101,11 @@ def backward_situations(moments: tuple[Moment, ...], *, params: list[float], gat
 def forward_ends(moments: tuple[Moment, ...], *, groups: list[float], outs: list[float], params: list[float],
                  gathered: list[float], lasts: list[float]) -> list[tuple]:
     """cost.memory.peak_bytes's `forwards` at each of the fullest `moments` that is a forward:
-    the elements gathered (the running chunk's two largest groups, `groups`, with what is
-    gathered ahead), its transient bytes (`outs`, per chunk), and the gradients the chunks that
-    ran a backward before it hold: their share of the rank's gradient shards and their last
-    reduce-scatter inputs' elements (`lasts`, per chunk). Where the rank's largest chunk runs its
-    forwards before any backward, the rank's fullest forward holds neither."""
+    the elements gathered (the running chunk's, `groups`: its largest group's weights and
+    all-gather output, cost/memory.py; with what is gathered ahead), its transient bytes (`outs`,
+    per chunk), and the gradients of the chunks that ran a backward before it (`Backed`: their
+    share of the rank's gradient shards, their last reduce-scatter inputs, `lasts` per chunk). A
+    forward before any backward holds no gradients."""
     return [(groups[m.running] + m.extra(params, gathered), outs[m.running], m.gradients(params, lasts))
             for m in moments if m.kind == "F"]
 
