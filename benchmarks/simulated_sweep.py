@@ -3,12 +3,13 @@ rank's simulated peak memory and collective bytes beside what the estimator pred
 
     python benchmarks/simulated_sweep.py [--arch Qwen3,Phi3] [--form "tp2 x pp2, rank 3"] [--json]
 
-Each case builds the HuggingFace model from transformers (2 layers, hidden 256, 4 heads, 2
-key/value heads, ffn 512, vocabulary 8192, sequences of 128) on the meta device, plans the form
-on 4 CPU ranks (`autopar.api.plan_from_config`), simulates one rank (`autopar simulate`'s code)
-and compares. A case passes when memory is within the band of a cluster plan (-5%..+3%, never
-under-predicted beyond 3%) and every collective kind's bytes are within 5% of the priced.
-Prints progress per case, then the table and a summary; exits 1 if any case fails.
+Each case builds the HuggingFace model from transformers (2 layers, 8 for the forms of 8 chunks;
+hidden 256, 4 heads, 2 key/value heads, ffn 512, vocabulary 8192, sequences of 128) on the meta
+device, plans the form on 4 CPU ranks (`autopar.api.plan_from_config`), simulates one rank
+(`autopar simulate`'s code) and compares. A case passes when memory is within the band of a
+cluster plan (-5%..+3%, never under-predicted beyond 3%) and every collective kind's bytes are
+within 5% of the priced. Prints progress per case, then the table and a summary; exits 1 if any
+case fails.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ ARCHS = {
                    {"num_experts": 4, "moe_topk": 2, "head_dim": 64}),
 }
 MOE = {"GraniteMoe", "Glm4Moe", "HunYuanMoE"}
+_INTERLEAVED_ZERO_3 = Config(dp=2, pp=2, zero=3, schedule="interleaved-1f1b", virtual=4, global_batch=8)
 # form -> (rank simulated, configuration on 4 ranks, for mixtures of experts only)
 FORMS = {
     "tp2 x dp2 ZeRO-3": (0, Config(tp=2, dp=2, zero=3, global_batch=4), False),
@@ -61,7 +63,11 @@ FORMS = {
     "dp2 x tp2 x ep2": (0, Config(dp=2, tp=2, ep=2, global_batch=4), True),
     "pp2 x dp2 x ep2, rank 3": (3, Config(pp=2, dp=2, ep=2, global_batch=8), True),
     "dp2 x cp2, rank 1": (1, Config(dp=2, cp=2, global_batch=4), False),
+    "pp2 x dp2 ZeRO-3 interleaved v4, rank 0": (0, _INTERLEAVED_ZERO_3, False),
+    "pp2 x dp2 ZeRO-3 interleaved v4, rank 3": (3, _INTERLEAVED_ZERO_3, False),
 }
+# forms of more chunks than SMALL has layers: their models' layers
+LAYERS = {"pp2 x dp2 ZeRO-3 interleaved v4, rank 0": 8, "pp2 x dp2 ZeRO-3 interleaved v4, rank 3": 8}
 BYTES_TOLERANCE = 0.05
 SEQ = 128
 
@@ -70,8 +76,9 @@ def run(arch: str, form: str) -> dict:
     """One case: the rank's simulated and predicted memory, and its bytes kind by kind."""
     model_class, config_class, extra = ARCHS[arch]
     rank, config, _ = FORMS[form]
+    layers = LAYERS.get(form, SMALL["num_hidden_layers"])
     architecture = Architecture(name=arch, model_class=model_class, config_class=config_class,
-                                kind="held out", config={**SMALL, **extra})
+                                kind="held out", config={**SMALL, **extra, "num_hidden_layers": layers})
     started = time.monotonic()
     try:
         report = simulated_hf(architecture, config, rank=rank, seq=SEQ)
