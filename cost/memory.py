@@ -202,7 +202,9 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
     """A block phase at one op's backward (cost/backward_moments.py), `moment` weighed:
     (bytes of its flowing gradients less the activations freed, weight gradients' elements,
     gathered elements, the last reduce-scatter's group or None, reduced dense and experts'
-    elements, and those of the group it reduces, if any). Before this backward's first
+    elements, those of the group it reduces, if any, and the walked order's `Backed` or None:
+    cost/gathered_ahead.py, whose chunks backed so far set the shards and inputs held and whether
+    this backward makes its chunk's shards or adds into them). Before this backward's first
     reduce-scatter a pipeline stage holds the earlier micro-batch's last one (`held_before`); the
     reduced groups' new shards are fp32, 1/dp (or 1/expert dp) each, on the host when offloaded,
     and only in the step's first backward: a later one adds the group's reduce-scatter output
