@@ -3,7 +3,7 @@ rank's simulated peak memory and collective bytes beside what the estimator pred
 
     python benchmarks/simulated_sweep.py [--arch Qwen3,Phi3] [--form "tp2 x pp2, rank 3"] [--json]
 
-Each case builds the HuggingFace model from transformers (2 layers, 8 for the forms of 8 chunks;
+Each case builds the HuggingFace model from transformers (2 layers, or one a chunk;
 hidden 256, 4 heads, 2 key/value heads, ffn 512, vocabulary 8192, sequences of 128) on the meta
 device, plans the form on 4 CPU ranks (`autopar.api.plan_from_config`), simulates one rank
 (`autopar simulate`'s code) and compares. A case passes when memory is within the band of a
@@ -66,8 +66,6 @@ FORMS = {
     "pp2 x dp2 ZeRO-3 interleaved v4, rank 0": (0, _INTERLEAVED_ZERO_3, False),
     "pp2 x dp2 ZeRO-3 interleaved v4, rank 3": (3, _INTERLEAVED_ZERO_3, False),
 }
-# forms of more chunks than SMALL has layers: their models' layers
-LAYERS = {"pp2 x dp2 ZeRO-3 interleaved v4, rank 0": 8, "pp2 x dp2 ZeRO-3 interleaved v4, rank 3": 8}
 BYTES_TOLERANCE = 0.05
 SEQ = 128
 
@@ -76,7 +74,8 @@ def run(arch: str, form: str) -> dict:
     """One case: the rank's simulated and predicted memory, and its bytes kind by kind."""
     model_class, config_class, extra = ARCHS[arch]
     rank, config, _ = FORMS[form]
-    layers = LAYERS.get(form, SMALL["num_hidden_layers"])
+    # a layer for each of the form's chunks at least
+    layers = max(SMALL["num_hidden_layers"], config.pp * config.virtual)
     architecture = Architecture(name=arch, model_class=model_class, config_class=config_class,
                                 kind="held out", config={**SMALL, **extra, "num_hidden_layers": layers})
     started = time.monotonic()
