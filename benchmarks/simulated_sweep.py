@@ -65,6 +65,11 @@ FORMS = {
     "dp2 x cp2, rank 1": (1, Config(dp=2, cp=2, global_batch=4), False),
     "pp2 x dp2 ZeRO-3 interleaved v4, rank 0": (0, _INTERLEAVED_ZERO_3, False),
     "pp2 x dp2 ZeRO-3 interleaved v4, rank 3": (3, _INTERLEAVED_ZERO_3, False),
+    # as many micro-batches as pipeline ranks: every forward before the first backward
+    "pp2 x dp2 ZeRO-2 interleaved v4, 2 micro-batches, rank 0": (0, Config(
+        dp=2, pp=2, zero=2, schedule="interleaved-1f1b", virtual=4, global_batch=4), False),
+    "pp2 x dp2 ZeRO-1 interleaved v4, 2 micro-batches, rank 3": (3, Config(
+        dp=2, pp=2, zero=1, schedule="interleaved-1f1b", virtual=4, global_batch=4), False),
 }
 BYTES_TOLERANCE = 0.05
 SEQ = 128

@@ -51,14 +51,18 @@ class GroupReductions:
         counted: set[str] = set()
         for position in range(len(nodes) - 1, -1, -1):
             fact = facts[nodes[position].name]
-            if fact.group is not None:
-                first[fact.group] = position
-                if fact.group not in order:
-                    order.append(fact.group)
             for name, group in fact.weights:
                 if name not in counted:
                     counted.add(name)
                     self.totals.setdefault(group, [0.0, 0.0])[fact.expert] += param_local.get(name, 0.0)
+        # a group none of whose weights the chunk holds (the next chunk's, whose first op a
+        # chunk's last may be) is no FSDP group of the chunk: it neither gathers nor reduces here
+        for position in range(len(nodes) - 1, -1, -1):
+            group = self.group_of(facts[nodes[position].name])
+            if group is not None:
+                first[group] = position
+                if group not in order:
+                    order.append(group)
         for group, position in first.items():
             self.release.setdefault(position, []).append(group)
         self.next = dict(zip(order, order[1:]))
@@ -75,6 +79,10 @@ class GroupReductions:
         self.reduced = [0.0, 0.0]
         self.moments: list[tuple] = []
         self._run: tuple = ()       # the current run's parts and its fullest moments
+
+    def group_of(self, fact) -> str | None:
+        """The FSDP group of the chunk an op's backward runs in, if any."""
+        return fact.group if fact.group in self.totals else None
 
     def record(self, fact, flowing: dict, freed: dict) -> None:
         """Add the op's `moment`. Of a run of ops that make no weight gradient (their parts
@@ -97,19 +105,20 @@ class GroupReductions:
         (`rerun_before`: position -> {power of seq: bytes}). Its experts' elements are recorded
         apart: FSDP2 copies those it shards on a later dim out through a temporary as large
         (cost.estimator's `_weighed`)."""
-        if fact.group is None or fact.group in self.entered or fact.group in self.done:
+        group = self.group_of(fact)
+        if group is None or group in self.entered or group in self.done:
             return
         self._end_run()
         open_groups = self._open()
         if open_groups:
-            rerun = rerun_before.get(self.first[fact.group], {})
+            rerun = rerun_before.get(self.first[group], {})
             flowing = {degree: flowing.get(degree, 0.0) + rerun.get(degree, 0.0)
                        for degree in {*flowing, *rerun}}
-        gathered = open_groups + 2 * sum(self.totals.get(fact.group, ()))
-        self.active = fact.group
-        self.entered.append(fact.group)
+        gathered = open_groups + 2 * sum(self.totals[group])
+        self.active = group
+        self.entered.append(group)
         self.moments.append((dict(flowing), dict(freed), sum(self.alive.values()), gathered,
-                             self.scattering, tuple(self.reduced), self.totals.get(fact.group, (0.0, 0.0))[1],
+                             self.scattering, tuple(self.reduced), self.totals[group][1],
                              (0.0, 0.0)))
 
     def _end_run(self) -> None:
@@ -135,7 +144,7 @@ class GroupReductions:
                 own = max(own, size)
             elif group not in self.done:    # a second reader's gradient, beside the first's
                 again = max(again, self.second_reader * size)   # until autograd adds it in
-        self.active = fact.group or self.active
+        self.active = self.group_of(fact) or self.active
         return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own) + again,
                 self._gathered(), self.scattering, tuple(self.reduced), 0.0, (0.0, 0.0))
 

@@ -67,7 +67,7 @@ from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import (Chunk, block_transients, padded_ratios, partial_gradients_time,
                                      partial_reductions, poly_at)
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
-from autopar.cost.gathered_ahead import at_fullest
+from autopar.cost.interleaved_order import at_fullest
 from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
 from autopar.cost.offload import host_bytes, host_fits, host_memory_share
@@ -407,12 +407,13 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     # root of its own, keeping its last reduce-scatter input until the step's last backward
     lasts = [c.group if (last := last_scattered(c.moments)) is None else last * padded_ratios(c)[0] for c in chunks]
     group = sum(lasts)
-    # under ZeRO-3 the interleaved runtime also gathers chunks whole ahead (cost/gathered_ahead.py)
+    # what each backward of an interleaved rank meets in its order (cost/interleaved_order.py)
     meets, ends = at_fullest(chunks, lasts, zero=spec.zero, schedule=schedule, pp=pp, micro_batches=m,
                              virtual=virtual, stage=stage, b=b, seq_ratio=seq_ratio)
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(
         c.gathered + max(extra for _, extra, _ in met) for c, met in zip(chunks, meets))
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
+    fullest = max((backed for *_, backed in ends if backed), key=lambda backed: backed.share, default=None)
     logits = sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b
     parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
                        weight=_heaviest_gradient(chunks),
@@ -435,8 +436,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows, *met)
                                 for c, situations in zip(chunks, meets) for padded in [padded_ratios(c)]
                                 for met in situations for moment in c.moments] if reduce_every else (),
-                       forwards=[*ends, (chunks[-1].last_gathered * padded_ratios(chunks[-1])[0],
-                                         element * logits * (2 + 1 / spec.tp if spec.tp > 1 else 1), None)])
+                       forwards=[*ends, (chunks[-1].last_gathered * padded_ratios(chunks[-1])[0],  # the loss's
+                                         element * logits * (2 + 1 / spec.tp if spec.tp > 1 else 1), fullest)],
+                       walked=[backed for met in meets for _, _, backed in met if backed is not None])
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
@@ -446,7 +448,7 @@ def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float, others: float,
     the temporary it copies experts sharded on a later dim out through (`by_rows` of them). Once
     the chunk has reduced a group, the reduce-scatter inputs alive are its own and the `others`
     the rank's other chunks keep; with the chunks gathered whole `ahead` and the gradients the
-    chunks `backed` hold where the rank's order is walked (cost/gathered_ahead.py)."""
+    chunks `backed` hold where the rank's order is walked (cost/interleaved_order.py)."""
     net = (poly_at(dict(moment.flowing), seq_ratio) - poly_at(dict(moment.freed), seq_ratio)) * b
     scattering = None if moment.scattering is None else moment.scattering * padded[0] + others
     gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows + ahead

@@ -115,8 +115,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits, flowing,
                reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
                loss_held: int | None = None, offload: bool = False, one_tensor: float = 0.0,
-               deferred=(0.0, 0.0), split_backward=False, paired=None, padding=(0.0, 0.0), moments=(), forwards=()
-               ) -> dict:
+               deferred=(0.0, 0.0), split_backward=False, paired=None, padding=(0.0, 0.0), moments=(), forwards=(),
+               walked=()) -> dict:
     """Memory of one device at its peak, by part (`_at_peak`), phases as in the module docstring.
     `params` elements of its stage(s) (`expert_params` of them experts', whose optimizer state and
     gradient shards ZeRO splits over their `expert_dp` ranks), `gathered` those ZeRO-3 holds
@@ -128,7 +128,9 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     weight it reads (`weight`; `paired`: `_transients`); under `reduce_every`, the `moments`
     (`_moment_phase`), under ZeRO-3 the `forwards`'. `received`, `deferred`, `split_backward`,
     `padding`, `offload`, `one_tensor`: receive buffers, zero-bubble's kept gradients and split
-    backward (module docstring), ZeRO's padding, states on the host, `_step_temporaries`."""
+    backward (module docstring), ZeRO's padding, states on the host, `_step_temporaries`. `walked`:
+    the `Backed` of every backward of an interleaved rank's walked order (cost/interleaved_order.py),
+    each priced with what it holds then, in place of the first and later backwards."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -143,34 +145,54 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = 0.0 if offload else sharded(GRADIENT_BYTES)
+    at = lambda state: {**zeros, "activations": state.activations + (losses - 1) * kept}
+    kept_weights = lambda state: weights * (1 - state.finished) if state and wrapped and zero < 3 else weights
+    blocks_of = lambda earlier: block_later if earlier else block
 
     def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
         held_now = {**zeros, "activations": activations_held}
-        if not (reduce_every and wrapped):
-            return [{**held_now, "gradients": gradients if earlier else 0.0,
-                     "buffers": _max(loss, block_later if earlier else block)}]
-        # the loss's backward (no group gathered under ZeRO-3) and the forward's end: module docstring
-        loss_gradients = shards + (group * GRADIENT_BYTES if pipelined else 0.0) if earlier else 0.0
-        loss_phase = {**held_now, **({"weights": 0.0} if zero == 3 else {}), "gradients": loss_gradients,
-                      "buffers": loss}
-        ends = [_forward_end(loss_phase, element * held, out, backed, shards) for held, out, backed in forwards]
-        blocks = [_moment_phase(moment, held_now, earlier=earlier, shards=shards, weights=weights, zero=zero,
-                                element=element, split=(split, expert_split), cached=cached, offload=offload,
-                                held_before=group if pipelined and earlier else 0.0,
-                                frees_gathered=_frees_gathered(pipelined, micro_batches, earlier)) for moment in moments]
-        return [loss_phase, *(ends if zero == 3 else []),
-                *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
+        if reduce_every and wrapped:
+            return _reduced_phases(held_now, earlier, walked=walked, at=at, kept_weights=kept_weights, shards=shards,
+                                   group=group if pipelined else 0.0, zero=zero, loss=loss, block=block,
+                                   forwards=forwards, element=element, moments=moments, split=(split, expert_split),
+                                   cached=cached, offload=offload, micro_batches=micro_batches, pipelined=pipelined)
+        return [{**at(s), "weights": kept_weights(s), "buffers": _max(loss, blocks_of(s.running)) if s.loss
+                 else blocks_of(s.running), "gradients": gradients * (s.share - s.finished) + shards * s.finished}
+                for s in walked] or [{**held_now, "gradients": gradients if earlier else 0.0,
+                                      "buffers": _max(loss, blocks_of(earlier))}]
     later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
-    phases = [      # the first backward (and, making new shards, the step's first micro-batch's),
-        *backward(first, micro_batches > held),     # the time between backwards (zero-bubble),
-        *(backward(first, False) if reduce_every and micro_batches > held else ()),   # the second
+    step = {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
+            "optimizer_step": 0.0 if offload else _step_temporaries(sharded, one_tensor / split)}
+    phases = [*backward(first, True), step] if walked else [   # the first backward (and, making new
+        *backward(first, micro_batches > held),     # shards, the step's first micro-batch's), the time
+        *(backward(first, False) if reduce_every and micro_batches > held else ()),   # between
         {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[0],
-         "buffers": between},
-        *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1),
-        {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
-         "optimizer_step": 0.0 if offload else _step_temporaries(sharded, one_tensor / split)},
-    ]
+         "buffers": between},     # backwards (zero-bubble), the second
+        *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1), step]
     return _at_peak(persistent, phases)
+
+
+def _reduced_phases(held_now: dict, earlier: bool, *, walked, at, kept_weights, shards, group, zero: int, loss,
+                    block, forwards, element: int, moments, pipelined: bool, micro_batches: int,
+                    **moment_args) -> list[dict]:
+    """peak_bytes's phases of a backward where the runtime reduce-scatters after every micro-batch:
+    the loss's backward (no group gathered under ZeRO-3), under ZeRO-3 the forwards' ends (module
+    docstring), and the block's `moments` (`_moment_phase`); on a walked rank (`walked`, `at`,
+    `kept_weights`: peak_bytes) the loss's at each backward of the chunk that computes it, and
+    each moment with what the rank holds at its own."""
+    loss_phase = {**held_now, **({"weights": 0.0} if zero == 3 else {}), "buffers": loss,
+                  "gradients": shards + group * GRADIENT_BYTES if earlier else 0.0}
+    ends = [_forward_end({**loss_phase, **at(backed)} if walked and backed else loss_phase, element * held, out,
+                         backed, shards) for held, out, backed in forwards]
+    losses_walked = [{**loss_phase, **at(s), "weights": 0.0 if zero == 3 else kept_weights(s),
+                      "gradients": shards * s.share + GRADIENT_BYTES * s.lasts} for s in walked if s.loss]
+    blocks = [_moment_phase(moment, at(moment[-1]) if walked and moment[-1] else held_now, earlier=earlier,
+                            weights=kept_weights(moment[-1]) if walked and moment[-1] else kept_weights(None),
+                            shards=shards, zero=zero, element=element, held_before=group if earlier else 0.0,
+                            frees_gathered=_frees_gathered(pipelined, micro_batches, earlier), **moment_args)
+              for moment in moments]
+    return [*(losses_walked if walked else [loss_phase]), *(ends if zero == 3 else []),
+            *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
 
 
 def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: bool, paired) -> tuple:
@@ -203,7 +225,7 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
     (bytes of its flowing gradients less the activations freed, weight gradients' elements,
     gathered elements, the last reduce-scatter's group or None, reduced dense and experts'
     elements, those of the group it reduces, if any, and the walked order's `Backed` or None:
-    cost/gathered_ahead.py, whose chunks backed so far set the shards and inputs held and whether
+    cost/interleaved_order.py, whose chunks backed so far set the shards and inputs held and whether
     this backward makes its chunk's shards or adds into them). Before this backward's first
     reduce-scatter a pipeline stage holds the earlier micro-batch's last one (`held_before`); the
     reduced groups' new shards are fp32, 1/dp (or 1/expert dp) each, on the host when offloaded,
@@ -211,7 +233,7 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
     into its shard, the two alive a moment. ZeRO-3 holds what the moment gathers; ZeRO-2 frees a
     reduced group's gathered weights only where its runtime does (`_frees_gathered`)."""
     net, grads, gathered, scattering, dense, experts, releasing, backed = moment
-    if backed is not None:      # a moment of the rank's walked order (cost/gathered_ahead.py)
+    if backed is not None:      # a moment of the rank's walked order (cost/interleaved_order.py)
         shards, earlier, held_before = shards * backed.share, backed.running, backed.lasts
     reduce_input = held_before if scattering is None else scattering
     shard = lambda elements: GRADIENT_BYTES * (elements[0] / split[0] + elements[1] / split[1])
@@ -227,7 +249,7 @@ def _moment_phase(moment: tuple, held_now: dict, *, earlier: bool, shards, weigh
 
 def _forward_end(loss_phase: dict, weights, out, backed, shards) -> dict:
     """A forward's end under ZeRO-3 (module docstring): the `weights` it gathered, its transient
-    `out`; at a moment of a rank's walked order (`backed`, cost/gathered_ahead.py) the gradients
+    `out`; at a moment of a rank's walked order (`backed`, cost/interleaved_order.py) the gradients
     of the backwards run before it, their chunks' share of the `shards` and their reduce-scatter
     inputs, rather than the loss phase's."""
     gradients = {} if backed is None else {"gradients": shards * backed.share + backed.lasts * GRADIENT_BYTES}

@@ -223,7 +223,7 @@ def test_pending_weight_backwards_are_what_torchs_zero_bubble_order_defers():
 
 
 def test_one_ranks_interleaved_order_is_the_one_torchs_schedule_builds():
-    from autopar.cost.gathered_ahead import _order
+    from autopar.cost.interleaved_order import _order
     from autopar.timeline import schedule_actions
     for pp, virtual, m in [(2, 4, 8), (4, 2, 10), (4, 5, 8), (3, 6, 9), (8, 8, 64), (4, 1, 3)]:
         every = schedule_actions("interleaved-1f1b", pp, m, virtual)
@@ -233,10 +233,10 @@ def test_one_ranks_interleaved_order_is_the_one_torchs_schedule_builds():
 def test_chunks_gathered_whole_are_those_torchs_interleaved_runtime_gathers_ahead():
     """Under ZeRO-3 torch's schedule runtime gathers a chunk whole when it enters the next three
     chunks a rank computes and frees it when it leaves (its UNSHARD and RESHARD actions); a
-    chunk's own compute frees it group by group. The walk of cost/gathered_ahead.py sees the
+    chunk's own compute frees it group by group. The walk of cost/interleaved_order.py sees the
     same chunks whole at every compute action."""
     from torch.distributed.pipelining import schedules as torch_schedules
-    from autopar.cost.gathered_ahead import moments
+    from autopar.cost.interleaved_order import moments
     from autopar.timeline import _StandInStage
     for pp, virtual, m in [(2, 4, 8), (2, 3, 4), (4, 2, 8), (4, 5, 8), (3, 6, 9), (2, 8, 16), (4, 1, 4)]:
         stages = [_StandInStage(chunk * pp, pp * virtual, pp, 0) for chunk in range(virtual)]
@@ -252,6 +252,56 @@ def test_chunks_gathered_whole_are_those_torchs_interleaved_runtime_gathers_ahea
                 whole.discard(chunk)
             walked = [(mo.running, mo.whole, mo.waiting) for _, mo in moments(pp, m, virtual, rank)]
             assert walked == seen, (pp, virtual, m, rank)
+
+def test_chunks_finished_are_those_torchs_interleaved_runtime_has_reduced():
+    """After a chunk's last micro-batch's backward torch's schedule runtime reduces the chunk's
+    gradients and reshards it (its REDUCE_GRAD action): from then on the chunk holds its reduced
+    gradients alone. The walk of cost/interleaved_order.py sees the same chunks backed and
+    finished at every compute action, with as many micro-batches as pipeline ranks (no steady
+    state) and more."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from autopar.cost.interleaved_order import moments
+    from autopar.timeline import _StandInStage
+    for pp, virtual, m in [(2, 4, 2), (2, 5, 4), (4, 2, 4), (4, 3, 8), (3, 6, 3), (2, 2, 6)]:
+        stages = [_StandInStage(chunk * pp, pp * virtual, pp, 0) for chunk in range(virtual)]
+        order = torch_schedules.ScheduleInterleaved1F1B(stages, m).pipeline_order
+        for rank in range(pp):
+            backed, reduced, held, seen = set(), set(), 0, []
+            for action in torch_schedules._add_reduce_grad(order[rank], m):
+                kind, chunk = action.computation_type.value, action.stage_index // pp
+                if kind == "REDUCE_GRAD":
+                    reduced.add(chunk)
+                    continue
+                held += kind == "F"
+                seen.append((held, tuple(sorted(backed)), tuple(sorted(reduced))))
+                held -= kind == "B"
+                backed |= {chunk} if kind == "B" else set()
+            walked = [(held, mo.backed, mo.finished) for held, mo in moments(pp, m, virtual, rank)]
+            assert walked == seen, (pp, virtual, m, rank)
+
+
+def test_the_backwards_priced_include_the_fullest_of_every_weighing():
+    """The estimator prices only the backwards no other of the same chunk holds at least as much
+    as (more activations, more chunks backed and gathered, fewer finished). Under any weights
+    that grow with those, the fullest backward of each chunk is among them."""
+    import random
+    from autopar.cost.interleaved_order import moments, priced_moments
+    rng = random.Random(0)
+    for pp, virtual, m in [(2, 4, 2), (2, 5, 4), (4, 2, 8), (3, 6, 3), (4, 8, 12)]:
+        for rank in range(pp):
+            every = [mo for _, mo in moments(pp, m, virtual, rank) if mo.kind == "B"]
+            priced = [mo for mo in priced_moments(pp, m, virtual, rank, True) if mo.kind == "B"]
+            assert len(priced) <= len(every)
+            for _ in range(20):
+                per = [rng.random() for _ in range(4)]
+                chunk = [rng.random() for _ in range(virtual)]
+                weigh = lambda mo: (per[0] * mo.held + sum(chunk[c] * per[1] for c in mo.backed)
+                                    - sum(chunk[c] * per[2] for c in mo.finished)
+                                    + sum(chunk[c] * per[3] for c in mo.waiting) + mo.whole)
+                for c in range(virtual):
+                    fullest = max(weigh(mo) for mo in every if mo.running == c)
+                    assert max(weigh(mo) for mo in priced if mo.running == c) == fullest, (pp, virtual, m)
+
 
 def _mlp_graph(batch=4, hidden=1024):
     """x [batch, hidden] -> mm(w1) -> relu -> mm(w2): a hand-made graph."""
