@@ -240,7 +240,8 @@ class _LayoutBuilder:
             columns = node.shape[-1] / (self.tp if layout.sharded else 1)
             layout.gemm = (_numel(node.shape[:-1]) / self.batch, columns)
         self.sharded[node.name] = layout.sharded
-        storage_of(node, name, family, self.storage, self.contiguous)
+        storage_of(node, name, family, self.storage, self.contiguous,
+                   tuple(by_name[node.inputs[0]].shape) if node.inputs else None)
         degree = sum(self.seq_dims[node.name])
         if self.storage[node.name] == node.name:
             self.storage_bytes[node.name] = self.local_bytes(node)

@@ -28,16 +28,21 @@ def is_noop(node: Node, name: str) -> bool:
 _HEADS_TRANSPOSED = "heads transposed"
 
 
-def storage_of(node: Node, name: str, family: str, storage: dict, contiguous: dict) -> None:
+def storage_of(node: Node, name: str, family: str, storage: dict, contiguous: dict,
+               source_shape: tuple | None = None) -> None:
     """Which node owns `node`'s storage, and whether that view of it is contiguous (True,
-    False, or `_HEADS_TRANSPOSED`: contiguous once heads and sequence are swapped back)."""
+    False, or `_HEADS_TRANSPOSED`: contiguous once heads and sequence are swapped back). A
+    reshape to its input's own shape (`source_shape`) returns a view of any input, its layout
+    unchanged."""
     source = node.inputs[0] if node.inputs else None
     if source is not None and (family == "view" or is_noop(node, name)):
-        if not (name in _RESHAPES and contiguous[source] is not True):
+        if not (name in _RESHAPES and contiguous[source] is not True and tuple(node.shape) != source_shape):
             storage[node.name] = storage[source]
             layout = contiguous[source]
             if name == "transpose" and layout == _HEADS_TRANSPOSED:
                 contiguous[node.name] = sorted(node.args[1:3]) in ([1, 2], [-3, -2])
+            elif name in _RESHAPES and tuple(node.shape) == source_shape:
+                contiguous[node.name] = layout
             else:
                 contiguous[node.name] = layout is True and name not in _STRIDING
             return

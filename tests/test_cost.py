@@ -666,6 +666,43 @@ def test_megatron_placements_are_column_then_row_and_split_the_stream_with_seque
     assert megatron_placements(tiny_gpt, 1) is None
 
 
+def test_a_reshape_to_its_own_shape_keeps_viewing_the_attention_output():
+    """Attention kernels write their output heads-last; a reshape to the same shape (as a
+    HuggingFace attention's output takes on its way out) still views it, and the transpose and
+    reshape that merge the heads copy nothing: the projection after them keeps the attention's
+    own output. The layout keeps the bytes autograd keeps."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from autopar.cost.layout import infer_layout
+    from autopar.tracer import capture
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+        def forward(self, x):
+            q, k, v = (t.view(1, 16, 4, 16).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+            heads = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(heads.reshape(1, -1, 16, 16).transpose(1, 2).reshape(1, 16, 64))
+
+    model, x = Attention(), torch.randn(1, 16, 64)
+    layout = infer_layout(capture(model, example_inputs=(x,)), 1, compute_dtype="float32")
+    kept = {key for node in layout.nodes for key in node.saved}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x)
+    assert sum(layout.storage_bytes[key] for key in kept) == sum(saved.values())
+
+
 def test_a_weight_used_through_a_view_is_still_tensor_parallel():
     """x @ w.t() shards like linear(x, w): column-parallel, the weight split over tp."""
     hidden, batch = 256, 64
