@@ -67,13 +67,6 @@ class Moment:
                       sum(params[c] for c in self.finished) / total,
                       sum(count * bytes_ for count, bytes_ in zip(self.pairs, kept)), self.running == loss_chunk)
 
-    def within(self, other: "Moment") -> bool:
-        """Whether `other`, running the same chunk, holds at least all this one does: as many
-        activations, every chunk gathered and backed, none finished that this one has not."""
-        return (self.kind == other.kind and self.running == other.running and self.whole <= other.whole
-                and all(mine <= theirs for mine, theirs in zip(self.pairs, other.pairs)) and set(self.waiting) <= set(other.waiting)
-                and set(self.backed) <= set(other.backed) and set(other.finished) <= set(self.finished))
-
 
 class Backed(NamedTuple):
     """What a rank holds at a backward of its walked order: the share of its gradients whose
@@ -143,24 +136,40 @@ def forward_ends(moments: tuple[Moment, ...], *, groups: list[float], outs: list
             for m in moments if m.kind == "F"]
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=4096)
 def priced_moments(pp: int, micro_batches: int, virtual: int, stage: int, ahead: bool) -> tuple[Moment, ...]:
-    """The moments of `stage`'s interleaved 1F1B order that may be its fullest: the forwards at
-    which it holds the most activations (a forward counted from its start) and every backward
-    that no other backward of the same chunk holds at least as much as (`Moment.within`). Chunks
-    gathered whole ahead (`ahead`: ZeRO-3) are told apart; else none is."""
-    walked = [(held, _moment(state, held, ahead)) for held, state in
+    """The moments of `stage`'s interleaved 1F1B order that may be its fullest: every backward
+    that no other backward of the same chunk holds at least as much as (`_within`), and under
+    ZeRO-3 (`ahead`: chunks gathered whole ahead told apart) the forwards so among those at which
+    it holds the most activations (a forward counted from its start)."""
+    walked = [(held, state if ahead else (*state[:2], 0, *state[3:])) for held, state in
               _walk(_order(pp, micro_batches, virtual, stage), micro_batches)]
     most = max(held for held, _ in walked)
-    forwards = [m for held, m in walked if m.kind == "F" and held == most]
-    # a moment holding at least another's comes first, so a moment is checked against those kept
-    backwards = sorted(dict.fromkeys(m for _, m in walked if m.kind == "B"), key=lambda m: (
-        -m.held, -len(m.backed), len(m.finished), not m.whole, -len(m.waiting)))
-    kept: list[Moment] = []
-    for moment in backwards:
-        if not any(moment.within(other) for other in kept):
-            kept.append(moment)
-    return tuple(dict.fromkeys(forwards + kept))
+    # forward ends are priced under ZeRO-3 alone (cost.memory.peak_bytes)
+    forwards = [(held, state) for held, state in walked if state[0] == "F" and held == most and ahead]
+    backwards = [(held, state) for held, state in walked if state[0] == "B"]
+    return tuple(_moment(state, held, ahead) for held, state in _fullest(forwards) + _fullest(backwards))
+
+
+def _fullest(walked: list[tuple]) -> list[tuple]:
+    """The walked (held, state)s that no other holds at least as much as (`_within`)."""
+    # a state holding at least another's comes first, so each is checked against those kept
+    ordered = sorted(dict.fromkeys(walked), key=lambda walked: (
+        -walked[0], -walked[1][3].bit_count(), walked[1][4].bit_count(), -walked[1][2].bit_count()))
+    kept: list[tuple] = []
+    for held, state in ordered:
+        if not any(_within(state, other) for _, other in kept):
+            kept.append((held, state))
+    return kept
+
+
+def _within(state: tuple, other: tuple) -> bool:
+    """Whether the walked `other` runs the same chunk and holds at least all `state` does: as
+    many activations of every chunk, every chunk gathered whole and backed, none finished that
+    `state` has not (bit masks, `_walk`)."""
+    _, chunk, whole, backed, finished, pairs = state
+    return (chunk == other[1] and not whole & ~other[2] and not backed & ~other[3]
+            and not other[4] & ~finished and all(mine <= theirs for mine, theirs in zip(pairs, other[5])))
 
 
 def moments(pp: int, micro_batches: int, virtual: int, stage: int) -> list[tuple[int, Moment]]:
