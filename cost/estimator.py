@@ -393,9 +393,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     micro-batch, its inputs' and outputs' gradients' bytes (`cost.overlap.holds_every_transfer`)."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
-    # a stage also keeps what it sent for each micro-batch (torch's PipelineStage caches it)
-    per_chunk = sum(poly_at(c.saved_poly, seq_ratio) + poly_at(c.sent_poly, seq_ratio)
-                    for c in chunks) / len(chunks)
+    # a micro-batch's bytes in each chunk: what it keeps for the backward and what it sent (torch's
+    # PipelineStage caches that)
+    kept = [b * (poly_at(c.saved_poly, seq_ratio) + poly_at(c.sent_poly, seq_ratio)) for c in chunks]
     # a zero-bubble rank's micro-batches between their input and weight backwards also keep the
     # gradients their weights' backward needs (cost.memory.pending_weight_backwards)
     pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
@@ -404,11 +404,11 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=holds_weights_in_fsdp(
         replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision))
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
-    # root of its own, keeping its last reduce-scatter input until the step's last backward
+    # root of its own, keeping its last reduce-scatter input until its own last backward
     lasts = [c.group if (last := last_scattered(c.moments)) is None else last * padded_ratios(c)[0] for c in chunks]
     group = sum(lasts)
     # what each backward of an interleaved rank meets in its order (cost/interleaved_order.py)
-    meets, ends = at_fullest(chunks, lasts, zero=spec.zero, schedule=schedule, pp=pp, micro_batches=m,
+    meets, ends = at_fullest(chunks, lasts, kept, zero=spec.zero, schedule=schedule, pp=pp, micro_batches=m,
                              virtual=virtual, stage=stage, b=b, seq_ratio=seq_ratio)
     gathered = params if keeps_weights_gathered(spec.zero, schedule) else max(
         c.gathered + max(extra for _, extra, _ in met) for c, met in zip(chunks, meets))
@@ -419,7 +419,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        weight=_heaviest_gradient(chunks),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
                        reduce_every=reduce_every, held=held, pipelined=pp > 1,   # (chunk, micro-batch) pairs
-                       activations=held * per_chunk * b,
+                       activations=held * sum(kept) / len(kept),
                        deferred=(max(pending - 1, 0) * deferred, pending * deferred), split_backward=pending > 0,
                        # the last chunk's micro-batches among them, each keeping its loss's copy
                        # until its input backward, after which torch detaches the loss

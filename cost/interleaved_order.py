@@ -40,15 +40,14 @@ class Moment:
     whole, waiting, the chunks whose backward has run before it (which hold their gradients'
     shards and, until they finish, their last reduce-scatter's input), those of them that have
     finished (every micro-batch's backward run, then reduced and resharded), and the (chunk,
-    micro-batch) forward activations the rank holds, the running action's included: in all and
-    per chunk (`pairs`)."""
+    micro-batch) forward activations the rank holds per chunk, the running action's included
+    (`pairs`)."""
     kind: str
     running: int
     whole: bool
     waiting: tuple[int, ...]
     backed: tuple[int, ...]
     finished: tuple[int, ...] = ()
-    held: int = 0
     pairs: tuple[int, ...] = ()
 
     def extra(self, params: list[float], gathered: list[float]) -> float:
@@ -57,7 +56,7 @@ class Moment:
         own = params[self.running] - gathered[self.running] if self.whole else 0.0
         return sum(params[w] for w in self.waiting) + own
 
-    def gradients(self, params: list[float], lasts: list[float], kept: list, loss_chunk: int | None = None) -> "Backed":
+    def holds(self, params: list[float], lasts: list[float], kept: list, loss_chunk: int | None = None) -> "Backed":
         """What the rank holds by this moment, from its chunks' elements (`params`, `lasts`) and
         the bytes a micro-batch keeps for the backward in each (`kept`); `loss_chunk`: the rank's
         chunk that computes the loss, if any."""
@@ -83,14 +82,13 @@ class Backed(NamedTuple):
     loss: bool = False
 
 
-def at_fullest(chunks: list, lasts: list[float], *, zero: int, schedule: str, pp: int, micro_batches: int,
-               virtual: int, stage: int, b, seq_ratio) -> tuple[list, list]:
+def at_fullest(chunks: list, lasts: list[float], kept: list, *, zero: int, schedule: str, pp: int,
+               micro_batches: int, virtual: int, stage: int, b, seq_ratio) -> tuple[list, list]:
     """For a rank's `chunks` (cost.chunk_price.Chunk) whose last reduce-scatter inputs are `lasts`
-    elements: what each chunk's backward meets (`backward_situations`) and peak_bytes's
-    `forwards` of its fullest forwards (`forward_ends`); where no order is walked, the largest
-    forward's with every chunk's gradients."""
+    elements and whose micro-batches each keep `kept` bytes: what each chunk's backward meets
+    (`backward_situations`) and peak_bytes's `forwards` of its fullest forwards (`forward_ends`);
+    where no order is walked, the largest forward's with every chunk's gradients."""
     walk = walked_moments(zero, schedule, pp=pp, micro_batches=micro_batches, virtual=virtual, stage=stage)
-    kept = [b * (poly_at(c.saved_poly, seq_ratio) + poly_at(c.sent_poly, seq_ratio)) for c in chunks]
     sizes = dict(params=[c.params for c in chunks], gathered=[c.gathered for c in chunks], lasts=lasts, kept=kept)
     outs = [b * max(poly_at(p, seq_ratio) for p in [{}, *c.peak_polys]) for c in chunks]
     groups = [2 * c.group * padded_ratios(c)[0] for c in chunks]
@@ -118,7 +116,7 @@ def backward_situations(moments: tuple[Moment, ...], *, params: list[float], gat
     situations = [[] for _ in params]
     for moment in moments:
         if moment.kind == "B":
-            backed = moment.gradients(params, lasts, kept, loss_chunk)
+            backed = moment.holds(params, lasts, kept, loss_chunk)
             others = backed.lasts - (lasts[moment.running] if backed.running else 0.0)
             situations[moment.running].append((others, moment.extra(params, gathered), backed))
     return [list(dict.fromkeys(found)) or [(sum(lasts) - own, 0.0, None)] for found, own in zip(situations, lasts)]
@@ -132,7 +130,7 @@ def forward_ends(moments: tuple[Moment, ...], *, groups: list[float], outs: list
     per chunk), and the gradients of the chunks that ran a backward before it (`Backed`: their
     share of the rank's gradient shards, their last reduce-scatter inputs, `lasts` per chunk). A
     forward before any backward holds no gradients. `kept`: a micro-batch's activations per chunk."""
-    return [(groups[m.running] + m.extra(params, gathered), outs[m.running], m.gradients(params, lasts, kept))
+    return [(groups[m.running] + m.extra(params, gathered), outs[m.running], m.holds(params, lasts, kept))
             for m in moments if m.kind == "F"]
 
 
@@ -148,7 +146,7 @@ def priced_moments(pp: int, micro_batches: int, virtual: int, stage: int, ahead:
     # forward ends are priced under ZeRO-3 alone (cost.memory.peak_bytes)
     forwards = [(held, state) for held, state in walked if state[0] == "F" and held == most and ahead]
     backwards = [(held, state) for held, state in walked if state[0] == "B"]
-    return tuple(_moment(state, held, ahead) for held, state in _fullest(forwards) + _fullest(backwards))
+    return tuple(_moment(state, ahead) for _, state in _fullest(forwards) + _fullest(backwards))
 
 
 def _fullest(walked: list[tuple]) -> list[tuple]:
@@ -175,7 +173,7 @@ def _within(state: tuple, other: tuple) -> bool:
 def moments(pp: int, micro_batches: int, virtual: int, stage: int) -> list[tuple[int, Moment]]:
     """Each compute action of `stage`'s interleaved 1F1B order (torch's), in turn: the (chunk,
     micro-batch) forward activations the rank holds then, and what is gathered whole."""
-    return [(held, _moment(state, held, True))
+    return [(held, _moment(state, True))
             for held, state in _walk(_order(pp, micro_batches, virtual, stage), micro_batches)]
 
 
@@ -198,12 +196,12 @@ def _walk(order: list[tuple[str, int]], micro_batches: int):
             finished |= (1 << chunk) if backwards[chunk] == micro_batches else 0
 
 
-def _moment(state: tuple, held: int, ahead: bool) -> Moment:
+def _moment(state: tuple, ahead: bool) -> Moment:
     kind, chunk, whole, backed, finished, pairs = state
     whole = whole if ahead else 0
     chunks = lambda mask: tuple(c for c in range(mask.bit_length()) if mask >> c & 1)
     return Moment(kind, chunk, bool(whole >> chunk & 1), chunks(whole & ~(1 << chunk)), chunks(backed),
-                  chunks(finished), held, pairs)
+                  chunks(finished), pairs)
 
 
 def _order(pp: int, micro_batches: int, virtual: int, stage: int) -> list[tuple[str, int]]:

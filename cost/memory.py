@@ -48,7 +48,9 @@ micro-batch the rank holds the shards of its gradients, and in a pipeline, until
 reduce-scatter, the input of the earlier one's last, the `group` it reduced last in fp32, which
 FSDP2 keeps until the next reduce-scatter starts (a single stage's loop ends each backward as a
 step's last, where FSDP2 lets go of it); each of an interleaved rank's chunks is a root of its
-own and keeps its own last (`group` is their sum). The loss's
+own and keeps its own last (`group` is their sum), until its own last backward, after which
+torch's schedule runtime reduces and reshards it (an interleaved rank's order is walked:
+cost/interleaved_order.py). The loss's
 backward runs before any group's: under ZeRO-3, whose groups are resharded after their forwards
 (the runtime sets reshard_after_forward, so FSDP2 does not keep even the root's gathered), none
 is gathered again by then. A later micro-batch's forward holds what the loss's backward does
@@ -186,8 +188,8 @@ def _reduced_phases(held_now: dict, earlier: bool, *, walked, at, kept_weights, 
                          backed, shards) for held, out, backed in forwards]
     losses_walked = [{**loss_phase, **at(s), "weights": 0.0 if zero == 3 else kept_weights(s),
                       "gradients": shards * s.share + GRADIENT_BYTES * s.lasts} for s in walked if s.loss]
-    blocks = [_moment_phase(moment, at(moment[-1]) if walked and moment[-1] else held_now, earlier=earlier,
-                            weights=kept_weights(moment[-1]) if walked and moment[-1] else kept_weights(None),
+    blocks = [_moment_phase(moment, at(moment[-1]) if walked and moment[-1] else held_now,
+                            earlier=earlier, weights=kept_weights(moment[-1] if walked else None),
                             shards=shards, zero=zero, element=element, held_before=group if earlier else 0.0,
                             frees_gathered=_frees_gathered(pipelined, micro_batches, earlier), **moment_args)
               for moment in moments]

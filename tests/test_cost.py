@@ -295,7 +295,7 @@ def test_the_backwards_priced_include_the_fullest_of_every_weighing():
             for _ in range(20):
                 per = [rng.random() for _ in range(4)]
                 chunk = [rng.random() for _ in range(virtual)]
-                weigh = lambda mo: (per[0] * mo.held + sum(chunk[c] * per[1] for c in mo.backed)
+                weigh = lambda mo: (per[0] * sum(mo.pairs) + sum(chunk[c] * per[1] for c in mo.backed)
                                     - sum(chunk[c] * per[2] for c in mo.finished)
                                     + sum(chunk[c] * per[3] for c in mo.waiting) + mo.whole)
                 for c in range(virtual):
