@@ -147,7 +147,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                   **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = 0.0 if offload else sharded(GRADIENT_BYTES)
-    at = lambda state: {**zeros, "activations": state.activations + (losses - 1) * kept}
+    at = lambda state: {"activations": state.activations + (losses - 1) * kept}   # a walked backward's
     kept_weights = lambda state: weights * (1 - state.finished) if state and wrapped and zero < 3 else weights
     blocks_of = lambda earlier: block_later if earlier else block
 
@@ -158,7 +158,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                                    group=group if pipelined else 0.0, zero=zero, loss=loss, block=block,
                                    forwards=forwards, element=element, moments=moments, split=(split, expert_split),
                                    cached=cached, offload=offload, micro_batches=micro_batches, pipelined=pipelined)
-        return [{**at(s), "weights": kept_weights(s), "buffers": _max(loss, blocks_of(s.running)) if s.loss
+        return [{**zeros, **at(s), "weights": kept_weights(s), "buffers": _max(loss, blocks_of(s.running)) if s.loss
                  else blocks_of(s.running), "gradients": gradients * (s.share - s.finished) + shards * s.finished}
                 for s in walked] or [{**held_now, "gradients": gradients if earlier else 0.0,
                                       "buffers": _max(loss, blocks_of(earlier))}]
@@ -188,7 +188,7 @@ def _reduced_phases(held_now: dict, earlier: bool, *, walked, at, kept_weights, 
                          backed, shards) for held, out, backed in forwards]
     losses_walked = [{**loss_phase, **at(s), "weights": 0.0 if zero == 3 else kept_weights(s),
                       "gradients": shards * s.share + GRADIENT_BYTES * s.lasts} for s in walked if s.loss]
-    blocks = [_moment_phase(moment, at(moment[-1]) if walked and moment[-1] else held_now,
+    blocks = [_moment_phase(moment, {**held_now, **at(moment[-1])} if walked and moment[-1] else held_now,
                             earlier=earlier, weights=kept_weights(moment[-1] if walked else None),
                             shards=shards, zero=zero, element=element, held_before=group if earlier else 0.0,
                             frees_gathered=_frees_gathered(pipelined, micro_batches, earlier), **moment_args)
