@@ -145,7 +145,8 @@ class GroupReductions:
             elif group not in self.done:    # a second reader's gradient, beside the first's
                 again = max(again, self.second_reader * size)   # until autograd adds it in
         self.active = self.group_of(fact) or self.active
-        return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, 2 * fact.whole - own) + again,
+        held_whole = max(2 * fact.whole, fact.gathering)    # gradient_flow.whole_held
+        return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, held_whole - own) + again,
                 self._gathered(), self.scattering, tuple(self.reduced), 0.0, (0.0, 0.0))
 
     def after(self, position: int, flowing: dict, freed: dict) -> None:

@@ -168,7 +168,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             if regions[position] is not None:
                 entry = region_entry.setdefault(regions[position], (at, total))
                 if fact.whole:      # gathered by the rerun as it enters the region, all it keeps alive
-                    paired.add(*entry, 2 * fact.whole)
+                    paired.add(*entry, whole_held(fact))
             # split, the input backward keeps its graph: nothing saved is freed before the weights'
             split_total = sum(grads.live.values()) + sum(kept.values()) + fact.extra + sum(retained.values())
             if split_total > split_best[1]:
@@ -196,7 +196,13 @@ def _made_elements(fact: "_Facts", param_local: dict[str, float]) -> float:
     """Elements of the weight gradients an op's backward makes: its weights' (a weight it reads
     whole is held whole beside its whole gradient, as `GroupReductions.moment` counts it)."""
     own = sum(param_local.get(name, 0.0) for name, _ in fact.weights)
-    return max(own, 2 * fact.whole)
+    return max(own, whole_held(fact))
+
+
+def whole_held(fact) -> float:
+    """Elements an op's backward holds of the weights it reads whole: gathered again, beside
+    their whole gradients once made, and before that the gather's own copies (`gathering`)."""
+    return max(2 * fact.whole, fact.gathering)
 
 
 class _Paired:
@@ -262,6 +268,7 @@ class _Facts:
     extra: float                        # bytes per sample its backward makes beyond those
     weights: tuple = ()                 # (parameter, its FSDP group) of each weight it reads
     whole: float = 0.0                  # elements of the weights it reads whole (NodeLayout)
+    gathering: float = 0.0              # elements alive at the fullest of their gathers
     group: str | None = None            # the FSDP group whose backward it is part of
     expert: bool = False                # an expert's op: its weights are the experts'
 
@@ -283,7 +290,8 @@ def _facts(graph: Graph, layout: GraphLayout) -> tuple[dict, dict]:
                 read = dict(weights=tuple((name, f"{group} experts") for name, group in read["weights"]),
                             group=f"{read['group']} experts")
             facts[node.name] = replace(_node_facts(graph, layout, by_name, node, graph_node, views),
-                                       **read, expert=node.expert, whole=node.weight_gathered)
+                                       **read, expert=node.expert, whole=node.weight_gathered,
+                                       gathering=node.weight_gathering)
         for node in graph.nodes:            # the model's output reads from outside every chunk
             for value in node.inputs:
                 readers.setdefault(value, []).append("" if node.role is Role.OUTPUT else node.name)

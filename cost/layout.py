@@ -14,6 +14,7 @@ resolved to the tensor that owns the storage: activation memory is the sum of di
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 
 from autopar.errors import AutoparError
@@ -78,6 +79,7 @@ class NodeLayout:
     weight_gathered: float = 0.0   # elements of the tensor-parallel-split weights it reads whole:
                                    # gathered for its forward and again for its backward, which
                                    # also makes their whole gradient (an op run replicated)
+    weight_gathering: float = 0.0  # elements alive at the fullest of those gathers (`_gathering`)
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -315,7 +317,11 @@ class _LayoutBuilder:
                 if not per_sample:    # a gathered weight is freed, and gathered again for the backward
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
             if moves and not per_sample and inputs[k] == "R":
-                layout.weight_gathered += _numel(self.by_name[self.weight_of.get(name, name)].shape)
+                elements = _numel(self.by_name[self.weight_of.get(name, name)].shape)
+                gathering = _gathering(sources[k], self.contiguous[name] is True, self.tp)
+                layout.weight_gathering = max(layout.weight_gathering,
+                                              layout.weight_gathered + gathering * elements)
+                layout.weight_gathered += elements
             if not (self.grad[name] and node_differentiable(self.by_name[name])) \
                     or k in TAKES_NO_GRADIENT.get(op_name(node.target), ()):
                 continue
@@ -409,6 +415,18 @@ def _view_strategies(view, tp: int | None) -> list[tuple[str, tuple[str, ...]]]:
 
 def node_differentiable(node: Node) -> bool:
     return node.dtype.startswith(("float", "bfloat")) or node.dtype == ""
+
+
+def _gathering(source: str, contiguous: bool, tp: int) -> float:
+    """Whole copies alive at once while DTensor gathers a tensor split as `source`: the
+    all-gather's output; before it a dense copy of a strided local shard (a transposed weight's);
+    after it, where the split dim is not the first, the concatenation of its chunks (the output
+    is stacked on the first dim), until the output is freed."""
+    split_dim = re.fullmatch(r"S\((-?\d+)\)", source)
+    if split_dim is None:
+        return 1.0
+    dense_copy = 0.0 if contiguous else 1.0 / tp
+    return 1.0 + dense_copy + (1.0 if int(split_dim.group(1)) != 0 else 0.0)
 
 
 def _numel(shape) -> int:

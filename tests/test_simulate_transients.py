@@ -72,3 +72,49 @@ def test_reduce_scatter_inputs_the_other_chunks_keep_stay_through_a_chunks_reduc
     report = simulated_hf(arch, Config(dp=2, pp=2, zero=2, schedule="interleaved-1f1b", virtual=4,
                                        global_batch=8, micro_batch=1))
     assert_holds_as_predicted(report)
+
+
+@pytest.mark.parametrize("stored, read_transposed", [(2, True), (0, False), (1, False), (2, False)])
+def test_a_weight_gathered_whole_holds_the_copies_dtensor_makes(stored, read_transposed):
+    """DTensor gathers a split tensor into one output stacked on the first dim, copies a strided
+    local shard dense first, and concatenates the chunks where the split dim is another: the
+    bytes alive at the fullest of the gather, on a fake process group of 2 ranks, are those
+    `cost.layout._gathering` prices."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    from autopar.cost.layout import _gathering
+    from autopar.simulate.memory import MemoryRecorder
+
+    dist.init_process_group("fake", rank=0, world_size=2,
+                            store=torch.testing._internal.distributed.fake_pg.FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            weight = DTensor.from_local(torch.empty(4, 64, 32), mesh, [Shard(stored)], run_check=False)
+            read = weight.transpose(1, 2) if read_transposed else weight
+            with MemoryRecorder(fake) as memory:
+                whole = read.redistribute(mesh, [Replicate()]).to_local()
+            split = read.placements[0].dim
+            contiguous = read.to_local().is_contiguous()
+        elements = whole.numel()
+        assert memory.peak == _gathering(f"S({split})", contiguous, 2) * elements * 4
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_experts_gathered_whole_for_their_backward_are_priced_with_the_gathers_copies():
+    """A tp2 stage runs GraniteMoe's experts replicated on weights split on their hidden dim:
+    the backward gathers them again, a dense copy of the transposed shard, the all-gather's
+    output and its concatenation alive at once, where two whole copies were priced: +3.8%."""
+    arch = Architecture(name="GraniteMoeForCausalLM", model_class="GraniteMoeForCausalLM",
+                        config_class="GraniteMoeConfig", kind="held out",
+                        config={**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2})
+    report = simulated_hf(arch, Config(tp=2, pp=2, global_batch=4), rank=0)
+    assert_holds_as_predicted(report)
