@@ -50,6 +50,8 @@ class Chunk:
     recomputed_regions: int = 0     # checkpointed regions (a block under full, its attention under selective)
     recomputed_ops: int = 0         # the ops in them that the backward differentiates
     recomputed_flops: float = 0.0   # per sample, whole model (unsharded), forwards run twice
+    rerun_attention: tuple = ()     # attention ops whose forward the backward reruns, and with it
+                                    # their context-parallel exchanges (cost/rank_traffic.py)
     params: float = 0.0             # elements on this device
     expert_params: float = 0.0      # of which experts' (cost/experts.py), sharded over their own group
     padding: tuple = (0.0, 0.0)     # elements FSDP2 pads ZeRO's shards with: dense, experts (cost/padding.py)
@@ -141,9 +143,9 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
                 ep_group, node.exchange_bytes * b, top_k=layer.top_k, experts=layer.experts,
                 deduplicated=pricing.deduplicated_dispatch)
         if cp_group is not None and node.name in pricing.attention_bytes:
-            query, kv, output = pricing.attention_bytes[node.name]
+            query, kv, output, read = pricing.attention_bytes[node.name]
             if spec.cp_kind == ContextParallel.ALL_TO_ALL:
-                kv = exchanged_kv(kv, node.attention, spec.cp)
+                kv = exchanged_kv(read, node.attention, spec.cp)
             ring_fwd, ring_bwd = context_parallel_time(spec.cp_kind, cp_group,
                                                        (query, kv, output), b, fwd, bwd)
             comm_fwd, comm_bwd = comm_fwd + ring_fwd, comm_bwd + ring_bwd
@@ -165,8 +167,10 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
         i = layout.index[node.name]
         kept = prices[node.name][4]
         region = regions[i]
-        _add_times(out, node, prices[node.name],
-                   recomputed=bool(region) and position <= rerun_until.get(region, -1))
+        recomputed = bool(region) and position <= rerun_until.get(region, -1)
+        _add_times(out, node, prices[node.name], recomputed=recomputed)
+        if recomputed and node.attention:
+            out.rerun_attention += (node.name,)
         if region:
             out.recomputed_flops += graph.nodes[i].flops / layout.batch
             region_saved.setdefault(region, set()).update(node.saved)

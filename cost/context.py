@@ -48,9 +48,10 @@ _SAME_VALUES = {"view", "reshape", "_unsafe_view", "expand", "unsqueeze", "clone
                 "slice", "transpose", "permute", "alias", "_to_copy", "squeeze"}
 
 
-def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float, float, float]]:
-    """Attention node -> (query, key + value, output) bytes per sample on one tensor-parallel
-    rank, keys and values as computed before their heads are repeated."""
+def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float, float, float, float]]:
+    """Attention node -> (query, key + value, output, key + value as read) bytes per sample on
+    one tensor-parallel rank: keys and values as computed before their heads are repeated (what
+    the ring passes), and as the attention reads them (what the all-to-all swaps)."""
     by_name = {n.name: n for n in graph.nodes}
     element = DTYPE_BYTES[layout.dtype]
     found = {}
@@ -62,8 +63,9 @@ def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float,
         share = node.attention["heads"] / whole_heads if whole_heads else 1.0
         kv = sum(_smallest_origin(by_name, n.name, element) for n in (key, value))
         output = _numel(query.shape[:-1]) * value.shape[-1] * element
+        read = _bytes(key, element) + _bytes(value, element)
         found[node.name] = tuple(size / layout.batch * share
-                                 for size in (_bytes(query, element), kv, output))
+                                 for size in (_bytes(query, element), kv, output, read))
     return found
 
 
@@ -82,7 +84,7 @@ def with_ring_attention(layout: GraphLayout, graph: Graph) -> GraphLayout:
             repeat = _numel(by_name[key].shape) / _numel(by_name[origins[0]].shape)
             node = replace(node, saved=(node.saved[0], *(layout.storage[o] for o in origins),
                                         *node.saved[3:]),
-                           backward_bytes=_ring_backward_bytes(*sizes[node.name], repeat, layout.dtype))
+                           backward_bytes=_ring_backward_bytes(*sizes[node.name][:3], repeat, layout.dtype))
         nodes.append(node)
     return replace(layout, nodes=nodes)
 
@@ -258,8 +260,10 @@ def ulysses_error(layout: GraphLayout, cp: int) -> str | None:
 
 
 def exchanged_kv(kv: float, info: dict, cp: int) -> float:
-    """The key and value bytes the all-to-all swaps: repeated to the query heads where their
-    heads do not divide cp (autopar.passes.context_attention.ulysses_attention)."""
+    """The key and value bytes the all-to-all swaps, `kv` as the attention reads them (the
+    all-to-all takes its inputs as they are, heads the model repeated included:
+    autopar.passes.context_parallel): repeated to the query heads where their heads do not
+    divide cp (autopar.passes.context_attention.ulysses_attention)."""
     kv_heads = info.get("kv_heads", info["heads"])
     return kv * info["heads"] / kv_heads if kv_heads % cp else kv
 

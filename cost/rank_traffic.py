@@ -20,7 +20,8 @@ except where a zero-bubble schedule keeps them gathered through the step; split 
 over the ranks that hold the same experts ("edp"), the rest over dp x cp. Mixture-of-experts
 dispatch and combine are each an all-to-all over the ep ranks, forward, backward and in a
 recomputed forward, and each forward dispatch first exchanges the rows per expert (8 bytes an
-expert). Not counted: the ring of a recomputed attention's second forward.
+expert). A recomputed attention's second forward exchanges again what its first did (the
+ring's forward hops, or its four all-to-alls).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         for c in chunks:
             _tensor_parallel(found, pipe.chunks[c], spec.tp, pipe, mesh, partial_reductions(
                 spec, plan.schedule, plan.precision, pipe.micro_batches))
-            _context_parallel(found, graph, memo, specs, c, pipe, element)
+            _context_parallel(found, graph, memo, specs, c, pipe, element, pipe.chunks[c].rerun_attention)
             _expert_parallel(found, pipe.chunks[c], specs[c], pipe, world)
         _pipeline(found, crossing, gathered, specs, chunks, pipe)
         _tied(found, memo.readers(memo.split(specs)), memo.layout(spec), spec, chunks, pipe.devices)
@@ -104,27 +105,29 @@ def _tensor_parallel(found: dict, chunk, tp: int, pipe, mesh, partial: tuple[int
 
 
 def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, c: int, pipe,
-                      element: int) -> None:
+                      element: int, rerun: tuple = ()) -> None:
     """Ring (autopar's, passes/context_attention.py): cp - 1 hops of the K/V block (the kv heads,
     in the compute dtype) in the forward, cp hops of the block and its fp32 gradients in the
     backward (the last brings them home); all-to-all: q, k + v and the output swapped forward
-    and backward; a running count along the sequence, each rank's 2 chunk totals all-gathered."""
+    and backward; a forward's again where the backward reruns it (`rerun`: attention ops); a
+    running count along the sequence, each rank's 2 chunk totals all-gathered."""
     spec = specs[c]
     if spec.cp < 2:
         return
     layout, owner = memo.layout(spec), memo.split(specs).owner
     attention_of = {node.name: node.attention for node in layout.nodes if node.attention}
-    for name, (query, kv, output) in attention_bytes(graph, layout).items():
+    for name, (query, kv, output, read) in attention_bytes(graph, layout).items():
         if owner[layout.index[name]] != c:
             continue
         per_step = pipe.samples * pipe.micro_batches
+        forwards = 2 if name in rerun else 1
         if spec.cp_kind == ContextParallel.RING:
-            hops = (spec.cp - 1) * kv + spec.cp * (kv + kv * 4 / element)
+            hops = forwards * (spec.cp - 1) * kv + spec.cp * (kv + kv * 4 / element)
             _add(found, "send", "cp", spec.cp, hops * per_step)
         else:
-            kv = exchanged_kv(kv, attention_of[name], spec.cp)
+            kv = exchanged_kv(read, attention_of[name], spec.cp)
             swapped = (query + kv + output) * spec.cp * per_step
-            _add(found, "all_to_all", "cp", spec.cp, 2 * swapped)
+            _add(found, "all_to_all", "cp", spec.cp, (forwards + 1) * swapped)
     # running counts along the sequence: each rank's 2 chunk totals of every sequence of its
     # micro-batch (the estimator's `samples` are the micro-batch's sequences / cp), all-gathered
     for name, totals in scan_bytes(graph).items():
