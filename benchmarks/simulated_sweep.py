@@ -63,6 +63,9 @@ FORMS = {
     "dp2 x tp2 x ep2": (0, Config(dp=2, tp=2, ep=2, global_batch=4), True),
     "pp2 x dp2 x ep2, rank 3": (3, Config(pp=2, dp=2, ep=2, global_batch=8), True),
     "dp2 x cp2, rank 1": (1, Config(dp=2, cp=2, global_batch=4), False),
+    # the attention rerun in the backward, and its head-split swaps with it
+    "dp2 x cp2 all-to-all selective, rank 1": (1, Config(dp=2, cp=2, cp_kind="all-to-all",
+                                                         recompute="selective", global_batch=4), False),
     "pp2 x dp2 ZeRO-3 interleaved v4, rank 0": (0, _INTERLEAVED_ZERO_3, False),
     "pp2 x dp2 ZeRO-3 interleaved v4, rank 3": (3, _INTERLEAVED_ZERO_3, False),
     # as many micro-batches as pipeline ranks: every forward before the first backward
