@@ -61,7 +61,7 @@ from autopar.cost.config import Config
 from autopar.cost.master_weights import cast_seconds
 from autopar.cost.memory import in_flight, peak_bytes, pending_weight_backwards
 from autopar.cost.mesh import Mesh
-from autopar.cost.overlap import DeviceWork, Runtime, holds_every_transfer, runtime_named
+from autopar.cost.overlap import DeviceWork, Runtime, holds_every_transfer, keeps_every_send, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.chunk_price import (Chunk, block_transients, padded_ratios, partial_gradients_time,
@@ -393,9 +393,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     micro-batch, its inputs' and outputs' gradients' bytes (`cost.overlap.holds_every_transfer`)."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
-    # a micro-batch's bytes in each chunk: what it keeps for the backward and what it sent (torch's
-    # PipelineStage caches that)
-    kept = [b * (poly_at(c.saved_poly, seq_ratio) + poly_at(c.sent_poly, seq_ratio)) for c in chunks]
+    # a micro-batch's bytes per chunk: kept for the backward, and sent (cached by torch's stage)
+    sent = 0.0 if receive_buffers and keeps_every_send(schedule) else 1.0   # else in `received`
+    kept = [b * (poly_at(c.saved_poly, seq_ratio) + sent * poly_at(c.sent_poly, seq_ratio)) for c in chunks]
     # a zero-bubble rank's micro-batches between their input and weight backwards also keep the
     # gradients their weights' backward needs (cost.memory.pending_weight_backwards)
     pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)

@@ -101,6 +101,12 @@ RUNTIMES = {
 _SENDS_WAITED_AT_THE_END = (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
 
 
+def keeps_every_send(schedule: str) -> bool:
+    """Whether every micro-batch's sends stay until the step's end (above): a chunk's sent
+    output, which its stage also keeps for the backward, is then among them."""
+    return schedule in _SENDS_WAITED_AT_THE_END
+
+
 def holds_every_transfer(runtime: Runtime, schedule: str) -> bool:
     """Whether a pipeline rank holds what it receives or sends for every micro-batch of a step:
     torch's PipelineStage keeps a receive buffer per micro-batch (autopar's lets each go after
