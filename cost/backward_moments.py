@@ -35,6 +35,12 @@ class Moment:
     releasing: tuple = (0.0, 0.0)   # (dense, experts) elements of the group being reduced (`after`)
 
 
+def whole_held(fact) -> float:
+    """Elements an op's backward holds of the weights it reads whole: gathered again, beside
+    their whole gradients once made, and before that the gather's own copies (`gathering`)."""
+    return max(2 * fact.whole, fact.gathering)
+
+
 class GroupReductions:
     """FSDP2's groups as a chunk's backward meets them: the weight gradients alive, the last
     reduce-scatter's input and what has been reduced."""
@@ -145,8 +151,7 @@ class GroupReductions:
             elif group not in self.done:    # a second reader's gradient, beside the first's
                 again = max(again, self.second_reader * size)   # until autograd adds it in
         self.active = self.group_of(fact) or self.active
-        held_whole = max(2 * fact.whole, fact.gathering)    # gradient_flow.whole_held
-        return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, held_whole - own) + again,
+        return (flowing, dict(freed), sum(self.alive.values()) + max(0.0, whole_held(fact) - own) + again,
                 self._gathered(), self.scattering, tuple(self.reduced), 0.0, (0.0, 0.0))
 
     def after(self, position: int, flowing: dict, freed: dict) -> None:

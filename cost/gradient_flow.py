@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autopar.cost.backward_moments import GroupReductions, Moment
+from autopar.cost.backward_moments import GroupReductions, Moment, whole_held
 from autopar.cost.layout import TAKES_NO_GRADIENT, GraphLayout, NodeLayout, op_name
 from autopar.cost.stages import TIED_SEPARATOR, parameter_groups
 from autopar.cost.units import module_units
@@ -198,11 +198,6 @@ def _made_elements(fact: "_Facts", param_local: dict[str, float]) -> float:
     own = sum(param_local.get(name, 0.0) for name, _ in fact.weights)
     return max(own, whole_held(fact))
 
-
-def whole_held(fact) -> float:
-    """Elements an op's backward holds of the weights it reads whole: gathered again, beside
-    their whole gradients once made, and before that the gather's own copies (`gathering`)."""
-    return max(2 * fact.whole, fact.gathering)
 
 
 class _Paired:

@@ -14,7 +14,6 @@ resolved to the tensor that owns the storage: activation memory is the sum of di
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass, field
 
 from autopar.errors import AutoparError
@@ -22,6 +21,7 @@ from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.memory import sequence_dims
 from autopar.cost.storage import copies, is_noop, storage_of
+from autopar.plans.placements import shard_dim
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.cost.reshard import (cheapest_inputs, gradient_given, gradient_need,
                                   reshard_steps, work_split, written_as_computed)
@@ -422,11 +422,11 @@ def _gathering(source: str, contiguous: bool, tp: int) -> float:
     all-gather's output; before it a dense copy of a strided local shard (a transposed weight's);
     after it, where the split dim is not the first, the concatenation of its chunks (the output
     is stacked on the first dim), until the output is freed."""
-    split_dim = re.fullmatch(r"S\((-?\d+)\)", source)
+    split_dim = shard_dim(source)
     if split_dim is None:
         return 1.0
     dense_copy = 0.0 if contiguous else 1.0 / tp
-    return 1.0 + dense_copy + (1.0 if int(split_dim.group(1)) != 0 else 0.0)
+    return 1.0 + dense_copy + (1.0 if split_dim != 0 else 0.0)
 
 
 def _numel(shape) -> int:
