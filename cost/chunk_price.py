@@ -143,9 +143,10 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
                 ep_group, node.exchange_bytes * b, top_k=layer.top_k, experts=layer.experts,
                 deduplicated=pricing.deduplicated_dispatch)
         if cp_group is not None and node.name in pricing.attention_bytes:
-            query, kv, output, read = pricing.attention_bytes[node.name]
+            sizes = pricing.attention_bytes[node.name]
+            query, kv, output = sizes[:3]
             if spec.cp_kind == ContextParallel.ALL_TO_ALL:
-                kv = exchanged_kv(read, node.attention, spec.cp)
+                kv = exchanged_kv(sizes, spec.cp)
             ring_fwd, ring_bwd = context_parallel_time(spec.cp_kind, cp_group,
                                                        (query, kv, output), b, fwd, bwd)
             comm_fwd, comm_bwd = comm_fwd + ring_fwd, comm_bwd + ring_bwd

@@ -20,7 +20,8 @@ of b sequences as b / cp of them). Attention needs every earlier key, in one of 
 Causal attention is load-balanced (each rank holds chunk i and chunk 2cp - 1 - i of the
 sequence, as Llama 3 and torchtitan split it), so every rank computes 1/cp of the attention
 FLOPs; the sequence must split into 2 x cp chunks. The K/V moved are the keys and values as
-the model computes them before grouped-query heads are repeated (the tensors a ring passes).
+the model computes them before grouped-query heads are repeated: the ring passes them, the
+all-to-all splits them, repeated only where their heads do not divide cp (plans/head_split.py).
 Weight gradients are reduced over the cp x dp ranks (Megatron's data-parallel group with
 context parallelism), and ZeRO shards over them.
 """
@@ -28,10 +29,12 @@ context parallelism), and ZeRO shards over them.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import op_family
 from autopar.cost.layout import GraphLayout, graph_batch, graph_sequence
+from autopar.plans.head_split import kv_repeat
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.plans.vocabulary import ContextParallel
 from autopar.errors import AutoparError
@@ -48,10 +51,21 @@ _SAME_VALUES = {"view", "reshape", "_unsafe_view", "expand", "unsqueeze", "clone
                 "slice", "transpose", "permute", "alias", "_to_copy", "squeeze"}
 
 
-def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float, float, float, float]]:
-    """Attention node -> (query, key + value, output, key + value as read) bytes per sample on
-    one tensor-parallel rank: keys and values as computed before their heads are repeated (what
-    the ring passes), and as the attention reads them (what the all-to-all swaps)."""
+class AttentionBytes(NamedTuple):
+    """What one attention op of a tensor-parallel rank moves under context parallelism, bytes
+    per sample: keys and values as computed before grouped-query heads are repeated (what both
+    kinds move), and the heads the rank attends with."""
+    query: float
+    kv: float                 # keys + values, before any repeat
+    output: float
+    heads: int                # the rank's query heads
+    kv_heads: int             # the rank's key/value heads, before any repeat
+
+
+def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, AttentionBytes]:
+    """Attention node -> what it moves on one tensor-parallel rank (`AttentionBytes`). Where the
+    key/value heads do not split over the tp ranks, context parallelism's attention runs every
+    head on every tp rank (autopar.passes.context_attention `_local_heads`)."""
     by_name = {n.name: n for n in graph.nodes}
     element = DTYPE_BYTES[layout.dtype]
     found = {}
@@ -59,13 +73,16 @@ def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, tuple[float,
         if node.family != "attention" or not node.attention:
             continue
         query, key, value = (by_name[name] for name in by_name[node.name].inputs[:3])
-        whole_heads = _numel(query.shape[:-2]) / layout.batch
-        share = node.attention["heads"] / whole_heads if whole_heads else 1.0
+        heads = _numel(query.shape[:-2]) / layout.batch
+        origin = by_name[_before_repeat(by_name, key.name)].shape
+        kv_heads = origin[1] if len(origin) == 4 else heads
+        tp = round(heads / node.attention["heads"]) if node.attention["heads"] else 1
+        share = 1 / tp if kv_heads % tp == 0 else 1.0
         kv = sum(_smallest_origin(by_name, n.name, element) for n in (key, value))
         output = _numel(query.shape[:-1]) * value.shape[-1] * element
-        read = _bytes(key, element) + _bytes(value, element)
-        found[node.name] = tuple(size / layout.batch * share
-                                 for size in (_bytes(query, element), kv, output, read))
+        found[node.name] = AttentionBytes(
+            *(size / layout.batch * share for size in (_bytes(query, element), kv, output)),
+            heads=round(heads * share), kv_heads=round(kv_heads * share))
     return found
 
 
@@ -259,13 +276,11 @@ def ulysses_error(layout: GraphLayout, cp: int) -> str | None:
     return None
 
 
-def exchanged_kv(kv: float, info: dict, cp: int) -> float:
-    """The key and value bytes the all-to-all swaps, `kv` as the attention reads them (the
-    all-to-all takes its inputs as they are, heads the model repeated included:
-    autopar.passes.context_parallel): repeated to the query heads where their heads do not
-    divide cp (autopar.passes.context_attention.ulysses_attention)."""
-    kv_heads = info.get("kv_heads", info["heads"])
-    return kv * info["heads"] / kv_heads if kv_heads % cp else kv
+def exchanged_kv(sizes: AttentionBytes, cp: int) -> float:
+    """The key and value bytes the all-to-all swaps: as the model computes them, each head
+    repeated the fewest times that split over cp (`autopar.plans.head_split.kv_repeat`, the
+    runtime's rule)."""
+    return sizes.kv * kv_repeat(sizes.heads, sizes.kv_heads, cp)
 
 
 def context_parallel_time(kind: str, group: Group, sizes: tuple[float, float, float],

@@ -115,18 +115,17 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
     if spec.cp < 2:
         return
     layout, owner = memo.layout(spec), memo.split(specs).owner
-    attention_of = {node.name: node.attention for node in layout.nodes if node.attention}
-    for name, (query, kv, output, read) in attention_bytes(graph, layout).items():
+    for name, sizes in attention_bytes(graph, layout).items():
         if owner[layout.index[name]] != c:
             continue
         per_step = pipe.samples * pipe.micro_batches
         forwards = 2 if name in rerun else 1
         if spec.cp_kind == ContextParallel.RING:
+            kv = sizes.kv
             hops = forwards * (spec.cp - 1) * kv + spec.cp * (kv + kv * 4 / element)
             _add(found, "send", "cp", spec.cp, hops * per_step)
         else:
-            kv = exchanged_kv(read, attention_of[name], spec.cp)
-            swapped = (query + kv + output) * spec.cp * per_step
+            swapped = (sizes.query + exchanged_kv(sizes, spec.cp) + sizes.output) * spec.cp * per_step
             _add(found, "all_to_all", "cp", spec.cp, (forwards + 1) * swapped)
     # running counts along the sequence: each rank's 2 chunk totals of every sequence of its
     # micro-batch (the estimator's `samples` are the micro-batch's sequences / cp), all-gathered

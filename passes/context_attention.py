@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autopar.models.capped_attention import (cap_gradient, capped_scores, finite, sink_gradient,
                                              with_sinks)
 from autopar.models.hf_attention import visible_keys
+from autopar.plans.head_split import kv_repeat
 
 
 def chunk_positions(rank: int, cp: int, chunk: int, device=None) -> torch.Tensor:
@@ -368,12 +369,13 @@ def ulysses_attention(query, key, value, group, *, causal: bool, scale: float | 
     """Attention by a head split: all-to-all to [batch, heads/cp, whole sequence, dim] (rank r's
     chunks r-th), the sequence put in position order, causal attention over it, and back. Keys
     and values with fewer heads than cp divides (multi-query, or grouped-query heads that
-    tensor parallelism split) go repeated to the queries' heads, as DeepSpeed-Ulysses does."""
+    tensor parallelism split) go repeated the fewest times that split (`kv_repeat`), as
+    DeepSpeed-Ulysses does; grouped-query heads that split go as they are."""
     size = dist.get_world_size(group)
     chunk = query.shape[-2] // 2
     dtype = query.dtype
-    if key.shape[-3] % size:    # too few key/value heads to split: each query head's own copy
-        key, value = (_repeat_heads(t, query.shape[-3] // key.shape[-3]) for t in (key, value))
+    repeat = kv_repeat(query.shape[-3], key.shape[-3], size)
+    key, value = (_repeat_heads(t, repeat) for t in (key, value))
     query, key, value = (_sequence_to_heads(t.float(), group, size) for t in (query, key, value))
     arrived = torch.cat([chunk_positions(r, size, chunk, query.device) for r in range(size)])
     order = torch.argsort(arrived)          # where each position arrived

@@ -391,11 +391,9 @@ def split_sequence(program: StageProgram, plan, target: PassTarget) -> StageProg
                 # autopar::attention's per-head sink logits
                 sinks = node.args[8] if node.target is torch.ops.autopar.attention.default else None
                 node.op, node.target, node.kwargs = "call_module", name, {}
-                # the ring passes the kv heads; all-to-all splits heads over the cp ranks,
-                # which must then divide the heads it is given (the repeated ones, as planned)
-                ring = stage.cp_kind == "ring"
-                node.args = (node.args[0], *(before_repeat(value) if ring else value
-                                             for value in node.args[1:3]))
+                # both kinds move the kv heads before grouped-query attention repeats them:
+                # the ring passes them, the all-to-all splits them (autopar.plans.head_split)
+                node.args = (node.args[0], *(before_repeat(value) for value in node.args[1:3]))
                 node.args += (keep, sinks) if sinks is not None else (keep,) if keep is not None else ()
         graph_module.graph.eliminate_dead_code()       # the repeats the attention no longer reads
         graph_module.graph.lint()
@@ -416,9 +414,9 @@ _REPEAT_STEPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.defa
 def before_repeat(value: fx.Node) -> fx.Node:
     """The keys or values an attention call reads, before grouped-query attention repeated their
     heads (`x[:, :, None].expand(b, kv, g, s, d).reshape(b, kv * g, s, d)`, as Llama and
-    HuggingFace's repeat_kv write it): the ring then passes the kv heads, g times fewer bytes,
-    and ContextParallelAttention repeats them on arrival, each g times in a row as here. The
-    value itself where it was not repeated so."""
+    HuggingFace's repeat_kv write it): the ring then passes the kv heads and the all-to-all
+    splits them, g times fewer bytes, and ContextParallelAttention repeats them on arrival, each
+    g times in a row as here. The value itself where it was not repeated so."""
     node = value
     while node.op == "call_function" and node.target in _REPEAT_STEPS:
         if node.target is aten.expand.default:

@@ -114,10 +114,11 @@ def test_offloaded_states_must_fit_the_hosts_memory():
 def test_all_to_all_needs_cp_to_divide_the_query_heads():
     """HuggingFace's grouped-query attention hands scaled_dot_product_attention fewer key/value
     heads than query heads (enable_gqa): the all-to-all splits the query heads, and key/value
-    heads that do not divide go repeated to them, priced so (4x the bytes at cp=4 than at cp=2,
-    where 2 divide); query heads that do not divide by cp are refused with the way out."""
+    heads that do not divide go repeated the fewest times that do, priced so (2 of 4 heads go
+    twice at cp=4, once at cp=2; 3 of 6 go twice at cp=2; 1 of 8 goes cp times); query heads
+    that do not divide by cp are refused with the way out."""
     pytest.importorskip("transformers")
-    from autopar.cost.context import exchanged_kv
+    from autopar.cost.context import AttentionBytes, exchanged_kv
     from autopar.errors import AutoparError
     from autopar.models.hf_attention import causal_sdpa
     from autopar.models.hf_zoo import ARCHITECTURES
@@ -125,8 +126,10 @@ def test_all_to_all_needs_cp_to_divide_the_query_heads():
     arch = ARCHITECTURES["llama"]        # 4 query heads, 2 key/value heads
     ids, _ = arch.batch(8, torch.Generator().manual_seed(1))
     graph = autopar.capture(causal_sdpa(arch.build()), (ids,))
-    info = {"heads": 4, "kv_heads": 2}
-    assert (exchanged_kv(1.0, info, 2), exchanged_kv(1.0, info, 4)) == (1.0, 2.0)
+    gqa, mqa = AttentionBytes(0, 1.0, 0, heads=4, kv_heads=2), AttentionBytes(0, 1.0, 0, 8, 1)
+    assert (exchanged_kv(gqa, 2), exchanged_kv(gqa, 4)) == (1.0, 2.0)
+    assert exchanged_kv(AttentionBytes(0, 1.0, 0, 6, 3), 2) == 2.0
+    assert (exchanged_kv(mqa, 2), exchanged_kv(mqa, 4), exchanged_kv(mqa, 8)) == (2.0, 4.0, 8.0)
     mesh = autopar.Mesh.parse("4:cpu")
     autopar.estimate(graph, mesh, autopar.Config(cp=2, dp=2, cp_kind="all-to-all", global_batch=8))
     autopar.estimate(graph, mesh, autopar.Config(cp=4, cp_kind="all-to-all", global_batch=8))

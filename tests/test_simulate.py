@@ -204,6 +204,7 @@ def test_the_head_rank_holds_what_the_plan_predicts(schedule):
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
+@pytest.mark.slow
 def test_a_pipeline_rank_holds_no_more_for_more_micro_batches():
     """Each micro-batch's receive buffers, and the graph its kept loss holds back to its received
     input, are let go after its backward (autopar.runtime.schedule.ReceivingStage). torch's
@@ -380,6 +381,7 @@ def test_experts_split_by_tensor_parallelism_are_gathered_for_each_pass():
     _assert_holds_as_predicted(report)
 
 
+@pytest.mark.slow
 def test_values_handed_between_stages_are_never_partial_sums():
     """tp2 x pp2 x dp2 with sequence parallelism (1F1B): the ILP once left the residual stream a
     partial sum where a block hands it on, so a stage cut there sent a partial sum. The sender

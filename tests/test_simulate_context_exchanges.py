@@ -43,13 +43,30 @@ def test_a_recomputed_head_split_swaps_its_four_tensors_again(recompute):
 
 
 @pytest.mark.slow
-def test_keys_the_model_repeats_are_swapped_repeated():
-    """Gemma3's attention reads its two key/value heads repeated to the four query heads: the
-    all-to-all takes them as read (the ring alone passes them unrepeated). Priced at the two
-    heads, 3/4 of the bytes sent were."""
+def test_keys_the_model_repeats_are_swapped_before_the_repeat():
+    """Gemma3's attention reads its two key/value heads repeated to the four query heads. Both
+    kinds move them before the repeat: the all-to-all splits the two heads over cp=2 (3/4 of
+    the bytes of swapping the repeated four), as priced."""
     arch = Architecture(name="Gemma3ForCausalLM", model_class="Gemma3ForCausalLM",
                         config_class="Gemma3TextConfig", kind="held out",
                         config={**SMALL, "head_dim": 64})
     report = simulated_hf(arch, Config(dp=2, cp=2, cp_kind="all-to-all", global_batch=4), seq=128)
     swapped = _cp_entry(report, "all_to_all")
     assert swapped["sent_bytes"] == swapped["predicted_sent_bytes"]
+    # per swap: q, k, v and the output, [1, heads, 64 tokens, 64] fp32 of which half is sent;
+    # 2 layers x 2 micro-batches x (forward + backward) swaps of each
+    q, kv = 4 * 64 * 64 * 4 // 2, 2 * 64 * 64 * 4 // 2
+    assert swapped["sent_bytes"] == 2 * 2 * 2 * (q + 2 * kv + q)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ring", "all-to-all"])
+def test_one_key_value_head_is_attended_whole_on_every_tensor_parallel_rank(kind):
+    """Multi-query attention (one key/value head) under tp2 x cp2: the head does not split over
+    the tp ranks, so each runs every query head with it and moves it whole: the ring passed
+    twice the bytes priced at half the heads (held out)."""
+    report = simulated_hf("llama", Config(tp=2, cp=2, cp_kind=kind, global_batch=4), rank=1,
+                          num_key_value_heads=1)
+    moved = _cp_entry(report, "send" if kind == "ring" else "all_to_all")
+    assert moved["sent_bytes"] == moved["predicted_sent_bytes"]
+    assert_sent_as_priced(report)

@@ -11,6 +11,7 @@ and each reads the same rules here.
     schedules.py    which schedule, pipeline depth and micro-batch count torch runs
     stage_flow.py   which pipeline unit computes each value, which values skip a stage
     zero.py         when gradients are reduced and weights kept gathered, per ZeRO stage and schedule
+    head_split.py   how many key/value heads the all-to-all context-parallel attention swaps
 
     plan = Plan.load("plan.json")      # or Plan.from_dict(data); plan.save(path), plan.to_json()
 """
