@@ -74,7 +74,8 @@ from autopar.cost.offload import host_bytes, host_fits, host_memory_share
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
-from autopar.plans.zero import holds_weights_in_fsdp, keeps_weights_gathered, reduces_every_micro_batch
+from autopar.plans.zero import (frees_each_group_after_its_backward, holds_weights_in_fsdp,
+                                keeps_weights_gathered, reduces_every_micro_batch)
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
@@ -388,9 +389,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     gathered from forward to backward (its weight backward runs after the input backward, on
     the same gathered weights), so the rank holds them all, not GATHERED_GROUPS at a time;
     other schedules free them after each use (`fully_shard(reshard_after_forward=True)`,
-    `autopar.runtime.schedule.ReshardingStage`). ZeRO shards over the cp x dp ranks, experts'
-    states over their own group (cost/forms.py). `receive_buffers`: the rank holds, for every
-    micro-batch, its inputs' and outputs' gradients' bytes (`cost.overlap.holds_every_transfer`)."""
+    `autopar.runtime.schedule.ReshardingStage`). ZeRO shards over the cp x dp ranks, experts' states
+    over their own group (cost/forms.py). `receive_buffers`: `cost.overlap.holds_every_transfer`."""
     params = sum(c.params for c in chunks)
     held = in_flight(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     # a micro-batch's bytes per chunk: kept for the backward, and sent (cached by torch's stage)
@@ -401,8 +401,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     pending = pending_weight_backwards(schedule, pp=pp, micro_batches=m, virtual=virtual, stage=stage)
     deferred = sum(poly_at(c.deferred_poly, seq_ratio) for c in chunks) / len(chunks) * b
     element = 4 if precision == Precision.FP32 else 2
-    flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=holds_weights_in_fsdp(
-        replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision))
+    fsdp = holds_weights_in_fsdp(replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision)
+    flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=fsdp,
+                                       resharding=frees_each_group_after_its_backward(spec.zero, pipelined=pp > 1))
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
     # root of its own, keeping its last reduce-scatter input until its own last backward
     lasts = [c.group if (last := last_scattered(c.moments)) is None else last * padded_ratios(c)[0] for c in chunks]

@@ -135,3 +135,24 @@ def test_layers_that_share_a_weight_are_one_group_gathered_and_unreduced_to_the_
     tied, mid = 32 * 16, 16 * 16 + 16
     assert any(moment.grads == tied + mid and moment.gathered >= tied + mid for moment in moments)
     assert max(moment.grads for moment in moments) == 2 * tied
+
+
+def test_a_single_stage_of_replicas_prices_each_moment_without_the_groups_done_before_it():
+    """Plain data parallelism in FSDP2 on a single stage frees each group's gathered weights as
+    the group's backward ends, every micro-batch (autopar.plans.zero): a block's moment holds
+    none of the head's weights nor those of the blocks backed before it. The moment right after
+    the head's backward is priced with the head's weights gone."""
+    from autopar.cost.chunk_price import Chunk, block_transients
+    from autopar.plans.zero import frees_each_group_after_its_backward
+
+    moments, sizes = _moments()
+    after_head = [m for m in moments if 0 < sum(m.reduced) <= sizes["lm_head"] + sizes["norm"]]
+    assert after_head and all(sum(m.reduced) >= sizes["lm_head"] for m in after_head)
+    for moment in after_head:
+        chunk = Chunk(moments=(moment,), flowing_poly={0: 0.0})
+        held, freed = (block_transients([chunk], 1, 1, 4, split=False, fsdp=True, resharding=resharding)[1]
+                       for resharding in (False, True))
+        assert held - freed == 4 * sum(moment.reduced)
+    assert frees_each_group_after_its_backward(0, pipelined=False)
+    assert not any(frees_each_group_after_its_backward(zero, pipelined=pipelined)
+                   for zero, pipelined in ((0, True), (1, False), (2, False)))

@@ -118,3 +118,16 @@ def test_the_experts_gathered_whole_for_their_backward_are_priced_with_the_gathe
                         config={**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2})
     report = simulated_hf(arch, Config(tp=2, pp=2, global_batch=4), rank=0)
     assert_holds_as_predicted(report)
+
+
+@pytest.mark.slow
+def test_a_single_stage_of_replicas_backs_its_blocks_without_the_head_it_let_go():
+    """Plain data parallelism over the cp ranks (tp2 x cp2, ZeRO-0) on a single stage: FSDP2
+    reshards each group as its backward ends, the head's first, so the experts gathered whole
+    in the last block's backward (its fullest moment, the tokens halved by cp) meet no gathered
+    head. Priced with it, GraniteMoe, Mixtral and OLMoE (held out) were -5.0%..-5.6%."""
+    arch = Architecture(name="GraniteMoeForCausalLM", model_class="GraniteMoeForCausalLM",
+                        config_class="GraniteMoeConfig", kind="held out",
+                        config={**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2})
+    report = simulated_hf(arch, Config(tp=2, cp=2, global_batch=4), rank=1, seq=128)
+    assert -0.02 <= report.memory_error <= 0.03, report.memory_error

@@ -37,6 +37,14 @@ def keeps_weights_gathered(zero: int, schedule: str) -> bool:
     return zero < 3 or schedule == Schedule.ZERO_BUBBLE
 
 
+def frees_each_group_after_its_backward(zero: int, *, pipelined: bool) -> bool:
+    """Whether plain data parallelism in FSDP2 (`replicate`, ZeRO-0) frees each group's gathered
+    weights as the group's backward ends, every micro-batch: on a single stage, whose loop leaves
+    FSDP2's default (autopar.runtime.schedule.MicroBatchLoop); torch's pipeline stages keep them
+    gathered until the step's last backward, as ZeRO-1/2 do (`keeps_weights_gathered`)."""
+    return zero == 0 and not pipelined
+
+
 def holds_weights_in_fsdp(*, replicas: int, offload: bool, precision: str) -> bool:
     """Whether FSDP2 wraps a stage of `replicas` (its dp x cp ranks of the same weights): over
     several replicas, offloaded, or in 16 bits (module docstring)."""
