@@ -10,6 +10,8 @@ this many heads and the estimator prices the same.
 
 from __future__ import annotations
 
+from autopar.errors import AutoparError
+
 
 def kv_repeat(query_heads: int, kv_heads: int, cp: int) -> int:
     """How many times each of `kv_heads` key/value heads is repeated before the all-to-all over
@@ -19,4 +21,6 @@ def kv_repeat(query_heads: int, kv_heads: int, cp: int) -> int:
     for repeat in range(1, group + 1):
         if group % repeat == 0 and (kv_heads * repeat) % cp == 0:
             return repeat
-    raise ValueError(f"{query_heads} query heads do not split over cp={cp} ranks")
+    raise AutoparError(f"all-to-all context parallelism splits heads over the cp ranks: "
+                       f"{query_heads} query heads do not divide by cp={cp}: use cp_kind='ring', "
+                       f"or a cp that divides them")
