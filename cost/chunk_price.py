@@ -125,10 +125,11 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
                                            pricing.gemm_dtype)
         use = gemm_utilization(node.gemm[0] * b, node.gemm[1], device,
                                *node.gemm[2:]) if node.gemm else 1.0
-        fwd = sum(compute_time(f, by, device, fam, dtype or layout.dtype, efficiencies=eff,
-                               utilization=use) for fam, f, by, dtype in forward)
-        bwd = sum(compute_time(f, by, device, fam, dtype or layout.dtype, efficiencies=eff,
-                               utilization=use) for fam, f, by, dtype in backward)
+        work = _heads_attended(node, pricing) if cp_group is not None else 1.0
+        fwd = sum(compute_time(f * work, by * work, device, fam, dtype or layout.dtype,
+                               efficiencies=eff, utilization=use) for fam, f, by, dtype in forward)
+        bwd = sum(compute_time(f * work, by * work, device, fam, dtype or layout.dtype,
+                               efficiencies=eff, utilization=use) for fam, f, by, dtype in backward)
         if distributed:
             fwd += eff.distributed_op_latency_s
             bwd += eff.distributed_op_latency_s if node.requires_grad else 0.0
@@ -152,6 +153,14 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
             comm_fwd, comm_bwd = comm_fwd + ring_fwd, comm_bwd + ring_bwd
         prices[node.name] = (fwd, bwd, comm_fwd, comm_bwd, kept, exchange)
     return prices
+
+
+def _heads_attended(node: NodeLayout, pricing: Pricing) -> float:
+    """The work of `node` under context parallelism over what its layout splits: where the
+    key/value heads do not split over tp (multi-query), the runtime attends every head on each
+    tp rank (cost.context.attention_bytes), twice the work of half the heads at tp2."""
+    sizes = pricing.attention_bytes.get(node.name)
+    return sizes.heads / node.attention["heads"] if sizes and node.attention else 1.0
 
 
 def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout],

@@ -139,6 +139,39 @@ def test_all_to_all_needs_cp_to_divide_the_query_heads():
                          autopar.Config(cp=8, cp_kind="all-to-all", global_batch=8))
 
 
+def _attention_seconds(kv_heads: int, tp: int) -> tuple[float, float]:
+    """The forward and backward seconds priced for one sequence's attention, 8 query heads,
+    on A100s under tp x cp2."""
+    from autopar.cost.chunk_price import Pricing, node_prices
+    from autopar.cost.compute import Efficiencies
+    from autopar.cost.context import attention_bytes
+    from autopar.cost.megatron import megatron_placements
+    from autopar.cost.price_cache import PriceCache
+    from autopar.cost.stages import uniform_stages
+
+    model, (ids,) = build_model(f"llama:layers=1,hidden=512,heads=8,kv_heads={kv_heads},"
+                                f"seq=2048,vocab=64", batch=1)
+    graph = autopar.capture(model, (ids,))
+    mesh = autopar.Mesh.parse(f"{2 * tp}:a100-80g")
+    spec = uniform_stages(graph, autopar.Config(tp=tp, cp=2, global_batch=2),
+                          megatron_placements(graph, tp))[0]
+    efficiencies = Efficiencies.for_device(mesh.device.name)
+    layout = PriceCache.of(None, graph, mesh, efficiencies).layout(spec)
+    prices = node_prices(layout, spec, mesh, 1, efficiencies, "flash",
+                         Pricing(attention_bytes=attention_bytes(graph, layout)))
+    [attention] = [prices[n.name][:2] for n in layout.nodes if n.family == "attention"]
+    return attention
+
+
+def test_heads_attended_whole_on_each_tensor_parallel_rank_are_priced_whole():
+    """One key/value head does not split over tp2: every tp rank attends all 8 query heads
+    (`_local_heads`), the work of tp1; two key/value heads split, and each rank does half."""
+    whole = _attention_seconds(1, tp=1)
+    assert _attention_seconds(1, tp=2) == pytest.approx(whole)
+    assert _attention_seconds(2, tp=2) == pytest.approx((whole[0] / 2, whole[1] / 2), rel=0.2)
+    assert _attention_seconds(2, tp=2)[0] < 0.6 * whole[0]
+
+
 def test_sliding_windows_keep_their_mask_and_plan_a_split():
     """causal_sdpa computes what Mistral's own attention does over its window (8 of 16 tokens),
     through autopar's window mask, which the planner knows it can split; a model whose class
