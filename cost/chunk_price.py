@@ -438,34 +438,6 @@ def _poly(keys, layout: GraphLayout) -> dict[int, float]:
     return poly
 
 
-def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, fsdp: bool,
-                     resharding: bool = False) -> tuple:
-    """A block backward's bytes beside the kept activations, for `b` samples a micro-batch: the
-    fullest moment's flowing gradients (an input backward's, where the schedule splits it), and
-    unsplit, the fullest moment with the weight gradients alive in it (`element` bytes each; None
-    if none is known), which makes the heaviest late: its op's own (`paired_polys`: autograd
-    adds each into the accumulated one), or where FSDP2 holds the weights (`fsdp`), those its
-    group made so far (`moments`: FSDP2 adds them in as the group's backward ends), less, where
-    FSDP2 reshards each group as its backward ends (`resharding`), the gathered weights of the
-    groups done by then."""
-    if split:
-        return _largest([poly_at(c.split_flowing_poly, seq_ratio) for c in chunks]) * b, None
-    if fsdp:
-        paired = [(poly_at(dict(m.flowing), seq_ratio) - poly_at(dict(m.freed), seq_ratio)) * b
-                  + (m.grads - (sum(m.reduced) if resharding else 0.0)) * element
-                  for c in chunks for m in c.moments]
-    else:
-        paired = [poly_at(dict(poly), seq_ratio) * b + elements * element
-                  for c in chunks for poly, elements in c.paired_polys]
-    return (_largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks]) * b,
-            _largest(paired) if paired else None)
-
-
-def _largest(values: list):
-    numbers = all(isinstance(v, (int, float)) for v in values)
-    return max(values) if numbers else sympy.Max(*values)
-
-
 def poly_at(poly: dict, ratio):
     """A {power: bytes} polynomial at `ratio` = sequence length / captured sequence length."""
     return sum(value * ratio ** degree for degree, value in sorted(poly.items()))

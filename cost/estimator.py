@@ -64,18 +64,17 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.overlap import DeviceWork, Runtime, holds_every_transfer, keeps_every_send, runtime_named
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
-from autopar.cost.chunk_price import (Chunk, block_transients, padded_ratios, partial_gradients_time,
-                                     partial_reductions, poly_at)
+from autopar.cost.backward_transients import block_transients
+from autopar.cost.chunk_price import Chunk, padded_ratios, partial_gradients_time, partial_reductions, poly_at
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
 from autopar.cost.interleaved_order import at_fullest
-from autopar.cost.forms import (check_stages, expert_data_parallel, offload_step, sharded_params,
+from autopar.cost.forms import (backward_reductions, check_stages, expert_data_parallel, offload_step, sharded_params,
                                 sharded_traffic)
 from autopar.cost.offload import host_bytes, host_fits, host_memory_share
 from autopar.cost.stages import StageSpec, uniform_stages
 from autopar.plans.schedules import recompute_error
 from autopar.plans.vocabulary import DTYPE_BYTES, Precision, Recompute, Schedule
-from autopar.plans.zero import (frees_each_group_after_its_backward, holds_weights_in_fsdp,
-                                keeps_weights_gathered, reduces_every_micro_batch)
+from autopar.plans.zero import holds_weights_in_fsdp, keeps_weights_gathered, reduces_every_micro_batch
 # The dtype activations are held in and matmuls run at under each precision (a plan's
 # `precision`); model states are fp32 master weights under both 16-bit ones (cost/memory.py).
 # "fp8" is bf16 mixed precision with the matmuls in FP8 (Transformer Engine's recipes): priced
@@ -402,8 +401,9 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     deferred = sum(poly_at(c.deferred_poly, seq_ratio) for c in chunks) / len(chunks) * b
     element = 4 if precision == Precision.FP32 else 2
     fsdp = holds_weights_in_fsdp(replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision)
-    flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=fsdp,
-                                       resharding=frees_each_group_after_its_backward(spec.zero, pipelined=pp > 1))
+    resharding, reduction = backward_reductions(spec, schedule, pipelined=pp > 1)
+    flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=fsdp, between=m > 2,
+                                       resharding=resharding, last_reduction=reduction, alone=m == 1)
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
     # root of its own, keeping its last reduce-scatter input until its own last backward
     lasts = [c.group if (last := last_scattered(c.moments)) is None else last * padded_ratios(c)[0] for c in chunks]
@@ -416,8 +416,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
     fullest = max((backed for *_, backed in ends if backed), key=lambda backed: backed.share, default=None)
     logits = sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b
-    parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload,
-                       weight=_heaviest_gradient(chunks),
+    parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload, weight=_heaviest_gradient(chunks),
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
                        reduce_every=reduce_every, held=held, pipelined=pp > 1,   # (chunk, micro-batch) pairs
                        activations=held * sum(kept) / len(kept),
@@ -427,7 +426,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1)
                        - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
                                                       stage=pp - 1) - 1, 0),
-                       logits=logits, flowing=flowing, paired=paired,
+                       logits=logits, flowing=flowing, paired=paired, alone=m == 1 and fsdp and reduction is not None,
                        expert_params=sum(c.expert_params for c in chunks), one_tensor=max(
                            c.largest for c in chunks) if one_tensor_steps else 0.0,
                        padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.cost.context import check_sequence_split, ulysses_error
-from autopar.plans.zero import reduces_every_micro_batch
+from autopar.plans.zero import (frees_each_group_after_its_backward, reduces_every_micro_batch,
+                                reduces_group_by_group_at_the_last_backward)
 from autopar.cost.offload import offload_time
 from autopar.cost.overlap import DeviceWork, exposed_data_parallel
 from autopar.plans.vocabulary import CONTEXT_PARALLEL, ContextParallel
@@ -45,6 +46,22 @@ def check_stages(graph, stages: list, memo) -> None:
 def expert_data_parallel(spec) -> int:
     """The ranks that hold the same experts and reduce their gradients."""
     return spec.ranks // spec.ep if spec.ep > 1 else spec.dp * spec.cp
+
+
+def backward_reductions(spec, schedule: str, *, pipelined: bool) -> tuple[bool, tuple | None]:
+    """How a stage's backward frees what FSDP2 holds: whether it reshards each group's gathered
+    weights as the group's backward ends, every micro-batch (plain data parallelism on a single
+    stage: autopar.plans.zero.frees_each_group_after_its_backward); and where the step's last
+    backward reduces the accumulated gradients group by group
+    (`reduces_group_by_group_at_the_last_backward`), the share of a reduced group's gradients a
+    rank keeps, of its dense and of its experts' elements: all of them in plain data
+    parallelism, ZeRO's shard above it (None where it does not)."""
+    resharding = frees_each_group_after_its_backward(spec.zero, pipelined=pipelined)
+    if not reduces_group_by_group_at_the_last_backward(spec.zero, schedule, pipelined=pipelined):
+        return resharding, None
+    if spec.zero == 0:
+        return resharding, (1.0, 1.0)
+    return resharding, (1 / (spec.dp * spec.cp), 1 / expert_data_parallel(spec))
 
 
 def sharded_params(work: DeviceWork, spec) -> float:

@@ -118,7 +118,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
                loss_held: int | None = None, offload: bool = False, one_tensor: float = 0.0,
                deferred=(0.0, 0.0), split_backward=False, paired=None, padding=(0.0, 0.0), moments=(), forwards=(),
-               walked=()) -> dict:
+               walked=(), alone: bool = False) -> dict:
     """Memory of one device at its peak, by part (`_at_peak`), phases as in the module docstring.
     `params` elements of its stage(s) (`expert_params` of them experts', whose optimizer state and
     gradient shards ZeRO splits over their `expert_dp` ranks), `gathered` those ZeRO-3 holds
@@ -132,7 +132,8 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     `padding`, `offload`, `one_tensor`: receive buffers, zero-bubble's kept gradients and split
     backward (module docstring), ZeRO's padding, states on the host, `_step_temporaries`. `walked`:
     the `Backed` of every backward of an interleaved rank's walked order (cost/interleaved_order.py),
-    each priced with what it holds then, in place of the first and later backwards."""
+    each priced with what it holds then, in place of the first and later backwards. `alone`: the
+    step's only backward weighed by its moments (`paired`), where it reduces group by group."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -140,7 +141,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     weights = element * (gathered if wrapped and zero == 3 else params + sum(padding))  # padded buffers
     gradients, losses = params * (element if offload else GRADIENT_BYTES), held if loss_held is None else loss_held
     cached, kept, loss, block, between, block_later = _transients(
-        flowing, weight * element, element * logits if pipelined else 0.0, 4 * logits, split_backward, paired)
+        flowing, weight * element, element * logits if pipelined else 0.0, 4 * logits, split_backward, paired, alone)
     dense, experts = params - expert_params + padding[0], expert_params + padding[1]   # as FSDP2 pads
     sharded = lambda per: dense * per / split + experts * per / expert_split
     persistent = {"weights": weights, "optimizer": 0.0 if offload else sharded(ADAM_STATE_BYTES + master),
@@ -197,7 +198,7 @@ def _reduced_phases(held_now: dict, earlier: bool, *, walked, at, kept_weights, 
             *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
 
 
-def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: bool, paired) -> tuple:
+def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: bool, paired, alone: bool) -> tuple:
     """A backward's transient bytes: (the logits a pipeline stage caches, the loss's kept copy
     with them, the loss's backward, a block's backward, a weight backward's, a block's backward
     after an earlier one). Split, the input backward makes no weight gradient but keeps the
@@ -207,7 +208,7 @@ def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: boo
     loss = kept + LOSS_BACKWARD_COPIES * loss_copy
     if split_backward:
         return cached, kept, loss, flowing + kept, weight_gradient, flowing + kept
-    block = flowing + weight_gradient + cached
+    block = paired + cached if alone else flowing + weight_gradient + cached
     return cached, kept, loss, block, 0.0, block if paired is None else paired + cached
 
 

@@ -2,6 +2,7 @@
 of the group that runs, the last reduce-scatter's input, the shards reduced so far and the groups
 gathered, as cost.memory.peak_bytes weighs them."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -142,7 +143,8 @@ def test_a_single_stage_of_replicas_prices_each_moment_without_the_groups_done_b
     the group's backward ends, every micro-batch (autopar.plans.zero): a block's moment holds
     none of the head's weights nor those of the blocks backed before it. The moment right after
     the head's backward is priced with the head's weights gone."""
-    from autopar.cost.chunk_price import Chunk, block_transients
+    from autopar.cost.backward_transients import block_transients
+    from autopar.cost.chunk_price import Chunk
     from autopar.plans.zero import frees_each_group_after_its_backward
 
     moments, sizes = _moments()
@@ -156,3 +158,36 @@ def test_a_single_stage_of_replicas_prices_each_moment_without_the_groups_done_b
     assert frees_each_group_after_its_backward(0, pipelined=False)
     assert not any(frees_each_group_after_its_backward(zero, pipelined=pipelined)
                    for zero, pipelined in ((0, True), (1, False), (2, False)))
+
+
+def test_the_last_backward_reduces_each_group_as_it_ends_and_keeps_its_output():
+    """A single stage that accumulates its gradients whole (ZeRO-0 and 1) reduces them group by
+    group as the step's last backward ends each group (autopar.plans.zero), resharding it: a
+    later moment holds, beside the accumulated gradients, the fp32 input of the group reduced
+    last, and the groups done keep their reduction's output, whole under ZeRO-0, ZeRO's shard
+    under ZeRO-1, in place of their accumulated gradients; a step's only backward accumulated
+    none before it and keeps those outputs besides. The group being reduced holds its gradients
+    and its input, not yet its output."""
+    from autopar.cost.backward_transients import block_transients
+    from autopar.cost.chunk_price import Chunk
+    from autopar.plans.zero import reduces_group_by_group_at_the_last_backward as reduces
+
+    moments, _ = _moments()
+    later = [m for m in moments if m.scattering is not None and not any(m.releasing)]
+    releasing = [m for m in moments if any(m.releasing)]
+    assert later and releasing
+    for moment in later + releasing:
+        chunk = Chunk(moments=(moment,), flowing_poly={0: 0.0})
+        weigh = lambda **kw: block_transients([chunk], 1, 1, 4, split=False, fsdp=True, **kw)[1]
+        plain = weigh()
+        done = sum(moment.reduced) - sum(moment.releasing)
+        resharded = plain - 4 * sum(moment.reduced) + 4 * moment.scattering
+        assert weigh(last_reduction=(1.0, 1.0), between=False) == pytest.approx(resharded)
+        assert weigh(last_reduction=(0.25, 0.25), between=False) == pytest.approx(resharded - 3 * done)
+        assert weigh(last_reduction=(1.0, 1.0), between=False, alone=True) == pytest.approx(resharded + 4 * done)
+        # backwards between the first and the last reduce nothing
+        assert weigh(last_reduction=(0.25, 0.25)) == pytest.approx(max(plain, resharded - 3 * done))
+    assert reduces(0, "1f1b", pipelined=False) and reduces(1, "1f1b", pipelined=False)
+    assert reduces(2, "zero-bubble", pipelined=False)
+    assert not any((reduces(2, "1f1b", pipelined=False), reduces(3, "1f1b", pipelined=False),
+                    reduces(0, "1f1b", pipelined=True), reduces(1, "gpipe", pipelined=True)))

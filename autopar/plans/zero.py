@@ -45,6 +45,17 @@ def frees_each_group_after_its_backward(zero: int, *, pipelined: bool) -> bool:
     return zero == 0 and not pipelined
 
 
+def reduces_group_by_group_at_the_last_backward(zero: int, schedule: str, *, pipelined: bool) -> bool:
+    """Whether a stage that accumulates its gradients whole (`reduces_every_micro_batch` false)
+    reduces them as the step's last backward ends each FSDP group, resharding the group's
+    gathered weights with them: a single stage's loop turns FSDP2's gradient sync on for the
+    last micro-batch, and under ZeRO-1/2, which keep the weights gathered until then, its
+    resharding after backward (autopar.runtime.schedule.MicroBatchLoop; ZeRO-0 reshards after
+    every backward, `frees_each_group_after_its_backward`). torch's pipeline stages reduce after
+    their last backward instead (`perform_reduce_grad`)."""
+    return not pipelined and zero < 3 and not reduces_every_micro_batch(zero, schedule)
+
+
 def holds_weights_in_fsdp(*, replicas: int, offload: bool, precision: str) -> bool:
     """Whether FSDP2 wraps a stage of `replicas` (its dp x cp ranks of the same weights): over
     several replicas, offloaded, or in 16 bits (module docstring)."""
