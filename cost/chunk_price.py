@@ -78,7 +78,9 @@ class Chunk:
     received_poly: dict = field(default_factory=dict)  # what it receives: inputs, outputs' gradients
     # What a micro-batch keeps from its input backward to its weight backward when a zero-bubble
     # schedule splits them: the gradient of every op that reads a weight, which that weight's
-    # gradient needs (torch's stage_backward_input keeps them for stage_backward_weight).
+    # gradient needs (torch's stage_backward_input keeps them for stage_backward_weight), less
+    # what the ops after the last of them kept: it detaches the outputs, and with them the graph
+    # the weights' gradients do not reach (a capped score's tanh, the loss's copy).
     deferred_poly: dict = field(default_factory=dict)
     # bytes of the tensor-parallel collectives of one micro-batch, whole tensors (cost/layout.py),
     # by (kind, per sample): what `tensor_comm_s` prices, for cost/rank_traffic.py
@@ -201,6 +203,8 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
         out.peak_polys.append(_poly(keys, layout))
     out.peak_per_sample = max((poly_at(p, 1) for p in out.peak_polys), default=0.0)
     out.saved_poly = _poly(saved, layout)
+    for degree, value in _poly(_saved_after_the_weights(nodes, regions, layout), layout).items():
+        out.deferred_poly[degree] = out.deferred_poly.get(degree, 0.0) - value
     for degree, value in scores.items():
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = poly_at(out.saved_poly, 1)
@@ -216,6 +220,17 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
     out.last_gathered = last_gathered(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.weight_read = _heaviest_weight(graph, layout, nodes)
     return out
+
+
+def _saved_after_the_weights(nodes: list[NodeLayout], regions: list, layout: GraphLayout) -> set[str]:
+    """What only the ops after a chunk's last weight-reading op keep for the backward (outside
+    recomputed regions): nothing a weight's gradient reaches."""
+    reads = [position for position, node in enumerate(nodes) if node.requires_grad and node.param_bytes]
+    if not reads:
+        return set()
+    def kept(chosen):
+        return {key for node in chosen if not regions[layout.index[node.name]] for key in node.saved}
+    return kept(nodes[reads[-1] + 1:]) - kept(nodes[:reads[-1] + 1])
 
 
 def _last_saving_nodes(layout: GraphLayout, regions: list, nodes: list[NodeLayout]) -> dict:

@@ -34,9 +34,10 @@ def test_dividing_by_a_constant_makes_no_quotient_to_differentiate():
 
 
 def test_a_split_input_backward_keeps_its_graph_and_the_gradients_its_weights_need():
-    """Zero-bubble's input backward keeps the loss's copy and every saved activation (its graph,
-    for the weight backward), and the gradients its weights' backward will read accumulate as
-    it runs; it makes no weight gradient. The last stage held 7.5% more than priced."""
+    """Zero-bubble's input backward keeps the loss's copy until it runs and what its weights'
+    backward reaches of its graph, and the gradients its weights' backward will read
+    accumulate as it runs; it makes no weight gradient. The last stage held 7.5% more than
+    priced."""
     _, [report] = simulated("gpt-tiny", "4:cpu", Config(pp=2, dp=2, zero=1, schedule="zero-bubble",
                                                         global_batch=8, micro_batch=2), ranks=(2,))
     assert_holds_as_predicted(report)
@@ -151,4 +152,17 @@ def test_a_single_stage_reduces_each_group_as_its_last_backward_ends_it(model_cl
     arch = Architecture(name=model_class, model_class=model_class, config_class=config_class,
                         kind="held out", config={**SMALL, **extra})
     report = simulated_hf(arch, config, rank=1, seq=128)
+    assert -0.01 <= report.memory_error <= 0.01, report.memory_error
+
+
+@pytest.mark.slow
+def test_an_input_backward_lets_go_of_what_no_weight_gradient_reaches():
+    """Gemma2 caps its logits with a tanh after the LM head: torch's input backward detaches
+    the stage's outputs, and the tanh's kept output goes with the graph beyond the last weight,
+    which the weight backward does not need. Priced as kept until the weight backward, the
+    last zero-bubble stage of pp2 x cp2 (held out) held 7.1% less than predicted."""
+    arch = Architecture(name="Gemma2ForCausalLM", model_class="Gemma2ForCausalLM",
+                        config_class="Gemma2Config", kind="held out", config={**SMALL, "head_dim": 64})
+    report = simulated_hf(arch, Config(pp=2, cp=2, schedule="zero-bubble", global_batch=4), rank=2,
+                          seq=128)
     assert -0.01 <= report.memory_error <= 0.01, report.memory_error
