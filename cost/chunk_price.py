@@ -175,12 +175,14 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
     region_nodes: dict[str, set[int]] = {}
     scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
     rerun_until = _last_saving_nodes(layout, regions, nodes)
+    placed_at = {node.name: position for position, node in enumerate(nodes)}
     for position, node in enumerate(nodes):
         i = layout.index[node.name]
         kept = prices[node.name][4]
         region = regions[i]
         recomputed = bool(region) and position <= rerun_until.get(region, -1)
-        _add_times(out, node, prices[node.name], recomputed=recomputed)
+        _add_times(out, node, prices[node.name], recomputed=recomputed,
+                   moved_again=_moved_again(node, position, placed_at, regions, rerun_until, layout))
         if recomputed and node.attention:
             out.rerun_attention += (node.name,)
         if region:
@@ -277,11 +279,30 @@ def _weight_reads(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) ->
     return reads
 
 
-def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) -> None:
+def _moved_again(node: NodeLayout, position: int, placed_at: dict, regions: list, rerun_until: dict,
+                 layout: GraphLayout) -> tuple:
+    """The forward collectives of `node` that a recomputed region's rerun issues again, up to the
+    region's last op that keeps something (`_last_saving_nodes`): a value made in the region is
+    moved right after the op that makes it, which the rerun passes only if that op is not its
+    last (it stops within it); any other, where the region's graph receives it, or at `node`."""
+    region = regions[layout.index[node.name]]
+    if not region:
+        return ()
+    again = []
+    for collective, source in zip(node.comm_forward, node.forward_from or [""] * len(node.comm_forward)):
+        made_here = source in placed_at and regions[layout.index[source]] == region
+        at = placed_at[source] + 0.5 if made_here else position
+        if at <= rerun_until.get(region, -1):
+            again.append(collective)
+    return tuple(again)
+
+
+def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool, moved_again: tuple = ()) -> None:
     """A node's seconds (`node_prices`) added to its chunk's: forward, backward, tensor-parallel
-    collectives and the experts' exchanges, again in the backward where it recomputes."""
+    collectives and the experts' exchanges, again in the backward where it recomputes (its
+    collectives where they run again: `moved_again`)."""
     fwd, bwd, comm_fwd, comm_bwd, _, exchange = price
-    runs = [node.comm_forward] * (2 if recomputed else 1) + ([node.comm_backward] if node.requires_grad else [])
+    runs = [node.comm_forward, moved_again] + ([node.comm_backward] if node.requires_grad else [])
     out.exchange_moved += node.exchange_bytes * (1 + recomputed + node.requires_grad)
     out.counts_moved += node.routing_counts * 8 * (1 + recomputed)
     for collectives in runs:
@@ -300,8 +321,9 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool) 
         out.exchange_s += exchange          # the gradients go back the same way
     if recomputed:
         out.recompute_s += fwd
-        out.tensor_comm_s += comm_fwd
         out.exchange_s += exchange
+    if moved_again:     # the share of the forward's collectives run again, by their bytes
+        out.tensor_comm_s += comm_fwd * sum(c[1] for c in moved_again) / sum(c[1] for c in node.comm_forward)
 
 
 def partial_reductions(spec: StageSpec, schedule: str, precision: str,

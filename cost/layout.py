@@ -62,6 +62,9 @@ class NodeLayout:
     # for parameters.
     comm_forward: tuple = ()
     comm_backward: tuple = ()
+    # The value each forward collective moves, where the runtime moves it once after the op that
+    # makes it (passes.tensor_parallel.share_redistributions: an activation), "" at the op itself
+    forward_from: tuple = ()
     # The reductions of the gradients of weights that tensor parallelism leaves as partial sums
     # (a norm's weight under sequence parallelism), in fp32 bytes: FSDP2's reduction or the
     # runtime's after the backward makes them (`autopar.plans.zero.partial_gradient_reductions`).
@@ -304,7 +307,7 @@ class _LayoutBuilder:
                                  self.tp)
         self.place[node.name] = out
         layout.sharded = out.startswith("S")
-        forward, backward, step = [], [], []
+        forward, backward, step, origins = [], [], [], []
         self.read_as = {}
         for k, name in enumerate(node.inputs):
             whole, per_sample = self._edge_bytes(name, node)
@@ -314,6 +317,7 @@ class _LayoutBuilder:
             moved = name if per_sample else self.storage[name]      # share_redistributions' key
             if moves and self._first((moved, sources[k], inputs[k])):
                 forward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
+                origins += [name if per_sample else ""] * len(moves)
                 if not per_sample:    # a gathered weight is freed, and gathered again for the backward
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
             if moves and not per_sample and inputs[k] == "R":
@@ -341,8 +345,10 @@ class _LayoutBuilder:
             # sums to whole right away (autopar.passes.dtensor_adapters.SettledLookup), which its
             # readers then take as they read them without moving anything (R -> S, R -> P)
             forward.append(("all_reduce", self.full_bytes(node), True))
+            origins.append("")
             self.place[node.name] = "R"
         layout.comm_forward, layout.comm_backward = tuple(forward), tuple(backward)
+        layout.forward_from = tuple(origins)
         layout.comm_step = tuple(step)
         return work_split((out,), [(p,) for p in inputs], [self.tp]) > 1
 
