@@ -14,7 +14,8 @@ def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, f
                      resharding: bool = False, last_reduction: tuple | None = None,
                      between: bool = True, alone: bool = False) -> tuple:
     """A block backward's bytes beside the kept activations, for `b` samples a micro-batch: the
-    fullest moment's flowing gradients (an input backward's, where the schedule splits it), and
+    fullest moment's flowing gradients (an input backward's, where the schedule splits it, and
+    then, where it reads a weight whole, its fullest with that weight: `split_whole_reads`), and
     unsplit, the fullest moment with the weight gradients alive in it (`element` bytes each; None
     if none is known), which makes the heaviest late: its op's own (`paired_polys`: autograd
     adds each into the accumulated one), or where FSDP2 holds the weights (`fsdp`), those its
@@ -27,7 +28,10 @@ def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, f
     and the last; where that backward is the step's only one (`alone`), with no gradients
     accumulated before it."""
     if split:
-        return _largest([poly_at(c.split_flowing_poly, seq_ratio) for c in chunks]) * b, None
+        flowing = _largest([poly_at(c.split_flowing_poly, seq_ratio) for c in chunks]) * b
+        whole = [poly_at(dict(poly), seq_ratio) * b + elements * element
+                 for c in chunks for poly, elements in c.split_whole_polys]
+        return flowing, _largest([flowing, *whole]) if whole else None
     if fsdp:
         moments = [m for c in chunks for m in c.moments]
         paired = [_moment_bytes(m, seq_ratio, b, element, resharding)

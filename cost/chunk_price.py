@@ -19,7 +19,7 @@ from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
 from autopar.cost.gradient_flow import (backward_moments, backward_peak, last_gathered, paired_backward_peaks,
-                                         split_backward_peak)
+                                         split_backward_peak, split_whole_reads)
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
@@ -70,6 +70,9 @@ class Chunk:
     loss_poly: dict = field(default_factory=dict)      # elements of the outputs (logits)
     flowing_poly: dict = field(default_factory=dict)   # gradient bytes its backward adds
     split_flowing_poly: dict = field(default_factory=dict)     # its input backward's (zero-bubble)
+    split_whole_polys: tuple = ()   # ((poly, elements), ...): its moments at weights read whole
+    # bytes of the weights read whole that a split backward gathers again, by collective kind
+    regathered: dict = field(default_factory=dict)
     paired_polys: tuple = ()        # ((poly, weight elements), ...): each with the gradients it makes
     moments: tuple = ()             # the same op by op, with FSDP2's reductions (cost/backward_moments.py)
     last_gathered: float = 0.0      # elements of the FSDP group its forward gathers last
@@ -217,6 +220,7 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
     chunk_regions = [regions[layout.index[node.name]] for node in nodes]
     out.flowing_poly = backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.split_flowing_poly = split_backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
+    out.split_whole_polys = split_whole_reads(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.paired_polys = paired_backward_peaks(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.moments = backward_moments(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.last_gathered = last_gathered(graph, layout, nodes, first_kept, regions=chunk_regions)
@@ -308,6 +312,9 @@ def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool, 
     for collectives in runs:
         for kind, nbytes, per_sample in collectives:
             out.tensor_moved[kind, per_sample] = out.tensor_moved.get((kind, per_sample), 0.0) + nbytes
+    for kind, nbytes, per_sample in node.comm_backward if node.weight_gathered else ():
+        if not per_sample:
+            out.regathered[kind] = out.regathered.get(kind, 0.0) + nbytes
     for kind, nbytes, _ in node.comm_step if node.requires_grad else ():
         out.step_moved[kind] = out.step_moved.get(kind, 0.0) + nbytes
     out.forward_s += fwd

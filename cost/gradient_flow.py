@@ -103,6 +103,16 @@ def split_backward_peak(graph: Graph, layout: GraphLayout, nodes: list[NodeLayou
     return dict(_swept(graph, layout, nodes, first_kept, regions)[3])
 
 
+def split_whole_reads(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
+                      first_kept: dict[str, int], regions: list | None = None) -> tuple:
+    """The input backward's moments (split from the weight backward) at the ops that read a
+    weight whole (run replicated on a tensor-parallel stage), each with the elements it holds of
+    it (`whole_held`): ((({power of seq: bytes per sample}), elements), ...). Its saved weight is
+    gathered whole as the input backward unpacks it, and again in the weight backward's rerun
+    of the op (torch reruns the op's backward node from it, passes.dtensor_rules.RunReplicated)."""
+    return _swept(graph, layout, nodes, first_kept, regions)[5]
+
+
 def paired_backward_peaks(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout],
                           first_kept: dict[str, int], regions: list | None = None) -> tuple:
     """The chunk's backward moments each with the weight gradients its op makes: ((({power of
@@ -149,7 +159,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
     released: dict = {}                  # region (None: outside) -> {power of seq: bytes freed}
     retained: dict = {}                  # split: weight readers' gradients, {power of seq: bytes}
     best = split_best = ({}, float("-inf"))
-    paired, region_entry = _Paired(), {}
+    paired, region_entry, split_whole = _Paired(), {}, []
     for position in range(len(nodes) - 1, -1, -1):
         node = nodes[position]
         incoming = grads.of_value.pop(node.name, [])
@@ -171,10 +181,12 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
                     paired.add(*entry, whole_held(fact))
             # split, the input backward keeps its graph: nothing saved is freed before the weights'
             split_total = sum(grads.live.values()) + sum(kept.values()) + fact.extra + sum(retained.values())
-            if split_total > split_best[1]:
+            if split_total > split_best[1] or fact.whole:
                 unfreed = _at(grads.live, kept, fact, [])
-                split_best = ({d: unfreed.get(d, 0.0) + retained.get(d, 0.0) for d in {*unfreed, *retained}},
-                              split_total)
+                split_at = {d: unfreed.get(d, 0.0) + retained.get(d, 0.0) for d in {*unfreed, *retained}}
+                split_best = (split_at, split_total) if split_total > split_best[1] else split_best
+                if fact.whole:      # its saved weights gathered whole again, its whole gradient made
+                    split_whole.append((split_at, whole_held(fact)))
             inner = [released.get(regions[position], {})] if regions[position] is not None else []
             groups.record(fact, _at(grads.live, kept, fact, inner), released.get(None, {}))
             for gradient in made:
@@ -189,7 +201,7 @@ def _sweep(layout: GraphLayout, nodes: list[NodeLayout], first_kept: dict[str, i
             degree = layout.seq_degree.get(key, 0)
             freed[degree] = freed.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
         groups.after(position, grads.live, released.get(None, {}))
-    return best[0], groups.kept(), groups.first_met, split_best[0], paired.kept()
+    return best[0], groups.kept(), groups.first_met, split_best[0], paired.kept(), tuple(split_whole)
 
 
 def _made_elements(fact: "_Facts", param_local: dict[str, float]) -> float:

@@ -206,8 +206,9 @@ def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: boo
     is a transient beside the accumulated ones: with `paired`, the fullest moment with its own."""
     kept = LOSS_KEPT_COPIES * loss_copy + cached
     loss = kept + LOSS_BACKWARD_COPIES * loss_copy
-    if split_backward:
-        return cached, kept, loss, flowing + kept, weight_gradient, flowing + kept
+    if split_backward:      # `paired`: where an input backward reads a weight whole
+        block = (flowing if paired is None else paired) + kept
+        return cached, kept, loss, block, weight_gradient, block
     block = paired + cached if alone else flowing + weight_gradient + cached
     return cached, kept, loss, block, 0.0, block if paired is None else paired + cached
 

@@ -37,7 +37,7 @@ from autopar.cost.chunk_price import partial_reductions, tensor_parallel_kind
 from autopar.cost.forms import expert_data_parallel
 from autopar.cost.traffic import captured_crossings, tied_gradient_bytes
 from autopar.graph import Graph
-from autopar.plans.vocabulary import ContextParallel, Precision
+from autopar.plans.vocabulary import ContextParallel, Precision, Schedule
 from autopar.plans.zero import keeps_weights_gathered, reduces_every_micro_batch
 
 # the order autopar.simulate.groups names groups in (cost sits below the simulator: not imported)
@@ -62,7 +62,9 @@ def plan_collectives(graph: Graph, plan) -> list[list[dict]]:
         spec = specs[chunks[0]]
         for c in chunks:
             _tensor_parallel(found, pipe.chunks[c], spec.tp, pipe, mesh, partial_reductions(
-                spec, plan.schedule, plan.precision, pipe.micro_batches))
+                spec, plan.schedule, plan.precision, pipe.micro_batches),
+                # torch runs the first stage's backward whole, at its weight backward
+                split=plan.schedule == Schedule.ZERO_BUBBLE and len(pipe.devices) > 1 and c > 0)
             _context_parallel(found, graph, memo, specs, c, pipe, element, pipe.chunks[c].rerun_attention)
             _expert_parallel(found, pipe.chunks[c], specs[c], pipe, world)
         _pipeline(found, crossing, gathered, specs, chunks, pipe)
@@ -93,12 +95,17 @@ def _add(found: dict, kind: str, axis: str, size: int, payload: float) -> None:
     found[kind, axis, size] = found.get((kind, axis, size), 0.0) + share * payload
 
 
-def _tensor_parallel(found: dict, chunk, tp: int, pipe, mesh, partial: tuple[int, float]) -> None:
+def _tensor_parallel(found: dict, chunk, tp: int, pipe, mesh, partial: tuple[int, float],
+                     split: bool = False) -> None:
     """The chunk's tensor-parallel collectives, and the reductions of its partial weight
-    gradients, `partial` = (count, share) (`autopar.plans.zero.partial_gradient_reductions`)."""
+    gradients, `partial` = (count, share) (`autopar.plans.zero.partial_gradient_reductions`);
+    where the backward is `split` (zero-bubble), the weights read whole gathered again by the
+    weight backward (cost.gradient_flow.split_whole_reads)."""
     for (kind, per_sample), nbytes in chunk.tensor_moved.items():
         _add(found, tensor_parallel_kind(kind, mesh), "tp", tp,
              nbytes * (pipe.samples if per_sample else 1) * pipe.micro_batches)
+    for kind, nbytes in chunk.regathered.items() if split else ():
+        _add(found, tensor_parallel_kind(kind, mesh), "tp", tp, nbytes * pipe.micro_batches)
     count, share = partial
     for kind, nbytes in chunk.step_moved.items():
         _add(found, kind, "tp", tp, count * share * nbytes)

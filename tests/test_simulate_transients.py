@@ -6,7 +6,7 @@ import pytest
 
 from autopar.cost.config import Config
 from autopar.models.hf_zoo import Architecture
-from autopar.testing.simulated import assert_holds_as_predicted, simulated, simulated_hf
+from autopar.testing.simulated import assert_holds_as_predicted, assert_sent_as_priced, simulated, simulated_hf
 
 SMALL = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=512, max_position_embeddings=128, vocab_size=8192)
@@ -166,3 +166,21 @@ def test_an_input_backward_lets_go_of_what_no_weight_gradient_reaches():
     report = simulated_hf(arch, Config(pp=2, cp=2, schedule="zero-bubble", global_batch=4), rank=2,
                           seq=128)
     assert -0.01 <= report.memory_error <= 0.01, report.memory_error
+
+
+@pytest.mark.slow
+def test_a_weight_read_whole_is_gathered_again_by_a_split_weight_backward():
+    """GraniteMoe's experts on a tp2 stage run replicated, their weights gathered whole as the
+    backward unpacks them. Under zero-bubble the input backward does so, and holds them whole
+    with the whole gradients the experts' backward makes; torch's weight backward reruns the
+    op's backward and gathers them again (a stage after the first: torch runs the first one's
+    backward whole, at its weight backward). Priced as an input backward's flowing gradients
+    and one gather, the last stage held 9.5% more than predicted and gathered 36% more on tp."""
+    arch = Architecture(name="GraniteMoeForCausalLM", model_class="GraniteMoeForCausalLM",
+                        config_class="GraniteMoeConfig", kind="held out",
+                        config={**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2})
+    for rank in (3, 0):
+        report = simulated_hf(arch, Config(tp=2, pp=2, schedule="zero-bubble", global_batch=4),
+                              rank=rank, seq=128)
+        assert_sent_as_priced(report)
+        assert -0.02 <= report.memory_error <= 0.01, (rank, report.memory_error)
