@@ -134,15 +134,22 @@ class RunReplicated(nn.Module):
                 if position in self.weights:
                     gathered.append((flat[position], value))
         args, kwargs = tree_unflatten(flat, spec)
+        # the hooks around this op (a recomputed region's checkpoint) still take what it saves
+        # but its weights: torch applies only the innermost, and the op's saved inputs and
+        # activations were otherwise kept through a checkpointed layer's forward
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
         def pack(tensor):
-            return next((source for whole, source in gathered if tensor is whole), tensor)
+            source = next((source for whole, source in gathered if tensor is whole), None)
+            if source is not None:
+                return _GatherWhenUnpacked(source)
+            return tensor if outer is None else outer[0](tensor)
 
         def unpack(saved):
-            if isinstance(saved, DTensor):
+            if isinstance(saved, _GatherWhenUnpacked):
                 with torch.no_grad():
-                    return self._whole(saved)
-            return saved
+                    return self._whole(saved.source)
+            return saved if outer is None else outer[1](saved)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             result = self.op(*args, **kwargs)
@@ -159,6 +166,15 @@ class RunReplicated(nn.Module):
 
     def extra_repr(self) -> str:
         return f"op={self.op}, weights={sorted(self.weights)}"
+
+
+class _GatherWhenUnpacked:
+    """A weight `RunReplicated` saved as its shards, to be gathered whole when unpacked."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: DTensor):
+        self.source = source
 
 
 class RunByStrategy(nn.Module):

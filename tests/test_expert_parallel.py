@@ -528,3 +528,21 @@ def test_the_free_plan_under_a_limit_that_needs_expert_parallelism_runs_exactly(
     limit = int((least[True] + least[False]) / 2)
     for ep, problems in autopar.launch(free_plan_under_a_limit, 4, limit, timeout=600):
         assert ep > 1 and problems == [], (ep, problems)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_huggingface_experts_run_whole_on_a_recomputed_tensor_parallel_stage():
+    """Without ep, a tp2 stage runs HuggingFace's experts replicated (their weights gathered
+    whole, passes.dtensor_rules.RunReplicated), under full recompute: what they save goes to the
+    checkpoint as any op's does (held through the forward, it was a layer's experts' inputs and
+    activations a micro-batch) and the training still equals one process."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf_zoo import resolve
+
+    names = ["mixtral", "olmoe"]
+    config = Config(tp=2, recompute="full", global_batch=BATCH, micro_batch=4)
+    ranks = autopar.launch(train_huggingface, 2, names, resolve(names), config, timeout=1200)
+    for name in names:
+        problems, _ = ranks[0][name]
+        assert problems == [], (name, problems)
