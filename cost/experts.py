@@ -101,6 +101,8 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
         # batched rows that tensor parallelism split over the experts are gathered whole first,
         # and so are the gradients of an output that it splits so after the layer
         rows_split = len(first.shape) == 3 and nodes[position[first.inputs[0]]].sharded
+        # rows split on another dim than theirs are moved to a split of the rows (all-to-all)
+        moved = len(first.shape) == 2 and nodes[position[first.inputs[0]]].placement not in ("R", "S(0)")
         out_split = len(last.shape) == 3 and any(
             nodes[position[user.name]].sharded for user in by_name.values() if last.name in user.inputs)
         node = nodes[position[last.name]]
@@ -110,7 +112,8 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
         node = nodes[position[first.name]]
         nodes[position[first.name]] = replace(
             node, comm_backward=(("all_gather", dispatched * tp, True),),
-            comm_forward=(("all_gather", dispatched * tp, True),) if rows_split else ())
+            comm_forward=(("all_gather", dispatched * tp, True),) if rows_split
+            else (("all_to_all", dispatched * tp, True),) if moved else ())
 
 
 def _sample_bytes(node, layout: GraphLayout) -> float:

@@ -52,6 +52,7 @@ class NodeLayout:
     name: str
     family: str
     sharded: bool              # output split over the tensor-parallel group
+    placement: str = "R"       # its output's placement on the tensor-parallel axis ("S(1)", ...)
     requires_grad: bool
     flops: float               # forward flops on this rank
     act_bytes: float           # activation bytes read + written by the forward on this rank
@@ -306,7 +307,7 @@ class _LayoutBuilder:
         inputs = cheapest_inputs(out, sources, options, [self.by_name[name].bytes for name in node.inputs],
                                  self.tp)
         self.place[node.name] = out
-        layout.sharded = out.startswith("S")
+        layout.sharded, layout.placement = out.startswith("S"), out
         forward, backward, step, origins = [], [], [], []
         self.read_as = {}
         for k, name in enumerate(node.inputs):

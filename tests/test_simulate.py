@@ -575,3 +575,23 @@ def test_a_mixture_of_experts_without_repeated_blocks_holds_what_was_priced(conf
     report = simulated_hf("mixtral", config, num_hidden_layers=1, hidden_size=256, intermediate_size=512,
                            vocab_size=2048)
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
+
+
+@pytest.mark.slow
+def test_rows_split_on_their_hidden_dim_are_moved_to_a_split_of_the_rows_for_the_experts():
+    """Qwen2-MoE (held out) under dp2 x tp2 x ep2: the plan leaves the rows the router sends to
+    the experts split on their hidden dim, and the tensor-parallel ranks each take a share of
+    the rows (passes/expert_dispatch.py), an all-to-all from one split to the other (gloo: an
+    all-gather). Priced only where the rows were batched, tp sent 7.5% more than priced."""
+    from autopar.models.hf_zoo import Architecture
+
+    arch = Architecture(name="Qwen2MoeForCausalLM", model_class="Qwen2MoeForCausalLM",
+                        config_class="Qwen2MoeConfig", kind="held out",
+                        config=dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=512,
+                                    max_position_embeddings=128, vocab_size=8192, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=256,
+                                    shared_expert_intermediate_size=256))
+    report = simulated_hf(arch, Config(dp=2, tp=2, ep=2, global_batch=4), rank=2, seq=128)
+    _assert_sent_as_priced(report)
+    _assert_holds_as_predicted(report)
