@@ -67,7 +67,7 @@ def with_expert_parallelism(layout: GraphLayout, layers: list[ExpertLayer], grap
                              if by_name[i].role is Role.ACTIVATION)
                 node = replace(node, flops=by_name[name].flops / layout.batch / tp, sharded=False,
                                out_bytes=whole / tp, act_bytes=(whole + inputs) / tp if node.act_bytes else 0.0,
-                               comm_forward=(), comm_backward=(), comm_step=(), weight_gathered=0.0)
+                               comm_forward=(), forward_from=(), comm_backward=(), comm_step=(), weight_gathered=0.0)
                 if layout.storage.get(name) == name:
                     storage_bytes[name] = whole / tp
             nodes[position[name]] = replace(node, expert=True)
@@ -107,11 +107,11 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
             nodes[position[user.name]].sharded for user in by_name.values() if last.name in user.inputs)
         node = nodes[position[last.name]]
         nodes[position[last.name]] = replace(
-            node, comm_forward=(("all_gather", combined * tp, True),),
+            node, comm_forward=(("all_gather", combined * tp, True),), forward_from=(),   # in the dispatch
             comm_backward=(("all_gather", combined * tp, True),) if out_split else ())
         node = nodes[position[first.name]]
         nodes[position[first.name]] = replace(
-            node, comm_backward=(("all_gather", dispatched * tp, True),),
+            node, comm_backward=(("all_gather", dispatched * tp, True),), forward_from=(),
             comm_forward=(("all_gather", dispatched * tp, True),) if rows_split
             else (("all_to_all", dispatched * tp, True),) if moved else ())
 
