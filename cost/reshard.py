@@ -59,10 +59,13 @@ def gradient_need(output: tuple[str, ...], gradient: tuple[str, ...] | None = No
 
 
 def gradient_given(output: tuple[str, ...], inputs: list[tuple[str, ...]], k: int) -> tuple[str, ...]:
-    """The placement an op whose placements are `output` and `inputs` gives its input k's gradient in."""
+    """The placement an op whose placements are `output` and `inputs` gives its input k's gradient in.
+    A replicated input's gradient is partial where the op is split, and where it writes partial
+    sums: it scales a partial factor there (mul(R, P) -> P), so its gradient is the output's
+    gradient times that factor, partial too."""
     given = []
     for a, p in enumerate(inputs[k]):
-        split = output[a].startswith("S") or any(q[a].startswith("S") for q in inputs)
+        split = output[a] != "R" or any(q[a].startswith("S") for q in inputs)
         given.append("R" if p == "P" else ("P" if p == "R" and split else p))
     return tuple(given)
 

@@ -95,3 +95,20 @@ def test_a_copy_of_a_partial_sum_is_reduced_first(monkeypatch):
                           num_key_value_heads=2, max_position_embeddings=128)
     assert any(entry["kind"] == "all_reduce" for entry in report.collectives)
     assert_sent_as_priced(report)
+
+
+@pytest.mark.slow
+def test_a_factor_scaling_a_partial_sum_gets_a_partial_gradient(monkeypatch):
+    """Qwen2-MoE's shared expert is gated by sigmoid(gate(x)), replicated, times the shared
+    expert's output, a partial sum under sequence parallelism (mul(R, P) -> P). The gate's
+    gradient is that output's gradient times the partial factor: partial, and all-reduced each
+    micro-batch, which was priced as arriving whole (+15% of the all-reduce bytes unpriced)."""
+    from autopar.models import hf_zoo
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    report = simulated_hf("qwen2-moe", Config(tp=2, dp=2, sequence_parallel=True, global_batch=4),
+                          num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                          moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                          vocab_size=8192, max_position_embeddings=128)
+    assert_sent_as_priced(report)
+

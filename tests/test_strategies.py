@@ -218,3 +218,14 @@ def test_combine_checks_divisibility_on_every_axis():
     assert ("S(0)", "R") in as_text and ("R", "S(0)") not in as_text     # 6 rows over 4
     assert ("S(1)", "S(1)") not in as_text and ("P", "P") in as_text     # 4 cols over 8; 8 over 8
     assert all(isinstance(c[0], OpStrategy) for c in combos)
+
+
+def test_a_replicated_factor_of_a_partial_product_gets_a_partial_gradient():
+    """mul(R, P) -> P: the replicated factor's gradient is the output's gradient (whole) times
+    the partial factor, a partial sum; the partial factor's is whole."""
+    from autopar.cost.reshard import gradient_given
+
+    assert gradient_given(("P",), [("R",), ("P",)], 0) == ("P",)
+    assert gradient_given(("P",), [("R",), ("P",)], 1) == ("R",)
+    assert gradient_given(("R",), [("R",), ("R",)], 0) == ("R",)
+    assert gradient_given(("S(0)",), [("R",), ("S(0)",)], 0) == ("P",)
