@@ -185,6 +185,7 @@ class _LayoutBuilder:
         self.storage_bytes: dict[str, float] = {}
         self.param_local: dict[str, float] = {}
         self.weight_of: dict[str, str] = {}        # views and casts of a parameter -> it
+        self.from_parameters: set[str] = set()     # values computed from parameters alone
         self.seq_dims = sequence_dims(graph, graph_sequence(graph))
         self.seq_degree: dict[str, int] = {}
 
@@ -234,6 +235,9 @@ class _LayoutBuilder:
                 and i not in self.weight_of]
         if len(node.inputs) == 1 and params and (family == "view" or name in ("_to_copy", "to")):
             self.weight_of[node.name] = params[0]   # w.t(), w.to(bf16): still the weight
+        elif node.inputs and all(by_name[i].role is Role.PARAMETER or i in self.weight_of
+                                 or i in self.from_parameters for i in node.inputs):
+            self.from_parameters.add(node.name)
         in_sharded = any(self.sharded[i] for i in acts)
         self.grad[node.name] = any(self.grad[i] for i in node.inputs)
         layout = NodeLayout(name=node.name, family=family, sharded=False,
@@ -311,17 +315,17 @@ class _LayoutBuilder:
         forward, backward, step, origins = [], [], [], []
         self.read_as = {}
         for k, name in enumerate(node.inputs):
-            whole, per_sample = self._edge_bytes(name, node)
+            whole, per_sample, value = self._edge_bytes(name, node)
             moves = reshard_steps((sources[k],), (inputs[k],), [self.tp]) or []
-            if moves and per_sample:
+            if moves and value:
                 self._read_redistributed(name, inputs[k])
-            moved = name if per_sample else self.storage[name]      # share_redistributions' key
+            moved = name if value else self.storage[name]      # share_redistributions' key
             if moves and self._first((moved, sources[k], inputs[k])):
                 forward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
-                origins += [name if per_sample else ""] * len(moves)
-                if not per_sample:    # a gathered weight is freed, and gathered again for the backward
+                origins += [name if value else ""] * len(moves)
+                if not value:    # a gathered weight is freed, and gathered again for the backward
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
-            if moves and not per_sample and inputs[k] == "R":
+            if moves and not value and inputs[k] == "R":
                 elements = _numel(self.by_name[self.weight_of.get(name, name)].shape)
                 gathering = _gathering(sources[k], self.contiguous[name] is True, self.tp)
                 layout.weight_gathering = max(layout.weight_gathering,
@@ -336,7 +340,7 @@ class _LayoutBuilder:
             piece = name if self.by_name[name].dtype else node.name     # a tuple's: per piece
             if not (moves and self._first((piece, given, need, "gradient"))):
                 continue
-            if per_sample:
+            if value:
                 backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
             else:       # a weight's gradient, reduced in the dtype the weight is held in
                 whole = self.by_name[self.weight_of.get(name, name)].bytes
@@ -375,14 +379,17 @@ class _LayoutBuilder:
     def _strategies(self, node: Node) -> list[tuple[str, tuple[str, ...]]]:
         return strategy_strings(node, self.by_name)
 
-    def _edge_bytes(self, name: str, consumer: Node) -> tuple[float, bool]:
-        """Bytes of an input tensor, whole, and whether per sample (an activation) or per
-        micro-batch (a parameter, a view or cast of one, a buffer). Of a multi-output producer,
-        the piece its consumer reads."""
+    def _edge_bytes(self, name: str, consumer: Node) -> tuple[float, bool, bool]:
+        """Bytes of an input (of a multi-output producer, the piece read), whole; whether per
+        sample; whether a value computed (moved as an activation, each micro-batch) rather than a
+        parameter, view, cast or buffer. Gemma's 1 + w: computed, at its own size per micro-batch."""
         node = self.by_name[name] if self.by_name[name].dtype else consumer
-        if node.role is Role.ACTIVATION and name not in self.weight_of:
-            return self.full_bytes(node), True
-        return node.bytes * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4), False
+        held = node.bytes * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4)
+        if node.role is not Role.ACTIVATION or name in self.weight_of:
+            return held, False, False
+        if name in self.from_parameters:
+            return held, False, True
+        return self.full_bytes(node), True, True
 
     def _first(self, key: tuple) -> bool:
         """Whether this redistribution of a stored tensor is priced for the first time."""

@@ -112,3 +112,18 @@ def test_a_factor_scaling_a_partial_sum_gets_a_partial_gradient(monkeypatch):
                           vocab_size=8192, max_position_embeddings=128)
     assert_sent_as_priced(report)
 
+
+@pytest.mark.slow
+def test_a_value_computed_from_weights_alone_is_moved_at_its_own_size(monkeypatch):
+    """Gemma's norms scale by 1 + w, computed from the weight alone and placed split on a
+    sequence-parallel stage: every micro-batch gathers it at its own size. Priced as an
+    activation, per sample, its bytes doubled with two sequences a micro-batch and halved with
+    half a sequence a rank (context parallelism)."""
+    from autopar.models import hf_zoo
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    sizes = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=8192,
+                 max_position_embeddings=128)
+    for config, rank in ((Config(tp=2, dp=2, sequence_parallel=True, global_batch=8, micro_batch=2), 0),
+                         (Config(tp=2, cp=2, sequence_parallel=True, global_batch=2), 1)):
+        assert_sent_as_priced(simulated_hf("gemma", config, rank=rank, **sizes))
