@@ -40,10 +40,12 @@ def assert_holds_as_predicted(report) -> None:
     assert low <= report.memory_error <= high, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
-def simulated_hf(name, config: Config, *, rank: int = 0, seq: int | None = None, **overrides):
-    """`rank` of `config` on 4 CPU ranks for a HuggingFace model under causal_sdpa, simulated,
-    beside what the estimator priced: a zoo model by name, or an `Architecture` of any other
-    (its config changed by `overrides`), on sequences of `seq` (default the zoo's). Needs
+def simulated_hf(name, config: Config, *, rank: int = 0, seq: int | None = None, mesh: str = "4:cpu",
+                 precision: str | None = None, **overrides):
+    """`rank` of `config` on `mesh` (4 CPU ranks, or 4 GPUs whose collectives are the device's)
+    for a HuggingFace model under causal_sdpa, simulated, beside what the estimator priced: a
+    zoo model by name, or an `Architecture` of any other (its config changed by `overrides`), on
+    sequences of `seq` (default the zoo's), in `precision` (default the device's). Needs
     transformers (the test extra): skipped without it."""
     import pytest
 
@@ -58,7 +60,7 @@ def simulated_hf(name, config: Config, *, rank: int = 0, seq: int | None = None,
     ids, targets = arch.batch(1, torch.Generator().manual_seed(1), seq)
     model = causal_sdpa(arch.build())
     graph = capture(model, example_inputs=(ids,))
-    plan = plan_from_config(graph, "4:cpu", config)
+    plan = plan_from_config(graph, mesh, config, precision=precision)
     runs = simulate_ranks(model, plan, [rank], example_inputs=(ids,), targets=targets,
                           loss_fn=loss_fn, graph=graph)
     return rank_report(plan, runs[0], plan_collectives(graph, plan))
