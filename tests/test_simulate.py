@@ -599,3 +599,18 @@ def test_rows_split_on_their_hidden_dim_are_moved_to_a_split_of_the_rows_for_the
                           precision="fp32")
     _assert_sent_as_priced(report)
     _assert_holds_as_predicted(report)
+
+
+@pytest.mark.slow
+def test_the_split_experts_of_one_replica_reduce_their_gradients_once_a_step(monkeypatch):
+    """tp4 x ep2 in fp32 is one replica: FSDP2 holds only the split experts (over the two ranks
+    that hold the same ones), not the stage. The single stage's loop turned gradient sync off on
+    the stage alone, so the experts' gradients were all-reduced after every micro-batch: 4x the
+    bytes priced with 4 micro-batches."""
+    from autopar.models import hf_zoo
+
+    monkeypatch.setattr(hf_zoo, "SEQ", 128)
+    report = simulated_hf("mixtral", Config(tp=4, ep=2, global_batch=4), rank=1, num_hidden_layers=2,
+                          hidden_size=256, intermediate_size=512, vocab_size=8192,
+                          max_position_embeddings=128)
+    _assert_sent_as_priced(report)

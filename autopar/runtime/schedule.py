@@ -54,14 +54,23 @@ class MicroBatchLoop:
         gradients) and the last (which reduces them) differ from the others, which repeat
         (autopar.simulate runs one of them for all)."""
         *micro, micro_target = (chunk[index] for chunk in chunks)
-        if isinstance(self.module, FSDPModule):
+        for group in _outermost_fsdp(self.module):
             # accumulated whole until the last micro-batch, or reduced every one (module doc)
-            self.module.set_requires_gradient_sync(self.reduce_every or index == self.n - 1)
+            group.set_requires_gradient_sync(self.reduce_every or index == self.n - 1)
             if self.keep_gathered:    # ZeRO-1/2 gather the weights once a step, as a pipeline
-                self.module.set_reshard_after_backward(index == self.n - 1)   # stage does
+                group.set_reshard_after_backward(index == self.n - 1)   # stage does
         loss = self.loss_fn(self.module(*micro), micro_target)
         (loss / self.n).backward()
         losses.append(loss.detach())
+
+
+def _outermost_fsdp(module: nn.Module) -> list[FSDPModule]:
+    """The FSDP modules that no other of `module`'s contains: the stage itself where FSDP2 holds
+    it, else the split experts FSDP2 holds alone (a stage of one replica in fp32), whose
+    gradients would otherwise be reduced over their ranks after every micro-batch."""
+    if isinstance(module, FSDPModule):
+        return [module]
+    return [group for child in module.children() for group in _outermost_fsdp(child)]
 
 
 class ReceivingStage(PipelineStage):
