@@ -137,15 +137,15 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
-    master = MASTER_COPY_BYTES if precision != Precision.FP32 or wrapped else 0
+    master, expert_master = (MASTER_COPY_BYTES if held else 0 for held in _fsdp_held(precision, wrapped, expert_dp))
     weights = element * (gathered if wrapped and zero == 3 else params + sum(padding))  # padded buffers
     gradients, losses = params * (element if offload else GRADIENT_BYTES), held if loss_held is None else loss_held
     cached, kept, loss, block, between, block_later = _transients(
         flowing, weight * element, element * logits if pipelined else 0.0, 4 * logits, split_backward, paired, alone)
     dense, experts = params - expert_params + padding[0], expert_params + padding[1]   # as FSDP2 pads
-    sharded = lambda per: dense * per / split + experts * per / expert_split
-    persistent = {"weights": weights, "optimizer": 0.0 if offload else sharded(ADAM_STATE_BYTES + master),
-                  **({"receive_buffers": received} if received else {})}
+    sharded = lambda per, extra=0.0: dense * per / split + experts * (per + extra) / expert_split
+    optimizer = 0.0 if offload else sharded(ADAM_STATE_BYTES + master, expert_master - master)
+    persistent = {"weights": weights, "optimizer": optimizer, **({"receive_buffers": received} if received else {})}
     zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
     shards = 0.0 if offload else sharded(GRADIENT_BYTES)
     at = lambda state: {"activations": state.activations + (losses - 1) * kept}   # a walked backward's
@@ -211,6 +211,14 @@ def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: boo
         return cached, kept, loss, block, weight_gradient, block
     block = paired + cached if alone else flowing + weight_gradient + cached
     return cached, kept, loss, block, 0.0, block if paired is None else paired + cached
+
+
+def _fsdp_held(precision: str, wrapped: bool, expert_dp: int) -> tuple[bool, bool]:
+    """Whether FSDP2 holds the stage's weights and its experts' as 16-bit or gathered copies of
+    fp32 shards (each then with a master copy): split experts are FSDP2's over their own ranks
+    even where the stage, one replica in fp32, is not (autopar.runtime.data_parallel)."""
+    mixed = precision != Precision.FP32
+    return mixed or wrapped, mixed or wrapped or expert_dp > 1
 
 
 def _step_temporaries(sharded, one_tensor: float) -> float:

@@ -606,7 +606,8 @@ def test_the_split_experts_of_one_replica_reduce_their_gradients_once_a_step(mon
     """tp4 x ep2 in fp32 is one replica: FSDP2 holds only the split experts (over the two ranks
     that hold the same ones), not the stage. The single stage's loop turned gradient sync off on
     the stage alone, so the experts' gradients were all-reduced after every micro-batch: 4x the
-    bytes priced with 4 micro-batches."""
+    bytes priced with 4 micro-batches. FSDP2 keeps the experts' fp32 shards beside the weights it
+    gathers from them, a master copy the estimator gave only a stage FSDP2 holds (+10% memory)."""
     from autopar.models import hf_zoo
 
     monkeypatch.setattr(hf_zoo, "SEQ", 128)
@@ -614,3 +615,4 @@ def test_the_split_experts_of_one_replica_reduce_their_gradients_once_a_step(mon
                           hidden_size=256, intermediate_size=512, vocab_size=8192,
                           max_position_embeddings=128)
     _assert_sent_as_priced(report)
+    _assert_holds_as_predicted(report)
