@@ -67,7 +67,8 @@ def with_expert_parallelism(layout: GraphLayout, layers: list[ExpertLayer], grap
                              if by_name[i].role is Role.ACTIVATION)
                 node = replace(node, flops=by_name[name].flops / layout.batch / tp, sharded=False,
                                out_bytes=whole / tp, act_bytes=(whole + inputs) / tp if node.act_bytes else 0.0,
-                               comm_forward=(), forward_from=(), comm_backward=(), comm_step=(), weight_gathered=0.0)
+                               comm_forward=(), forward_from=(), comm_backward=(), comm_step=(), weight_gathered=0.0,
+                               weight_gathering=0.0)
                 if layout.storage.get(name) == name:
                     storage_bytes[name] = whole / tp
             nodes[position[name]] = replace(node, expert=True)
