@@ -112,7 +112,7 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
             comm_backward=(("all_gather", combined * tp, True),) if out_split else ())
         node = nodes[position[first.name]]
         # moved rows' gradients go back to their own split the same way: an all-to-all
-        back = "all_to_all" if moved and not rows_split else "all_gather"
+        back = "all_to_all" if moved else "all_gather"
         nodes[position[first.name]] = replace(
             node, comm_backward=((back, dispatched * tp, True),), forward_from=(),
             comm_forward=(("all_gather", dispatched * tp, True),) if rows_split
