@@ -80,6 +80,9 @@ class Graph:
     blocks: list[BlockKind]
     model_type: str = ""
     program: Any = field(default=None, repr=False)   # the torch.export.ExportedProgram
+    # device type -> {node: dtype} of the values wider than 16 bits under mixed precision
+    # (autopar.mixed_dtypes, filled when first asked)
+    mixed_dtypes: dict = field(default_factory=dict, repr=False, compare=False)
 
     def node(self, name: str) -> Node:
         return self._by_name()[name]

@@ -65,7 +65,9 @@ class AttentionBytes(NamedTuple):
 def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, AttentionBytes]:
     """Attention node -> what it moves on one tensor-parallel rank (`AttentionBytes`). Where the
     key/value heads do not split over the tp ranks, context parallelism's attention runs every
-    head on every tp rank (autopar.passes.context_attention `_local_heads`)."""
+    head on every tp rank (autopar.passes.context_attention `_local_heads`). Floating values in
+    the training dtype, even those mixed precision keeps in fp32 (`layout.wide`): the ring and
+    the all-to-alls move them in the dtype attention reads, autocast's."""
     by_name = {n.name: n for n in graph.nodes}
     element = DTYPE_BYTES[layout.dtype]
     found = {}

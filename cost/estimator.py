@@ -175,7 +175,7 @@ def estimate_stages(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global
     runtime = runtime_named(runtime)
     mesh, eff = calibrated(mesh, efficiencies, calibration, runtime.attention_kernel)
     precision = precision or default_precision(mesh)
-    memo = _price_cache(cache, graph, mesh, eff, precision, routing_imbalance, dispatch)
+    memo = _price_cache(cache, graph, mesh, eff, precision, routing_imbalance, dispatch, runtime.autocast)
     check_stages(graph, stages, memo)
     pipe = price_pipeline(graph, mesh, stages, global_batch=global_batch, micro_batch=micro_batch,
                            virtual=virtual, efficiencies=eff, attention=attention, memo=memo)
@@ -224,7 +224,7 @@ def _add_offload(result: Estimate, exposed_copies: float, host_bytes: float, mes
 
 
 def _price_cache(cache: dict | None, graph: Graph, mesh: Mesh, eff: Efficiencies, precision: str,
-                 routing_imbalance: float, dispatch: str) -> PriceCache:
+                 routing_imbalance: float, dispatch: str, autocast: bool) -> PriceCache:
     """What the estimator's calls on this graph, mesh and precision share (price_cache.py)."""
     if precision not in ACTIVATION_DTYPE:
         raise AutoparError(f"precision {precision!r} is not one of {', '.join(ACTIVATION_DTYPE)}")
@@ -232,7 +232,7 @@ def _price_cache(cache: dict | None, graph: Graph, mesh: Mesh, eff: Efficiencies
     if dispatch not in DISPATCHES:
         raise AutoparError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCHES)}")
     return PriceCache.of(cache, graph, mesh, eff, ACTIVATION_DTYPE[precision], routing_imbalance,
-                         gemm_dtype, dispatch)
+                         gemm_dtype, dispatch, autocast)
 
 
 def _device_steps(pipe: _Pipeline, stages: list[StageSpec], split, schedule: str, *, mesh: Mesh,

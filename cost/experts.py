@@ -33,7 +33,7 @@ import math
 from dataclasses import replace
 
 from autopar.cost.expert_layers import ExpertLayer, parameter_behind
-from autopar.cost.layout import GraphLayout
+from autopar.cost.layout import GraphLayout, whole_bytes
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
@@ -120,10 +120,8 @@ def _exchange(nodes: list, position: dict, layer: ExpertLayer, by_name: dict,
 
 
 def _sample_bytes(node, layout: GraphLayout) -> float:
-    """A node's whole output for one sample, floating values in the training dtype."""
-    size = DTYPE_BYTES[layout.dtype] if node.dtype.startswith(("float", "bfloat")) \
-        else DTYPE_BYTES.get(node.dtype, 4)
-    return node.bytes / layout.batch * size / DTYPE_BYTES.get(node.dtype, 4)
+    """A node's whole output for one sample, as the stage holds it (cost.layout.element_bytes)."""
+    return whole_bytes(node, layout.batch, layout.dtype, layout.wide)
 
 
 def _weight_of(node, by_name: dict) -> str:

@@ -117,21 +117,22 @@ class GraphLayout:
     seq_degree: dict[str, int] = field(default_factory=dict)   # storage owner -> power of the
                                        # sequence length in its size (memory.sequence_dims)
     dtype: str = "bfloat16"            # what floating activations and weights are computed in
+    wide: dict = field(default_factory=dict)   # node -> dtype: values kept wider (element_bytes)
     distributed: bool = False          # its values are DTensors (tp > 1), which autograd sums out of place
     gradient_facts: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
-def _itemsize(dtype: str, compute_dtype: str) -> int:
-    """Floating tensors are held in the training dtype (mixed precision); integers as captured."""
-    if dtype.startswith(("float", "bfloat")):
-        return DTYPE_BYTES[compute_dtype]
-    return DTYPE_BYTES.get(dtype, 4)
+def element_bytes(node: Node, compute_dtype: str, wide: dict | None = None) -> int:
+    """Floating values are held in the training dtype, save those mixed precision keeps wider
+    (`wide`: node -> dtype, autopar.mixed_dtypes); integers as captured."""
+    if node.dtype.startswith(("float", "bfloat")):
+        return DTYPE_BYTES[(wide or {}).get(node.name, compute_dtype)]
+    return DTYPE_BYTES.get(node.dtype, 4)
 
 
-def whole_bytes(node: Node, batch: int, compute_dtype: str) -> float:
-    """Bytes of a node's whole output for one sample, in the training dtype (`compute_dtype`);
-    `batch`: the captured batch."""
-    return node.bytes / batch * _itemsize(node.dtype, compute_dtype) / DTYPE_BYTES.get(node.dtype, 4)
+def whole_bytes(node: Node, batch: int, compute_dtype: str, wide: dict | None = None) -> float:
+    """Bytes of a node's whole output for one sample (of `batch` captured), as element_bytes."""
+    return node.bytes / batch * element_bytes(node, compute_dtype, wide) / DTYPE_BYTES.get(node.dtype, 4)
 
 
 def graph_batch(graph: Graph) -> int:
@@ -153,25 +154,23 @@ def graph_sequence(graph: Graph) -> int:
 
 
 def infer_layout(graph: Graph, tp: int, *, compute_dtype: str = "bfloat16",
-                 placements: TensorPlacements | None = None) -> GraphLayout:
+                 placements: TensorPlacements | None = None, wide: dict | None = None) -> GraphLayout:
     """Per-sample, per-rank costs of every node of `graph` on `placements` over a
     tensor-parallel axis of `tp` devices (which also say what is split on the sequence); with
-    tp = 1, of every node whole."""
-    if tp == 1:
-        return _LayoutBuilder(graph, tp, compute_dtype).build()
-    if placements is None:
+    tp = 1, of every node whole. `wide`: the values mixed precision keeps wider (element_bytes)."""
+    if tp > 1 and placements is None:
         raise AutoparError(f"tensor parallelism (tp={tp}) is priced on placements: give the "
                            f"sharding ILP's (autopar.plan_from_config, as compile runs a Config) or "
                            f"Megatron-LM's (autopar.cost.megatron.megatron_placements)")
-    return _LayoutBuilder(graph, tp, compute_dtype, placements).build()
+    return _LayoutBuilder(graph, tp, compute_dtype, placements if tp > 1 else None, wide).build()
 
 
 class _LayoutBuilder:
     """One walk over the graph in topological order; each node's layout follows its inputs'."""
 
     def __init__(self, graph: Graph, tp: int, compute_dtype: str,
-                 placements: TensorPlacements | None = None):
-        self.graph, self.tp, self.dtype = graph, tp, compute_dtype
+                 placements: TensorPlacements | None = None, wide: dict | None = None):
+        self.graph, self.tp, self.dtype, self.wide = graph, tp, compute_dtype, wide or {}
         self.placements = placements
         self.place: dict[str, str] = {}            # node -> its placement (placements given)
         self.moved: set[tuple] = set()             # redistributions already priced, by storage
@@ -203,10 +202,11 @@ class _LayoutBuilder:
         return GraphLayout(nodes=layouts, index={n.name: i for i, n in enumerate(self.graph.nodes)},
                            storage=self.storage, storage_bytes=self.storage_bytes,
                            param_local=self.param_local, batch=self.batch,
-                           seq_degree=self.seq_degree, dtype=self.dtype, distributed=self.tp > 1)
+                           seq_degree=self.seq_degree, dtype=self.dtype, wide=self.wide,
+                           distributed=self.tp > 1)
 
     def full_bytes(self, node: Node) -> float:
-        return whole_bytes(node, self.batch, self.dtype)
+        return whole_bytes(node, self.batch, self.dtype, self.wide)
 
     def local_bytes(self, node: Node) -> float:
         """Bytes of this node's output on one rank for one sample."""
@@ -286,7 +286,7 @@ class _LayoutBuilder:
                              if key not in self.by_name or self.by_name[key].role not in state)
         for key in layout.saved:
             if key.endswith(":mask"):     # one byte per element
-                self.storage_bytes[key] = layout.out_bytes / _itemsize(node.dtype, self.dtype)
+                self.storage_bytes[key] = layout.out_bytes / element_bytes(node, self.dtype, self.wide)
                 self.seq_degree[key] = degree
 
     def _attention(self, node: Node, layout: NodeLayout, in_sharded: bool) -> None:
@@ -384,7 +384,7 @@ class _LayoutBuilder:
         sample; whether a value computed (moved as an activation, each micro-batch) rather than a
         parameter, view, cast or buffer. Gemma's 1 + w: computed, at its own size per micro-batch."""
         node = self.by_name[name] if self.by_name[name].dtype else consumer
-        held = node.bytes * _itemsize(node.dtype, self.dtype) / DTYPE_BYTES.get(node.dtype, 4)
+        held = node.bytes * element_bytes(node, self.dtype, self.wide) / DTYPE_BYTES.get(node.dtype, 4)
         if node.role is not Role.ACTIVATION or name in self.weight_of:
             return held, False, False
         if name in self.from_parameters:

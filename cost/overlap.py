@@ -77,11 +77,14 @@ class Runtime:
     # the attention kernel it runs on a GPU (cost/compute.py): torch's SDPA picks
     # FlashAttention-2, Transformer Engine picks cuDNN's fused attention on Hopper and later
     attention_kernel: str = "flash"
+    # runs the model as captured under autocast, so values stay fp32 where autocast or the model's
+    # own casts keep them (autopar.mixed_dtypes); the others hold the whole model in 16 bits
+    autocast: bool = False
 
 
 RUNTIMES = {
     "autopar": Runtime("autopar", overlap=True, gather_unit="block", regather_on_recompute=False,
-                       fsdp2=True,
+                       fsdp2=True, autocast=True,
                        optimizer_step_bytes=FOREACH_ADAMW_BYTES_PER_PARAM),
     "torch": Runtime("torch", overlap=True, gather_unit="block", regather_on_recompute=False,
                      receive_buffers=True, optimizer_step_bytes=FOREACH_ADAMW_BYTES_PER_PARAM),

@@ -25,6 +25,8 @@ from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_
 from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
+from autopar.mixed_dtypes import wide_values
+from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.plans.stage_flow import constants, live
 
 
@@ -41,24 +43,25 @@ class PriceCache:
     """The estimator's memo over `store` (a caller's dict, or a fresh one for a single call)."""
 
     __slots__ = ("store", "graph", "mesh", "efficiencies", "dtype", "routing_imbalance",
-                 "gemm_dtype", "dispatch")
+                 "gemm_dtype", "dispatch", "autocast")
 
     def __init__(self, store: dict, graph: Graph, mesh: Mesh, efficiencies,
                  dtype: str | None = None, routing_imbalance: float = 1.0,
-                 gemm_dtype: str = "", dispatch: str = "all-to-all") -> None:
+                 gemm_dtype: str = "", dispatch: str = "all-to-all", autocast: bool = True) -> None:
         self.store, self.graph, self.mesh, self.efficiencies = store, graph, mesh, efficiencies
         # the dtype activations are held in: the plan's precision, else what the device trains in
         self.dtype = dtype or mesh.device.training_dtype
         self.routing_imbalance = routing_imbalance     # cost/experts.py
         self.gemm_dtype = gemm_dtype                   # matmuls' own dtype (FP8), "" for dtype's
         self.dispatch = dispatch                       # cost.experts.exchange_time
+        self.autocast = autocast                       # the runtime's (cost.overlap.Runtime)
 
     @classmethod
     def of(cls, store: dict | None, graph: Graph, mesh: Mesh, efficiencies,
            dtype: str | None = None, routing_imbalance: float = 1.0,
-           gemm_dtype: str = "", dispatch: str = "all-to-all") -> PriceCache:
+           gemm_dtype: str = "", dispatch: str = "all-to-all", autocast: bool = True) -> PriceCache:
         dtype = dtype or mesh.device.training_dtype
-        settings = (mesh, efficiencies, dtype, routing_imbalance, gemm_dtype, dispatch)
+        settings = (mesh, efficiencies, dtype, routing_imbalance, gemm_dtype, dispatch, autocast)
         if store is None:
             return cls({}, graph, *settings)
         context = store.setdefault("context", (graph, *settings))
@@ -78,11 +81,20 @@ class PriceCache:
         ring attention's saved keys and values."""
         tp, _, placements, ep, ring = spec.layout_key
         tensor = self._get(("layout", tp, placements), lambda: self._device_kernels(
-            infer_layout(self.graph, tp, compute_dtype=self.dtype, placements=placements)))
+            infer_layout(self.graph, tp, compute_dtype=self.dtype, placements=placements,
+                         wide=self.wide_values())))
         experts = self._get(("layout", tp, placements, ep), lambda: with_expert_parallelism(
             tensor, self.expert_layers(), self.graph, ep=ep, tp=tp))
         return self._get(("layout", *spec.layout_key),
                          lambda: with_ring_attention(experts, self.graph) if ring else experts)
+
+    def wide_values(self) -> dict:
+        """The values kept wider than a 16-bit precision, as the mesh's device type runs the
+        graph under autocast (autopar.mixed_dtypes); none in fp32 or in a runtime that holds
+        the whole model in 16 bits."""
+        if DTYPE_BYTES[self.dtype] == 4 or not self.autocast:
+            return {}
+        return wide_values(self.graph, "cpu" if self.mesh.device.name == "cpu" else "cuda")
 
     def _device_kernels(self, layout: GraphLayout) -> GraphLayout:
         """What the mesh's device keeps where its kernels differ from a GPU's (cost/kernels.py)."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 from autopar.cost.chunk_price import poly_at
 from autopar.cost.collectives import Group, Level, send_recv_time
 from autopar.cost.compute import Efficiencies
-from autopar.cost.layout import GraphLayout, whole_bytes
+from autopar.cost.layout import GraphLayout, element_bytes, whole_bytes
 from autopar.cost.memory import BYTES_PER_PARAM
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec
 from autopar.graph import Graph, Role
+from autopar.plans.vocabulary import DTYPE_BYTES
 
 
 def parameter_reads(graph: Graph) -> list[tuple[str, int]]:
@@ -53,6 +54,10 @@ def crossing_bytes(graph: Graph, layouts: dict, owner: list[int], stages: list[S
         degree = mine.seq_degree.get(tensor, 0)
         local = mine.storage_bytes.get(tensor, 0.0)
         node = graph.nodes[layout.index[tensor]]
+        if node.dtype.startswith(("float", "bfloat")):
+            # sent in the training dtype, even a value mixed precision keeps in fp32
+            # (autopar.passes.stage_interfaces.boundary_copy)
+            local *= DTYPE_BYTES[mine.dtype] / element_bytes(node, mine.dtype, mine.wide)
         floating = spec.tp > 1 and node.dtype.startswith(("float", "bfloat"))
         if floating:
             chunk = whole_bytes(node, mine.batch, mine.dtype) / spec.tp

@@ -34,7 +34,7 @@ ROOTS = {"autopar.passes": "passes", "autopar.cost": "cost", "autopar": "autopar
 PARTS = {
     "base": ("autopar/errors.py",),
     "plan data": ("autopar/plans/",),
-    "capture": ("autopar/tracer.py", "autopar/graph.py", "autopar/models/"),
+    "capture": ("autopar/tracer.py", "autopar/graph.py", "autopar/mixed_dtypes.py", "autopar/models/"),
     "cost": ("cost/",),
     "solver": ("autopar/solver/", "autopar/timeline.py"),
     "passes": ("passes/",),

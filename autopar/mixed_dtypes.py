@@ -1,0 +1,165 @@
+"""The dtype each value of a captured graph has when a stage runs it in 16-bit mixed precision.
+
+Under bf16 or fp16 a stage runs its graph as the runtime does (autopar.runtime.precision): under
+autocast, with the weights FSDP2 hands it in 16 bits, buffers and inputs as captured, and the
+casts the model computes from a weight's dtype following that weight (`casts_following_weights`,
+the rule autopar.passes.precision applies). Not every value is then 16-bit: autocast keeps some ops
+in fp32 (softmax and norms on a GPU), a model casts to fp32 on purpose (an RMSNorm's variance, a
+router's logits), and an op of an fp32 value with a 16-bit one promotes to fp32. Tensor
+parallelism moves those values, and autograd keeps them, in fp32.
+
+`wide_values(graph, device_type)` runs the captured program once on fake tensors under that
+device's own autocast (torch's dispatch, not a list of ours; a fake CUDA tensor runs CUDA's rules
+without a GPU) and returns the floating values wider than 16 bits, so the estimator prices each
+value in the dtype it has. The two device types differ: CUDA's autocast keeps layer_norm and
+softmax in fp32, the CPU's computes them in 16 bits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export.graph_signature import InputKind
+from torch.utils._pytree import tree_map
+
+from autopar.graph import Graph
+
+CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout)
+# what the export checks and the runtime drops under mixed precision (passes/precision.py)
+_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+_WIDE = ("float32", "float64")
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The floating dtype a cast node converts to, or None for any other node."""
+    if node.op != "call_function" or node.target not in CASTS:
+        return None
+    dtype = node.args[1] if node.target is torch.ops.aten.to.dtype else node.kwargs.get("dtype")
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def casts_following_weights(graph: fx.Graph, weight_dtype: Callable[[fx.Node], torch.dtype | None],
+                            ) -> dict[fx.Node, fx.Node]:
+    """Each cast to a weight's captured dtype whose result an op reads together with that weight
+    (or a view of it), and the weight: `input.to(weight.dtype)` for `op(input, weight)`. The trace
+    kept the target dtype, not where it came from; a cast made for the op that also reads the
+    weight is the one the weight's dtype decides. `weight_dtype`: a node's captured dtype where
+    it is a parameter, else None."""
+    found = {}
+    for node in graph.nodes:
+        target = cast_dtype(node)
+        if target is None:
+            continue
+        weights = [weight for user in node.users for weight in _weights_read(user, node, weight_dtype)
+                   if weight_dtype(weight) == target]
+        if weights:
+            found[node] = weights[0]
+    return found
+
+
+def _weights_read(user: fx.Node, cast: fx.Node, weight_dtype) -> list[fx.Node]:
+    """The parameters whose values `user` reads, directly or through views, besides `cast`."""
+    found = []
+    for arg in user.all_input_nodes:
+        while (arg is not cast and arg.op == "call_function" and isinstance(arg.target, torch._ops.OpOverload)
+               and arg.target.is_view and arg.target not in CASTS and arg.args):
+            arg = arg.args[0]
+        if arg is not cast and weight_dtype(arg) is not None:
+            found.append(arg)
+    return found
+
+
+def wide_values(graph: Graph, device_type: str) -> dict[str, str]:
+    """Node -> dtype of the floating values wider than 16 bits when `device_type` ("cuda",
+    "cpu") runs the graph in bf16 (fp16 keeps the same ones: autocast's rules are the same);
+    kept on the graph, so each device type runs once."""
+    if device_type not in graph.mixed_dtypes:
+        graph.mixed_dtypes[device_type] = _run_mixed(graph.program, device_type) \
+            if graph.program is not None else {}
+    return graph.mixed_dtypes[device_type]
+
+
+def _run_mixed(program, device_type: str) -> dict[str, str]:
+    module = program.graph_module
+    parameters = {spec.arg.name for spec in program.graph_signature.input_specs
+                  if spec.kind is InputKind.PARAMETER}
+    placeholders = {node.name: node for node in module.graph.nodes if node.op == "placeholder"}
+    captured = lambda node: (node.meta["val"].dtype if node.name in parameters
+                             and isinstance(node.meta.get("val"), torch.Tensor) else None)
+    following = casts_following_weights(module.graph, captured)
+    dtype = torch.bfloat16
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = [_fake(node, device_type, dtype if name in parameters else None)
+                  for name, node in placeholders.items()]
+        runner = _MixedRunner(module, {cast.name for cast in following}, dtype, device_type)
+        with _autocast(device_type, dtype):
+            runner.run(*inputs)
+    return runner.wide
+
+
+def _fake(node: fx.Node, device_type: str, weight_dtype: torch.dtype | None):
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return value
+    dtype = weight_dtype if weight_dtype is not None and value.dtype.is_floating_point else value.dtype
+    return torch.empty(tuple(int(s) for s in value.shape), dtype=dtype, device=device_type)
+
+
+class _autocast:
+    """Autocast of `device_type` switched on below torch.autocast, whose constructor refuses CUDA
+    on a machine without one: the dispatch itself needs only the tensors' device."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        self.device_type, self.dtype = device_type, dtype
+
+    def __enter__(self):
+        self.saved = (torch.is_autocast_enabled(self.device_type),
+                      torch.get_autocast_dtype(self.device_type))
+        torch.set_autocast_enabled(self.device_type, True)
+        torch.set_autocast_dtype(self.device_type, self.dtype)
+        torch.autocast_increment_nesting()
+
+    def __exit__(self, *exc):
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(self.device_type, self.saved[0])
+        torch.set_autocast_dtype(self.device_type, self.saved[1])
+
+
+class _MixedRunner(fx.Interpreter):
+    """The program as a 16-bit stage runs it, noting the floating values that come out wider."""
+
+    def __init__(self, module: fx.GraphModule, following: set[str], dtype: torch.dtype,
+                 device_type: str):
+        super().__init__(module)
+        self.following, self.dtype, self.device_type = following, dtype, device_type
+        self.wide: dict[str, str] = {}
+
+    def call_function(self, target, args, kwargs):
+        # the trace's device (a position table made on the CPU) is the stage's own
+        # the trace's device (a position table made on the CPU) is the stage's own; a cast between
+        # devices casts the dtype alone (a fake tensor cannot copy itself to CUDA without one)
+        if target is torch.ops.aten.to.device:
+            target, args = torch.ops.aten.to.dtype, (args[0], *args[2:])
+        if target is torch.ops.aten._to_copy.default:
+            kwargs = {key: value for key, value in kwargs.items() if key != "device"}
+        here = lambda value: torch.device(self.device_type) if isinstance(value, torch.device) else value
+        return super().call_function(target, tree_map(here, args), tree_map(here, kwargs))
+
+    def run_node(self, node: fx.Node):
+        if node.op == "call_function" and node.target in _CHECKS:
+            return None
+        if node.name in self.following:
+            value = self.fetch_args_kwargs_from_env(node)[0][0]
+            result = value.to(self.dtype)
+        else:
+            result = super().run_node(node)
+        # a multi-output op (an attention kernel's output and statistics): its first output's
+        first = result[0] if isinstance(result, (tuple, list)) and result else result
+        dtype = str(first.dtype).removeprefix("torch.") if isinstance(first, torch.Tensor) else ""
+        if dtype in _WIDE:
+            self.wide[node.name] = dtype
+        return result

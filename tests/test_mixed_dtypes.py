@@ -1,0 +1,68 @@
+"""What a 16-bit stage holds in fp32, and that the estimator prices those values at 4 bytes.
+
+A model's own casts (an RMSNorm's variance in fp32), autocast's fp32 ops (a GPU's layer_norm) and
+the promotions that follow keep values in fp32 under bf16 mixed precision; a cast to the dtype of
+the weight that reads it follows the weight into 16 bits (autopar.mixed_dtypes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autopar.cost.layout import infer_layout
+from autopar.mixed_dtypes import wide_values
+from autopar.tracer import capture
+
+
+class _Norms(nn.Module):
+    """An RMSNorm that returns fp32 unless a weight reads it, then a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.inner = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.outer = nn.Linear(8, 8)
+
+    def forward(self, x):
+        wide = x.to(torch.float32)
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
+        # read with the scale: follows it into 16 bits; the residual keeps it in fp32
+        normed = self.scale * wide.to(torch.float32)
+        hidden = self.inner(normed) + wide
+        return self.outer(self.norm(hidden))
+
+
+def _named(graph, wide: dict) -> dict[str, str]:
+    """target -> dtype of the activations kept wide, by their op."""
+    return {node.target: wide[node.name] for node in graph.nodes if node.name in wide
+            and node.role.value == "activation"}
+
+
+def test_values_a_stage_keeps_in_fp32_follow_the_devices_autocast():
+    graph = capture(_Norms(), (torch.randn(2, 4, 8),))
+    cpu, cuda = (_named(graph, wide_values(graph, device)) for device in ("cpu", "cuda"))
+    # the model's own fp32 values, and the sum of one with a 16-bit linear's output
+    for found in (cpu, cuda):
+        assert found["aten.rsqrt.default"] == "float32"
+        assert found["aten.add.Tensor"] == "float32"
+        assert "aten.linear.default" not in found
+    # the cast read with the scale follows the scale's 16 bits: so does the product
+    names = {node.name: node for node in graph.nodes}
+    product = next(n for n in graph.nodes if n.target == "aten.mul.Tensor"
+                   and any(names[i].role.value == "parameter" for i in n.inputs))
+    assert product.name not in wide_values(graph, "cpu")
+    # a GPU's autocast keeps layer_norm in fp32, a CPU's computes it in 16 bits (no GPU needed)
+    assert cuda["aten.layer_norm.default"] == "float32"
+    assert "aten.layer_norm.default" not in cpu
+
+
+def test_the_layout_holds_a_wide_value_at_four_bytes():
+    graph = capture(_Norms(), (torch.randn(2, 4, 8),))
+    wide = wide_values(graph, "cuda")
+    narrow = infer_layout(graph, 1, compute_dtype="bfloat16")
+    held = infer_layout(graph, 1, compute_dtype="bfloat16", wide=wide)
+    norm = next(n.name for n in graph.nodes if n.target == "aten.layer_norm.default")
+    assert held.storage_bytes[norm] == 2 * narrow.storage_bytes[norm]
+    linear = next(n.name for n in graph.nodes if n.target == "aten.linear.default")
+    assert held.storage_bytes[linear] == narrow.storage_bytes[linear]
