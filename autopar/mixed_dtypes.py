@@ -17,6 +17,7 @@ softmax in fp32, the CPU's computes them in 16 bits.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -80,6 +81,14 @@ def wide_values(graph: Graph, device_type: str) -> dict[str, str]:
         graph.mixed_dtypes[device_type] = _run_mixed(graph.program, device_type) \
             if graph.program is not None else {}
     return graph.mixed_dtypes[device_type]
+
+
+def as_run_on(graph: Graph, device_type: str) -> Graph:
+    """A copy of `graph` whose every device type keeps the values `device_type`'s autocast keeps:
+    what a run on that device's tensors standing for another's is priced against (a simulation's
+    fake CPU tensors for GPUs)."""
+    wide = wide_values(graph, device_type)
+    return dataclasses.replace(graph, mixed_dtypes={kind: wide for kind in ("cpu", "cuda")})
 
 
 def _run_mixed(program, device_type: str) -> dict[str, str]:

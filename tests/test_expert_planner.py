@@ -82,9 +82,8 @@ def test_a_single_moe_layer_runs_expert_parallel_as_planned():
     within one unit, running them replicated under a plan that said ep=2. The layer is now one
     unit, and the rank sends on the ep and edp groups exactly what the plan priced."""
     from autopar.api import plan_from_config
-    from autopar.cost.rank_traffic import plan_collectives
     from autopar.models.gpt import lm_loss
-    from autopar.simulate import rank_report, simulate_ranks
+    from autopar.simulate import priced_as_simulated, rank_report, simulate_ranks
     spec = "moe:layers=1,hidden=64,heads=4,kv_heads=2,vocab=256,experts=2,top_k=2,expert_ffn=48,seq=32"
     model, inputs = build_model(spec)
     graph = capture(model, example_inputs=inputs)
@@ -93,7 +92,7 @@ def test_a_single_moe_layer_runs_expert_parallel_as_planned():
     assert "layers.0.ffn" in plan.stages[0].layers
     [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run, plan_collectives(graph, plan))
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     sent = {(entry["kind"], entry["axis"]): entry for entry in report.collectives}
     assert sent[("all_to_all", "ep")]["sent_bytes"] > 0
     for entry in report.collectives:

@@ -22,7 +22,7 @@ from autopar.errors import AutoparError
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
 from autopar.plans.placements import parse_placement
-from autopar.simulate import rank_report, ranks_to_simulate, simulate_ranks
+from autopar.simulate import priced_as_simulated, rank_report, ranks_to_simulate, simulate_ranks
 from autopar.testing.simulated import (assert_holds_as_predicted as _assert_holds_as_predicted,
                                        assert_sent_as_priced as _assert_sent_as_priced,
                                        simulated as _simulated, simulated_hf)
@@ -40,7 +40,7 @@ def simulated():
     plan = plan_from_config(graph, MESH, CONFIG)
     runs = simulate_ranks(model, plan, [0, 63], example_inputs=inputs, targets=inputs[0],
                           loss_fn=lm_loss, graph=graph)
-    predicted = plan_collectives(graph, plan)
+    predicted = priced_as_simulated(graph, plan)
     return graph, plan, [rank_report(plan, run, predicted) for run in runs]
 
 
@@ -148,7 +148,7 @@ def test_a_mixture_of_experts_rank_sends_and_holds_what_the_plan_predicts(recomp
                                                          micro_batch=1, recompute=recompute))
     runs = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                           loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, runs[0], plan_collectives(graph, plan))
+    report = rank_report(plan, runs[0], priced_as_simulated(graph, plan))
     sent = {(entry["kind"], entry["axis"]): entry for entry in report.collectives}
     assert {("all_to_all", "ep"), ("all_gather", "edp"), ("reduce_scatter", "edp")} <= set(sent)
     for entry in report.collectives:
@@ -176,7 +176,7 @@ def test_replicated_experts_under_zero_hold_what_the_plan_predicts(zero, recompu
                                                           micro_batch=1, recompute=recompute))
     [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run)
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
 
 
@@ -198,7 +198,7 @@ def test_the_head_rank_holds_what_the_plan_predicts(schedule):
                                                    micro_batch=1, schedule=schedule))
     [run] = simulate_ranks(model, plan, [3], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run)
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     measured = {"zero-bubble": 177.2, "1f1b": 128.2}[schedule] * 2**20
     assert report.peak_memory_bytes == pytest.approx(measured, rel=0.01)
     assert -0.05 <= report.memory_error <= 0.03, (report.peak_memory_bytes, report.predicted_memory_bytes)
@@ -235,7 +235,7 @@ def test_four_chunks_a_rank_gather_their_zero_1_weights_once_a_step():
                                                           global_batch=16, micro_batch=1))
     [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run, plan_collectives(graph, plan))
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     assert len(report.stages) == 4
     gathered = _sent(report, "all_gather", "dp")
     assert gathered["sent_bytes"] == gathered["predicted_sent_bytes"]
@@ -253,7 +253,7 @@ def test_a_stage_of_one_replica_computes_in_16_bits_as_one_of_many():
     assert plan.precision == "bf16" and plan.dp == 1
     [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run, plan_collectives(graph, plan))
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     for entry in report.collectives:
         assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
     assert -0.05 <= report.memory_error <= 0.05, (report.peak_memory_bytes, report.predicted_memory_bytes)
@@ -270,7 +270,7 @@ def test_selective_recompute_gathers_the_first_layers_input_once():
                                                           recompute="selective"))
     [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run, plan_collectives(graph, plan))
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     gathered = _sent(report, "all_gather", "tp")
     assert gathered["sent_bytes"] == gathered["predicted_sent_bytes"]
 
@@ -317,7 +317,7 @@ def test_a_full_recompute_sequence_parallel_rank_sends_what_was_priced():
     plan = plan_from_config(graph, "1x2:a100-80g", Config(**FULL_SP_CONFIG, recompute="full"))
     [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run, plan_collectives(graph, plan))
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     for entry in report.collectives:
         assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
 
@@ -357,7 +357,7 @@ def test_sequence_parallel_ranks_send_what_was_priced(spec, mesh, config):
     plan = plan_from_config(graph, mesh, Config(**config, global_batch=8 * config["micro_batch"]))
     [run] = simulate_ranks(model, plan, [0], example_inputs=inputs, targets=inputs[0],
                            loss_fn=lm_loss, graph=graph)
-    report = rank_report(plan, run, plan_collectives(graph, plan))
+    report = rank_report(plan, run, priced_as_simulated(graph, plan))
     for entry in report.collectives:
         assert entry["sent_bytes"] == entry["predicted_sent_bytes"], entry
 

@@ -23,13 +23,12 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from autopar.cost.rank_traffic import plan_collectives
     from autopar.errors import AutoparError
     from autopar.models import build_model, parse_spec
     from autopar.models.mlp import MLPConfig
     from autopar.models.gpt import lm_loss
     from autopar.plans import Plan
-    from autopar.simulate import rank_report, ranks_to_simulate, simulate_ranks
+    from autopar.simulate import priced_as_simulated, rank_report, ranks_to_simulate, simulate_ranks
     from autopar.tracer import capture
 
     if isinstance(parse_spec(args.model), MLPConfig):
@@ -48,7 +47,7 @@ def run(args) -> int:
             status.update(f"simulating rank {rank} ({done + 1}/{total}): one step of "
                           f"{plan.micro_batches} micro-batches")
 
-        predicted = plan_collectives(graph, plan)       # before the long part: it may refuse
+        predicted = priced_as_simulated(graph, plan)    # before the long part: it may refuse
         runs = simulate_ranks(model, plan, ranks, example_inputs=inputs, targets=inputs[0],
                               loss_fn=lm_loss, graph=graph, progress=progress)
     reports = [rank_report(plan, run, predicted) for run in runs]

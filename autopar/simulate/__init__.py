@@ -3,6 +3,8 @@ with no devices: each rank's peak memory and every collective it issues (rank.py
 the plan predicted (report.py)."""
 
 from autopar.simulate.rank import RankRun, simulate_rank, simulate_ranks
-from autopar.simulate.report import RankReport, rank_report, ranks_to_simulate
+from autopar.simulate.report import (RankReport, SimulatedPrices, priced_as_simulated, rank_report,
+                                     ranks_to_simulate)
 
-__all__ = ["RankRun", "RankReport", "rank_report", "ranks_to_simulate", "simulate_rank", "simulate_ranks"]
+__all__ = ["RankRun", "RankReport", "SimulatedPrices", "priced_as_simulated", "rank_report",
+           "ranks_to_simulate", "simulate_rank", "simulate_ranks"]

@@ -6,13 +6,22 @@ prediction of a rank is that of its pipeline rank. Collectives are summed by kin
 (collectives.py), and set beside the bytes the estimator priced for the same kind and group
 (`autopar.cost.rank_traffic.plan_collectives`): `predicted_sent_bytes` per entry, 0 where the
 estimator priced none of that kind, and entries the estimator priced but the rank did not issue.
+
+Both are set against the plan priced as the simulation runs it (`priced_as_simulated`): fake
+tensors are CPU tensors whatever the plan's device, so a 16-bit plan runs the CPU's autocast, which
+keeps fewer values in fp32 than CUDA's (a GPU's layer_norm and softmax; autopar.mixed_dtypes).
+The plan's own figures price CUDA's; those values are priced there, not simulated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.cost.plan_estimate import estimate_plan
+from autopar.cost.rank_traffic import plan_collectives
 from autopar.errors import AutoparError
+from autopar.graph import Graph
+from autopar.mixed_dtypes import as_run_on
 from autopar.plans import Plan
 from autopar.runtime.rank_grid import pipeline_layout
 from autopar.simulate.rank import RankRun
@@ -51,9 +60,26 @@ class RankReport:
                 "predicted_host_memory_bytes": self.predicted_host_memory_bytes}
 
 
-def rank_report(plan: Plan, run: RankRun, predicted_collectives: list | None = None) -> RankReport:
-    """`run` summed by kind and group, with the plan's prediction of the rank's memory and, given
-    `plan_collectives`' list for the plan, of what the rank sends (module docstring)."""
+@dataclass(kw_only=True, slots=True)
+class SimulatedPrices:
+    """Per pipeline rank: its collectives (`plan_collectives`) and its memory, as the estimator
+    prices the plan run as the simulation runs it (module docstring)."""
+    collectives: list[list[dict]]
+    memory_bytes: list[float]
+
+
+def priced_as_simulated(graph: Graph, plan: Plan) -> SimulatedPrices:
+    """The plan priced on `graph` (what it was made for) under the CPU's autocast."""
+    graph = as_run_on(graph, "cpu")
+    devices = estimate_plan(graph, plan).to_dict()["devices"]
+    return SimulatedPrices(collectives=plan_collectives(graph, plan),
+                           memory_bytes=[device["memory_bytes"] for device in devices])
+
+
+def rank_report(plan: Plan, run: RankRun, prices: SimulatedPrices | None = None) -> RankReport:
+    """`run` summed by kind and group, beside what `prices` (`priced_as_simulated`) give the rank:
+    its memory and what it sends; without them, the plan's own memory (module docstring)."""
+    predicted_collectives = None if prices is None else prices.collectives
     totals: dict[tuple[str, str, int], dict] = {}
     new = lambda kind, axis, size: {"kind": kind, "axis": axis, "group_size": size, "count": 0,
                                     "payload_bytes": 0, "sent_bytes": 0}
@@ -73,7 +99,10 @@ def rank_report(plan: Plan, run: RankRun, predicted_collectives: list | None = N
             totals.setdefault(key, {**new(*key), "predicted_sent_bytes": 0})
             totals[key]["predicted_sent_bytes"] = p["sent_bytes"]
         predicted_sent = sum(p["sent_bytes"] for p in mine)
-    predicted = plan.stages[run.stages[0]].predicted.get("memory_bytes") if run.stages else None
+    predicted = None
+    if run.stages:
+        predicted = plan.stages[run.stages[0]].predicted.get("memory_bytes") if prices is None \
+            else prices.memory_bytes[run.stages[0] % len(prices.memory_bytes)]
     return RankReport(rank=run.rank, stages=run.stages, peak_memory_bytes=run.peak_memory_bytes,
                       predicted_memory_bytes=None if predicted is None else int(predicted),
                       collective_bytes=sum(c.sent_bytes for c in run.collectives),

@@ -10,10 +10,9 @@ import torch
 
 from autopar.api import plan_from_config
 from autopar.cost.config import Config
-from autopar.cost.rank_traffic import plan_collectives
 from autopar.models import build_model
 from autopar.models.gpt import lm_loss
-from autopar.simulate import rank_report, simulate_ranks
+from autopar.simulate import priced_as_simulated, rank_report, simulate_ranks
 from autopar.tracer import capture
 
 MEMORY_BAND = (-0.05, 0.03)
@@ -26,7 +25,7 @@ def simulated(spec: str, mesh: str, config: Config, ranks=(0,)):
     plan = plan_from_config(graph, mesh, config)
     runs = simulate_ranks(model, plan, list(ranks), example_inputs=inputs, targets=inputs[0],
                           loss_fn=lm_loss, graph=graph)
-    predicted = plan_collectives(graph, plan)
+    predicted = priced_as_simulated(graph, plan)
     return plan, [rank_report(plan, run, predicted) for run in runs]
 
 
@@ -63,4 +62,4 @@ def simulated_hf(name, config: Config, *, rank: int = 0, seq: int | None = None,
     plan = plan_from_config(graph, mesh, config, precision=precision)
     runs = simulate_ranks(model, plan, [rank], example_inputs=(ids,), targets=targets,
                           loss_fn=loss_fn, graph=graph)
-    return rank_report(plan, runs[0], plan_collectives(graph, plan))
+    return rank_report(plan, runs[0], priced_as_simulated(graph, plan))
