@@ -8,10 +8,17 @@ in fp32 (softmax and norms on a GPU), a model casts to fp32 on purpose (an RMSNo
 router's logits), and an op of an fp32 value with a 16-bit one promotes to fp32. Tensor
 parallelism moves those values, and autograd keeps them, in fp32.
 
+Where a value crosses from one of the stage's units to another (`fsdp_units`: the pieces the
+runtime splits a stage into, each layer path of the pipeline units), what the runtime does there
+is done too: a view of the value (and a cast, whose schema is a view's) is taken again in the
+reading unit, and a unit FSDP2 wraps is handed floating values in 16 bits (its mixed precision
+casts a module's inputs). Units are as a stage of every unit has them: a head tied to the
+embedding, which FSDP2 wraps alone on a last pipeline stage, is counted unwrapped.
+
 `wide_values(graph, device_type)` runs the captured program once on fake tensors under that
 device's own autocast (torch's dispatch, not a list of ours; a fake CUDA tensor runs CUDA's rules
-without a GPU) and returns the floating values wider than 16 bits, so the estimator prices each
-value in the dtype it has. The two device types differ: CUDA's autocast keeps layer_norm and
+without a GPU) and returns the floating values held wider than 16 bits, so the estimator prices
+each value in the dtype it has. The two device types differ: CUDA's autocast keeps layer_norm and
 softmax in fp32, the CPU's computes them in 16 bits.
 """
 
@@ -74,12 +81,18 @@ def _weights_read(user: fx.Node, cast: fx.Node, weight_dtype) -> list[fx.Node]:
 
 
 def wide_values(graph: Graph, device_type: str) -> dict[str, str]:
-    """Node -> dtype of the floating values wider than 16 bits when `device_type` ("cuda",
-    "cpu") runs the graph in bf16 (fp16 keeps the same ones: autocast's rules are the same);
-    kept on the graph, so each device type runs once."""
+    """Node -> dtype of the floating values held wider than 16 bits when `device_type` ("cuda",
+    "cpu") runs the graph in bf16 (fp16 keeps the same ones: autocast's rules are the same)."""
+    return mixed_dtypes(graph, device_type)[0]
+
+
+def mixed_dtypes(graph: Graph, device_type: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The values held wider than 16 bits (`wide_values`), and those made wider, whose gradients
+    are: a value handed to another unit in 16 bits is held as the copy, but its gradient flows
+    back to the fp32 original, which reduces it. Kept on the graph: each device type runs once."""
     if device_type not in graph.mixed_dtypes:
-        graph.mixed_dtypes[device_type] = _run_mixed(graph.program, device_type) \
-            if graph.program is not None else {}
+        graph.mixed_dtypes[device_type] = _run_mixed(graph, device_type) \
+            if graph.program is not None else ({}, {})
     return graph.mixed_dtypes[device_type]
 
 
@@ -87,11 +100,12 @@ def as_run_on(graph: Graph, device_type: str) -> Graph:
     """A copy of `graph` whose every device type keeps the values `device_type`'s autocast keeps:
     what a run on that device's tensors standing for another's is priced against (a simulation's
     fake CPU tensors for GPUs)."""
-    wide = wide_values(graph, device_type)
-    return dataclasses.replace(graph, mixed_dtypes={kind: wide for kind in ("cpu", "cuda")})
+    found = mixed_dtypes(graph, device_type)
+    return dataclasses.replace(graph, mixed_dtypes={kind: found for kind in ("cpu", "cuda")})
 
 
-def _run_mixed(program, device_type: str) -> dict[str, str]:
+def _run_mixed(graph: Graph, device_type: str) -> tuple[dict[str, str], dict[str, str]]:
+    program = graph.program
     module = program.graph_module
     parameters = {spec.arg.name for spec in program.graph_signature.input_specs
                   if spec.kind is InputKind.PARAMETER}
@@ -100,13 +114,35 @@ def _run_mixed(program, device_type: str) -> dict[str, str]:
                              and isinstance(node.meta.get("val"), torch.Tensor) else None)
     following = casts_following_weights(module.graph, captured)
     dtype = torch.bfloat16
+    units = fsdp_units(graph)
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = [_fake(node, device_type, dtype if name in parameters else None)
                   for name, node in placeholders.items()]
-        runner = _MixedRunner(module, {cast.name for cast in following}, dtype, device_type)
+        runner = _MixedRunner(module, {cast.name for cast in following}, dtype, device_type, units)
         with _autocast(device_type, dtype):
             runner.run(*inputs)
-    return runner.wide
+    return runner.held_wide(), runner.wide
+
+
+def fsdp_units(graph: Graph) -> tuple[dict[str, int], set[int]]:
+    """The unit of each node as the runtime splits a stage (every layer path of the pipeline
+    units, autopar.plans.stage_flow's rules), and the units FSDP2 wraps: those holding parameters
+    of their own (autopar.runtime.data_parallel). FSDP2's mixed precision casts the floating
+    values a wrapped unit is handed to 16 bits (`cast_forward_inputs`), and so does a pipeline
+    stage's boundary, which is a unit's too."""
+    from autopar.cost.units import pipeline_units      # cost reads a Graph: imported when used
+    from autopar.plans.stage_flow import assign_units, live
+
+    layers = [layer for unit in pipeline_units(graph) for layer in unit.layers]
+    unit_of = assign_units(live(graph.flow_nodes()), layers)
+    readers: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        for name in node.inputs:
+            if node.name in unit_of:
+                readers.setdefault(name, set()).add(unit_of[node.name])
+    held = [readers.get(p.name, set()) for p in graph.nodes if p.role.value == "parameter"]
+    shared = {unit for units in held if len(units) > 1 for unit in units}
+    return unit_of, {unit for units in held for unit in units} - shared
 
 
 def _fake(node: fx.Node, device_type: str, weight_dtype: torch.dtype | None):
@@ -142,10 +178,69 @@ class _MixedRunner(fx.Interpreter):
     """The program as a 16-bit stage runs it, noting the floating values that come out wider."""
 
     def __init__(self, module: fx.GraphModule, following: set[str], dtype: torch.dtype,
-                 device_type: str):
-        super().__init__(module)
+                 device_type: str, units: tuple[dict[str, int], set[int]]):
+        # every value kept: a reader in another unit takes a view again from its base
+        super().__init__(module, garbage_collect_values=False)
         self.following, self.dtype, self.device_type = following, dtype, device_type
+        self.unit_of, self.wrapped = units
         self.wide: dict[str, str] = {}
+        self.read_as: dict[str, set[str]] = {}     # value -> dtypes other units read it in
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node):
+        """What `n` reads, as its unit is handed it (`handed`)."""
+        unit = self.unit_of.get(n.name)
+        if unit is None:
+            return super().fetch_args_kwargs_from_env(n)
+        load = lambda arg: self.handed(arg, unit)
+        return fx.node.map_arg(n.args, load), fx.node.map_arg(n.kwargs, load)
+
+    def handed(self, arg: fx.Node, unit: int):
+        """`arg` as `unit` reads it. From another unit: a view of a value that unit made is taken
+        again from its base in the reader (passes.stage_split; `to` is a view in its schema, so
+        a cast is made again too), and a wrapped unit is handed floating values in 16 bits."""
+        value = self.env[arg]
+        producer = self.unit_of.get(arg.name, unit)
+        if producer == unit:
+            return value
+        base = arg.all_input_nodes[0] if arg.all_input_nodes else None
+        if _is_view(arg) and base is not None and self.unit_of.get(base.name) == producer:
+            if arg.name in self.following:
+                value = self.handed(base, unit).to(self.dtype)
+            else:
+                args, kwargs = fx.node.map_arg((arg.args, arg.kwargs), lambda a: (
+                    self.handed(a, unit) if a is base else self.env[a]))
+                value = self.call_function(arg.target, args, kwargs)
+        elif unit in self.wrapped and isinstance(value, torch.Tensor) and value.is_floating_point():
+            value = value.to(self.dtype)
+        if isinstance(value, torch.Tensor):
+            self.read_as.setdefault(arg.name, set()).add(_name(value.dtype))
+        return value
+
+    def held_wide(self) -> dict[str, str]:
+        """The wide values as they are held: a value only other units read is held as they are
+        handed it (the fp32 original of one cast to 16 bits goes once cast)."""
+        held = {}
+        for node in self.module.graph.nodes:
+            unit = self.unit_of.get(node.name)
+            readers = self._reader_units(node)
+            outside = unit is not None and readers and unit not in readers and -1 not in readers
+            dtypes = self.read_as.get(node.name, set()) if outside else set()
+            dtype = max(dtypes, key=_WIDE.count) if dtypes else self.wide.get(node.name)
+            if dtype in _WIDE:
+                held[node.name] = dtype
+        return held
+
+    def _reader_units(self, node: fx.Node) -> set[int]:
+        """The units that read `node` (-1: the graph's output or a value every unit copies); a
+        view made where `node` is and read elsewhere is taken again there, so its readers read
+        `node`."""
+        found = set()
+        unit = self.unit_of.get(node.name)
+        for user in node.users:
+            again = _is_view(user) and self.unit_of.get(user.name) == unit and unit is not None
+            inner = self._reader_units(user) if again else set()
+            found |= inner if inner and unit not in inner else {self.unit_of.get(user.name, -1)}
+        return found
 
     def call_function(self, target, args, kwargs):
         # the trace's device (a position table made on the CPU) is the stage's own
@@ -168,7 +263,16 @@ class _MixedRunner(fx.Interpreter):
             result = super().run_node(node)
         # a multi-output op (an attention kernel's output and statistics): its first output's
         first = result[0] if isinstance(result, (tuple, list)) and result else result
-        dtype = str(first.dtype).removeprefix("torch.") if isinstance(first, torch.Tensor) else ""
+        dtype = _name(first.dtype) if isinstance(first, torch.Tensor) else ""
         if dtype in _WIDE:
             self.wide[node.name] = dtype
         return result
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and node.target.is_view
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

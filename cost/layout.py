@@ -58,17 +58,15 @@ class NodeLayout:
     act_bytes: float           # activation bytes read + written by the forward on this rank
     param_bytes: float         # parameter bytes read by the forward on this rank (per micro-batch)
     out_bytes: float           # this rank's share of the output, in the training dtype
-    # Collectives over the tensor-parallel group in the forward and in the backward, as
-    # (kind, bytes of the whole tensor, per sample): per sample for activations, per micro-batch
-    # for parameters.
+    # Collectives over the tp group in the forward and backward: (kind, bytes of the whole
+    # tensor, per sample: activations' are, parameters' are per micro-batch)
     comm_forward: tuple = ()
     comm_backward: tuple = ()
     # The value each forward collective moves, where the runtime moves it once after the op that
     # makes it (passes.tensor_parallel.share_redistributions: an activation), "" at the op itself
     forward_from: tuple = ()
-    # The reductions of the gradients of weights that tensor parallelism leaves as partial sums
-    # (a norm's weight under sequence parallelism), in fp32 bytes: FSDP2's reduction or the
-    # runtime's after the backward makes them (`autopar.plans.zero.partial_gradient_reductions`).
+    # Reductions of weight gradients tp leaves partial (a norm's under sequence parallelism), fp32
+    # bytes: FSDP2's or the runtime's after the backward (plans.zero.partial_gradient_reductions)
     comm_step: tuple = ()
     saved: tuple[str, ...] = ()    # storage owners kept for the backward
     attention: dict = field(default_factory=dict)   # q shape, k length, causal, dropout for sdpa
@@ -76,10 +74,8 @@ class NodeLayout:
                                    # and for grouped matmuls the GEMMs run together (cost/experts.py)
     expert: bool = False           # runs on a mixture-of-experts layer's rows (cost/experts.py)
     routing_counts: int = 0        # experts whose row counts (int64) a dispatch exchanges first
-    exchange_bytes: float = 0.0    # bytes per sample this rank sends into an expert all-to-all,
-                                   # in the forward and again in the backward
-    backward_bytes: float = 0.0    # what its backward holds beyond the gradients it takes and
-                                   # gives, per sample (ring attention's: cost/context.py)
+    exchange_bytes: float = 0.0    # per sample sent into an expert all-to-all, forward and backward
+    backward_bytes: float = 0.0    # its backward's beyond the gradients (ring attention's), per sample
     weight_gathered: float = 0.0   # elements of the tensor-parallel-split weights it reads whole:
                                    # gathered for its forward and again for its backward, which
                                    # also makes their whole gradient (an op run replicated)
@@ -117,14 +113,14 @@ class GraphLayout:
     seq_degree: dict[str, int] = field(default_factory=dict)   # storage owner -> power of the
                                        # sequence length in its size (memory.sequence_dims)
     dtype: str = "bfloat16"            # what floating activations and weights are computed in
-    wide: dict = field(default_factory=dict)   # node -> dtype: values kept wider (element_bytes)
+    wide: dict = field(default_factory=dict)   # node -> dtype: values held wider (element_bytes)
     distributed: bool = False          # its values are DTensors (tp > 1), which autograd sums out of place
     gradient_facts: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 def element_bytes(node: Node, compute_dtype: str, wide: dict | None = None) -> int:
-    """Floating values are held in the training dtype, save those mixed precision keeps wider
-    (`wide`: node -> dtype, autopar.mixed_dtypes); integers as captured."""
+    """Floating values in the training dtype, save those mixed precision holds wider (`wide`: node
+    -> dtype, autopar.mixed_dtypes); integers as captured."""
     if node.dtype.startswith(("float", "bfloat")):
         return DTYPE_BYTES[(wide or {}).get(node.name, compute_dtype)]
     return DTYPE_BYTES.get(node.dtype, 4)
@@ -154,10 +150,10 @@ def graph_sequence(graph: Graph) -> int:
 
 
 def infer_layout(graph: Graph, tp: int, *, compute_dtype: str = "bfloat16",
-                 placements: TensorPlacements | None = None, wide: dict | None = None) -> GraphLayout:
-    """Per-sample, per-rank costs of every node of `graph` on `placements` over a
-    tensor-parallel axis of `tp` devices (which also say what is split on the sequence); with
-    tp = 1, of every node whole. `wide`: the values mixed precision keeps wider (element_bytes)."""
+                 placements: TensorPlacements | None = None, wide: tuple = ({}, {})) -> GraphLayout:
+    """Per-sample, per-rank costs of every node of `graph` on `placements` over a tp axis of `tp`
+    devices (which say what is split on the sequence too); tp = 1: every node whole. `wide`: the
+    values mixed precision holds wider, and those whose gradients are (autopar.mixed_dtypes)."""
     if tp > 1 and placements is None:
         raise AutoparError(f"tensor parallelism (tp={tp}) is priced on placements: give the "
                            f"sharding ILP's (autopar.plan_from_config, as compile runs a Config) or "
@@ -169,8 +165,9 @@ class _LayoutBuilder:
     """One walk over the graph in topological order; each node's layout follows its inputs'."""
 
     def __init__(self, graph: Graph, tp: int, compute_dtype: str,
-                 placements: TensorPlacements | None = None, wide: dict | None = None):
-        self.graph, self.tp, self.dtype, self.wide = graph, tp, compute_dtype, wide or {}
+                 placements: TensorPlacements | None = None, wide: tuple = ({}, {})):
+        self.graph, self.tp, self.dtype = graph, tp, compute_dtype
+        self.wide, self.wide_gradients = wide
         self.placements = placements
         self.place: dict[str, str] = {}            # node -> its placement (placements given)
         self.moved: set[tuple] = set()             # redistributions already priced, by storage
@@ -315,8 +312,9 @@ class _LayoutBuilder:
         forward, backward, step, origins = [], [], [], []
         self.read_as = {}
         for k, name in enumerate(node.inputs):
-            whole, per_sample, value = self._edge_bytes(name, node)
+            whole, per_sample, value, widen = self._edge_bytes(name, node)
             moves = reshard_steps((sources[k],), (inputs[k],), [self.tp]) or []
+            widen = 1.0 if moves else widen     # reduced where it is made, not moved back as read
             if moves and value:
                 self._read_redistributed(name, inputs[k])
             moved = name if value else self.storage[name]      # share_redistributions' key
@@ -341,7 +339,7 @@ class _LayoutBuilder:
             if not (moves and self._first((piece, given, need, "gradient"))):
                 continue
             if value:
-                backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
+                backward += [(kind, whole * widen / divisor, per_sample) for kind, _, divisor in moves]
             else:       # a weight's gradient, reduced in the dtype the weight is held in
                 whole = self.by_name[self.weight_of.get(name, name)].bytes
                 step += [(kind, whole / divisor, False) for kind, _, divisor in moves]
@@ -379,17 +377,19 @@ class _LayoutBuilder:
     def _strategies(self, node: Node) -> list[tuple[str, tuple[str, ...]]]:
         return strategy_strings(node, self.by_name)
 
-    def _edge_bytes(self, name: str, consumer: Node) -> tuple[float, bool, bool]:
+    def _edge_bytes(self, name: str, consumer: Node) -> tuple[float, bool, bool, float]:
         """Bytes of an input (of a multi-output producer, the piece read), whole; whether per
-        sample; whether a value computed (moved as an activation, each micro-batch) rather than a
-        parameter, view, cast or buffer. Gemma's 1 + w: computed, at its own size per micro-batch."""
+        sample; whether a value computed (moved as an activation, each micro-batch; Gemma's 1 + w,
+        at its own size) rather than a parameter, view, cast or buffer; its gradient's element
+        over its own (one handed to another unit in 16 bits, made in fp32: mixed_dtypes)."""
         node = self.by_name[name] if self.by_name[name].dtype else consumer
-        held = node.bytes * element_bytes(node, self.dtype, self.wide) / DTYPE_BYTES.get(node.dtype, 4)
-        if node.role is not Role.ACTIVATION or name in self.weight_of:
-            return held, False, False
-        if name in self.from_parameters:
-            return held, False, True
-        return self.full_bytes(node), True, True
+        element = element_bytes(node, self.dtype, self.wide)
+        held, widen = node.bytes * element / DTYPE_BYTES.get(node.dtype, 4), \
+            element_bytes(node, self.dtype, self.wide_gradients) / element
+        state = node.role is not Role.ACTIVATION or name in self.weight_of
+        if state or name in self.from_parameters:
+            return held, False, not state, widen
+        return self.full_bytes(node), True, True, widen
 
     def _first(self, key: tuple) -> bool:
         """Whether this redistribution of a stored tensor is priced for the first time."""

@@ -25,7 +25,7 @@ from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_
 from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
-from autopar.mixed_dtypes import wide_values
+from autopar.mixed_dtypes import mixed_dtypes
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.plans.stage_flow import constants, live
 
@@ -88,13 +88,13 @@ class PriceCache:
         return self._get(("layout", *spec.layout_key),
                          lambda: with_ring_attention(experts, self.graph) if ring else experts)
 
-    def wide_values(self) -> dict:
-        """The values kept wider than a 16-bit precision, as the mesh's device type runs the
-        graph under autocast (autopar.mixed_dtypes); none in fp32 or in a runtime that holds
-        the whole model in 16 bits."""
+    def wide_values(self) -> tuple[dict, dict]:
+        """The values held wider than a 16-bit precision, and those whose gradients are, as the
+        mesh's device type runs the graph under autocast (autopar.mixed_dtypes); none in fp32 or
+        in a runtime that holds the whole model in 16 bits."""
         if DTYPE_BYTES[self.dtype] == 4 or not self.autocast:
-            return {}
-        return wide_values(self.graph, "cpu" if self.mesh.device.name == "cpu" else "cuda")
+            return {}, {}
+        return mixed_dtypes(self.graph, "cpu" if self.mesh.device.name == "cpu" else "cuda")
 
     def _device_kernels(self, layout: GraphLayout) -> GraphLayout:
         """What the mesh's device keeps where its kernels differ from a GPU's (cost/kernels.py)."""

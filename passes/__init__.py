@@ -13,9 +13,9 @@ rank's program in one direction:
     expert_parallel.py  split_experts: MoE layers (found by structure, experts.py) whose experts
                         are split over the stage's ep ranks, rows dispatched and combined by
                         all-to-all (expert_dispatch.py)
-    recompute.py        recompute_layers: layers (or their attention) under checkpoints
     precision.py        cast_to_weight_dtypes: casts to a weight's dtype follow the weight's
                         dtype at run time (FSDP2 may hand weights in 16 bits)
+    recompute.py        recompute_layers: layers (or their attention) under checkpoints
     batch_norm.py       normalize_batch_norms: BatchNorm over each replica's samples, or over
                         all replicas' (sync_batchnorm), with fp32 weights under mixed precision
     context_parallel.py split_sequence: a rank's positions and attention (a ring or all-to-all
@@ -50,12 +50,13 @@ PASSES = (
     # first, on each layer's graph as the split traced it: the MoE layers are found by their ops,
     # and their experts' weights placed before tensor parallelism places the rest
     split_experts,
+    # on the traced graph, before recompute puts a cast and the op that reads it with a weight
+    # in different regions and tensor parallelism inserts its redistributions: casts to a
+    # weight's dtype read that weight's dtype at run time (FSDP2 may hand it in 16 bits)
+    cast_to_weight_dtypes,
     # on the layers as the split left them: tensor parallelism wraps the stage, and it
     # distributes the tensors of whatever the checkpoints hold
     recompute_layers,
-    # on the traced graph, before tensor parallelism inserts its redistributions: casts to a
-    # weight's dtype read that weight's dtype at run time (FSDP2 may hand it in 16 bits)
-    cast_to_weight_dtypes,
     # BatchNorm over each replica's samples or, under sync_batchnorm, over all replicas'
     normalize_batch_norms,
     # before tensor parallelism, on the traced ATen ops it finds by name; its attention takes

@@ -38,13 +38,12 @@ def follow_weight_dtypes(module: nn.Module) -> None:
     prices values by). Before FSDP2 wraps the stage: a graph recompiled after it swapped the
     module's class calls itself."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
-        order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
         following = casts_following_weights(graph_module.graph, _parameter_dtype(graph_module))
         for node, weight in following.items():
             with graph_module.graph.inserting_before(node):
-                # the weight as read where the cast is (a parameter's node may come later)
-                if order[weight] > order[node]:
-                    weight = graph_module.graph.call_module(weight.target)
+                # the weight read again where the cast is: its own read stays with the op that
+                # reads it, wherever recompute's regions later put the cast and the op
+                weight = graph_module.graph.call_module(weight.target)
                 dtype = graph_module.graph.call_function(_dtype_of, (weight,))
             if node.target is torch.ops.aten.to.dtype:
                 node.args = (node.args[0], dtype, *node.args[2:])

@@ -10,27 +10,39 @@ import torch
 from torch import nn
 
 from autopar.cost.layout import infer_layout
-from autopar.mixed_dtypes import wide_values
+from autopar.mixed_dtypes import mixed_dtypes, wide_values
 from autopar.tracer import capture
 
 
 class _Norms(nn.Module):
-    """An RMSNorm that returns fp32 unless a weight reads it, then a LayerNorm."""
+    """An RMSNorm that returns fp32 unless a weight reads it, then a layer norm: one module, so
+    that no unit boundary casts what crosses it."""
 
     def __init__(self):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(8))
-        self.inner = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
-        self.outer = nn.Linear(8, 8)
+        self.inner = nn.Parameter(torch.randn(8, 8))
+        self.outer = nn.Parameter(torch.randn(8, 8))
 
     def forward(self, x):
         wide = x.to(torch.float32)
         wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
         # read with the scale: follows it into 16 bits; the residual keeps it in fp32
         normed = self.scale * wide.to(torch.float32)
-        hidden = self.inner(normed) + wide
-        return self.outer(self.norm(hidden))
+        hidden = nn.functional.linear(normed, self.inner) + wide
+        return nn.functional.linear(nn.functional.layer_norm(hidden, (8,)), self.outer)
+
+
+class _Handed(nn.Module):
+    """A value made in fp32 in one module and read only by another, which FSDP2 wraps."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.second(self.first(x).float() * 2)
 
 
 def _named(graph, wide: dict) -> dict[str, str]:
@@ -59,10 +71,20 @@ def test_values_a_stage_keeps_in_fp32_follow_the_devices_autocast():
 
 def test_the_layout_holds_a_wide_value_at_four_bytes():
     graph = capture(_Norms(), (torch.randn(2, 4, 8),))
-    wide = wide_values(graph, "cuda")
     narrow = infer_layout(graph, 1, compute_dtype="bfloat16")
-    held = infer_layout(graph, 1, compute_dtype="bfloat16", wide=wide)
+    held = infer_layout(graph, 1, compute_dtype="bfloat16", wide=mixed_dtypes(graph, "cuda"))
     norm = next(n.name for n in graph.nodes if n.target == "aten.layer_norm.default")
     assert held.storage_bytes[norm] == 2 * narrow.storage_bytes[norm]
     linear = next(n.name for n in graph.nodes if n.target == "aten.linear.default")
     assert held.storage_bytes[linear] == narrow.storage_bytes[linear]
+
+
+def test_a_value_handed_to_a_wrapped_unit_is_held_in_sixteen_bits():
+    """FSDP2 casts what a unit it wraps is handed to 16 bits: the fp32 product made in `first`
+    is held, and gathered, as the 16-bit copy `second` reads."""
+    graph = capture(_Handed(), (torch.randn(2, 4, 8),))
+    wide = wide_values(graph, "cpu")
+    cast = next(n for n in graph.nodes if n.target == "aten.to.dtype")
+    product = next(n for n in graph.nodes if n.target == "aten.mul.Tensor")
+    assert wide[cast.name] == "float32"     # read where it is made
+    assert product.name not in wide
