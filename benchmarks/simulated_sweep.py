@@ -1,14 +1,17 @@
 """Held-out simulation sweep: HuggingFace architectures outside the zoo x parallel forms, each
 rank's simulated peak memory and collective bytes beside what the estimator predicts.
 
-    python benchmarks/simulated_sweep.py [--arch Qwen3,Phi3] [--form "tp2 x pp2, rank 3"] [--json]
+    python benchmarks/simulated_sweep.py [--arch Qwen3,Phi3] [--form "tp2 x pp2, rank 3"]
+        [--precision bf16] [--json]
 
 Each case builds the HuggingFace model from transformers (2 layers, or one a chunk;
 hidden 256, 4 heads, 2 key/value heads, ffn 512, vocabulary 8192, sequences of 128) on the meta
 device, plans the form on 4 CPU ranks (`autopar.api.plan_from_config`), simulates one rank
 (`autopar simulate`'s code) and compares. A case passes when memory is within the band of a
 cluster plan (-5%..+3%, never under-predicted beyond 3%) and every collective kind's bytes are
-within 5% of the priced. Prints progress per case, then the table and a summary; exits 1 if any
+within 5% of the priced. `--precision bf16` runs every case in mixed precision (the ranks' own
+autocast: the CPU's), where values a stage keeps in fp32 are priced at their own size
+(autopar.mixed_dtypes). Prints progress per case, then the table and a summary; exits 1 if any
 case fails.
 """
 
@@ -78,7 +81,7 @@ BYTES_TOLERANCE = 0.05
 SEQ = 128
 
 
-def run(arch: str, form: str) -> dict:
+def run(arch: str, form: str, precision: str | None = None) -> dict:
     """One case: the rank's simulated and predicted memory, and its bytes kind by kind."""
     model_class, config_class, extra = ARCHS[arch]
     rank, config, _ = FORMS[form]
@@ -88,7 +91,7 @@ def run(arch: str, form: str) -> dict:
                                 kind="held out", config={**SMALL, **extra, "num_hidden_layers": layers})
     started = time.monotonic()
     try:
-        report = simulated_hf(architecture, config, rank=rank, seq=SEQ)
+        report = simulated_hf(architecture, config, rank=rank, seq=SEQ, precision=precision)
     except AutoparError as err:
         return {"arch": arch, "form": form, "status": "refused", "reason": str(err).splitlines()[0]}
     off = [(entry["kind"], entry["axis"], entry["sent_bytes"], entry["predicted_sent_bytes"])
@@ -108,6 +111,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default=",".join(ARCHS), help=f"comma-separated, of {', '.join(ARCHS)}")
     parser.add_argument("--form", action="append", help=f"a form (repeat for several), of: {'; '.join(FORMS)}")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="the plans' precision (default the CPU's, fp32)")
     parser.add_argument("--json", action="store_true", help="print the cases as JSON")
     args = parser.parse_args(argv)
     archs = [name.strip() for name in args.arch.split(",") if name.strip()]
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
     cases = [(arch, form) for arch in archs for form in forms if FORMS[form][2] <= (arch in MOE)]
     results = []
     for number, (arch, form) in enumerate(cases, 1):
-        results.append(run(arch, form))
+        results.append(run(arch, form, args.precision))
         print(f"[{number}/{len(cases)}] {_line(results[-1])}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results, indent=1))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from autopar.cost.collectives import Group
-from autopar.cost.context import context_parallel_time, exchanged_kv
+from autopar.cost.context import context_parallel_time, swapped_bytes
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
@@ -152,7 +152,7 @@ def node_prices(layout: GraphLayout, spec: StageSpec, mesh: Mesh, b: float, eff:
             sizes = pricing.attention_bytes[node.name]
             query, kv, output = sizes[:3]
             if spec.cp_kind == ContextParallel.ALL_TO_ALL:
-                kv = exchanged_kv(sizes, spec.cp)
+                query, kv, output = swapped_bytes(sizes, spec.cp, layout.dtype)
             ring_fwd, ring_bwd = context_parallel_time(spec.cp_kind, cp_group,
                                                        (query, kv, output), b, fwd, bwd)
             comm_fwd, comm_bwd = comm_fwd + ring_fwd, comm_bwd + ring_bwd

@@ -66,8 +66,8 @@ def attention_bytes(graph: Graph, layout: GraphLayout) -> dict[str, AttentionByt
     """Attention node -> what it moves on one tensor-parallel rank (`AttentionBytes`). Where the
     key/value heads do not split over the tp ranks, context parallelism's attention runs every
     head on every tp rank (autopar.passes.context_attention `_local_heads`). Floating values in
-    the training dtype, even those mixed precision keeps in fp32 (`layout.wide`): the ring and
-    the all-to-alls move them in the dtype attention reads, autocast's."""
+    the training dtype, even those mixed precision keeps in fp32 (`layout.wide`): the ring moves
+    them in the dtype attention reads, autocast's (the all-to-alls: `swapped_bytes`)."""
     by_name = {n.name: n for n in graph.nodes}
     element = DTYPE_BYTES[layout.dtype]
     found = {}
@@ -92,20 +92,32 @@ def with_ring_attention(layout: GraphLayout, graph: Graph) -> GraphLayout:
     """`layout` with its attention as ring attention keeps it for the backward: the keys and
     values as the model computes them, before grouped-query heads are repeated (the tensors the
     ring passes; autopar.passes.context_parallel.before_repeat), with the queries, the output and
-    its log-sum-exp. The repeated copies are never made."""
+    its log-sum-exp. The repeated copies are never made. It keeps them in the dtype attention
+    reads them in: a value mixed precision holds in fp32 (Llama's rotated queries) is kept as its
+    16-bit copy."""
     by_name = {n.name: n for n in graph.nodes}
     sizes = attention_bytes(graph, layout)
-    nodes = []
+    nodes, storage_bytes, seq_degree = [], dict(layout.storage_bytes), dict(layout.seq_degree)
+
+    def as_read(key: str) -> str:
+        owner = key.partition("@")[0]
+        if owner not in layout.wide:
+            return key
+        storage_bytes[f"{key}:16"] = layout.storage_bytes.get(key, 0.0) * DTYPE_BYTES[layout.dtype] \
+            / DTYPE_BYTES[layout.wide[owner]]
+        seq_degree[f"{key}:16"] = layout.seq_degree.get(key, 0)
+        return f"{key}:16"
+
     for node in layout.nodes:
         if node.family == "attention" and node.attention and len(node.saved) >= 3:
             _, key, value = by_name[node.name].inputs[:3]
             origins = [_before_repeat(by_name, name) for name in (key, value)]
             repeat = _numel(by_name[key].shape) / _numel(by_name[origins[0]].shape)
-            node = replace(node, saved=(node.saved[0], *(layout.storage[o] for o in origins),
-                                        *node.saved[3:]),
+            kept = (node.saved[0], *(layout.storage[o] for o in origins))
+            node = replace(node, saved=(*map(as_read, kept), *node.saved[3:]),
                            backward_bytes=_ring_backward_bytes(*sizes[node.name][:3], repeat, layout.dtype))
         nodes.append(node)
-    return replace(layout, nodes=nodes)
+    return replace(layout, nodes=nodes, storage_bytes=storage_bytes, seq_degree=seq_degree)
 
 
 def _ring_backward_bytes(query: float, kv: float, output: float, repeat: float, dtype: str) -> float:
@@ -283,6 +295,14 @@ def exchanged_kv(sizes: AttentionBytes, cp: int) -> float:
     repeated the fewest times that split over cp (`autopar.plans.head_split.kv_repeat`, the
     runtime's rule)."""
     return sizes.kv * kv_repeat(sizes.heads, sizes.kv_heads, cp)
+
+
+def swapped_bytes(sizes: AttentionBytes, cp: int, dtype: str) -> tuple[float, float, float]:
+    """What the all-to-all form swaps, per sample, as the runtime swaps it: queries, keys and
+    values in fp32 (passes.context_attention computes on them in fp32 and casts them before
+    the swap), the output in the training dtype `dtype` attention returns."""
+    widen = 4 / DTYPE_BYTES[dtype]
+    return sizes.query * widen, exchanged_kv(sizes, cp) * widen, sizes.output
 
 
 def context_parallel_time(kind: str, group: Group, sizes: tuple[float, float, float],

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost.calibration import calibrated
-from autopar.cost.context import attention_bytes, exchanged_kv, scan_bytes
+from autopar.cost.context import attention_bytes, scan_bytes, swapped_bytes
 from autopar.cost.estimator import ACTIVATION_DTYPE, price_pipeline
 from autopar.cost.plan_estimate import plan_stages
 from autopar.cost.price_cache import PriceCache
@@ -132,7 +132,7 @@ def _context_parallel(found: dict, graph: Graph, memo: PriceCache, specs: list, 
             hops = forwards * (spec.cp - 1) * kv + spec.cp * (kv + kv * 4 / element)
             _add(found, "send", "cp", spec.cp, hops * per_step)
         else:
-            swapped = (sizes.query + exchanged_kv(sizes, spec.cp) + sizes.output) * spec.cp * per_step
+            swapped = sum(swapped_bytes(sizes, spec.cp, layout.dtype)) * spec.cp * per_step
             _add(found, "all_to_all", "cp", spec.cp, (forwards + 1) * swapped)
     # running counts along the sequence: each rank's 2 chunk totals of every sequence of its
     # micro-batch (the estimator's `samples` are the micro-batch's sequences / cp), all-gathered

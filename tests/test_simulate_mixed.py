@@ -58,3 +58,14 @@ def test_a_value_handed_to_another_unit_is_handed_in_sixteen_bits():
                                  global_batch=4),
                           seq=128, precision="bf16")
     assert_sent_as_priced(report)
+
+
+@pytest.mark.slow
+def test_the_all_to_all_form_swaps_queries_keys_and_values_in_fp32():
+    """The all-to-all form of context parallelism casts q, k and v to fp32 before it swaps them
+    (its attention computes on them in fp32); priced in 16 bits, Qwen3's rank sent 1.67x the
+    all-to-all bytes priced."""
+    report = simulated_hf(_held_out("Qwen3"), Config(dp=2, cp=2, cp_kind="all-to-all",
+                                                     recompute="selective", global_batch=4),
+                          rank=1, seq=128, precision="bf16")
+    assert_sent_as_priced(report)
