@@ -80,8 +80,8 @@ class Graph:
     blocks: list[BlockKind]
     model_type: str = ""
     program: Any = field(default=None, repr=False)   # the torch.export.ExportedProgram
-    # device type -> {node: dtype} of the values wider than 16 bits under mixed precision
-    # (autopar.mixed_dtypes, filled when first asked)
+    # device type -> ({node: dtype} held wider than 16 bits under mixed precision, {node: dtype}
+    # made wider, whose gradients are): autopar.mixed_dtypes, filled when first asked
     mixed_dtypes: dict = field(default_factory=dict, repr=False, compare=False)
 
     def node(self, name: str) -> Node:

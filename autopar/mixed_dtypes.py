@@ -140,7 +140,7 @@ def fsdp_units(graph: Graph) -> tuple[dict[str, int], set[int]]:
         for name in node.inputs:
             if node.name in unit_of:
                 readers.setdefault(name, set()).add(unit_of[node.name])
-    held = [readers.get(p.name, set()) for p in graph.nodes if p.role.value == "parameter"]
+    held = [readers.get(p.name, set()) for p in graph.parameters]
     shared = {unit for units in held if len(units) > 1 for unit in units}
     return unit_of, {unit for units in held for unit in units} - shared
 

@@ -82,13 +82,13 @@ class PriceCache:
         tp, _, placements, ep, ring = spec.layout_key
         tensor = self._get(("layout", tp, placements), lambda: self._device_kernels(
             infer_layout(self.graph, tp, compute_dtype=self.dtype, placements=placements,
-                         wide=self.wide_values())))
+                         wide=self.held_dtypes())))
         experts = self._get(("layout", tp, placements, ep), lambda: with_expert_parallelism(
             tensor, self.expert_layers(), self.graph, ep=ep, tp=tp))
         return self._get(("layout", *spec.layout_key),
                          lambda: with_ring_attention(experts, self.graph) if ring else experts)
 
-    def wide_values(self) -> tuple[dict, dict]:
+    def held_dtypes(self) -> tuple[dict, dict]:
         """The values held wider than a 16-bit precision, and those whose gradients are, as the
         mesh's device type runs the graph under autocast (autopar.mixed_dtypes); none in fp32 or
         in a runtime that holds the whole model in 16 bits."""
