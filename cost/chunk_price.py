@@ -18,15 +18,16 @@ from autopar.cost.context import context_parallel_time, swapped_bytes
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
-from autopar.cost.gradient_flow import (backward_moments, backward_peak, last_gathered, paired_backward_peaks,
-                                         split_backward_peak, split_whole_reads)
+from autopar.cost.gradient_flow import (backward_moments, backward_peak, first_keepers, last_gathered,
+                                         paired_backward_peaks, region_inputs, split_backward_peak,
+                                         split_whole_reads)
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
 from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, group_elements, selective_region
 from autopar.cost.memory import GATHERED_GROUPS
-from autopar.graph import Graph, Role
+from autopar.graph import Graph
 
 # Of an op with parameters, the share of its backward that computes the weight gradient (dW, as
 # long as dX): the half a zero-bubble schedule moves into the bubble.
@@ -58,6 +59,7 @@ class Chunk:
     experts_by_rows: float = 0.0    # share of its experts FSDP2 shards on a later dim (price_cache)
     gathered: float = 0.0           # elements of its GATHERED_GROUPS largest FSDP groups
     group: float = 0.0              # elements of its largest FSDP group
+    reduce_order: tuple = ()        # its FSDP groups as the step's one reduction meets them (cost/step_reduce.py)
     largest: float = 0.0            # elements of its largest parameter tensor
     tensors: int = 0                # parameter tensors on this device
     saved_per_sample: float = 0.0   # activation bytes kept per sample
@@ -203,7 +205,7 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
             scores[degree] = scores.get(degree, 0.0) + kept / b
     out.recomputed_regions = len(region_saved)
     for region, keys in region_saved.items():
-        inputs = _region_inputs(graph, layout, region_nodes[region])
+        inputs = region_inputs(graph, layout, region_nodes[region])
         saved.update(inputs)
         out.peak_polys.append(_poly(keys, layout))
     out.peak_per_sample = max((poly_at(p, 1) for p in out.peak_polys), default=0.0)
@@ -214,9 +216,9 @@ def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[No
         out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
     out.saved_per_sample = poly_at(out.saved_poly, 1)
     # what the backward frees before its fullest moment is freed there, once: the heaviest
-    # weight's gradient is added whole (estimator._heaviest_gradient); op by op with FSDP2's
+    # weight's gradient is added whole (`heaviest_gradient`); op by op with FSDP2's
     # reductions in `moments`
-    first_kept = _first_keepers(layout, regions, nodes)
+    first_kept = first_keepers(graph, layout, regions, nodes)
     chunk_regions = [regions[layout.index[node.name]] for node in nodes]
     out.flowing_poly = backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
     out.split_flowing_poly = split_backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
@@ -256,16 +258,6 @@ def _last_saving_nodes(layout: GraphLayout, regions: list, nodes: list[NodeLayou
 def _heaviest_weight(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) -> float:
     """The elements of the largest weight an op of the chunk reads (`_weight_reads`)."""
     return max((read for read, _, _, _ in _weight_reads(graph, layout, nodes)), default=0.0)
-
-
-def _first_keepers(layout: GraphLayout, regions: list, nodes: list[NodeLayout]) -> dict:
-    """Saved storage -> the position of the first node keeping it outside recomputed regions."""
-    kept_at: dict[str, int] = {}
-    for position, node in enumerate(nodes):
-        i = layout.index[node.name]
-        for key in () if regions[i] else node.saved:
-            kept_at.setdefault(key, position)
-    return kept_at
 
 
 def _weight_reads(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) -> list:
@@ -443,17 +435,6 @@ def _recomputed_region(node, block: tuple | None, paths: dict, recompute: str) -
     return path if recompute == Recompute.FULL else selective_region(node.module_path, path)
 
 
-def _region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[str]:
-    """What a recomputed region keeps: the activations it reads from outside itself."""
-    inside = {graph.nodes[i].name for i in members}
-    kept = set()
-    for i in members:
-        for name in graph.nodes[i].inputs:
-            if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
-                kept.add(layout.storage[name])
-    return kept
-
-
 def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int) -> list[dict]:
     """Per chunk, the elements of the floating outputs (logits) it returns, as {power of the
     sequence length: elements per sample}. Whole on every tensor-parallel rank: a stage hands
@@ -493,3 +474,10 @@ def padded_ratios(chunk: Chunk) -> tuple[float, float]:
     dense = chunk.params - chunk.expert_params
     return (1 + chunk.padding[0] / dense if dense else 1.0,
             1 + chunk.padding[1] / chunk.expert_params if chunk.expert_params else 1.0)
+
+
+def heaviest_gradient(chunks: list[Chunk]) -> float:
+    """Elements of the weight gradient that adds most to a backward's peak: the largest weight of
+    a chunk, whole (what the backward freed before reaching its op is freed once, in the
+    gradient sweep: cost/gradient_flow.py)."""
+    return max([0.0, *(max(c.largest, c.weight_read) for c in chunks)])

@@ -65,7 +65,8 @@ from autopar.cost.overlap import DeviceWork, Runtime, holds_every_transfer, keep
 from autopar.cost.host import host_time, ranks_per_core, shared_host_time
 from autopar.cost.price_cache import PriceCache
 from autopar.cost.backward_transients import block_transients
-from autopar.cost.chunk_price import Chunk, padded_ratios, partial_gradients_time, partial_reductions, poly_at
+from autopar.cost.chunk_price import (Chunk, heaviest_gradient, padded_ratios, partial_gradients_time,
+                                     partial_reductions, poly_at)
 from autopar.cost.traffic import add_sends, crossing_bytes, loss_sync, received_bytes, tied_exposed
 from autopar.cost.interleaved_order import at_fullest
 from autopar.cost.forms import (backward_reductions, check_stages, expert_data_parallel, offload_step, sharded_params,
@@ -323,6 +324,7 @@ def price_pipeline(graph: Graph, mesh: Mesh, stages: list[StageSpec], *, global_
         params, loss, tensors, gathered = memo.states(split, s)
         chunks[c].params, chunks[c].loss_poly, chunks[c].tensors = params[c], loss[c], tensors[c]
         chunks[c].gathered, chunks[c].largest, chunks[c].group = gathered[c]
+        chunks[c].reduce_order = memo.reduce_order(split, s)[c]
         chunks[c].loss_per_sample = poly_at(loss[c], 1)
         chunks[c].expert_params = memo.expert_params(split, s)[c]
         chunks[c].padding = memo.shard_padding(split, s)[c] if s.zero else (0.0, 0.0)
@@ -407,7 +409,6 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
     # root of its own, keeping its last reduce-scatter input until its own last backward
     lasts = [c.group if (last := last_scattered(c.moments)) is None else last * padded_ratios(c)[0] for c in chunks]
-    group = sum(lasts)
     # what each backward of an interleaved rank meets in its order (cost/interleaved_order.py)
     meets, ends = at_fullest(chunks, lasts, kept, zero=spec.zero, schedule=schedule, pp=pp, micro_batches=m,
                              virtual=virtual, stage=stage, b=b, seq_ratio=seq_ratio)
@@ -416,10 +417,10 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     reduce_every = reduces_every_micro_batch(spec.zero, schedule)
     fullest = max((backed for *_, backed in ends if backed), key=lambda backed: backed.share, default=None)
     logits = sum(poly_at(c.loss_poly, seq_ratio) for c in chunks) * b
-    parts = peak_bytes(params=params, gathered=gathered, group=group, offload=spec.offload, weight=_heaviest_gradient(chunks),
+    parts = peak_bytes(params=params, gathered=gathered, group=sum(lasts), offload=spec.offload,
                        zero=spec.zero, dp=spec.dp * spec.cp, precision=precision, micro_batches=m * virtual,
                        reduce_every=reduce_every, held=held, pipelined=pp > 1,   # (chunk, micro-batch) pairs
-                       activations=held * sum(kept) / len(kept),
+                       activations=held * sum(kept) / len(kept), weight=heaviest_gradient(chunks),
                        deferred=(max(pending - 1, 0) * deferred, pending * deferred), split_backward=pending > 0,
                        # the last chunk's micro-batches among them, each keeping its loss's copy
                        # until its input backward, after which torch detaches the loss
@@ -438,7 +439,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                                 for met in situations for moment in c.moments] if reduce_every else (),
                        forwards=[*ends, (chunks[-1].last_gathered * padded_ratios(chunks[-1])[0],  # the loss's
                                          element * logits * (2 + 1 / spec.tp if spec.tp > 1 else 1), fullest)],
-                       walked=[backed for met in meets for _, _, backed in met if backed is not None])
+                       walked=[backed for met in meets for _, _, backed in met if backed is not None],
+                       reduced_at_end=(chunks[0].reduce_order if len(chunks) == 1 else (), padded_ratios(chunks[0])))
     return parts, host_bytes(params=params, shards=spec.dp * spec.cp, zero=spec.zero) if spec.offload else 0.0
 
 
@@ -454,13 +456,6 @@ def _weighed(moment, seq_ratio, b, padded: tuple, by_rows: float, others: float,
     gathered = moment.gathered * padded[0] + moment.copying * padded[1] * by_rows + ahead
     return (net, moment.grads, gathered, scattering, moment.reduced[0] * padded[0],
             moment.reduced[1] * padded[1], tuple(part * pad for part, pad in zip(moment.releasing, padded)), backed)
-
-
-def _heaviest_gradient(chunks: list[Chunk]) -> float:
-    """Elements of the weight gradient that adds most to a backward's peak: the largest weight of
-    a chunk, whole (what the backward freed before reaching its op is freed once, in the
-    gradient sweep: cost/gradient_flow.py)."""
-    return max([0.0, *(max(c.largest, c.weight_read) for c in chunks)])
 
 
 def _summarize(model_flops_per_sample: float, mesh: Mesh, chunks: list[Chunk], devices: list, per_mb: list,

@@ -142,7 +142,7 @@ def _swept(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout], first_kep
 
 
 def _chunk_key(nodes: list[NodeLayout], regions: list, first_kept: dict) -> tuple:
-    # first_kept follows from the nodes and regions (chunk_price._first_keepers): its size tells
+    # first_kept follows from the nodes and regions (`first_keepers`): its size tells
     # the two ways it is called apart
     return tuple(node.name for node in nodes), tuple(regions), len(first_kept)
 
@@ -397,3 +397,34 @@ def _temporaries(graph_node, node: NodeLayout, graph: Graph, layout: GraphLayout
     differentiated = position is None or (len(graph_node.inputs) > position
                                           and graph_node.inputs[position] in given)
     return _TEMPORARIES.get(name, 0) * differentiated + int(broadcast)
+
+
+def first_keepers(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout]) -> dict:
+    """Saved storage -> the position of the first node keeping it outside recomputed regions,
+    or of a recomputed region's first node where the region keeps it (its inputs, which the
+    checkpoint holds until the region's backward is done)."""
+    kept_at: dict[str, int] = {}
+    members: dict[str, set[int]] = {}
+    for position, node in enumerate(nodes):
+        i = layout.index[node.name]
+        if regions[i]:
+            members.setdefault(regions[i], set()).add(i)
+        for key in () if regions[i] else node.saved:
+            kept_at.setdefault(key, position)
+    at = {layout.index[node.name]: position for position, node in enumerate(nodes)}
+    for inside in members.values():
+        first = min(at[i] for i in inside)
+        for key in region_inputs(graph, layout, inside):
+            kept_at[key] = min(kept_at.get(key, first), first)
+    return kept_at
+
+
+def region_inputs(graph: Graph, layout: GraphLayout, members: set[int]) -> set[str]:
+    """What a recomputed region keeps: the activations it reads from outside itself."""
+    inside = {graph.nodes[i].name for i in members}
+    kept = set()
+    for i in members:
+        for name in graph.nodes[i].inputs:
+            if name not in inside and graph.nodes[layout.index[name]].role is Role.ACTIVATION:
+                kept.add(layout.storage[name])
+    return kept

@@ -34,6 +34,8 @@ and in the phase at the peak, the larger of:
   later backward  the activations of one micro-batch fewer (or of one), with the first
               micro-batch's gradients (FSDP accumulates them unsharded until the last
               micro-batch reduces them)
+  step's reduction  where a pipeline stage reduces its accumulated gradients once, after its
+              last backward: group by group, with each group's copies (cost/step_reduce.py)
   optimizer step  the gathered weights freed; the reduced gradients (split over dp from ZeRO-1
               on: FSDP shards them) and Adam's temporaries (`optimizer_step`)
 Where the backward is split (zero-bubble, `split_backward`), an input backward makes no weight
@@ -63,11 +65,14 @@ tensor-parallel stage's 1/tp of them, gathered whole and copied dense
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import sympy
 
 from autopar.errors import AutoparError
 from autopar.plans.vocabulary import Precision, Recompute, Schedule
 from autopar.plans.zero import holds_weights_in_fsdp
+from autopar.cost.step_reduce import reduce_phases
 
 ADAM_STATE_BYTES = 8       # two fp32 moments per element
 MASTER_COPY_BYTES = 4      # the fp32 master copy of a 16-bit weight
@@ -113,12 +118,15 @@ LOSS_BACKWARD_COPIES = 2
 GATHERED_GROUPS = 2
 
 
+_BLANK = MappingProxyType(dict.fromkeys(("gradients", "activations", "buffers", "optimizer_step"), 0.0))  # a phase's own
+
+
 def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: int, group: float = 0.0,
                precision: str, micro_batches: int, held: int, pipelined: bool, activations, logits, flowing,
                reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
                loss_held: int | None = None, offload: bool = False, one_tensor: float = 0.0,
                deferred=(0.0, 0.0), split_backward=False, paired=None, padding=(0.0, 0.0), moments=(), forwards=(),
-               walked=(), alone: bool = False) -> dict:
+               walked=(), alone: bool = False, reduced_at_end=((), (1.0, 1.0))) -> dict:
     """Memory of one device at its peak, by part (`_at_peak`), phases as in the module docstring.
     `params` elements of its stage(s) (`expert_params` of them experts', whose optimizer state and
     gradient shards ZeRO splits over their `expert_dp` ranks), `gathered` those ZeRO-3 holds
@@ -129,11 +137,12 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     backward's fullest moment (`flowing`, rerun activations included) with the gradient of the
     weight it reads (`weight`; `paired`: `_transients`); under `reduce_every`, the `moments`
     (`_moment_phase`), under ZeRO-3 the `forwards`'. `received`, `deferred`, `split_backward`,
-    `padding`, `offload`, `one_tensor`: receive buffers, zero-bubble's kept gradients and split
-    backward (module docstring), ZeRO's padding, states on the host, `_step_temporaries`. `walked`:
-    the `Backed` of every backward of an interleaved rank's walked order (cost/interleaved_order.py),
-    each priced with what it holds then, in place of the first and later backwards. `alone`: the
-    step's only backward weighed by its moments (`paired`), where it reduces group by group."""
+    `padding`, `offload`, `one_tensor`, `reduced_at_end`: receive buffers, zero-bubble's kept
+    gradients and split backward (module docstring), ZeRO's padding, states on the host,
+    `_step_temporaries`, the groups of a stage that reduces once (cost/step_reduce.py). `walked`:
+    an interleaved rank's backwards in its order, each with what it holds then, in place of the
+    first and later (cost/interleaved_order.py); `alone`: the step's only backward, weighed by
+    its `paired` moments, where it reduces group by group."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
@@ -142,37 +151,47 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     gradients, losses = params * (element if offload else GRADIENT_BYTES), held if loss_held is None else loss_held
     cached, kept, loss, block, between, block_later = _transients(
         flowing, weight * element, element * logits if pipelined else 0.0, 4 * logits, split_backward, paired, alone)
-    dense, experts = params - expert_params + padding[0], expert_params + padding[1]   # as FSDP2 pads
-    sharded = lambda per, extra=0.0: dense * per / split + experts * (per + extra) / expert_split
-    optimizer = 0.0 if offload else sharded(ADAM_STATE_BYTES + master, expert_master - master)
+    sharded, optimizer, shards = _sharded_states(params, expert_params, padding, (split, expert_split),
+                                                 (master, expert_master), offload)
     persistent = {"weights": weights, "optimizer": optimizer, **({"receive_buffers": received} if received else {})}
-    zeros = {"gradients": 0.0, "activations": 0.0, "buffers": 0.0, "optimizer_step": 0.0}
-    shards = 0.0 if offload else sharded(GRADIENT_BYTES)
     at = lambda state: {"activations": state.activations + (losses - 1) * kept}   # a walked backward's
     kept_weights = lambda state: weights * (1 - state.finished) if state and wrapped and zero < 3 else weights
     blocks_of = lambda earlier: block_later if earlier else block
 
     def backward(activations_held, earlier: bool) -> list[dict]:   # after an earlier one's or not
-        held_now = {**zeros, "activations": activations_held}
+        held_now = {**_BLANK, "activations": activations_held}
         if reduce_every and wrapped:
             return _reduced_phases(held_now, earlier, walked=walked, at=at, kept_weights=kept_weights, shards=shards,
                                    group=group if pipelined else 0.0, zero=zero, loss=loss, block=block,
                                    forwards=forwards, element=element, moments=moments, split=(split, expert_split),
                                    cached=cached, offload=offload, micro_batches=micro_batches, pipelined=pipelined)
-        return [{**zeros, **at(s), "weights": kept_weights(s), "buffers": _max(loss, blocks_of(s.running)) if s.loss
+        return [{**_BLANK, **at(s), "weights": kept_weights(s), "buffers": _max(loss, blocks_of(s.running)) if s.loss
                  else blocks_of(s.running), "gradients": gradients * (s.share - s.finished) + shards * s.finished}
                 for s in walked] or [{**held_now, "gradients": gradients if earlier else 0.0,
                                       "buffers": _max(loss, blocks_of(earlier))}]
     later, first = max(held - 1, 1), activations + deferred[0] + (losses - 1) * kept
-    step = {**zeros, "weights": 0.0 if master else weights, "gradients": shards,
+    ending = reduce_phases(*reduced_at_end, weights=weights, element=element, zero=zero, splits=(
+        split, expert_split)) if wrapped and pipelined and not (reduce_every or offload) else []
+    step = {**_BLANK, "weights": 0.0 if master else weights, "gradients": shards,
             "optimizer_step": 0.0 if offload else _step_temporaries(sharded, one_tensor / split)}
-    phases = [*backward(first, True), step] if walked else [   # the first backward (and, making new
+    phases = [*backward(first, True), step] if walked else [*ending,   # the first backward (and, making new
         *backward(first, micro_batches > held),     # shards, the step's first micro-batch's), the time
         *(backward(first, False) if reduce_every and micro_batches > held else ()),   # between
         {**backward(activations + deferred[1] + (losses - 1) * kept, micro_batches > held)[0],
          "buffers": between},     # backwards (zero-bubble), the second
         *backward(activations * later / held + (max(losses - 1, 1) - 1) * kept, micro_batches > 1), step]
     return _at_peak(persistent, phases)
+
+
+def _sharded_states(params, expert_params, padding: tuple, splits: tuple, masters: tuple, offload: bool) -> tuple:
+    """What ZeRO splits over `splits` (the dense parameters' ranks, the experts'), padded as FSDP2
+    pads them: a function of the bytes per element (and the experts' extra) to a rank's bytes, and
+    a rank's optimizer state and gradient shards (none on the device when offloaded)."""
+    dense, experts = params - expert_params + padding[0], expert_params + padding[1]
+    sharded = lambda per, extra=0.0: dense * per / splits[0] + experts * (per + extra) / splits[1]
+    if offload:
+        return sharded, 0.0, 0.0
+    return sharded, sharded(ADAM_STATE_BYTES + masters[0], masters[1] - masters[0]), sharded(GRADIENT_BYTES)
 
 
 def _reduced_phases(held_now: dict, earlier: bool, *, walked, at, kept_weights, shards, group, zero: int, loss,

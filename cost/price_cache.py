@@ -21,7 +21,7 @@ from autopar.cost.forms import expert_data_parallel
 from autopar.cost.layout import GraphLayout, graph_batch, infer_layout
 from autopar.cost.padding import padding_elements
 from autopar.cost.mesh import Mesh
-from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, sharding_groups
+from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, reduce_order, sharding_groups
 from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
@@ -225,6 +225,15 @@ class PriceCache:
         key = ("states", split.key, *spec.layout_key)
         return self._get(key, lambda: chunk_states(
             self.graph, self.layout(spec), split.owner, len(split.node_sets), self.readers(split)))
+
+    def reduce_order(self, split: Split, spec: StageSpec) -> list[tuple]:
+        """Per chunk, its FSDP groups in the order the step's one reduction meets them
+        (cost.stages.reduce_order): split experts are groups of their own."""
+        def make():
+            experts = set(expert_parameters(self.expert_layers())) if spec.ep > 1 else set()
+            return reduce_order(self.graph, self.layout(spec), split.owner, len(split.node_sets), experts,
+                                self.readers(split))
+        return self._get(("reduce_order", split.key, *spec.layout_key), make)
 
     def _members(self, split: Split, spec: StageSpec) -> list:
         """Each chunk's node layouts, in graph order."""

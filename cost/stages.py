@@ -12,6 +12,7 @@ divide and otherwise by `blocks_per_chunk`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autopar.cost.config import Config
 from autopar.cost.units import module_units
@@ -19,6 +20,9 @@ from autopar.errors import AutoparError
 from autopar.graph import Graph, Role
 from autopar.plans.stage_flow import assign_units, live
 from autopar.plans.vocabulary import Recompute
+
+if TYPE_CHECKING:
+    from autopar.cost.layout import GraphLayout
 
 
 @dataclass(kw_only=True, slots=True)
@@ -216,6 +220,32 @@ def group_elements(graph: Graph, owner: list[int], chunks: int, elements: dict[s
         for chunk in (readers or {}).get(name) or {owner[index[name]]}:
             groups[chunk][path] = groups[chunk].get(path, 0.0) + elements.get(name, 0.0)
     return groups
+
+
+def reduce_order(graph: Graph, layout: GraphLayout, owner: list[int], chunks: int, experts: set[str],
+                 readers: dict[str, set[int]]) -> list[tuple]:
+    """Per chunk, its FSDP groups in the order the step's one reduction meets them
+    (cost/step_reduce.py), each (elements a device holds, elements of its last parameter, whether
+    it is the split `experts`' own group). The stage's own group first: what no layer's group
+    holds (weights tied across layers: `parameter_groups`); each stage that reads a weight holds
+    its own copy (`readers`: cost.traffic.parameter_readers), and a tied weight's unread name
+    nothing (as cost.chunk_price.chunk_states counts them)."""
+    groups = parameter_groups(graph)
+    tied = {fqn for node in graph.parameters if node.tied_to for fqn in (node.param_fqn, node.tied_to)}
+    order: list[dict] = [{} for _ in range(chunks)]
+    for node in graph.parameters:
+        elements = layout.param_local.get(node.name)
+        if elements is None or (node.param_fqn in tied and node.name not in readers):
+            continue
+        path = groups.get(node.name, "")
+        root = not path or TIED_SEPARATOR in path
+        key = ("", False) if root else (path, node.name in experts)
+        for chunk in readers.get(node.name) or {owner[layout.index[node.name]]}:
+            held = order[chunk].setdefault(key, [0.0, 0.0])
+            held[0] += elements
+            held[1] = elements
+    return [tuple((total, last, experts) for (path, experts), (total, last)
+                  in sorted(chunk.items(), key=lambda item: item[0][0] != "")) for chunk in order]
 
 
 def parameter_groups(graph: Graph) -> dict[str, str]:

@@ -11,7 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autopar
-from autopar.cost.chunk_price import _first_keepers
+from autopar.cost.gradient_flow import first_keepers
 from autopar.cost.gradient_flow import backward_peak
 from autopar.cost.layout import infer_layout
 from autopar.simulate.memory import MemoryRecorder
@@ -64,7 +64,7 @@ def test_the_backwards_fullest_moment_is_autograds(body):
     graph = autopar.capture(model, (x[:1],))
     layout = infer_layout(graph, 1, compute_dtype="float32")
     regions = [None] * len(graph.nodes)
-    poly = backward_peak(graph, layout, layout.nodes, _first_keepers(layout, regions, layout.nodes))
+    poly = backward_peak(graph, layout, layout.nodes, first_keepers(graph, layout, regions, layout.nodes))
     predicted = sum(poly.values()) * x.shape[0]
     weight_gradients = sum(p.numel() * 4 for p in model.parameters())   # priced apart
     assert abs(held_by_backward(model, x) - predicted) <= weight_gradients
