@@ -115,9 +115,13 @@ class ExpertParallel(nn.Module):
     """A MoE layer's experts, dispatched to the ranks that hold them (module doc)."""
 
     def __init__(self, *, program: LocalProgram, experts: list[nn.Module], num_experts: int,
-                 route: RouteInput | None, output: torch.Tensor, where: str):
+                 route: RouteInput | None, output: torch.Tensor, where: str,
+                 rows_follow_weights: bool = False):
         super().__init__()
         self.program = program
+        # the model casts the rows to the experts' dtype: to their weights' as they run
+        # (autopar.passes.expert_parallel._rows_cast_to_the_experts)
+        self.rows_follow_weights = rows_follow_weights
         # the modules holding each expert weight, whole [E, ...] or this rank's slice of it
         self.experts = nn.ModuleList(experts)
         self.num_experts = num_experts
@@ -145,6 +149,8 @@ class ExpertParallel(nn.Module):
 
     def forward(self, rows, route, *constants):
         batched = self.route is None
+        if self.rows_follow_weights:
+            rows = rows.to(_local(self.experts[0]()).dtype)
         if rows.is_meta or (is_fake(rows) and not self.balanced_routing):   # shapes only
             leading = rows.shape[:2] if batched else rows.shape[:1]
             return rows.new_empty((*leading, *self.output_shape[len(leading) - 1:]),

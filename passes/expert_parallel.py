@@ -40,9 +40,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from autopar.errors import PlanMismatchError
+from autopar.mixed_dtypes import casts_following_weights
 from autopar.passes.expert_dispatch import ExpertParallel, LocalProgram, RouteInput, grouped_mm
 from autopar.passes.experts import (CHECK, GROUPED_MM, ExpertLayer, ExpertStructureError,
                                     find_expert_layers, grouped_arguments)
+from autopar.passes.precision import parameter_dtype
 from autopar.passes.program import PassTarget, StageProgram
 
 
@@ -114,25 +116,43 @@ def rewrite_experts(gm: fx.GraphModule) -> list[ExpertParallel]:
     routing value that says which expert each row goes to, and the constants; returns the new
     modules, in graph order. Without process groups they compute what the graph did."""
     modules = []
+    following = casts_following_weights(gm.graph, parameter_dtype(gm))
     for index, layer in enumerate(find_expert_layers(gm)):
         program = _extract(layer)
         _check_any_size(program, layer)
+        cast = _rows_cast_to_the_experts(layer, following)
         module = ExpertParallel(
             program=program, experts=[gm.get_submodule(h.target) for h in layer.holders],
             num_experts=layer.num_experts, route=_route_input(layer),
-            output=layer.out.meta["val"], where=layer.where)
+            output=layer.out.meta["val"], where=layer.where, rows_follow_weights=cast is not None)
         name = f"expert_parallel_{index}"
         gm.add_submodule(name, module)
+        rows = layer.rows if cast is None else cast.args[0]
         with gm.graph.inserting_after(layer.out):
-            call = gm.graph.call_module(name, (layer.rows, _route_node(layer), *layer.constants))
+            call = gm.graph.call_module(name, (rows, _route_node(layer), *layer.constants))
         call.meta = dict(layer.out.meta)
         layer.out.replace_all_uses_with(call, delete_user_cb=lambda user: user is not call)
         _erase(gm, layer)
+        if cast is not None and not cast.users:
+            gm.graph.erase_node(cast)
         modules.append(module)
     if modules:
         gm.graph.lint()
         gm.recompile()
     return modules
+
+
+def _rows_cast_to_the_experts(layer: ExpertLayer, following: dict[fx.Node, fx.Node]) -> fx.Node | None:
+    """The cast of the layer's rows to its experts' weights' dtype (`input.to(weight.dtype)`), if
+    that is what the rows are and only the experts read it: ExpertParallel makes it, in the
+    dtype of the weights it runs with (FSDP2 may hand them in 16 bits), before it splits and
+    sends the rows. Left in the graph it would cast them to the traced dtype (fp32), and the
+    rows would be split, sent and their gradients gathered at twice the bytes of 16-bit ones."""
+    rows = layer.rows
+    members = set(layer.body) | set(layer.weights)
+    if following.get(rows) in layer.weights and all(user in members for user in rows.users):
+        return rows
+    return None
 
 
 def _extract(layer: ExpertLayer) -> LocalProgram:

@@ -38,7 +38,7 @@ def follow_weight_dtypes(module: nn.Module) -> None:
     prices values by). Before FSDP2 wraps the stage: a graph recompiled after it swapped the
     module's class calls itself."""
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
-        following = casts_following_weights(graph_module.graph, _parameter_dtype(graph_module))
+        following = casts_following_weights(graph_module.graph, parameter_dtype(graph_module))
         for node, weight in following.items():
             with graph_module.graph.inserting_before(node):
                 # the weight read again where the cast is: its own read stays with the op that
@@ -53,7 +53,7 @@ def follow_weight_dtypes(module: nn.Module) -> None:
             graph_module.recompile()
 
 
-def _parameter_dtype(graph_module: fx.GraphModule):
+def parameter_dtype(graph_module: fx.GraphModule):
     """A node's captured dtype where it reads a parameter (a TensorRef call), else None."""
     def dtype(node: fx.Node) -> torch.dtype | None:
         if node.op != "call_module":
