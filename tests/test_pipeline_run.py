@@ -206,10 +206,11 @@ def megatron_layout(dp: int, sequence_parallel: bool = False) -> tuple[dict, dic
     return plan.parameters, plan.nodes
 
 
-def test_tensor_parallel_stages_2x2_with_and_without_sequence_parallelism():
+# sequence parallel stages in a pipeline are trained in the default tier by tests/test_conformance.py
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tp", "tp-sp"])
+def test_tensor_parallel_stages_2x2_with_and_without_sequence_parallelism(sp):
     cut = [UNITS[:5], UNITS[5:]]
-    plans = [make_plan(cut, pp=2, tp=2, schedule="1f1b", layout=megatron_layout(1, sp))
-             for sp in (False, True)]
+    plans = [make_plan(cut, pp=2, tp=2, schedule="1f1b", layout=megatron_layout(1, sp))]
     results = autopar.launch(train_plans, 4, plans, adamw, timeout=120)
     for report in results[0]:
         assert_equal_to_one_process(report)
