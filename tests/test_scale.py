@@ -161,6 +161,7 @@ def train_bf16(forms: dict) -> dict:
     return results
 
 
+@pytest.mark.slow      # bf16 against one process's autocast: tests/test_fp16.py in the default tier
 @pytest.mark.multiprocess
 def test_bf16_tracks_single_process_autocast():
     forms = {"dp": Config(dp=2, global_batch=BATCH, micro_batch=4),

@@ -241,6 +241,7 @@ def test_four_chunks_a_rank_gather_their_zero_1_weights_once_a_step():
     assert gathered["sent_bytes"] == gathered["predicted_sent_bytes"]
 
 
+@pytest.mark.slow      # the default tier's simulated ranks above cover its form
 def test_a_stage_of_one_replica_computes_in_16_bits_as_one_of_many():
     """bf16 without data parallelism (tp2 x pp2 on 4 GPUs): FSDP2's mixed precision holds the
     weights of a stage of one replica too, so the first stage's embedding lookup, and the
@@ -288,6 +289,7 @@ def _tensor_parallel_sent(recompute: str, sequence_parallel: bool) -> dict:
             if entry["axis"] == "tp"}
 
 
+@pytest.mark.slow      # the default tier's simulated ranks above cover its form
 def test_a_recomputed_layer_skips_its_closing_reduction():
     """torch's checkpoint stops a layer's second forward once its backward has what it needs (the
     MLP's down projection keeps its input): the all-reduce of that projection's partial sums
@@ -396,6 +398,7 @@ def test_values_handed_between_stages_are_never_partial_sums():
         _assert_sent_as_priced(report)
 
 
+@pytest.mark.slow      # the default tier's simulated ranks above cover its form
 def test_ring_attention_keeps_what_a_flash_kernel_keeps():
     """pp2 x cp2 x dp2 in bf16, the first pipeline rank: ring attention computes in fp32 but
     keeps its queries, keys, values and output for the backward in the dtype attention reads
@@ -407,6 +410,7 @@ def test_ring_attention_keeps_what_a_flash_kernel_keeps():
     _assert_sent_as_priced(report)
 
 
+@pytest.mark.slow      # the default tier's simulated ranks above cover its form
 def test_a_fused_norms_backward_holds_only_its_gradients():
     """tp2 x pp2 x dp2 llama in bf16, the first pipeline rank, whose peak is in a norm's
     backward: a GPU's fused rms_norm backward makes the input's and the weight's gradients and
@@ -417,6 +421,7 @@ def test_a_fused_norms_backward_holds_only_its_gradients():
     _assert_holds_as_predicted(report)
 
 
+@pytest.mark.slow      # the default tier's simulated ranks above cover its form
 def test_a_single_stages_loss_backward_holds_no_gathered_group_nor_reduction_input():
     """dp4 ZeRO-3 in bf16, two micro-batches of one stage, a vocabulary large enough that the
     second micro-batch's loss backward is the peak. FSDP2 lets go of the last reduce-scatter's
