@@ -26,12 +26,15 @@ def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, f
     dense and its experts' elements), its moments are weighed as `_reducing_moment`; those of the
     backwards before it, which reduce nothing, count where there are any `between` the first
     and the last; where that backward is the step's only one (`alone`), with no gradients
-    accumulated before it."""
+    accumulated before it. Returned: the flowing bytes, the paired (None if none is known) and,
+    where FSDP2 accumulates a step's gradients over its backwards, the fullest moment of the
+    step's first (`_accumulating_moment`; None otherwise)."""
     if split:
         flowing = _largest([poly_at(c.split_flowing_poly, seq_ratio) for c in chunks]) * b
         whole = [poly_at(dict(poly), seq_ratio) * b + elements * element
                  for c in chunks for poly, elements in c.split_whole_polys]
-        return flowing, _largest([flowing, *whole]) if whole else None
+        return flowing, _largest([flowing, *whole]) if whole else None, None
+    accumulating = None
     if fsdp:
         moments = [m for c in chunks for m in c.moments]
         paired = [_moment_bytes(m, seq_ratio, b, element, resharding)
@@ -39,11 +42,13 @@ def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, f
         if last_reduction is not None:
             paired += [_reducing_moment(m, seq_ratio, b, element, last_reduction, accumulated=not alone)
                        for m in moments]
+        if moments and not alone:
+            accumulating = _largest([_accumulating_moment(m, seq_ratio, b, element, resharding) for m in moments])
     else:
         paired = [poly_at(dict(poly), seq_ratio) * b + elements * element
                   for c in chunks for poly, elements in c.paired_polys]
     return (_largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks]) * b,
-            _largest(paired) if paired else None)
+            _largest(paired) if paired else None, accumulating)
 
 
 def _moment_bytes(m, seq_ratio, b, element: int, resharding: bool):
@@ -51,6 +56,16 @@ def _moment_bytes(m, seq_ratio, b, element: int, resharding: bool):
     the gathered weights of the groups done where they are `resharding`."""
     return ((poly_at(dict(m.flowing), seq_ratio) - poly_at(dict(m.freed), seq_ratio)) * b
             + (m.grads - (sum(m.reduced) if resharding else 0.0)) * element)
+
+
+def _accumulating_moment(m, seq_ratio, b, element: int, resharding: bool):
+    """A moment of the step's first backward where FSDP2 accumulates the gradients over the
+    step's backwards: the gradients of each group done stay, in fp32 (FSDP2's reduce dtype), and
+    as a 16-bit group's end (`releasing`) copies its gradients into fp32 both are alive
+    (FSDP2's `to_accumulated_grad_if_needed`); in fp32 the group keeps its own."""
+    done, ending = sum(m.reduced) - sum(m.releasing), sum(m.releasing)
+    copied = GRADIENT_BYTES if element < GRADIENT_BYTES else 0.0
+    return _moment_bytes(m, seq_ratio, b, element, resharding) + GRADIENT_BYTES * done + copied * ending
 
 
 def _reducing_moment(m, seq_ratio, b, element: int, kept: tuple, *, accumulated: bool):

@@ -26,7 +26,7 @@ def memory_expression(graph: Graph, mesh: Mesh, config: Config, *,
     symbol), for config's number of micro-batches per step; with `seq`, also in the sequence
     length.
 
-    Sequence scaling comes from the graph (`autopar.cost.memory.sequence_dims`): every saved
+    Sequence scaling comes from the graph (`autopar.cost.sequence_dims`): every saved
     tensor's bytes are its captured bytes times (seq / captured seq) to the number of its dims
     that derive from the input ids' dim 1 (2 for unfused attention's score matrices); parameters
     and optimizer states do not scale (a learned position table is fixed in size). Exact while

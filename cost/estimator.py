@@ -404,8 +404,8 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
     element = 4 if precision == Precision.FP32 else 2
     fsdp = holds_weights_in_fsdp(replicas=spec.dp * spec.cp, offload=spec.offload, precision=precision)
     resharding, reduction = backward_reductions(spec, schedule, pipelined=pp > 1)
-    flowing, paired = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=fsdp, between=m > 2,
-                                       resharding=resharding, last_reduction=reduction, alone=m == 1)
+    transients = block_transients(chunks, seq_ratio, b, element, split=pending > 0, fsdp=fsdp, between=m > 2,
+                                  resharding=resharding, last_reduction=reduction, alone=m == 1)
     # what the earlier backwards' last reduce-scatters hold: each chunk of a rank is an FSDP2
     # root of its own, keeping its last reduce-scatter input until its own last backward
     lasts = [c.group if (last := last_scattered(c.moments)) is None else last * padded_ratios(c)[0] for c in chunks]
@@ -427,11 +427,11 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1)
                        - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
                                                       stage=pp - 1) - 1, 0),
-                       logits=logits, flowing=flowing, paired=paired, alone=m == 1 and fsdp and reduction is not None,
+                       logits=logits, **dict(zip(("flowing", "paired", "accumulating"), transients)),
                        expert_params=sum(c.expert_params for c in chunks), one_tensor=max(
                            c.largest for c in chunks) if one_tensor_steps else 0.0,
                        padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
-                       expert_dp=expert_data_parallel(spec),
+                       expert_dp=expert_data_parallel(spec), alone=m == 1 and fsdp and reduction is not None,
                        received=m * b * sum(poly_at(c.received_poly, seq_ratio) for c in chunks)
                        if receive_buffers else 0.0,
                        moments=[_weighed(moment, seq_ratio, b, padded, c.experts_by_rows, *met)

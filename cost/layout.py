@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
-from autopar.cost.memory import sequence_dims
+from autopar.cost.sequence_dims import sequence_dims
 from autopar.cost.storage import copies, is_noop, storage_of
 from autopar.plans.placements import shard_dim
 from autopar.plans.vocabulary import DTYPE_BYTES
@@ -111,7 +111,7 @@ class GraphLayout:
     param_local: dict[str, float]      # parameter node -> elements on one rank
     batch: int                         # the captured batch size
     seq_degree: dict[str, int] = field(default_factory=dict)   # storage owner -> power of the
-                                       # sequence length in its size (memory.sequence_dims)
+                                       # sequence length in its size (cost/sequence_dims.py)
     dtype: str = "bfloat16"            # what floating activations and weights are computed in
     wide: dict = field(default_factory=dict)   # node -> dtype: values held wider (element_bytes)
     distributed: bool = False          # its values are DTensors (tp > 1), which autograd sums out of place

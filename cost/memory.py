@@ -126,7 +126,7 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
                reduce_every: bool = False, expert_params: float = 0.0, expert_dp: int = 1, received=0.0,
                loss_held: int | None = None, offload: bool = False, one_tensor: float = 0.0,
                deferred=(0.0, 0.0), split_backward=False, paired=None, padding=(0.0, 0.0), moments=(), forwards=(),
-               walked=(), alone: bool = False, reduced_at_end=((), (1.0, 1.0))) -> dict:
+               walked=(), alone: bool = False, reduced_at_end=((), (1.0, 1.0)), accumulating=None) -> dict:
     """Memory of one device at its peak, by part (`_at_peak`), phases as in the module docstring.
     `params` elements of its stage(s) (`expert_params` of them experts', whose optimizer state and
     gradient shards ZeRO splits over their `expert_dp` ranks), `gathered` those ZeRO-3 holds
@@ -135,22 +135,21 @@ def peak_bytes(*, params: float, gathered: float, weight: float, zero: int, dp: 
     the loss's fp32 copy of its `logits` elements and, in a pipeline, the logits (cached by
     PipelineStage). A backward's transients (`buffers`): the loss's copy and gradients, or a block
     backward's fullest moment (`flowing`, rerun activations included) with the gradient of the
-    weight it reads (`weight`; `paired`: `_transients`); under `reduce_every`, the `moments`
-    (`_moment_phase`), under ZeRO-3 the `forwards`'. `received`, `deferred`, `split_backward`,
-    `padding`, `offload`, `one_tensor`, `reduced_at_end`: receive buffers, zero-bubble's kept
-    gradients and split backward (module docstring), ZeRO's padding, states on the host,
-    `_step_temporaries`, the groups of a stage that reduces once (cost/step_reduce.py). `walked`:
-    an interleaved rank's backwards in its order, each with what it holds then, in place of the
-    first and later (cost/interleaved_order.py); `alone`: the step's only backward, weighed by
-    its `paired` moments, where it reduces group by group."""
+    weight it reads (`weight`; `paired`, `accumulating`: `_transients`); under `reduce_every`,
+    the `moments` (`_moment_phase`), under ZeRO-3 the `forwards`'. `received`, `deferred`,
+    `split_backward`, `padding`, `offload`, `one_tensor`, `reduced_at_end`: receive buffers,
+    zero-bubble's kept gradients and split backward (module docstring), ZeRO's padding, states
+    on the host, `_step_temporaries`, a stage's one reduction (cost/step_reduce.py). `walked`: an
+    interleaved rank's backwards in its order, with what each holds, in place of the first and
+    later (cost/interleaved_order.py); `alone`: the step's only backward, weighed by `paired`."""
     wrapped = holds_weights_in_fsdp(replicas=dp, offload=offload, precision=precision)
     split, expert_split = (dp if wrapped else 1, max(expert_dp, 1)) if zero >= 1 else (1, 1)
     element = 4 if precision == Precision.FP32 else 2     # fp8 recipes keep 16-bit states
     master, expert_master = (MASTER_COPY_BYTES if held else 0 for held in _fsdp_held(precision, wrapped, expert_dp))
     weights = element * (gathered if wrapped and zero == 3 else params + sum(padding))  # padded buffers
     gradients, losses = params * (element if offload else GRADIENT_BYTES), held if loss_held is None else loss_held
-    cached, kept, loss, block, between, block_later = _transients(
-        flowing, weight * element, element * logits if pipelined else 0.0, 4 * logits, split_backward, paired, alone)
+    cached, kept, loss, block, between, block_later = _transients(flowing, weight * element, element * logits
+        if pipelined else 0.0, 4 * logits, split_backward, paired, alone, None if walked else accumulating)
     sharded, optimizer, shards = _sharded_states(params, expert_params, padding, (split, expert_split),
                                                  (master, expert_master), offload)
     persistent = {"weights": weights, "optimizer": optimizer, **({"receive_buffers": received} if received else {})}
@@ -217,19 +216,23 @@ def _reduced_phases(held_now: dict, earlier: bool, *, walked, at, kept_weights, 
             *(blocks or [{**held_now, "gradients": shards if earlier else 0.0, "buffers": block}])]
 
 
-def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: bool, paired, alone: bool) -> tuple:
+def _transients(flowing, weight_gradient, cached, loss_copy, split_backward: bool, paired, alone: bool,
+                accumulating=None) -> tuple:
     """A backward's transient bytes: (the logits a pipeline stage caches, the loss's kept copy
     with them, the loss's backward, a block's backward, a weight backward's, a block's backward
     after an earlier one). Split, the input backward makes no weight gradient but keeps the
     loss's copy (module docstring). After an earlier backward the weight gradient an op makes
-    is a transient beside the accumulated ones: with `paired`, the fullest moment with its own."""
+    is a transient beside the accumulated ones: with `paired`, the fullest moment with its own.
+    Where FSDP2 accumulates the step's gradients, the first backward's moments hold those of
+    the groups done (`accumulating`: cost/backward_transients.py)."""
     kept = LOSS_KEPT_COPIES * loss_copy + cached
     loss = kept + LOSS_BACKWARD_COPIES * loss_copy
     if split_backward:      # `paired`: where an input backward reads a weight whole
         block = (flowing if paired is None else paired) + kept
         return cached, kept, loss, block, weight_gradient, block
     block = paired + cached if alone else flowing + weight_gradient + cached
-    return cached, kept, loss, block, 0.0, block if paired is None else paired + cached
+    first = block if accumulating is None else accumulating + cached
+    return cached, kept, loss, first, 0.0, block if paired is None else paired + cached
 
 
 def _fsdp_held(precision: str, wrapped: bool, expert_dp: int) -> tuple[bool, bool]:
@@ -370,131 +373,3 @@ def megatron_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, 
     if sequence_parallel:
         return sbh * (34 + scores) / tp
     return sbh * (10 + (24 + scores) / tp)
-
-
-# Ops whose output dims are their input's, reordered or regrouped; the rest align to the right.
-_REGROUP = {"view", "reshape", "_unsafe_view", "flatten", "unflatten"}
-_MATMULS = {"mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
-
-
-def sequence_dims(graph, seq: int) -> dict[str, tuple[int, ...]]:
-    """Per node, how many factors of the sequence length each dim of its output holds (1 for a
-    [.., seq, ..] dim, 2 for a merged seq*seq dim), so that a tensor's size at sequence length s'
-    is its captured size times (s'/seq) ** sum(dims).
-
-    Derived from the shapes, starting from the model's inputs of token ids (integers, [batch,
-    seq, ...]: the ids, the targets of a loss), whose dim 1 is the sequence (`seq`, 0 for a model
-    fed features: then nothing scales):
-    views and transposes move dims, matmuls and embeddings take the dims of the operand they come
-    from, other ops align their output with their inputs from the right (broadcasting) and keep an
-    input dim's factor where the sizes agree. Assumptions: a tensor made from no tensor (the
-    positions of `arange`) has the sequence in its dims of size `seq`, as has a parameter or buffer
-    table sliced to `seq` rows (rotary tables); parameters and buffers themselves never scale; the
-    sequence is captured longer than 1; a tensor cut to another length (targets shifted by one,
-    `seq - 1`) is taken not to scale. Exact for the GPT and Llama presets."""
-    from autopar.cost.layout import op_name      # layout builds on this module
-    by_name = {n.name: n for n in graph.nodes}
-    dims: dict[str, tuple[int, ...]] = {}
-    for node in graph.nodes:
-        if node.role.value == "input":
-            ids = node.dtype.startswith(("int", "uint")) and len(node.shape) >= 2
-            dims[node.name] = tuple(int(ids and d == 1 and seq > 0 and size == seq)
-                                    for d, size in enumerate(node.shape))
-        elif node.role.value in ("parameter", "buffer") or node.target == "output":
-            dims[node.name] = (0,) * len(node.shape)
-        else:
-            dims[node.name] = _node_dims(node, op_name(node.target), by_name, dims, seq)
-    return dims
-
-
-def _node_dims(node, name: str, by_name: dict, dims: dict, seq: int) -> tuple[int, ...]:
-    shape = node.shape
-    sources = [dims[i] for i in node.inputs]
-    if not node.dtype and node.inputs:         # a multi-output op (chunk, split): its input's
-        return sources[0]
-    if not node.inputs:                        # made from nothing: positions, masks
-        return tuple(int(size == seq) for size in shape)
-    source = _shape(by_name, node.inputs[0])
-    if name in ("transpose", "t") and len(source) == len(shape):
-        marks = list(sources[0])
-        d0, d1 = (node.args[1], node.args[2]) if name == "transpose" else (0, 1)
-        marks[d0], marks[d1] = marks[d1], marks[d0]
-        return tuple(marks)
-    if name == "permute":
-        return tuple(sources[0][d] for d in node.args[1])
-    if name in _REGROUP:
-        return _regroup(source, sources[0], shape, seq)
-    if name == "embedding" and len(sources) == 2:   # (weight, indices): the indices' dims, features
-        return sources[1] + (0,)
-    if name in _MATMULS and _matrices(shape, sources, _MATMULS[name]):
-        a, b = _MATMULS[name]
-        lead = _aligned(shape[:-2], [(_shape(by_name, node.inputs[a])[:-2], sources[a][:-2]),
-                                     (_shape(by_name, node.inputs[b])[:-2], sources[b][:-2])])
-        return lead + (sources[a][-2], sources[b][-1])
-    if name == "linear":                       # the weight's rows are the output features
-        return sources[0][:-1] + (0,)
-    if name in ("slice", "narrow") and not any(sources[0]):
-        dim = node.args[1] if len(node.args) > 1 else 0
-        marks = [0] * len(shape)
-        marks[dim] = int(shape[dim] == seq and source[dim] != seq)
-        return tuple(marks)
-    return _aligned(shape, [(_shape(by_name, i), dims[i]) for i in node.inputs])
-
-
-def _matrices(shape, sources: list, operands: tuple[int, int]) -> bool:
-    """Both operands of a matmul and its output are (batches of) matrices."""
-    return (len(shape) >= 2 and len(sources) > max(operands)
-            and all(len(sources[k]) >= 2 for k in operands))
-
-
-def _shape(by_name: dict, name: str) -> tuple[int, ...]:
-    """A node's output shape; a multi-output op's (chunk, split) is taken as its input's."""
-    node = by_name[name]
-    while not node.dtype and node.inputs:
-        node = by_name[node.inputs[0]]
-    return node.shape
-
-
-def _aligned(shape, operands: list) -> tuple[int, ...]:
-    """Right-aligned broadcasting: an output dim keeps the largest factor of the operand dims of
-    the same size at the same place from the right."""
-    marks = []
-    for k in range(-len(shape), 0):
-        found = [m[k] for s, m in operands if len(s) >= -k and len(m) == len(s) and s[k] == shape[k]]
-        marks.append(max(found, default=0) if shape[k] != 1 else 0)
-    return tuple(marks)
-
-
-def _regroup(source, marks, shape, seq: int) -> tuple[int, ...]:
-    """A view or reshape: dims are matched in runs of equal products; a run's factors go to its
-    output dims of size `seq`, the rest to its largest dim."""
-    out, i, j = [], 0, 0
-    while j < len(shape):
-        if i >= len(source):
-            out.append(0)
-            j += 1
-            continue
-        run_in, run_out = [i], [j]
-        p_in, p_out = source[i], shape[j]
-        while p_in != p_out:
-            if p_in < p_out:
-                i += 1
-                run_in.append(i)
-                p_in *= source[i]
-            else:
-                j += 1
-                run_out.append(j)
-                p_out *= shape[j]
-        i, j = i + 1, j + 1
-        total = sum(marks[k] for k in run_in)
-        group = [0] * len(run_out)
-        if len(run_in) == len(run_out) == 1:
-            group[0] = total
-        else:
-            for n, k in enumerate(run_out):
-                if total and shape[k] == seq:
-                    group[n], total = 1, total - 1
-            if total:
-                group[max(range(len(run_out)), key=lambda n: shape[run_out[n]])] += total
-        out.extend(group)
-    return tuple(out)
