@@ -211,3 +211,24 @@ def test_the_last_backward_reduces_each_group_as_it_ends_and_keeps_its_output():
     assert reduces(2, "zero-bubble", pipelined=False)
     assert not any((reduces(2, "1f1b", pipelined=False), reduces(3, "1f1b", pipelined=False),
                     reduces(0, "1f1b", pipelined=True), reduces(1, "gpipe", pipelined=True)))
+
+
+def test_a_first_backward_holds_the_gradients_of_the_groups_done_in_fp32():
+    """Where FSDP2 accumulates a step's gradients over its backwards, the step's first backward
+    keeps each group's gradients once the group is done, in fp32 (its reduce dtype): in 16-bit
+    training a group's end copies its 16-bit gradients into fp32, both alive at that moment; in
+    fp32 the gradients are kept as they are. A step's only backward accumulates nothing."""
+    from autopar.cost.backward_transients import block_transients
+    from autopar.cost.chunk_price import Chunk
+
+    moments, _ = _moments()
+    assert any(any(m.releasing) for m in moments) and any(sum(m.reduced) > sum(m.releasing) for m in moments)
+    for moment in moments:
+        chunk = Chunk(moments=(moment,), flowing_poly={0: 0.0})
+        done, ending = sum(moment.reduced) - sum(moment.releasing), sum(moment.releasing)
+        for element in (2, 4):
+            weigh = lambda **kw: block_transients([chunk], 1, 1, element, split=False, fsdp=True, **kw)
+            plain = weigh()[1]
+            copied = 4 * ending if element == 2 else 0.0
+            assert weigh()[2] == pytest.approx(plain + 4 * done + copied)
+            assert weigh(alone=True)[2] is None
