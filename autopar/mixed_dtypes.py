@@ -12,8 +12,9 @@ Where a value crosses from one of the stage's units to another (`fsdp_units`: th
 runtime splits a stage into, each layer path of the pipeline units), what the runtime does there
 is done too: a view of the value (and a cast, whose schema is a view's) is taken again in the
 reading unit, and a unit FSDP2 wraps is handed floating values in 16 bits (its mixed precision
-casts a module's inputs). Units are as a stage of every unit has them: a head tied to the
-embedding, which FSDP2 wraps alone on a last pipeline stage, is counted unwrapped.
+casts a module's inputs). A head tied to the embedding shares its weight with it, and FSDP2 leaves
+both unwrapped, where they are in one stage; in a pipeline they never are (`ties_apart`), and the
+last stage wraps its head alone.
 
 `wide_values(graph, device_type)` runs the captured program once on fake tensors under that
 device's own autocast (torch's dispatch, not a list of ours; a fake CUDA tensor runs CUDA's rules
@@ -80,31 +81,41 @@ def _weights_read(user: fx.Node, cast: fx.Node, weight_dtype) -> list[fx.Node]:
     return found
 
 
-def wide_values(graph: Graph, device_type: str) -> dict[str, str]:
+def wide_values(graph: Graph, device_type: str, ties_apart: bool = False) -> dict[str, str]:
     """Node -> dtype of the floating values held wider than 16 bits when `device_type` ("cuda",
-    "cpu") runs the graph in bf16 (fp16 keeps the same ones: autocast's rules are the same)."""
-    return mixed_dtypes(graph, device_type)[0]
+    "cpu") runs the graph in bf16 (fp16 keeps the same ones: autocast's rules are the same), in
+    one of a pipeline's stages where `ties_apart` (`fsdp_units`)."""
+    return mixed_dtypes(graph, device_type, ties_apart)[0]
 
 
-def mixed_dtypes(graph: Graph, device_type: str) -> tuple[dict[str, str], dict[str, str]]:
+def mixed_dtypes(graph: Graph, device_type: str, ties_apart: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     """The values held wider than 16 bits (`wide_values`), and those made wider, whose gradients
     are: a value handed to another unit in 16 bits is held as the copy, but its gradient flows
-    back to the fp32 original, which reduces it. Kept on the graph: each device type runs once."""
-    if device_type not in graph.mixed_dtypes:
-        graph.mixed_dtypes[device_type] = _run_mixed(graph, device_type) \
+    back to the fp32 original, which reduces it. Kept on the graph: each device type runs once,
+    and once more in a pipeline's stages where the graph ties its head to its embedding."""
+    key = (device_type, ties_apart and ties_apart_matter(graph))
+    if key not in graph.mixed_dtypes:
+        graph.mixed_dtypes[key] = _run_mixed(graph, device_type, key[1]) \
             if graph.program is not None else ({}, {})
-    return graph.mixed_dtypes[device_type]
+    return graph.mixed_dtypes[key]
+
+
+def ties_apart_matter(graph: Graph) -> bool:
+    """Whether FSDP2 wraps other units of a pipeline's stages than of the whole model: a
+    weight the embedding and the head alone share (`fsdp_units`)."""
+    return fsdp_units(graph, ties_apart=True)[1] != fsdp_units(graph)[1]
 
 
 def as_run_on(graph: Graph, device_type: str) -> Graph:
     """A copy of `graph` whose every device type keeps the values `device_type`'s autocast keeps:
     what a run on that device's tensors standing for another's is priced against (a simulation's
     fake CPU tensors for GPUs)."""
-    found = mixed_dtypes(graph, device_type)
-    return dataclasses.replace(graph, mixed_dtypes={kind: found for kind in ("cpu", "cuda")})
+    found = {apart: mixed_dtypes(graph, device_type, apart) for apart in (False, True)}
+    return dataclasses.replace(graph, mixed_dtypes={(kind, apart): dtypes for kind in ("cpu", "cuda")
+                                                    for apart, dtypes in found.items()})
 
 
-def _run_mixed(graph: Graph, device_type: str) -> tuple[dict[str, str], dict[str, str]]:
+def _run_mixed(graph: Graph, device_type: str, ties_apart: bool) -> tuple[dict[str, str], dict[str, str]]:
     program = graph.program
     module = program.graph_module
     parameters = {spec.arg.name for spec in program.graph_signature.input_specs
@@ -114,26 +125,29 @@ def _run_mixed(graph: Graph, device_type: str) -> tuple[dict[str, str], dict[str
                              and isinstance(node.meta.get("val"), torch.Tensor) else None)
     following = casts_following_weights(module.graph, captured)
     dtype = torch.bfloat16
-    units = fsdp_units(graph)
+    units = fsdp_units(graph, ties_apart)
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = [_fake(node, device_type, dtype if name in parameters else None)
                   for name, node in placeholders.items()]
         runner = _MixedRunner(module, {cast.name for cast in following}, dtype, device_type, units)
         with _autocast(device_type, dtype):
             runner.run(*inputs)
-    return runner.held_wide(), runner.wide
+    return runner.held_wide(), runner.made_wide()
 
 
-def fsdp_units(graph: Graph) -> tuple[dict[str, int], set[int]]:
+def fsdp_units(graph: Graph, ties_apart: bool = False) -> tuple[dict[str, int], set[int]]:
     """The unit of each node as the runtime splits a stage (every layer path of the pipeline
     units, autopar.plans.stage_flow's rules), and the units FSDP2 wraps: those holding parameters
-    of their own (autopar.runtime.data_parallel). FSDP2's mixed precision casts the floating
-    values a wrapped unit is handed to 16 bits (`cast_forward_inputs`), and so does a pipeline
-    stage's boundary, which is a unit's too."""
+    of their own in their stage (autopar.runtime.data_parallel). FSDP2's mixed precision casts the
+    floating values a wrapped unit is handed to 16 bits (`cast_forward_inputs`), and so does a
+    pipeline stage's boundary, which is a unit's too. `ties_apart`: the stage is one of a
+    pipeline's, where the first and the last pipeline units (the embedding, the head) never meet:
+    a weight read by one unit of each is each one's own."""
     from autopar.cost.units import pipeline_units      # cost reads a Graph: imported when used
     from autopar.plans.stage_flow import assign_units, live
 
-    layers = [layer for unit in pipeline_units(graph) for layer in unit.layers]
+    pieces = pipeline_units(graph)
+    layers = [layer for unit in pieces for layer in unit.layers]
     unit_of = assign_units(live(graph.flow_nodes()), layers)
     readers: dict[str, set[int]] = {}
     for node in graph.nodes:
@@ -141,7 +155,9 @@ def fsdp_units(graph: Graph) -> tuple[dict[str, int], set[int]]:
             if node.name in unit_of:
                 readers.setdefault(name, set()).add(unit_of[node.name])
     held = [readers.get(p.name, set()) for p in graph.parameters]
-    shared = {unit for units in held if len(units) > 1 for unit in units}
+    ends = (set(range(len(pieces[0].layers))), set(range(len(layers) - len(pieces[-1].layers), len(layers))))
+    apart = lambda units: ties_apart and len(pieces) > 1 and all(len(units & end) == 1 for end in ends)
+    shared = {unit for units in held if len(units) > 1 and not (len(units) == 2 and apart(units)) for unit in units}
     return unit_of, {unit for units in held for unit in units} - shared
 
 
@@ -185,6 +201,7 @@ class _MixedRunner(fx.Interpreter):
         self.unit_of, self.wrapped = units
         self.wide: dict[str, str] = {}
         self.read_as: dict[str, set[str]] = {}     # value -> dtypes other units read it in
+        self.taken_again: set[str] = set()          # views other units take again from their base
 
     def fetch_args_kwargs_from_env(self, n: fx.Node):
         """What `n` reads, as its unit is handed it (`handed`)."""
@@ -204,6 +221,7 @@ class _MixedRunner(fx.Interpreter):
             return value
         base = arg.all_input_nodes[0] if arg.all_input_nodes else None
         if _is_view(arg) and base is not None and self.unit_of.get(base.name) == producer:
+            self.taken_again.add(arg.name)
             if arg.name in self.following:
                 value = self.handed(base, unit).to(self.dtype)
             else:
@@ -221,14 +239,26 @@ class _MixedRunner(fx.Interpreter):
         handed it (the fp32 original of one cast to 16 bits goes once cast)."""
         held = {}
         for node in self.module.graph.nodes:
-            unit = self.unit_of.get(node.name)
-            readers = self._reader_units(node)
-            outside = unit is not None and readers and unit not in readers and -1 not in readers
-            dtypes = self.read_as.get(node.name, set()) if outside else set()
+            dtypes = self.read_as.get(node.name, set()) if self._read_outside(node) else set()
             dtype = max(dtypes, key=_WIDE.count) if dtypes else self.wide.get(node.name)
             if dtype in _WIDE:
                 held[node.name] = dtype
         return held
+
+    def made_wide(self) -> dict[str, str]:
+        """The values made wider, whose gradients are, but for a view only other units read: each
+        takes it again from what it is handed (`handed`) and places it there (the tensor-parallel
+        redistribution after it, autopar.passes.tensor_parallel.place_nodes, reduces its gradient
+        there), a wrapped unit in 16 bits."""
+        retaken = {node.name for node in self.module.graph.nodes
+                   if node.name in self.taken_again and self._read_outside(node)
+                   and not self.read_as.get(node.name, set()) & set(_WIDE)}
+        return {name: dtype for name, dtype in self.wide.items() if name not in retaken}
+
+    def _read_outside(self, node: fx.Node) -> bool:
+        """Whether only other units than `node`'s read it (none the graph's output)."""
+        unit, readers = self.unit_of.get(node.name), self._reader_units(node)
+        return unit is not None and bool(readers) and unit not in readers and -1 not in readers
 
     def _reader_units(self, node: fx.Node) -> set[int]:
         """The units that read `node` (-1: the graph's output or a value every unit copies); a

@@ -44,7 +44,7 @@ def plan_stages(graph: Graph, plan) -> tuple[Mesh, list[StageSpec]]:
     specs = [StageSpec(layers=list(stage.layers), tp=stage.tp, dp=stage.dp, recompute=stage.recompute,
                        zero=stage.zero, sequence_parallel=stage.sequence_parallel,
                        placements=placements, ep=stage.ep, cp=stage.cp, cp_kind=stage.cp_kind,
-                       offload=stage.offload)
+                       offload=stage.offload, pipelined=len(plan.stages) > 1)
              for stage in plan.stages]
     return Mesh.from_dict(plan.mesh), specs
 

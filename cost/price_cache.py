@@ -25,7 +25,7 @@ from autopar.cost.stages import StageSpec, block_mask, chunk_of_nodes, reduce_or
 from autopar.cost.traffic import parameter_readers, parameter_reads
 from autopar.errors import AutoparError
 from autopar.graph import Graph
-from autopar.mixed_dtypes import mixed_dtypes
+from autopar.mixed_dtypes import mixed_dtypes, ties_apart_matter
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.plans.stage_flow import constants, live
 
@@ -79,22 +79,30 @@ class PriceCache:
     def layout(self, spec: StageSpec) -> GraphLayout:
         """The stage's layout: its tensor-parallel placements, then its expert parallelism, then
         ring attention's saved keys and values."""
-        tp, _, placements, ep, ring = spec.layout_key
-        tensor = self._get(("layout", tp, placements), lambda: self._device_kernels(
+        tp, _, placements, ep, ring, apart = self.layout_key(spec)
+        tensor = self._get(("layout", tp, placements, apart), lambda: self._device_kernels(
             infer_layout(self.graph, tp, compute_dtype=self.dtype, placements=placements,
-                         wide=self.held_dtypes())))
-        experts = self._get(("layout", tp, placements, ep), lambda: with_expert_parallelism(
+                         wide=self.held_dtypes(apart))))
+        experts = self._get(("layout", tp, placements, ep, apart), lambda: with_expert_parallelism(
             tensor, self.expert_layers(), self.graph, ep=ep, tp=tp))
-        return self._get(("layout", *spec.layout_key),
+        return self._get(("layout", *self.layout_key(spec)),
                          lambda: with_ring_attention(experts, self.graph) if ring else experts)
 
-    def held_dtypes(self) -> tuple[dict, dict]:
+    def layout_key(self, spec: StageSpec) -> tuple:
+        """What the stage's layout and prices depend on (StageSpec.layout_key): whether it is one
+        of a pipeline's only where that changes the units FSDP2 wraps, a head tied to the
+        embedding (autopar.mixed_dtypes.ties_apart_matter)."""
+        *key, pipelined = spec.layout_key
+        return (*key, pipelined and self._get(("ties_apart",), lambda: ties_apart_matter(self.graph)))
+
+    def held_dtypes(self, ties_apart: bool = False) -> tuple[dict, dict]:
         """The values held wider than a 16-bit precision, and those whose gradients are, as the
-        mesh's device type runs the graph under autocast (autopar.mixed_dtypes); none in fp32 or
-        in a runtime that holds the whole model in 16 bits."""
+        mesh's device type runs the graph under autocast (autopar.mixed_dtypes; in one of a
+        pipeline's stages, `ties_apart`); none in fp32 or in a runtime that holds the whole model
+        in 16 bits."""
         if DTYPE_BYTES[self.dtype] == 4 or not self.autocast:
             return {}, {}
-        return mixed_dtypes(self.graph, "cpu" if self.mesh.device.name == "cpu" else "cuda")
+        return mixed_dtypes(self.graph, "cpu" if self.mesh.device.name == "cpu" else "cuda", ties_apart)
 
     def _device_kernels(self, layout: GraphLayout) -> GraphLayout:
         """What the mesh's device keeps where its kernels differ from a GPU's (cost/kernels.py)."""
@@ -112,7 +120,7 @@ class PriceCache:
             for name in expert_parameters(self.expert_layers()):
                 totals[owner[layout.index[name]]] += layout.param_local.get(name, 0.0)
             return totals
-        return self._get(("expert_params", split.key, *spec.layout_key), make)
+        return self._get(("expert_params", split.key, *self.layout_key(spec)), make)
 
     def shard_padding(self, split: Split, spec: StageSpec) -> list[tuple[float, float]]:
         """Per chunk, the elements FSDP2 pads its parameters with when ZeRO shards them
@@ -128,7 +136,7 @@ class PriceCache:
             return [(padding_elements(self.graph, layout, plain, spec.dp * spec.cp, split_by),
                      padding_elements(self.graph, layout, expert, expert_data_parallel(spec), dim=rows))
                     for plain, expert in names]
-        return self._get(("shard_padding", split.key, *spec.layout_key, spec.dp, spec.cp), make)
+        return self._get(("shard_padding", split.key, *self.layout_key(spec), spec.dp, spec.cp), make)
 
     def experts_by_rows(self, split: Split, spec: StageSpec) -> list[float]:
         """Per chunk, the share of its experts' elements that FSDP2 shards on a dim after the
@@ -149,7 +157,7 @@ class PriceCache:
                 if split_experts if spec.ep > 1 else spec.tp == 1 and _later_dim(shape, ranks):
                     later[1][chunk] += layout.param_local[name]
             return [by_rows / total if total else 0.0 for total, by_rows in zip(*later)]
-        return self._get(("experts_by_rows", split.key, *spec.layout_key, spec.dp, spec.cp), make)
+        return self._get(("experts_by_rows", split.key, *self.layout_key(spec), spec.dp, spec.cp), make)
 
     def _experts_split_by_rows(self, spec: StageSpec) -> bool:
         """Whether the runtime shards split experts on each expert's rows (dim 1), not on the
@@ -186,7 +194,7 @@ class PriceCache:
     def chunk(self, split: Split, c: int, spec: StageSpec, micro_batch: int, attention: str) -> Chunk:
         """Chunk `c` priced (`chunk_price.price_chunk`), a copy the caller may change. The price
         depends on the chunk's nodes, not on where it sits in the pipeline."""
-        key = ("chunk", split.node_sets[c], *spec.layout_key, spec.cp, spec.cp_kind,
+        key = ("chunk", split.node_sets[c], *self.layout_key(spec), spec.cp, spec.cp_kind,
                spec.recompute, micro_batch, attention)
         priced = self._get(key, lambda: price_chunk(
             self.graph, self.layout(spec), self._regions(spec.recompute),
@@ -202,7 +210,7 @@ class PriceCache:
                          lambda: recomputed_regions(self.graph, self._blocks(), recompute))
 
     def _node_prices(self, spec: StageSpec, micro_batch: float, attention: str) -> dict:
-        key = ("node_prices", *spec.layout_key, spec.cp, spec.cp_kind, micro_batch, attention)
+        key = ("node_prices", *self.layout_key(spec), spec.cp, spec.cp_kind, micro_batch, attention)
         experts = {name: layer for layer in self.expert_layers() for name in layer.matmuls}
         return self._get(key, lambda: node_prices(
             self.layout(spec), spec, self.mesh, micro_batch, self.efficiencies, attention,
@@ -211,7 +219,7 @@ class PriceCache:
                     deduplicated_dispatch=self.dispatch == "deduplicated"), experts))
 
     def _attention_bytes(self, spec: StageSpec) -> dict:
-        return self._get(("attention_bytes", *spec.layout_key),
+        return self._get(("attention_bytes", *self.layout_key(spec)),
                          lambda: attention_bytes(self.graph, self.layout(spec)))
 
     def readers(self, split: Split) -> dict[str, set[int]]:
@@ -222,7 +230,7 @@ class PriceCache:
     def states(self, split: Split, spec: StageSpec) -> tuple[list, list, list, list]:
         """Every chunk's parameters and loss buffers under `spec`'s layout
         (`chunk_price.chunk_states`): a tied weight counts once or twice depending on the whole split."""
-        key = ("states", split.key, *spec.layout_key)
+        key = ("states", split.key, *self.layout_key(spec))
         return self._get(key, lambda: chunk_states(
             self.graph, self.layout(spec), split.owner, len(split.node_sets), self.readers(split)))
 
@@ -233,7 +241,7 @@ class PriceCache:
             experts = set(expert_parameters(self.expert_layers())) if spec.ep > 1 else set()
             return reduce_order(self.graph, self.layout(spec), split.owner, len(split.node_sets), experts,
                                 self.readers(split))
-        return self._get(("reduce_order", split.key, *spec.layout_key), make)
+        return self._get(("reduce_order", split.key, *self.layout_key(spec)), make)
 
     def _members(self, split: Split, spec: StageSpec) -> list:
         """Each chunk's node layouts, in graph order."""
@@ -243,7 +251,7 @@ class PriceCache:
             for node in layout.nodes:
                 members[split.owner[layout.index[node.name]]].append(node)
             return members
-        return self._get(("members", split.key, *spec.layout_key), make)
+        return self._get(("members", split.key, *self.layout_key(spec)), make)
 
     def crossing(self, split: Split, stages: list[StageSpec], bytes_of,
                  held_whole: bool = False) -> list[dict]:

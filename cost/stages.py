@@ -45,12 +45,15 @@ class StageSpec:
     # optimizer state (FSDP2's CPU offload); under ZeRO-1/2 the optimizer state and its step
     # (DeepSpeed's ZeRO-Offload), the 16-bit weights staying on the device
     offload: bool = False
+    # One of several chunks: the model is cut, its embedding and head never in one chunk, so a
+    # head tied to the embedding is a unit FSDP2 wraps alone (autopar.mixed_dtypes.fsdp_units)
+    pipelined: bool = False
 
     @property
     def layout_key(self) -> tuple:
         """What the chunk's layout depends on."""
         return (self.tp, self.sequence_parallel, self.placements if self.tp > 1 else None, self.ep,
-                self.cp > 1 and self.cp_kind == "ring")
+                self.cp > 1 and self.cp_kind == "ring", self.pipelined)
 
     @property
     def ranks(self) -> int:
@@ -83,7 +86,7 @@ def uniform_stages(graph: Graph, config: Config, placements=None) -> list[StageS
     return [StageSpec(layers=group, tp=config.tp, dp=config.dp, recompute=config.recompute,
                       zero=config.zero, sequence_parallel=config.sequence_parallel,
                       placements=placements, ep=config.ep, cp=config.cp, cp_kind=config.cp_kind,
-                      offload=config.offload)
+                      offload=config.offload, pipelined=len(groups) > 1)
             for group in groups]
 
 

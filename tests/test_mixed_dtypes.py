@@ -88,3 +88,32 @@ def test_a_value_handed_to_a_wrapped_unit_is_held_in_sixteen_bits():
     product = next(n for n in graph.nodes if n.target == "aten.mul.Tensor")
     assert wide[cast.name] == "float32"     # read where it is made
     assert product.name not in wide
+
+
+def test_a_head_tied_to_the_embedding_is_wrapped_alone_in_a_pipeline_stage():
+    """In one stage a tied head shares its weight with the embedding and FSDP2 wraps neither; in a
+    pipeline they never meet and each is wrapped alone: the last stage hands its head the final
+    norm's fp32 output in 16 bits. The head takes its view of that output again and places it
+    there, so the view's gradient is reduced in 16 bits too, not at the fp32 original."""
+    import pytest
+
+    from autopar.mixed_dtypes import fsdp_units, ties_apart_matter
+    from autopar.models.hf_attention import causal_sdpa
+    from autopar.models.hf_zoo import Architecture
+
+    pytest.importorskip("transformers")
+    architecture = Architecture(name="gemma3", model_class="Gemma3ForCausalLM", config_class="Gemma3TextConfig",
+                                kind="held out", config=dict(
+                                    num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                                    max_position_embeddings=64, vocab_size=512))
+    ids, _ = architecture.batch(1, torch.Generator().manual_seed(1), 16)
+    graph = capture(causal_sdpa(architecture.build()), example_inputs=(ids,))
+    assert ties_apart_matter(graph)
+    together, apart = fsdp_units(graph)[1], fsdp_units(graph, ties_apart=True)[1]
+    assert together < apart and len(apart - together) == 2       # the embedding and the head
+    read = next(node for node in graph.nodes if node.target == "aten.linear.default"
+                and "p_lm_head_weight" in node.inputs).inputs[0]
+    (held, made), (held_apart, made_apart) = (mixed_dtypes(graph, "cpu", ties_apart=flag) for flag in (False, True))
+    assert held[read] == made[read] == "float32"
+    assert read not in held_apart and read not in made_apart

@@ -81,7 +81,7 @@ class CandidatePricer:
                            recompute=candidate.recompute[i], zero=candidate.zero[i],
                            sequence_parallel=self.splits_stream(shape),
                            placements=self.placements(shape.tp), cp=shape.cp,
-                           cp_kind=shape.cp_kind, offload=shape.offload)
+                           cp_kind=shape.cp_kind, offload=shape.offload, pipelined=candidate.chunks > 1)
                  for i in range(candidate.chunks)]
         return estimate_stages(self.graph, self.mesh, specs, global_batch=self.global_batch,
                                micro_batch=shape.micro_batch, schedule=shape.schedule,
