@@ -30,7 +30,9 @@ A device's peak (`peak_bytes`), as autopar's runtime trains (FSDP2 `replicate` f
 and in the phase at the peak, the larger of:
   first backward  the `held` micro-batches' activations, with the gradients of earlier
               micro-batches only when the schedule ran a backward before holding that many (a
-              single stage's loop, 1F1B's steady state)
+              single stage's loop, 1F1B's steady state); where none ran and FSDP2 accumulates
+              the step's gradients, those of the groups this backward has done, in fp32 (a
+              16-bit group's own beside their copy as it ends: cost/backward_transients.py)
   later backward  the activations of one micro-batch fewer (or of one), with the first
               micro-batch's gradients (FSDP accumulates them unsharded until the last
               micro-batch reduces them)

@@ -52,8 +52,8 @@ def test_a_first_stage_first_backward_holds_the_gradients_it_has_accumulated(con
     """Mistral's first stage, without recompute: at the end of the step's first backward it holds
     every other micro-batch's activations, the fp32 gradients of every group and, as FSDP2 copies
     the embedding's 16-bit gradient into fp32, that gradient too. Priced with no gradients (and
-    the heaviest one beside the fullest flowing moment) it held 3.7% more than predicted in bf16
-    (gpipe) and 8.0% less in fp32."""
+    the heaviest one beside the fullest flowing moment) it held 3.7% (gpipe) and 3.5% (1F1B, two
+    micro-batches of two) more than predicted in bf16, and 8.0% less in fp32."""
     architecture = Architecture(name="mistral", model_class="MistralForCausalLM", config_class="MistralConfig",
                                 kind="held out", config=dict(
                                     num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
