@@ -4,6 +4,7 @@ reads values in other placements than it writes them (GPT-2's fused q, k, v spli
 import pytest
 
 from autopar.cost.config import Config
+from autopar.models.hf_zoo import Architecture
 from autopar.testing.simulated import assert_sent_as_priced, simulated_hf
 
 
@@ -127,3 +128,17 @@ def test_a_value_computed_from_weights_alone_is_moved_at_its_own_size(monkeypatc
     for config, rank in ((Config(tp=2, dp=2, sequence_parallel=True, global_batch=8, micro_batch=2), 0),
                          (Config(tp=2, cp=2, sequence_parallel=True, global_batch=2), 1)):
         assert_sent_as_priced(simulated_hf("gemma", config, rank=rank, **sizes))
+
+
+@pytest.mark.slow
+def test_each_piece_of_a_split_value_is_redistributed_on_its_own():
+    """Phi3's fused gate_up projection is chunked in two; where the plan reduce-scatters both
+    pieces (as it does when the embedding is tied to the head), the runtime places each getitem
+    apart, one collective a piece. Priced once for the chunk, as one value, the stage
+    reduce-scattered 1.5x the bytes priced."""
+    phi3 = Architecture(name="phi3", model_class="Phi3ForCausalLM", config_class="Phi3Config", kind="held out",
+                        config=dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=512, max_position_embeddings=128,
+                                    vocab_size=8192, tie_word_embeddings=True))
+    report = simulated_hf(phi3, Config(tp=2, pp=2, global_batch=4), seq=128, precision="fp32")
+    assert_sent_as_priced(report)
