@@ -317,8 +317,7 @@ class _LayoutBuilder:
             widen = 1.0 if moves else widen     # reduced where it is made, not moved back as read
             if moves and value:
                 self._read_redistributed(name, inputs[k])
-            # share_redistributions' key: the value, or a tuple's piece (each getitem is placed)
-            moved = (name if value else self.storage[name]) if self.by_name[name].dtype else node.name
+            moved = (name if value else self.storage[name]) if self.by_name[name].dtype else node.name  # one per piece
             if moves and self._first((moved, sources[k], inputs[k])):
                 forward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
                 origins += [name if value else ""] * len(moves)
