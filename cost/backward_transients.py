@@ -4,15 +4,24 @@ FSDP2 makes, reduces and reshards them (cost/backward_moments.py records the mom
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import sympy
 
 from autopar.cost.chunk_price import poly_at
 from autopar.cost.memory import GRADIENT_BYTES
 
 
+class BlockTransients(NamedTuple):
+    """`block_transients`'s bytes, named as cost.memory.peak_bytes takes them."""
+    flowing: object
+    paired: object
+    accumulating: object = None
+
+
 def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, fsdp: bool,
                      resharding: bool = False, last_reduction: tuple | None = None,
-                     between: bool = True, alone: bool = False) -> tuple:
+                     between: bool = True, alone: bool = False) -> BlockTransients:
     """A block backward's bytes beside the kept activations, for `b` samples a micro-batch: the
     fullest moment's flowing gradients (an input backward's, where the schedule splits it, and
     then, where it reads a weight whole, its fullest with that weight: `split_whole_reads`), and
@@ -33,7 +42,7 @@ def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, f
         flowing = _largest([poly_at(c.split_flowing_poly, seq_ratio) for c in chunks]) * b
         whole = [poly_at(dict(poly), seq_ratio) * b + elements * element
                  for c in chunks for poly, elements in c.split_whole_polys]
-        return flowing, _largest([flowing, *whole]) if whole else None, None
+        return BlockTransients(flowing, _largest([flowing, *whole]) if whole else None)
     accumulating = None
     if fsdp:
         moments = [m for c in chunks for m in c.moments]
@@ -47,8 +56,8 @@ def block_transients(chunks: list, seq_ratio, b, element: int, *, split: bool, f
     else:
         paired = [poly_at(dict(poly), seq_ratio) * b + elements * element
                   for c in chunks for poly, elements in c.paired_polys]
-    return (_largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks]) * b,
-            _largest(paired) if paired else None, accumulating)
+    return BlockTransients(_largest([poly_at(c.flowing_poly, seq_ratio) for c in chunks]) * b,
+                           _largest(paired) if paired else None, accumulating)
 
 
 def _moment_bytes(m, seq_ratio, b, element: int, resharding: bool):

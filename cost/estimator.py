@@ -427,7 +427,7 @@ def _device_memory(chunks: list[Chunk], spec: StageSpec, b, schedule: str, *, pp
                        loss_held=in_flight(schedule, pp=pp, micro_batches=m, stage=pp - 1)
                        - max(pending_weight_backwards(schedule, pp=pp, micro_batches=m,
                                                       stage=pp - 1) - 1, 0),
-                       logits=logits, **dict(zip(("flowing", "paired", "accumulating"), transients)),
+                       logits=logits, **transients._asdict(),
                        expert_params=sum(c.expert_params for c in chunks), one_tensor=max(
                            c.largest for c in chunks) if one_tensor_steps else 0.0,
                        padding=tuple(sum(c.padding[k] for c in chunks) for k in (0, 1)),
