@@ -12,7 +12,7 @@ import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 # ATen ops (by packet) that normalize over the batch (BatchNorm) when their `training` argument,
 # args[5], is true, and the norms that then also write their running statistics (args 3 and 4)
@@ -83,12 +83,22 @@ class Graph:
     # device type -> ({node: dtype} held wider than 16 bits under mixed precision, {node: dtype}
     # made wider, whose gradients are): autopar.mixed_dtypes, filled when first asked
     mixed_dtypes: dict = field(default_factory=dict, repr=False, compare=False)
+    # analyses of the graph alone (its index by name, expert layers, module units, whether its
+    # sequence splits), made when first asked: the planner prices thousands of candidates on one
+    # graph, whose nodes do not change after capture (a replaced graph starts without them)
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derive(self, key: str, make: Callable[[], Any]) -> Any:
+        """`make()`, made once for this graph under `key`."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     def node(self, name: str) -> Node:
         return self._by_name()[name]
 
     def _by_name(self) -> dict[str, Node]:
-        return {n.name: n for n in self.nodes}
+        return self.derive("by_name", lambda: {n.name: n for n in self.nodes})
 
     @property
     def parameters(self) -> list[Node]:

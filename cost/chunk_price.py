@@ -9,7 +9,8 @@ prices a thousand stage splits of the same layers pays for each op once."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import sympy
 
@@ -18,9 +19,6 @@ from autopar.cost.context import context_parallel_time, swapped_bytes
 from autopar.cost.experts import exchange_time
 from autopar.cost.compute import (BACKWARD, Efficiencies, attention_kernels, compute_time,
                                   gemm_utilization)
-from autopar.cost.gradient_flow import (backward_moments, backward_peak, first_keepers, last_gathered,
-                                         paired_backward_peaks, region_inputs, split_backward_peak,
-                                         split_whole_reads)
 from autopar.cost.layout import GraphLayout, NodeLayout
 from autopar.plans.vocabulary import DTYPE_BYTES, ContextParallel, Recompute
 from autopar.plans.zero import partial_gradient_reductions
@@ -28,6 +26,9 @@ from autopar.cost.mesh import Mesh
 from autopar.cost.stages import StageSpec, group_elements, selective_region
 from autopar.cost.memory import GATHERED_GROUPS
 from autopar.graph import Graph
+
+if TYPE_CHECKING:
+    from autopar.cost.chunk_shape import ChunkShape
 
 # Of an op with parameters, the share of its backward that computes the weight gradient (dW, as
 # long as dX): the half a zero-bubble schedule moves into the bubble.
@@ -170,127 +171,21 @@ def _heads_attended(node: NodeLayout, pricing: Pricing) -> float:
     return sizes.heads / node.attention["heads"] if sizes and node.attention else 1.0
 
 
-def price_chunk(graph: Graph, layout: GraphLayout, regions: list, nodes: list[NodeLayout],
-                prices: dict[str, tuple], b: int) -> Chunk:
-    """Time, flops and kept activations of a chunk whose nodes are `nodes`, from their
-    `node_prices` and `recomputed_regions`; its parameters and loss buffers are `chunk_states`'."""
-    out = Chunk()
-    saved: set[str] = set()
-    region_saved: dict[str, set[str]] = {}     # recomputed region -> what its nodes keep
-    region_nodes: dict[str, set[int]] = {}
-    scores: dict[int, float] = {}       # unfused attention's score matrices, by power of seq
-    rerun_until = _last_saving_nodes(layout, regions, nodes)
-    placed_at = {node.name: position for position, node in enumerate(nodes)}
-    for position, node in enumerate(nodes):
-        i = layout.index[node.name]
-        kept = prices[node.name][4]
-        region = regions[i]
-        recomputed = bool(region) and position <= rerun_until.get(region, -1)
-        _add_times(out, node, prices[node.name], recomputed=recomputed,
-                   moved_again=_moved_again(node, position, placed_at, regions, rerun_until, layout))
+def price_chunk(shape: ChunkShape, nodes: list[NodeLayout], prices: dict[str, tuple], b: int) -> Chunk:
+    """Time, flops and kept activations of a chunk of `shape` whose nodes are `nodes`, from their
+    `node_prices` at micro-batch `b` (the score matrices unfused attention keeps depend on them)."""
+    out = replace(shape.chunk, saved_poly=dict(shape.chunk.saved_poly), tensor_moved={},
+                  regathered={}, step_moved={})
+    for node, (recomputed, moved_again, in_region) in zip(nodes, shape.reruns):
+        price = prices[node.name]
+        _add_times(out, node, price, recomputed=recomputed, moved_again=moved_again)
         if recomputed and node.attention:
             out.rerun_attention += (node.name,)
-        if region:
-            out.recomputed_flops += graph.nodes[i].flops / layout.batch
-            region_saved.setdefault(region, set()).update(node.saved)
-            region_nodes.setdefault(region, set()).add(i)
-            out.recomputed_ops += int(node.requires_grad)
-        else:
-            saved.update(node.saved)
-        if node.requires_grad and (node.param_bytes or node.family == "embedding"):
-            degree = layout.seq_degree.get(layout.storage[node.name], 0)
-            out.deferred_poly[degree] = out.deferred_poly.get(degree, 0.0) + node.out_bytes
-        if kept and not region:
+        if price[4] and not in_region:      # unfused attention's score matrices, by power of seq
             degree = node.attention["q_seq"] + node.attention["k_seq"]
-            scores[degree] = scores.get(degree, 0.0) + kept / b
-    out.recomputed_regions = len(region_saved)
-    for region, keys in region_saved.items():
-        inputs = region_inputs(graph, layout, region_nodes[region])
-        saved.update(inputs)
-        out.peak_polys.append(_poly(keys, layout))
-    out.peak_per_sample = max((poly_at(p, 1) for p in out.peak_polys), default=0.0)
-    out.saved_poly = _poly(saved, layout)
-    for degree, value in _poly(_saved_after_the_weights(nodes, regions, layout), layout).items():
-        out.deferred_poly[degree] = out.deferred_poly.get(degree, 0.0) - value
-    for degree, value in scores.items():
-        out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + value
+            out.saved_poly[degree] = out.saved_poly.get(degree, 0.0) + price[4] / b
     out.saved_per_sample = poly_at(out.saved_poly, 1)
-    # what the backward frees before its fullest moment is freed there, once: the heaviest
-    # weight's gradient is added whole (`heaviest_gradient`); op by op with FSDP2's
-    # reductions in `moments`
-    first_kept = first_keepers(graph, layout, regions, nodes)
-    chunk_regions = [regions[layout.index[node.name]] for node in nodes]
-    out.flowing_poly = backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
-    out.split_flowing_poly = split_backward_peak(graph, layout, nodes, first_kept, regions=chunk_regions)
-    out.split_whole_polys = split_whole_reads(graph, layout, nodes, first_kept, regions=chunk_regions)
-    out.paired_polys = paired_backward_peaks(graph, layout, nodes, first_kept, regions=chunk_regions)
-    out.moments = backward_moments(graph, layout, nodes, first_kept, regions=chunk_regions)
-    out.last_gathered = last_gathered(graph, layout, nodes, first_kept, regions=chunk_regions)
-    out.weight_read = _heaviest_weight(graph, layout, nodes)
     return out
-
-
-def _saved_after_the_weights(nodes: list[NodeLayout], regions: list, layout: GraphLayout) -> set[str]:
-    """What only the ops after a chunk's last weight-reading op keep for the backward (outside
-    recomputed regions): nothing a weight's gradient reaches."""
-    reads = [position for position, node in enumerate(nodes) if node.requires_grad and node.param_bytes]
-    if not reads:
-        return set()
-    def kept(chosen):
-        return {key for node in chosen if not regions[layout.index[node.name]] for key in node.saved}
-    return kept(nodes[reads[-1] + 1:]) - kept(nodes[:reads[-1] + 1])
-
-
-def _last_saving_nodes(layout: GraphLayout, regions: list, nodes: list[NodeLayout]) -> dict:
-    """Recomputed region -> the position (in `nodes`) of its last op that keeps something for
-    the backward. torch's non-reentrant checkpoint stops rerunning a region once the tensors its
-    backward needs are recomputed (early stop), so the ops after that one, a layer's closing
-    all-reduce and residual add, run once: one tensor-parallel collective a layer fewer than a
-    whole second forward."""
-    last: dict[str, int] = {}
-    for position, node in enumerate(nodes):
-        region = regions[layout.index[node.name]]
-        if region and node.requires_grad and (node.saved or node.param_bytes):
-            last[region] = position
-    return last
-
-
-def _heaviest_weight(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) -> float:
-    """The elements of the largest weight an op of the chunk reads (`_weight_reads`)."""
-    return max((read for read, _, _, _ in _weight_reads(graph, layout, nodes)), default=0.0)
-
-
-def _weight_reads(graph: Graph, layout: GraphLayout, nodes: list[NodeLayout]) -> list:
-    """(elements a backward holds for the weight an op reads, its gradient's elements, position,
-    graph index) of each op that reads a weight and is differentiated."""
-    reads = []
-    for position, node in enumerate(nodes):
-        i = layout.index[node.name]
-        local = max((layout.param_local.get(name, 0.0) for name in graph.nodes[i].inputs), default=0.0)
-        local = max(local, node.param_bytes / DTYPE_BYTES[layout.dtype])
-        # a weight read whole: its gathered copy and its whole gradient, both live in the backward
-        read = max(local, 2 * node.weight_gathered)
-        if read and node.requires_grad:
-            reads.append((read, local, position, i))
-    return reads
-
-
-def _moved_again(node: NodeLayout, position: int, placed_at: dict, regions: list, rerun_until: dict,
-                 layout: GraphLayout) -> tuple:
-    """The forward collectives of `node` that a recomputed region's rerun issues again, up to the
-    region's last op that keeps something (`_last_saving_nodes`): a value made in the region is
-    moved right after the op that makes it, which the rerun passes only if that op is not its
-    last (it stops within it); any other, where the region's graph receives it, or at `node`."""
-    region = regions[layout.index[node.name]]
-    if not region:
-        return ()
-    again = []
-    for collective, source in zip(node.comm_forward, node.forward_from or [""] * len(node.comm_forward)):
-        made_here = source in placed_at and regions[layout.index[source]] == region
-        at = placed_at[source] + 0.5 if made_here else position
-        if at <= rerun_until.get(region, -1):
-            again.append(collective)
-    return tuple(again)
 
 
 def _add_times(out: Chunk, node: NodeLayout, price: tuple, *, recomputed: bool, moved_again: tuple = ()) -> None:

@@ -197,6 +197,10 @@ def sequence_split_error(graph: Graph) -> str | None:
     pieces, without an explicit mask (a mask built for one rank's tokens is not the whole
     sequence's), and no softmax over the sequence outside it (attention written as its own ops).
     The runtime's analysis of the program is the finer one (autopar.passes.context_parallel)."""
+    return graph.derive("sequence_split_error", lambda: _sequence_split_error(graph))
+
+
+def _sequence_split_error(graph: Graph) -> str | None:
     seq = graph_sequence(graph)
     if not seq:
         return ("the model's first input is not a [batch, seq] tensor of token ids, so there is no "

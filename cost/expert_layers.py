@@ -34,6 +34,10 @@ class ExpertLayer:
 
 def expert_layers(graph: Graph) -> list[ExpertLayer]:
     """Every mixture-of-experts layer of `graph`, in order (none for a dense model)."""
+    return graph.derive("expert_layers", lambda: _expert_layers(graph))
+
+
+def _expert_layers(graph: Graph) -> list[ExpertLayer]:
     by_name = {n.name: n for n in graph.nodes}
     position = {n.name: k for k, n in enumerate(graph.nodes)}
     routed: dict[str, list] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.cost.chunk_shape import ChunkShape, chunk_shape
 from autopar.cost.chunk_price import (Chunk, Pricing, chunk_states, node_prices, price_chunk,
                                      recomputed_regions)
 from autopar.cost.context import attention_bytes, with_ring_attention
@@ -197,10 +198,15 @@ class PriceCache:
         key = ("chunk", split.node_sets[c], *self.layout_key(spec), spec.cp, spec.cp_kind,
                spec.recompute, micro_batch, attention)
         priced = self._get(key, lambda: price_chunk(
-            self.graph, self.layout(spec), self._regions(spec.recompute),
-            self._members(split, spec)[c], self._node_prices(spec, micro_batch, attention),
-            micro_batch))
+            self._chunk_shape(split, c, spec), self._members(split, spec)[c],
+            self._node_prices(spec, micro_batch, attention), micro_batch))
         return replace(priced)
+
+    def _chunk_shape(self, split: Split, c: int, spec: StageSpec) -> ChunkShape:
+        """What chunk `c`'s price takes from its nodes, layout and recompute alone."""
+        key = ("chunk_shape", split.node_sets[c], *self.layout_key(spec), spec.recompute)
+        return self._get(key, lambda: chunk_shape(self.graph, self.layout(spec), self._regions(spec.recompute),
+                                                  self._members(split, spec)[c]))
 
     def _blocks(self) -> list:
         return self._get(("blocks",), lambda: block_mask(self.graph))

@@ -85,6 +85,10 @@ def module_units(graph: Graph) -> list[tuple[tuple[str, ...], int, int]]:
     """(module paths, first node, one past the last node) of each unit, in model order, covering
     every node of the graph. The model is one unit of all its outermost modules when they
     cannot stand as units."""
+    return graph.derive("module_units", lambda: _module_units(graph))
+
+
+def _module_units(graph: Graph) -> list[tuple[tuple[str, ...], int, int]]:
     ops = [i for i, node in enumerate(graph.nodes) if node.role is Role.ACTIVATION and node.module_path]
     ranges = _ranges(graph, ops)
     flops = [node.flops for node in graph.nodes]
