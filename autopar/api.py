@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from autopar.errors import AutoparError, MeshError
+from autopar.plans.vocabulary import TIME_LIMIT_S
 
 # ---------------------------------------------------------------------------------------------
 # Planning: autopar.plan, autopar.plan_from_config
@@ -80,7 +81,7 @@ def _as_mesh(mesh):
 
 
 def plan(model, mesh, *, example_inputs: tuple, global_batch: int, memory_limit=None,
-         time_limit: float = 60.0, example_kwargs: dict | None = None,
+         time_limit: float = TIME_LIMIT_S, example_kwargs: dict | None = None,
          progress: Callable[[str, int, int], None] | None = None, precision: str | None = None,
          calibration=None):
     """Plan `model` for `mesh` (a Mesh or a spec such as "128x8:a100-80g") and return a Plan.
@@ -114,7 +115,7 @@ def remaining_time(time_limit: float, started: float) -> float:
     return left
 
 
-def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit: float = 60.0,
+def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit: float = TIME_LIMIT_S,
                progress: Callable[[str, int, int], None] | None = None, precision: str | None = None,
                calibration=None):
     """`plan` for an already captured Graph."""
@@ -127,7 +128,7 @@ def plan_graph(graph, mesh, *, global_batch: int, memory_limit=None, time_limit:
                   calibration=calibration)
 
 
-def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: float = 60.0,
+def plan_from_config(graph, mesh, config, *, memory_limit=None, time_limit: float = TIME_LIMIT_S,
                      precision: str | None = None, calibration=None):
     """A forced Megatron-style `Config` as a Plan: uniform stages, the estimator's predictions, and
     per-op placements from the ILP with the config's roles (data axis, tensor axis), both priced
@@ -155,7 +156,7 @@ def check_precision(precision: str | None) -> None:
 
 
 def compile(model, mesh, *, example_inputs: tuple, loss_fn, optimizer, example_kwargs: dict | None = None,
-            global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = 60.0,
+            global_batch: int | None = None, memory_limit=None, plan=None, time_limit: float = TIME_LIMIT_S,
             graph=None, precision: str | None = None, load_from=None, init=None, seed: int = 0,
             calibration=None, sync_batchnorm: bool = False):
     """Train `model` on this process's rank of `mesh` under a plan; returns a `CompiledModel`.

@@ -174,3 +174,30 @@ def test_a_forced_configuration_torch_cannot_schedule_is_refused_by_name(graphs)
                     virtual=2)
     with pytest.raises(AutoparError, match="125 micro-batches.*rounds"):
         plan_config(graphs[SMALL_GPT], Mesh.parse("1x8:a100-80g"), config)
+
+
+def test_a_search_the_clock_cuts_short_still_refines_what_it_found(graphs, monkeypatch):
+    """The phases stop early enough to leave the local search its share of the time: a plan cut
+    short by the clock is refined from the best layouts found (and says it was cut short)."""
+    import time
+
+    from autopar.solver import planner
+
+    refined = []
+    real_refine = planner.refine
+
+    def slow_uneven_phase(search, shapes, weights_for):
+        while not search.out_of_time():      # the phases' deadline passes in here
+            time.sleep(0.05)
+        return []
+
+    def counted_refine(search, seed, weights_for):
+        refined.append(not search.out_of_time())
+        return real_refine(search, seed, weights_for)
+
+    monkeypatch.setattr(planner, "uneven_phase", slow_uneven_phase)
+    monkeypatch.setattr(planner, "refine", counted_refine)
+    plan, search = planner.plan_and_search(graphs[SMALL_GPT], Mesh.parse("2x4:a100-80g"), global_batch=32,
+                                           time_limit=8)
+    assert plan.solver["status"] == "time_limit" and search.timed_out
+    assert refined and all(refined), "the refinement had no time left"

@@ -52,6 +52,10 @@ def render(plan: Plan, console: Console) -> None:
                             f"{solver.get('candidates', '?')} candidates priced; {placements}; "
                             f"{len(plan.parameters)} parameters placed, {len(plan.replicated_ops)} "
                             f"ops without a sharding rule run replicated"))
+        if solver.get("status") == "time_limit":
+            console.print(plain("the search stopped at its time limit before pricing every "
+                                "candidate: a faster plan may exist; plan again with a longer "
+                                "--time-limit (time_limit= in Python)"))
 
 
 def headline(plan: Plan) -> Text:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from autopar.plans.vocabulary import TIME_LIMIT_S
+
 
 def add_arguments(parser):
     parser.add_argument("model", help="a preset (gpt3-175b, llama-7b, gpt-tiny, ...) or a spec "
@@ -16,8 +18,9 @@ def add_arguments(parser):
     parser.add_argument("--mesh", required=True, help="NODESxGPUS:DEVICE, e.g. 128x8:a100-80g, or GPUS:DEVICE")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--memory-limit", help="bytes per device, e.g. 80GiB or 40GB (default: the device's)")
-    parser.add_argument("--time-limit", type=float, default=60.0,
-                        help="seconds for all of planning, capture included (default 60)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S,
+                        help=f"seconds for all of planning, capture included (default {TIME_LIMIT_S:g}; "
+                             f"the search normally ends well before)")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="price with a file from `autopar calibrate` (default: published figures)")
     parser.add_argument("--out", help="write the plan here as JSON")

@@ -90,4 +90,9 @@ PRECISIONS = tuple(p.value for p in Precision)
 AXIS_ROLES = tuple(r.value for r in AxisRole)
 CONTEXT_PARALLEL = tuple(c.value for c in ContextParallel)
 # schedules that run more than one chunk per pipeline rank
+# The default bound of planning, capture included (autopar.plan, compile, `autopar plan`): a
+# bound, not a budget. The search ends on its own (the largest presets, MoE models on 128-256
+# GPUs, in under 90 s on a 2-core host); a plan the clock cut short says so (solver status
+# "time_limit"), and its search refines what it found in the time it kept for that.
+TIME_LIMIT_S = 300.0
 MULTI_CHUNK_SCHEDULES = (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from functools import cache
 
+from autopar.plans.vocabulary import TIME_LIMIT_S
 from autopar.cost.calibration import calibrated
 from autopar.cost.config import Config
 from autopar.cost.estimator import default_precision
@@ -41,11 +42,12 @@ from autopar.plans.stage_flow import skipping_pairs
 from autopar.timeline import plan_timeline
 
 REFINED_SHAPES = 3          # the best distinct device layouts that the local search starts from
+REFINING_SHARE = 0.15       # of the time left for the search, what its phases leave to the local search
 Progress = Callable[[str, int, int], None]
 
 
 def plan_graph(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
-               time_limit: float = 60.0, progress: Progress | None = None,
+               time_limit: float = TIME_LIMIT_S, progress: Progress | None = None,
                precision: str | None = None, calibration=None) -> Plan:
     return plan_and_search(graph, mesh, global_batch=global_batch, memory_limit=memory_limit,
                            time_limit=time_limit, progress=progress, precision=precision,
@@ -53,7 +55,7 @@ def plan_graph(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: flo
 
 
 def plan_and_search(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit: float | None = None,
-                    time_limit: float = 60.0, progress: Progress | None = None,
+                    time_limit: float = TIME_LIMIT_S, progress: Progress | None = None,
                     precision: str | None = None, calibration=None) -> tuple[Plan, Search]:
     """The plan and the search that found it (its priced candidates, for benchmarks). With a
     `calibration` file (`autopar calibrate`), candidates are priced with its efficiencies and, where
@@ -84,6 +86,9 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     """The inter-op search alone; `search.best` is the fastest candidate that fits."""
     limit = memory_limit or mesh.device.memory_bytes
     search = new_search(graph, mesh, global_batch, limit, deadline, precision, efficiencies)
+    # the phases stop early enough to leave the refinement of their best layouts a share of the
+    # time: its moves are few and cheap, and a search cut short needs them most
+    search.deadline = deadline - REFINING_SHARE * max(0.0, deadline - time.monotonic())
     weights_for = cache(lambda tp: unit_weights(graph, search.units, mesh, tp))
     blocks = sum(1 for unit in search.units if unit.block)
     whole = search.coupling is not None
@@ -116,6 +121,7 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
     # then the model's states on the host
     offload_phase(search, grid)
     _report(progress, "refining", 2, 3)
+    search.deadline = deadline
     for seed in _seeds(search):
         refine(search, seed, weights_for)
     if search.best is None:
@@ -124,7 +130,7 @@ def search_pipeline(graph: Graph, mesh: Mesh, *, global_batch: int, memory_limit
 
 
 def plan_config(graph: Graph, mesh: Mesh, config: Config, *, memory_limit: float | None = None,
-                time_limit: float = 60.0, precision: str | None = None, calibration=None) -> Plan:
+                time_limit: float = TIME_LIMIT_S, precision: str | None = None, calibration=None) -> Plan:
     """A forced uniform configuration as a Plan, priced by `estimate`, placements by the ILP; with
     a `calibration` file both use what it measured, as a free plan's do (`plan_and_search`)."""
     started = time.monotonic()

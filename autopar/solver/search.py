@@ -108,8 +108,10 @@ class Search:
         return len(self.pricer.cache)
 
     def out_of_time(self) -> bool:
-        self.timed_out = self.timed_out or time.monotonic() > self.deadline
-        return self.timed_out
+        """Past the deadline (the phases' or the refinement's); `timed_out` keeps that it was."""
+        late = time.monotonic() > self.deadline
+        self.timed_out = self.timed_out or late
+        return late
 
 
 def _preference(priced: Priced) -> tuple:
