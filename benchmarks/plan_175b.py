@@ -11,6 +11,7 @@ import time
 import torch
 
 from autopar.api import plan_graph
+from autopar.plans.vocabulary import TIME_LIMIT_S
 from autopar.tracer import capture
 from autopar.models import build_model
 
@@ -20,7 +21,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt3-175b")
     parser.add_argument("--mesh", default="128x8:a100-80g")
     parser.add_argument("--global-batch", type=int, default=1536)
-    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 

@@ -12,7 +12,9 @@ CONFIGS = [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, recompute="full"),
            dict(tp=2, pp=2, dp=2, sequence_parallel=True, recompute="selective"),
            dict(tp=1, pp=4, dp=2, zero=1), dict(tp=4, pp=2, dp=1, micro_batch=2),
            dict(tp=1, pp=2, dp=4, virtual=2, schedule="interleaved-1f1b"),
-           dict(tp=2, pp=4, dp=1, schedule="zero-bubble", zero=3), dict(tp=1, pp=1, dp=8, zero=2)]
+           dict(tp=2, pp=4, dp=1, schedule="zero-bubble", zero=3), dict(tp=1, pp=1, dp=8, zero=2),
+           # the first's chunks at other micro-batch sizes: their shapes are shared (cost/chunk_shape.py)
+           dict(tp=2, pp=2, dp=2, micro_batch=1), dict(tp=2, pp=2, dp=2, micro_batch=8, zero=3)]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,24 @@ def test_a_shared_cache_gives_the_same_estimates_as_none(tiny_gpt):
                                      cache=stage_caches.setdefault(tp * dp, {}))
             assert cached.to_dict() == fresh.to_dict(), (tp, dp, recompute)
     assert any(key[0] == "chunk" for key in cache if isinstance(key, tuple))
+    shapes = sum(1 for key in cache if isinstance(key, tuple) and key[0] == "chunk_shape")
+    assert shapes < sum(1 for key in cache if isinstance(key, tuple) and key[0] == "chunk")
+
+
+def test_the_graphs_own_analyses_are_made_once(tiny_gpt, monkeypatch):
+    """What depends on the graph alone (its expert layers, module units, whether its sequence
+    splits) is made on first ask and kept with the graph, not made again per candidate."""
+    from autopar.cost import context, units
+
+    expected = context.sequence_split_error(tiny_gpt), units.module_units(tiny_gpt)
+    made = []
+    for module, name in ((context, "_sequence_split_error"), (units, "_module_units")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda graph, real=real, name=name: made.append(name) or real(graph))
+    graph = type(tiny_gpt)(nodes=tiny_gpt.nodes, blocks=tiny_gpt.blocks)     # none made yet
+    for _ in range(3):
+        assert (context.sequence_split_error(graph), units.module_units(graph)) == expected
+    assert sorted(made) == ["_module_units", "_sequence_split_error"]
 
 
 def test_a_shared_cache_keeps_host_costs_apart_on_a_calibrated_cpu_mesh(tiny_gpt):
