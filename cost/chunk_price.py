@@ -349,15 +349,6 @@ def _output_elements(graph: Graph, layout: GraphLayout, owner: list[int], chunks
 
 
 
-def _poly(keys, layout: GraphLayout) -> dict[int, float]:
-    """Bytes per sample of storage `keys` by their power of the sequence length."""
-    poly: dict[int, float] = {}
-    for key in keys:
-        degree = layout.seq_degree.get(key, 0)
-        poly[degree] = poly.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
-    return poly
-
-
 def poly_at(poly: dict, ratio):
     """A {power: bytes} polynomial at `ratio` = sequence length / captured sequence length."""
     return sum(value * ratio ** degree for degree, value in sorted(poly.items()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from autopar.cost.chunk_price import Chunk, _poly, poly_at
+from autopar.cost.chunk_price import Chunk, poly_at
 from autopar.cost.gradient_flow import (backward_moments, backward_peak, first_keepers, last_gathered,
                                          paired_backward_peaks, region_inputs, split_backward_peak,
                                          split_whole_reads)
@@ -141,3 +141,12 @@ def _moved_again(node: NodeLayout, position: int, placed_at: dict, regions: list
         if at <= rerun_until.get(region, -1):
             again.append(collective)
     return tuple(again)
+
+
+def _poly(keys, layout: GraphLayout) -> dict[int, float]:
+    """Bytes per sample of storage `keys` by their power of the sequence length."""
+    poly: dict[int, float] = {}
+    for key in keys:
+        degree = layout.seq_degree.get(key, 0)
+        poly[degree] = poly.get(degree, 0.0) + layout.storage_bytes.get(key, 0.0)
+    return poly
