@@ -6,14 +6,9 @@ the same model measured in the same run (the issue's bound: within 3x).
 
 import argparse
 import json
-import time
 
-import torch
-
-from autopar.api import plan_graph
 from autopar.plans.vocabulary import TIME_LIMIT_S
-from autopar.tracer import capture
-from autopar.models import build_model
+from plan_presets import timed_plan
 
 
 def main() -> None:
@@ -25,17 +20,9 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 
-    model, inputs = build_model(args.model)
-    started = time.monotonic()
-    torch.export.export(model, inputs, strict=False)
-    export_s = time.monotonic() - started
-
-    started = time.monotonic()
-    graph = capture(model, example_inputs=inputs)
-    capture_s = time.monotonic() - started
-    started = time.monotonic()
-    plan = plan_graph(graph, args.mesh, global_batch=args.global_batch, time_limit=args.time_limit)
-    solve_s = time.monotonic() - started
+    timed = timed_plan(args.model, args.mesh, args.global_batch, args.time_limit)
+    graph, plan, export_s, capture_s, solve_s = (timed[k] for k in ("graph", "plan", "export_s",
+                                                                      "capture_s", "plan_s"))
     if args.out:
         plan.save(args.out)
     print(json.dumps({
