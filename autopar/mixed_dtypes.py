@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.graph import Graph
 
@@ -88,15 +88,18 @@ def wide_values(graph: Graph, device_type: str, ties_apart: bool = False) -> dic
     return mixed_dtypes(graph, device_type, ties_apart)[0]
 
 
-def mixed_dtypes(graph: Graph, device_type: str, ties_apart: bool = False) -> tuple[dict[str, str], dict[str, str]]:
-    """The values held wider than 16 bits (`wide_values`), and those made wider, whose gradients
+def mixed_dtypes(graph: Graph, device_type: str, ties_apart: bool = False) -> tuple[dict, dict, dict]:
+    """The values held wider than 16 bits (`wide_values`); those made wider, whose gradients
     are: a value handed to another unit in 16 bits is held as the copy, but its gradient flows
-    back to the fp32 original, which reduces it. Kept on the graph: each device type runs once,
-    and once more in a pipeline's stages where the graph ties its head to its embedding."""
+    back to the fp32 original, which reduces it; and the ops autocast runs in 16 bits on wide
+    inputs, each with those inputs (node -> names): each op casts them itself (autocast caches the
+    casts of weights only), and what it keeps for its backward is its own 16-bit copy. Kept on the
+    graph: each device type runs once, and once more in a pipeline's stages where the graph ties
+    its head to its embedding."""
     key = (device_type, ties_apart and ties_apart_matter(graph))
     if key not in graph.mixed_dtypes:
         graph.mixed_dtypes[key] = _run_mixed(graph, device_type, key[1]) \
-            if graph.program is not None else ({}, {})
+            if graph.program is not None else ({}, {}, {})
     return graph.mixed_dtypes[key]
 
 
@@ -115,7 +118,7 @@ def as_run_on(graph: Graph, device_type: str) -> Graph:
                                                     for apart, dtypes in found.items()})
 
 
-def _run_mixed(graph: Graph, device_type: str, ties_apart: bool) -> tuple[dict[str, str], dict[str, str]]:
+def _run_mixed(graph: Graph, device_type: str, ties_apart: bool) -> tuple[dict, dict, dict]:
     program = graph.program
     module = program.graph_module
     parameters = {spec.arg.name for spec in program.graph_signature.input_specs
@@ -132,7 +135,7 @@ def _run_mixed(graph: Graph, device_type: str, ties_apart: bool) -> tuple[dict[s
         runner = _MixedRunner(module, {cast.name for cast in following}, dtype, device_type, units)
         with _autocast(device_type, dtype):
             runner.run(*inputs)
-    return runner.held_wide(), runner.made_wide()
+    return runner.held_wide(), runner.made_wide(), runner.cast_reads
 
 
 def fsdp_units(graph: Graph, ties_apart: bool = False) -> tuple[dict[str, int], set[int]]:
@@ -202,6 +205,7 @@ class _MixedRunner(fx.Interpreter):
         self.wide: dict[str, str] = {}
         self.read_as: dict[str, set[str]] = {}     # value -> dtypes other units read it in
         self.taken_again: set[str] = set()          # views other units take again from their base
+        self.cast_reads: dict[str, tuple[str, ...]] = {}    # op -> wide inputs it ran in 16 bits
 
     def fetch_args_kwargs_from_env(self, n: fx.Node):
         """What `n` reads, as its unit is handed it (`handed`)."""
@@ -289,6 +293,10 @@ class _MixedRunner(fx.Interpreter):
         if node.name in self.following:
             value = self.fetch_args_kwargs_from_env(node)[0][0]
             result = value.to(self.dtype)
+        elif node.op == "call_function":
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            result = self.call_function(node.target, args, kwargs)
+            self._note_casts(node, (args, kwargs), result)
         else:
             result = super().run_node(node)
         # a multi-output op (an attention kernel's output and statistics): its first output's
@@ -297,6 +305,20 @@ class _MixedRunner(fx.Interpreter):
         if dtype in _WIDE:
             self.wide[node.name] = dtype
         return result
+
+
+    def _note_casts(self, node: fx.Node, read: tuple, result) -> None:
+        """The wide inputs of an op whose result is 16-bit: autocast cast them for it (a cast of
+        the model's own is an op of its own, and mixing dtypes otherwise promotes)."""
+        first = result[0] if isinstance(result, (tuple, list)) and result else result
+        if node.target in CASTS or not isinstance(first, torch.Tensor) or _name(first.dtype) in _WIDE \
+                or not first.is_floating_point():
+            return
+        pairs = zip(tree_leaves((node.args, node.kwargs)), tree_leaves(read))
+        wide = [arg.name for arg, value in pairs if isinstance(arg, fx.Node)
+                and isinstance(value, torch.Tensor) and _name(value.dtype) in _WIDE]
+        if wide:
+            self.cast_reads[node.name] = tuple(dict.fromkeys(wide))
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -14,13 +14,14 @@ resolved to the tensor that owns the storage: activation memory is the sum of di
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node, Role
 from autopar.cost.compute import op_family
 from autopar.cost.sequence_dims import sequence_dims
-from autopar.cost.storage import copies, is_noop, storage_of
+from autopar.cost.storage import copies, is_noop, sixteen_bit_copy, storage_of
 from autopar.plans.placements import shard_dim
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.cost.reshard import (cheapest_inputs, gradient_given, gradient_need,
@@ -150,10 +151,11 @@ def graph_sequence(graph: Graph) -> int:
 
 
 def infer_layout(graph: Graph, tp: int, *, compute_dtype: str = "bfloat16",
-                 placements: TensorPlacements | None = None, wide: tuple = ({}, {})) -> GraphLayout:
+                 placements: TensorPlacements | None = None, wide: tuple = ({}, {}, {})) -> GraphLayout:
     """Per-sample, per-rank costs of every node of `graph` on `placements` over a tp axis of `tp`
     devices (which say what is split on the sequence too); tp = 1: every node whole. `wide`: the
-    values mixed precision holds wider, and those whose gradients are (autopar.mixed_dtypes)."""
+    values mixed precision holds wider, those whose gradients are, and the ops autocast runs in 16
+    bits on wide inputs (autopar.mixed_dtypes)."""
     if tp > 1 and placements is None:
         raise AutoparError(f"tensor parallelism (tp={tp}) is priced on placements: give the "
                            f"sharding ILP's (autopar.plan_from_config, as compile runs a Config) or "
@@ -165,9 +167,9 @@ class _LayoutBuilder:
     """One walk over the graph in topological order; each node's layout follows its inputs'."""
 
     def __init__(self, graph: Graph, tp: int, compute_dtype: str,
-                 placements: TensorPlacements | None = None, wide: tuple = ({}, {})):
+                 placements: TensorPlacements | None = None, wide: tuple = ({}, {}, {})):
         self.graph, self.tp, self.dtype = graph, tp, compute_dtype
-        self.wide, self.wide_gradients = wide
+        self.wide, self.wide_gradients, self.cast_reads = wide
         self.placements = placements
         self.place: dict[str, str] = {}            # node -> its placement (placements given)
         self.moved: set[tuple] = set()             # redistributions already priced, by storage
@@ -195,7 +197,7 @@ class _LayoutBuilder:
             else:
                 layouts.append(self._node(node))
         for node in self.graph.parameters:
-            self.param_local.setdefault(node.name, _numel(node.shape))
+            self.param_local.setdefault(node.name, math.prod(node.shape))
         return GraphLayout(nodes=layouts, index={n.name: i for i, n in enumerate(self.graph.nodes)},
                            storage=self.storage, storage_bytes=self.storage_bytes,
                            param_local=self.param_local, batch=self.batch,
@@ -215,7 +217,7 @@ class _LayoutBuilder:
             self.place[node.name] = table.get(node.name, "R")
         if node.role is Role.PARAMETER:      # held as stored
             split = self.tp if self.place.get(node.name, "R").startswith("S") else 1
-            self.param_local[node.name] = _numel(node.shape) / split
+            self.param_local[node.name] = math.prod(node.shape) / split
         self.sharded[node.name] = self.place.get(node.name, "R").startswith("S")
         self.grad[node.name] = node.role is Role.PARAMETER
         self.storage[node.name] = node.name
@@ -245,7 +247,7 @@ class _LayoutBuilder:
             layout.flops /= self.tp
         if family == "matmul" and params and len(node.shape) >= 1:
             columns = node.shape[-1] / (self.tp if layout.sharded else 1)
-            layout.gemm = (_numel(node.shape[:-1]) / self.batch, columns)
+            layout.gemm = (math.prod(node.shape[:-1]) / self.batch, columns)
         self.sharded[node.name] = layout.sharded
         storage_of(node, name, family, self.storage, self.contiguous,
                    tuple(by_name[node.inputs[0]].shape) if node.inputs else None)
@@ -278,9 +280,14 @@ class _LayoutBuilder:
             acts = [i for i in acts if self.grad[second if i == first else first]]
         # a buffer read as it is (a rotary table's slice) is model state, not an activation
         state = (Role.PARAMETER, Role.BUFFER)
-        layout.saved = tuple(self.read_as.get(key, key)
-                             for key in _saved(node, name, family, acts, self.storage)
-                             if key not in self.by_name or self.by_name[key].role not in state)
+        # autocast keeps a 16-bit copy of a wide value it casts for this op (autopar.mixed_dtypes)
+        cast = {self.read_as.get(k, k) for k in map(self.storage.get, self.cast_reads.get(node.name, ()))}
+        narrowing = lambda key: DTYPE_BYTES[self.dtype] / element_bytes(
+            self.by_name[key.partition("@")[0]], self.dtype, self.wide)
+        layout.saved = tuple(sixteen_bit_copy(key, node.name, self.storage_bytes, self.seq_degree, narrowing(key))
+                             if key in cast else key for key in (
+            self.read_as.get(key, key) for key in _saved(node, name, family, acts, self.storage)
+            if key not in self.by_name or self.by_name[key].role not in state))
         for key in layout.saved:
             if key.endswith(":mask"):     # one byte per element
                 self.storage_bytes[key] = layout.out_bytes / element_bytes(node, self.dtype, self.wide)
@@ -324,7 +331,7 @@ class _LayoutBuilder:
                 if not value:    # a gathered weight is freed, and gathered again for the backward
                     backward += [(kind, whole / divisor, per_sample) for kind, _, divisor in moves]
             if moves and not value and inputs[k] == "R":
-                elements = _numel(self.by_name[self.weight_of.get(name, name)].shape)
+                elements = math.prod(self.by_name[self.weight_of.get(name, name)].shape)
                 gathering = _gathering(sources[k], self.contiguous[name] is True, self.tp)
                 layout.weight_gathering = max(layout.weight_gathering,
                                               layout.weight_gathered + gathering * elements)
@@ -443,13 +450,6 @@ def _gathering(source: str, contiguous: bool, tp: int) -> float:
     return 1.0 + dense_copy + (1.0 if split_dim != 0 else 0.0)
 
 
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
 def saves_for_backward(target: str) -> tuple[bool, bool]:
     """(keeps its activation inputs, keeps its output) for the backward, by op: the rule `_saved`
     applies to each node, for callers that price an op without its node (the sharding ILP).
@@ -492,9 +492,9 @@ def _attention_info(node: Node, by_name: dict, batch: int, split: int) -> dict:
     args = list(node.args) + [None] * 6
     dropout = node.kwargs.get("dropout_p", args[4]) or 0.0
     causal = bool(node.kwargs.get("is_causal", args[5]) or False)
-    heads = _numel(query[:-2]) / batch / split        # batch x heads per sample on this rank
+    heads = math.prod(query[:-2]) / batch / split        # batch x heads per sample on this rank
     # grouped-query attention passes fewer key/value heads (enable_gqa)
-    kv_heads = heads * _numel(key[:-2]) / _numel(query[:-2])
+    kv_heads = heads * math.prod(key[:-2]) / math.prod(query[:-2])
     return {"heads": heads, "kv_heads": kv_heads, "q_len": query[-2], "k_len": key[-2],
             "head_dim": query[-1], "causal": causal, "dropout": float(dropout),
             "recomputes_scores": node.target.startswith("autopar.attention")}

@@ -102,7 +102,7 @@ class PriceCache:
         pipeline's stages, `ties_apart`); none in fp32 or in a runtime that holds the whole model
         in 16 bits."""
         if DTYPE_BYTES[self.dtype] == 4 or not self.autocast:
-            return {}, {}
+            return {}, {}, {}
         return mixed_dtypes(self.graph, "cpu" if self.mesh.device.name == "cpu" else "cuda", ties_apart)
 
     def _device_kernels(self, layout: GraphLayout) -> GraphLayout:

@@ -54,3 +54,11 @@ def copies(name: str, source_contiguous) -> bool:
     """Whether op `name` copies an input whose contiguity is `source_contiguous` (True, False or
     `_HEADS_TRANSPOSED`) into a new tensor."""
     return name == "clone" or (name in {*_RESHAPES, "contiguous"} and source_contiguous is not True)
+
+
+def sixteen_bit_copy(key: str, reader: str, storage_bytes: dict, seq_degree: dict, narrowing: float) -> str:
+    """The 16-bit copy of wide storage `key` that autocast makes for op `reader`, which keeps it
+    for its backward (`narrowing`: its bytes over the storage's), entered beside the storage."""
+    copy = f"{key}:16:{reader}"
+    storage_bytes[copy], seq_degree[copy] = storage_bytes.get(key, 0.0) * narrowing, seq_degree.get(key, 0)
+    return copy

@@ -114,6 +114,34 @@ def test_a_head_tied_to_the_embedding_is_wrapped_alone_in_a_pipeline_stage():
     assert together < apart and len(apart - together) == 2       # the embedding and the head
     read = next(node for node in graph.nodes if node.target == "aten.linear.default"
                 and "p_lm_head_weight" in node.inputs).inputs[0]
-    (held, made), (held_apart, made_apart) = (mixed_dtypes(graph, "cpu", ties_apart=flag) for flag in (False, True))
+    (held, made, _), (held_apart, made_apart, _) = (mixed_dtypes(graph, "cpu", ties_apart=flag) for flag in (False, True))
     assert held[read] == made[read] == "float32"
     assert read not in held_apart and read not in made_apart
+
+
+class _TwoReaders(nn.Module):
+    """A layer norm's output read by two projections, as q and k read one (a GPU's autocast keeps
+    layer_norm in fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(8, 8))
+        self.second = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        normed = nn.functional.layer_norm(x, (8,))
+        return nn.functional.linear(normed, self.first) * nn.functional.linear(normed, self.second)
+
+
+def test_each_op_autocast_runs_in_sixteen_bits_keeps_its_own_copy_of_a_wide_input():
+    """Autocast casts a wide input for each op it runs in 16 bits (it caches the casts of weights
+    only), and the op keeps that copy for its backward, not the fp32 value: two projections of
+    one fp32 layer_norm output keep two 16-bit copies (2 x 2 bytes an element, not 4)."""
+    graph = capture(_TwoReaders(), (torch.randn(2, 4, 8),))
+    layout = infer_layout(graph, 1, compute_dtype="bfloat16", wide=mixed_dtypes(graph, "cuda"))
+    norm = next(n.name for n in graph.nodes if n.target == "aten.layer_norm.default")
+    linears = [n for n in layout.nodes if n.name.startswith("linear")]
+    copies = [key for node in linears for key in node.saved]
+    assert copies == [f"{norm}:16:{node.name}" for node in linears]
+    assert all(layout.storage_bytes[key] == layout.storage_bytes[norm] / 2 for key in copies)
+    assert all(norm not in node.saved for node in layout.nodes)

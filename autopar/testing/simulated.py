@@ -18,11 +18,12 @@ from autopar.tracer import capture
 MEMORY_BAND = (-0.05, 0.03)
 
 
-def simulated(spec: str, mesh: str, config: Config, ranks=(0,)):
-    """The plan of `config` for `spec` on `mesh`, and the reports of its simulated `ranks`."""
+def simulated(spec: str, mesh: str, config: Config, ranks=(0,), precision: str | None = None):
+    """The plan of `config` for `spec` on `mesh` (at `precision`, default the device's), and the
+    reports of its simulated `ranks`."""
     model, inputs = build_model(spec, device="meta")
     graph = capture(model, example_inputs=inputs)
-    plan = plan_from_config(graph, mesh, config)
+    plan = plan_from_config(graph, mesh, config, precision=precision)
     runs = simulate_ranks(model, plan, list(ranks), example_inputs=inputs, targets=inputs[0],
                           loss_fn=lm_loss, graph=graph)
     predicted = priced_as_simulated(graph, plan)
