@@ -34,6 +34,7 @@ from typing import NamedTuple
 from autopar.cost.collectives import Group, send_recv_time
 from autopar.cost.compute import op_family
 from autopar.cost.layout import GraphLayout, graph_batch, graph_sequence
+from autopar.cost.storage import sixteen_bit_copy
 from autopar.plans.head_split import kv_repeat
 from autopar.plans.vocabulary import DTYPE_BYTES
 from autopar.plans.vocabulary import ContextParallel
@@ -99,14 +100,12 @@ def with_ring_attention(layout: GraphLayout, graph: Graph) -> GraphLayout:
     sizes = attention_bytes(graph, layout)
     nodes, storage_bytes, seq_degree = [], dict(layout.storage_bytes), dict(layout.seq_degree)
 
-    def as_read(key: str) -> str:
+    def as_read(key: str, reader: str) -> str:
         owner = key.partition("@")[0]
         if owner not in layout.wide:
             return key
-        storage_bytes[f"{key}:16"] = layout.storage_bytes.get(key, 0.0) * DTYPE_BYTES[layout.dtype] \
-            / DTYPE_BYTES[layout.wide[owner]]
-        seq_degree[f"{key}:16"] = layout.seq_degree.get(key, 0)
-        return f"{key}:16"
+        return sixteen_bit_copy(key, reader, storage_bytes, seq_degree,
+                                DTYPE_BYTES[layout.dtype] / DTYPE_BYTES[layout.wide[owner]])
 
     for node in layout.nodes:
         if node.family == "attention" and node.attention and len(node.saved) >= 3:
@@ -114,7 +113,7 @@ def with_ring_attention(layout: GraphLayout, graph: Graph) -> GraphLayout:
             origins = [_before_repeat(by_name, name) for name in (key, value)]
             repeat = _numel(by_name[key].shape) / _numel(by_name[origins[0]].shape)
             kept = (node.saved[0], *(layout.storage[o] for o in origins))
-            node = replace(node, saved=(*map(as_read, kept), *node.saved[3:]),
+            node = replace(node, saved=(*(as_read(k, node.name) for k in kept), *node.saved[3:]),
                            backward_bytes=_ring_backward_bytes(*sizes[node.name][:3], repeat, layout.dtype))
         nodes.append(node)
     return replace(layout, nodes=nodes, storage_bytes=storage_bytes, seq_degree=seq_degree)
