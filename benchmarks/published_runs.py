@@ -12,7 +12,9 @@ published_runs.csv instead (benchmarks/zero3_at_scale.csv: SC'21 Table 2's ZeRO-
 --csv: any CSV with the columns of shared/reference/published_runs_moe_cp_offload.csv
 (mixture-of-experts, context-parallel and offload runs; autopar/cost/published.py reads them), each row's own figure (model TFLOP/s by the
 source's count, tokens/s, step time, MFU, memory) predicted against the published one; a row
-that cannot be modeled is counted as failed, with the reason. `--json` prints one JSON object
+that cannot be modeled is counted as failed, with the reason
+(benchmarks/torchtitan_h100.csv: torchtitan's own runs of Llama 3.1 8B-405B on 8-512 H100s of
+Grand Teton hosts, held to 500 W: FSDP, TP, PP, CP up to 8, bf16 and float8). `--json` prints one JSON object
 (with --csv: {"estimated", "failed", "median_abs_err", "worst_abs_err", "rows"}; errors are
 predicted / published - 1); `--json OUT` writes the older tables' rows to OUT.
 

@@ -102,8 +102,8 @@ def _default_compute() -> dict[str, float]:
 # sustain about 600-720 TFLOP/s of the data sheet's 989 (the 700 W power limit holds the clocks
 # well under boost), so 0.68; FlashAttention-2, which the H100 runs of 2023 used, has no Hopper
 # kernels and reaches about 330 TFLOP/s forward + backward (Dao 2023, H100 figure): 0.33.
-# The 96 GB H100 (HBM2e, Meta's Grand Teton hosts at 500 W) is the same chip: its clocks are held
-# no higher than the 700 W SXM part's, so it gets the same fractions, not the A100's.
+# The 96 GB H100 (HBM2e, Meta's Grand Teton hosts) is the same chip held to 500 W: the same
+# fractions, of the lower throughput its power allows (`DeviceSpec.power_share`).
 _DEVICE_COMPUTE = {
     "h100-80g": {"matmul": 0.68, "attention": 0.33},
     "h100-96g": {"matmul": 0.68, "attention": 0.33},
@@ -260,7 +260,7 @@ def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, family: s
     if family == "view" or (flops == 0 and bytes_moved == 0):
         return 0.0
     eff = efficiencies or Efficiencies.for_device(device.name)
-    compute_s = flops / (device.flops(dtype) * eff.compute[family] * utilization)
+    compute_s = flops / (device.sustained_flops(dtype) * eff.compute[family] * utilization)
     memory_s = bytes_moved / (device.hbm_bandwidth * eff.memory[family])
     return max(compute_s, memory_s) + eff.kernel_latency_s
 

@@ -82,9 +82,21 @@ class DeviceSpec:
     overlaps_communication: bool = True  # collectives run beside compute (a GPU's own engines)
     # The host, for offloaded model states (cost/offload.py); None: the known device's (HOSTS)
     host: HostSpec | None = None
+    # The board power the device is held to, as a share of the power of the part its compute
+    # efficiencies were measured on (cost/compute.py). Dense tensor work is power-bound: the
+    # 700 W H100 SXM already sustains its GEMMs well under boost clock, and a cap lowers the
+    # clock further, the voltage being at its floor, so tensor throughput scales with the power
+    # (first order; HBM bandwidth does not). 1: no cap beyond the part's own.
+    power_share: float = 1.0
 
     def flops(self, dtype: str) -> float:
+        """The data sheet's dense FLOP/s (what MFU is stated against)."""
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    def sustained_flops(self, dtype: str) -> float:
+        """The FLOP/s the device's compute efficiencies are fractions of: the data sheet's under
+        the power the device is held to (`power_share`)."""
+        return self.flops(dtype) * self.power_share
 
     @property
     def host_figures(self) -> HostSpec:
@@ -148,7 +160,8 @@ def _tensor_flops(bf16: float, fp32: float, fp8: float = 0.0) -> dict:
 
 # Dense (not sparse) tensor-core FLOP/s from the vendors' data sheets and whitepapers:
 # V100 SXM3 fp16 125 TFLOP/s, no bf16 (it falls back to fp32); A100 312; H100 SXM 989, FP8 1979
-# (the H100 96 GB of Grand Teton is priced as an SXM H100, its 500 W cap not modeled); H200 as
+# (the H100 96 GB of Meta's Grand Teton hosts is the SXM part with 96 GB of HBM2e at 2.4 TB/s,
+# held to 500 W of its 700: `power_share` 5/7; torchtitan's H100 runs are on it); H200 as
 # H100; the export H800 and A800 as the H100 and A100 but for their NVLink (NVLINK_EXPORT); B200 (HGX/DGX, 1000 W) 2250 bf16 and 4500 FP8 (DGX B200: 72 PFLOP/s FP8 sparse for 8);
 # GB200 2500 and 5000 (GB200 NVL72: 180 PFLOP/s bf16, 360 FP8 dense for 72); GB300 the same
 # tensor rates with 288 GB (GB300 NVL72). GeForce cards run 16-bit matmuls with fp32
@@ -169,8 +182,8 @@ DEVICES = {device.name: device for device in (
                IB_NDR, 132),
     DeviceSpec("h800-80g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 80 * GIB,
                NVLINK_EXPORT, IB_NDR, 132),
-    DeviceSpec("h100-96g", _tensor_flops(989e12, 67e12, 1979e12), 3350 * GB, 96 * GIB, NVLINK4,
-               IB_NDR, 132),
+    DeviceSpec("h100-96g", _tensor_flops(989e12, 67e12, 1979e12), 2400 * GB, 96 * GIB, NVLINK4,
+               IB_NDR, 132, power_share=500 / 700),
     DeviceSpec("h200-141g", _tensor_flops(989e12, 67e12, 1979e12), 4800 * GB, 141 * GIB, NVLINK4,
                IB_NDR, 132),
     DeviceSpec("b200-180g", _tensor_flops(2250e12, 75e12, 4500e12), 8000 * GB, 180 * GIB, NVLINK5,
@@ -326,6 +339,8 @@ class Mesh:
         device = asdict(self.device)
         if device["host"] is None:      # the known device's host: nothing of its own to write
             del device["host"]
+        if device["power_share"] == 1.0:    # uncapped: as plans wrote it before the field
+            del device["power_share"]
         return _plain({"device": device, "axes": [asdict(a) for a in self.axes]})
 
     @classmethod
@@ -340,7 +355,7 @@ class Mesh:
             inter_node=_link(dev["inter_node"]), multiprocessors=dev.get("multiprocessors", 0),
             training_dtype=dev.get("training_dtype", "bfloat16"),
             overlaps_communication=dev.get("overlaps_communication", True),
-            host=_host_spec(dev["host"]) if dev.get("host") is not None else None)
+            power_share=dev.get("power_share", 1.0), host=_host_spec(dev["host"]) if dev.get("host") is not None else None)
         return cls(device, tuple(MeshAxis(a["name"], a["size"], _link(a["link"])) for a in data["axes"]))
 
 

@@ -101,7 +101,7 @@ def calibrate(device: str = "cpu", *, budget_s: float = 0.3,
             if progress:
                 progress(label)
             seconds = median_seconds(fn, device, budget_s)
-            flop_rate = flops / seconds / spec.flops(str(dtype).removeprefix("torch."))
+            flop_rate = flops / seconds / spec.sustained_flops(str(dtype).removeprefix("torch."))
             byte_rate = moved / seconds / spec.hbm_bandwidth
             measurements[label] = {"family": family, "seconds": seconds, "flops": flops,
                                    "bytes": moved, "flops_fraction": flop_rate,

@@ -4,7 +4,7 @@ the cost model builds its `Mesh` from what this module accepted.
 
     {"device": {"name", "peak_flops": {dtype: FLOP/s, "float32" required}, "hbm_bandwidth",
                 "memory_bytes", "intra_node": LINK, "inter_node": LINK, "multiprocessors",
-                "training_dtype", "overlaps_communication",
+                "training_dtype", "overlaps_communication", "power_share",
                 "host": {"link": LINK, "bandwidth", "flops", "gpus", "memory_bytes"}},
                                                             host: for offloaded states
      "axes": [{"name", "size", "link": LINK}, ...]}         outer to inner
@@ -25,8 +25,9 @@ from autopar.plans.vocabulary import Precision
 # enumerate factorizations of an astronomically large world.
 MAX_DEVICES = 2**20
 DEVICE_KEYS = ("name", "peak_flops", "hbm_bandwidth", "memory_bytes", "intra_node", "inter_node",
-               "multiprocessors", "training_dtype", "overlaps_communication", "host")
-OPTIONAL_DEVICE_KEYS = ("multiprocessors", "training_dtype", "overlaps_communication", "host")
+               "multiprocessors", "training_dtype", "overlaps_communication", "power_share", "host")
+OPTIONAL_DEVICE_KEYS = ("multiprocessors", "training_dtype", "overlaps_communication", "power_share",
+                        "host")
 HOST_KEYS = ("link", "bandwidth", "flops", "gpus", "memory_bytes")
 REQUIRED_HOST_KEYS = ("link", "bandwidth", "flops", "gpus")     # memory_bytes: not checked without
 LINK_KEYS = ("name", "bandwidth", "latency", "efficiency", "measured")
@@ -83,6 +84,11 @@ def check_device_dict(device) -> None:
     if not isinstance(device.get("overlaps_communication", True), bool):
         raise MeshError(f"device.overlaps_communication is {device['overlaps_communication']!r}; "
                         f"expected true or false")
+    if "power_share" in device:
+        share = value(device, "power_share", (int, float), "device")
+        if not 0 < share <= 1:
+            raise MeshError(f"device.power_share is {share}; expected the share of the rated board "
+                            f"power the device is held to, in (0, 1]")
     if device.get("host") is not None:
         _check_host(device["host"])
 
