@@ -14,7 +14,9 @@ published_runs.csv instead (benchmarks/zero3_at_scale.csv: SC'21 Table 2's ZeRO-
 source's count, tokens/s, step time, MFU, memory) predicted against the published one; a row
 that cannot be modeled is counted as failed, with the reason
 (benchmarks/torchtitan_h100.csv: torchtitan's own runs of Llama 3.1 8B-405B on 8-512 H100s of
-Grand Teton hosts, held to 500 W: FSDP, TP, PP, CP up to 8, bf16 and float8). `--json` prints one JSON object
+Grand Teton hosts, held to 500 W: FSDP, TP, PP, CP up to 8, bf16 and float8;
+benchmarks/qwen3_moe_h100.csv: Megatron-Core's Qwen3-235B-A22B runs on 256 H100s that the
+reference table leaves out). `--json` prints one JSON object
 (with --csv: {"estimated", "failed", "median_abs_err", "worst_abs_err", "rows"}; errors are
 predicted / published - 1); `--json OUT` writes the older tables' rows to OUT.
 
