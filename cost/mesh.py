@@ -220,6 +220,14 @@ HOSTS = {
     "cpu": HostSpec(LOOPBACK, 20 * GB, 0.1e12, 1, 16 * GIB),
 }
 DEFAULT_HOST = _host_figures(410, 4e12, 8, PCIE4, 1000)
+# Rated board power (W) of each part, the power its efficiencies were measured at (a mesh spec's
+# `,power=W` holds a device to less: `DeviceSpec.power_share`): V100 SXM3 350, A100/A800 SXM 400,
+# H100/H800/H200 SXM 700 (the H100 96 GB is that part, held to 500 by its hosts), B200 1000,
+# GB200 1200 and GB300 1400 per GPU, RTX 3090 350, RTX 4090 450, L40S 350.
+RATED_POWER_W = {"v100-32g": 350, "a100-40g": 400, "a100-80g": 400, "a800-80g": 400,
+                 "h100-80g": 700, "h800-80g": 700, "h100-96g": 700, "h200-141g": 700,
+                 "b200-180g": 1000, "gb200-186g": 1200, "gb300-288g": 1400, "rtx3090-24g": 350,
+                 "rtx4090-24g": 450, "l40s-48g": 350}
 # The names users know the larger cards by
 ALIASES = {"b200": "b200-180g", "gb200": "gb200-186g", "gb300": "gb300-288g"}
 
@@ -238,21 +246,20 @@ class Mesh:
 
     @classmethod
     def parse(cls, spec: str) -> Mesh:
-        """NODESxGPUS:DEVICE or GPUS:DEVICE, and `,host=SIZE` for the memory of each host (the
-        device's `HOSTS` entry otherwise): '1x1:rtx4090-24g,host=128g'."""
-        match = re.fullmatch(r"\s*(?:(\d+)x)?(\d+):([\w.-]+)(?:,host=(\d+(?:\.\d+)?)([gGtT])[bB]?)?\s*",
-                             spec)
+        """NODESxGPUS:DEVICE or GPUS:DEVICE, then optionally `,host=SIZE` for the memory of each
+        host (the device's `HOSTS` entry otherwise) and `,power=W` for the board power each
+        device is held to (its rated power otherwise): '1x1:rtx4090-24g,host=128g',
+        '64x8:h100-80g,power=500w'."""
+        match = re.fullmatch(r"\s*(?:(\d+)x)?(\d+):([\w.-]+)((?:,\w+=[\w.]+)*)\s*", spec)
         if not match:
             raise MeshError(f"mesh spec {spec!r} is malformed: expected NODESxGPUS:DEVICE "
                             f"such as '128x8:a100-80g', or GPUS:DEVICE such as '4:cpu', and "
-                            f"optionally ',host=SIZE' (the memory of each host, e.g. ',host=256g')")
-        nodes, gpus, device_name, host_memory, unit = match.groups()
+                            f"optionally ',host=SIZE' (the memory of each host, e.g. ',host=256g') "
+                            f"and ',power=W' (the board power each device is held to, e.g. ',power=500w')")
+        nodes, gpus, device_name, options = match.groups()
         device = device_spec(device_name)
-        if host_memory is not None:
-            size = float(host_memory) * (GB if unit.lower() == "g" else 1000 * GB)
-            if size <= 0:
-                raise MeshError(f"mesh spec {spec!r}: host memory must be more than 0")
-            device = replace(device, host=replace(device.host_figures, memory_bytes=size))
+        for option in filter(None, options.split(",")):
+            device = _with_option(device, spec, *option.split("=", 1))
         return cls.build(device, gpus=int(gpus), nodes=int(nodes) if nodes else None)
 
     @classmethod
@@ -407,3 +414,31 @@ def device_spec(name: str) -> DeviceSpec:
         return DEVICES[ALIASES.get(name.lower(), name.lower())]
     except KeyError:
         raise MeshError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}") from None
+
+
+def _with_option(device: DeviceSpec, spec: str, key: str, value: str) -> DeviceSpec:
+    """`device` with a mesh spec's `,host=SIZE` or `,power=W`."""
+    if key == "host":
+        size = re.fullmatch(r"(\d+(?:\.\d+)?)([gGtT])[bB]?", value)
+        if not size:
+            raise MeshError(f"mesh spec {spec!r}: ',host=SIZE' takes a size such as 256g or 1.5tb")
+        memory = float(size.group(1)) * (GB if size.group(2).lower() == "g" else 1000 * GB)
+        if memory <= 0:
+            raise MeshError(f"mesh spec {spec!r}: host memory must be more than 0")
+        return replace(device, host=replace(device.host_figures, memory_bytes=memory))
+    if key == "power":
+        return replace(device, power_share=_power_share(device, spec, value))
+    raise MeshError(f"mesh spec {spec!r}: unknown option {key!r}; options: ',host=SIZE', ',power=W'")
+
+
+def _power_share(device: DeviceSpec, spec: str, value: str) -> float:
+    """The share of its part's rated board power a device held to `value` watts runs at."""
+    watts = re.fullmatch(r"(\d+(?:\.\d+)?)[wW]?", value)
+    rated = RATED_POWER_W.get(device.name)
+    if rated is None:
+        raise MeshError(f"mesh spec {spec!r}: {device.name} has no rated board power to hold it "
+                        f"under; ',power=W' is for the GPUs of the device table")
+    if not watts or not 0 < float(watts.group(1)) <= rated:
+        raise MeshError(f"mesh spec {spec!r}: ',power=W' takes the watts each {device.name} is "
+                        f"held to, more than 0 and at most its rated {rated} W (e.g. ',power=500w')")
+    return float(watts.group(1)) / rated

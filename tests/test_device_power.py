@@ -43,3 +43,16 @@ def test_a_mesh_file_keeps_the_cap_and_an_uncapped_one_writes_nothing_new():
         data["device"]["power_share"] = bad
         with pytest.raises(MeshError, match="device.power_share"):
             Mesh.from_dict(data)
+
+
+def test_a_mesh_spec_holds_its_devices_to_a_board_power():
+    assert Mesh.parse("64x8:h100-80g,power=500w").device.power_share == pytest.approx(500 / 700)
+    assert Mesh.parse("8:h100-96g,power=700").device.power_share == 1.0     # the cap lifted
+    both = Mesh.parse("2x1:rtx4090-24g,host=96g,power=300w").device
+    assert both.power_share == pytest.approx(300 / 450) and both.host_figures.memory_bytes == 96e9
+    for spec, problem in (("8:h100-80g,power=800w", "at most its rated 700 W"),
+                          ("8:h100-80g,power=0", "more than 0"),
+                          ("4:cpu,power=100", "no rated board power"),
+                          ("8:h100-80g,pwr=5", "unknown option 'pwr'")):
+        with pytest.raises(MeshError, match=problem):
+            Mesh.parse(spec)

@@ -27,7 +27,8 @@ def add_arguments(parser) -> None:
                                       "gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200")
     parser.add_argument("--mesh",
                         help="NODESxGPUS:DEVICE (128x8:a100-80g), GPUS:DEVICE (8:h100-80g), "
-                             "or a mesh JSON/TOML file (required unless --plan)")
+                             "then ,host=SIZE and ,power=W where they differ from the device's, or a mesh "
+                             "JSON/TOML file (required unless --plan)")
     parser.add_argument("--plan", type=Path, default=None,
                         help="price this plan (written by `autopar plan --out`) of MODEL instead "
                              "of a configuration: its mesh, stages and batch are the plan's")

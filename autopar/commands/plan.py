@@ -15,7 +15,8 @@ from autopar.plans.vocabulary import TIME_LIMIT_S
 def add_arguments(parser):
     parser.add_argument("model", help="a preset (gpt3-175b, llama-7b, gpt-tiny, ...) or a spec "
                                       "such as gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1000")
-    parser.add_argument("--mesh", required=True, help="NODESxGPUS:DEVICE, e.g. 128x8:a100-80g, or GPUS:DEVICE")
+    parser.add_argument("--mesh", required=True, help="NODESxGPUS:DEVICE, e.g. 128x8:a100-80g, or GPUS:DEVICE; "
+                        "then ,host=SIZE and ,power=W where they differ from the device's")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--memory-limit", help="bytes per device, e.g. 80GiB or 40GB (default: the device's)")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S,
