@@ -56,3 +56,15 @@ def test_a_mesh_spec_holds_its_devices_to_a_board_power():
                           ("8:h100-80g,pwr=5", "unknown option 'pwr'")):
         with pytest.raises(MeshError, match=problem):
             Mesh.parse(spec)
+
+
+def test_a_plan_for_capped_devices_keeps_the_cap_and_says_so():
+    import autopar
+    from autopar.commands.explain import headline
+    from autopar.models import build_model
+    from autopar.plans import Plan
+
+    model, inputs = build_model("gpt-tiny")
+    plan = autopar.plan(model, "2:h100-80g,power=350w", example_inputs=inputs, global_batch=8)
+    assert "each held to 50% of its rated board power" in headline(plan).plain
+    assert Plan.from_dict(plan.to_dict()).mesh["device"]["power_share"] == 0.5

@@ -62,10 +62,12 @@ def headline(plan: Plan) -> Text:
     mesh = plan.mesh
     device = mesh.get("device", {}).get("name", "?")
     shape = "x".join(str(a["size"]) for a in mesh.get("axes", []))
+    share = mesh.get("device", {}).get("power_share", 1.0)
+    capped = f", each held to {share:.0%} of its rated board power" if share < 1 else ""
     p = plan.predicted
     return Text.assemble(
         plain(plan.model_type or "model", "bold"),
-        plain(f" on {shape}:{device} ({plan.world_size} devices)"), "\n", plain(plan.summary()), "\n",
+        plain(f" on {shape}:{device} ({plan.world_size} devices{capped})"), "\n", plain(plan.summary()), "\n",
         plain(f"predicted step {_fmt_s(p.get('step_time_s'))}, {_fmt_num(p.get('tflops_per_gpu'))} "
             f"TFLOP/s per GPU, MFU {_fmt_pct(p.get('mfu'))}, memory "
             f"{_fmt_gib(p.get('memory_per_gpu_bytes'))} on the fullest device"
