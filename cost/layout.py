@@ -274,24 +274,24 @@ class _LayoutBuilder:
         if family == "embedding":
             acts = [i for i in acts if not node_differentiable(self.by_name[i])]
         if name == "mul" and len(node.inputs) == 2:
-            # a product keeps each factor for the other's gradient only: q * cos (a rotary
-            # table, no gradient) keeps cos and not q
+            # a product keeps each factor for the other's gradient: q * cos (no gradient) keeps cos, not q
             first, second = node.inputs
             acts = [i for i in acts if self.grad[second if i == first else first]]
         # a buffer read as it is (a rotary table's slice) is model state, not an activation
-        state = (Role.PARAMETER, Role.BUFFER)
-        # autocast keeps a 16-bit copy of a wide value it casts for this op (autopar.mixed_dtypes)
-        cast = {self.read_as.get(k, k) for k in map(self.storage.get, self.cast_reads.get(node.name, ()))}
-        narrowing = lambda key: DTYPE_BYTES[self.dtype] / element_bytes(
-            self.by_name[key.partition("@")[0]], self.dtype, self.wide)
-        layout.saved = tuple(sixteen_bit_copy(key, node.name, self.storage_bytes, self.seq_degree, narrowing(key))
-                             if key in cast else key for key in (
-            self.read_as.get(key, key) for key in _saved(node, name, family, acts, self.storage)
-            if key not in self.by_name or self.by_name[key].role not in state))
+        kept = [self.read_as.get(key, key) for key in _saved(node, name, family, acts, self.storage)
+                if key not in self.by_name or self.by_name[key].role not in (Role.PARAMETER, Role.BUFFER)]
+        layout.saved = tuple(self._as_kept(node.name, key) for key in kept)
         for key in layout.saved:
             if key.endswith(":mask"):     # one byte per element
                 self.storage_bytes[key] = layout.out_bytes / element_bytes(node, self.dtype, self.wide)
                 self.seq_degree[key] = degree
+
+    def _as_kept(self, reader: str, key: str) -> str:
+        """Storage `key` as op `reader` keeps it: autocast's 16-bit copy where it cast it (mixed_dtypes)."""
+        if key not in {self.read_as.get(k, k) for k in map(self.storage.get, self.cast_reads.get(reader, ()))}:
+            return key
+        wide = element_bytes(self.by_name[key.partition("@")[0]], self.dtype, self.wide)
+        return sixteen_bit_copy(key, reader, self.storage_bytes, self.seq_degree, DTYPE_BYTES[self.dtype] / wide)
 
     def _attention(self, node: Node, layout: NodeLayout, in_sharded: bool) -> None:
         layout.attention = _attention_info(node, self.by_name, self.batch, self.tp if in_sharded else 1)
