@@ -306,7 +306,6 @@ class _MixedRunner(fx.Interpreter):
             self.wide[node.name] = dtype
         return result
 
-
     def _note_casts(self, node: fx.Node, read: tuple, result) -> None:
         """The wide inputs of an op whose result is 16-bit: autocast cast them for it (a cast of
         the model's own is an op of its own, and mixing dtypes otherwise promotes)."""
